@@ -1,0 +1,380 @@
+"""Benchmark cuflash against PyTorch SDPA (FlashAttention and cuDNN backends).
+
+    python -m cuflash.bench [--head-dims 64 128] [--seqlens ...] [--causal both] [--quick]
+
+The case list, table and JSON logic are plain functions that run without a GPU (and are tested
+in CI); everything that touches the GPU lives in the "measuring" section. torch is optional and
+imported lazily: without it only cuflash is measured.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import re
+import sys
+import warnings
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Callable, NamedTuple
+
+from ._timing import bytes_attention, flops_attention, time_cuda
+
+BACKENDS = ("cuflash", "sdpa_flash", "sdpa_cudnn")
+# Max |cuflash - reference| above which a case is flagged: about two ulps at |x| ~ 4-8, the
+# largest outputs random-normal inputs produce (causal row 0 is v[0] itself).
+MISMATCH_TOL = {"bf16": 1 / 16, "fp16": 1 / 128}
+
+
+# ----------------------------------------------------------------------------- cases and CLI
+
+
+@dataclass(frozen=True)
+class Case:
+    head_dim: int
+    seqlen: int
+    batch: int
+    heads: int
+    causal: bool
+
+
+def build_cases(head_dims, seqlens, tokens, hidden, causal_modes) -> list[Case]:
+    """Keep the work per case constant-ish: batch = tokens // seqlen, heads = hidden // head_dim.
+
+    A seqlen longer than ``tokens`` still gets one sequence (batch 1) rather than none.
+    """
+    return [
+        Case(d, n, max(1, tokens // n), max(1, hidden // d), c)
+        for d in head_dims
+        for n in seqlens
+        for c in causal_modes
+    ]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen")
+    p.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head_dim")
+    p.add_argument("--causal", choices=["0", "1", "both"], default="both")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="output file (default: bench-<gpu>-<date>.json in the current directory)")
+    p.add_argument("--no-sdpa", action="store_true", help="do not use torch, measure cuflash only")
+    p.add_argument("--reps", type=int, default=50, help="timed runs per measurement (median reported)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="only seqlen 2048 and 8192")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.seqlens = [2048, 8192]
+    return args
+
+
+def causal_modes(arg: str) -> list[bool]:
+    return {"0": [False], "1": [True], "both": [False, True]}[arg]
+
+
+def cases_from_args(args) -> list[Case]:
+    return build_cases(args.head_dims, args.seqlens, args.tokens, args.hidden, causal_modes(args.causal))
+
+
+# ----------------------------------------------------------------------------- records
+
+
+def new_record(case: Case, dtype: str, passes=("fwd",)) -> dict:
+    """Per-case result: timings[pass][backend] is a stats dict, or None (reason in errors)."""
+    itemsize = 2  # bf16 and fp16
+    n = case.seqlen
+    dims = (case.batch, case.heads, n, n, case.head_dim)
+    return {
+        **asdict(case),
+        "dtype": dtype,
+        "flops": {p: flops_attention(*dims, case.causal, p) for p in passes},
+        "bytes": {p: bytes_attention(*dims, itemsize=itemsize, pass_=p) for p in passes},
+        "timings": {},
+        "errors": {},
+        "max_abs_diff": None,
+        "checked_against": None,
+    }
+
+
+def add_timing(rec: dict, pass_: str, backend: str, stats: dict | None, error: str | None = None):
+    """Store ``stats`` (from time_cuda) with throughput added, or None and the reason."""
+    if stats is not None:
+        ms = stats["median_ms"]
+        stats = {**stats, "tflops": rec["flops"][pass_] / ms / 1e9, "gbps": rec["bytes"][pass_] / ms / 1e6}
+    rec["timings"].setdefault(pass_, {})[backend] = stats
+    if error is not None:
+        rec["errors"].setdefault(pass_, {})[backend] = error
+
+
+def _tflops(rec, pass_, backend):
+    stats = rec["timings"].get(pass_, {}).get(backend)
+    return None if stats is None else stats["tflops"]
+
+
+_COLUMNS = [("hdim", 4), ("seqlen", 6), ("batch", 5), ("heads", 5), ("causal", 6), ("pass", 4),
+            ("cuflash", 8), ("flash", 8), ("cudnn", 8), ("cf/flash", 8), ("cf/cudnn", 8)]
+
+
+def format_header() -> str:
+    return "\n".join([
+        "TFLOP/s of cuflash, SDPA-flash and SDPA-cuDNN; cf/x = cuflash throughput / x's",
+        "  ".join(f"{name:>{w}}" for name, w in _COLUMNS),
+        "  ".join("-" * w for _, w in _COLUMNS),
+    ])
+
+
+def format_rows(rec: dict) -> list[str]:
+    """One line per pass measured; '-' for a backend that was not run or failed."""
+    rows = []
+    for pass_ in rec["timings"]:
+        cf, fl, cd = (_tflops(rec, pass_, b) for b in BACKENDS)
+        cells = [rec["head_dim"], rec["seqlen"], rec["batch"], rec["heads"],
+                 "yes" if rec["causal"] else "no", pass_,
+                 cf, fl, cd,
+                 None if cf is None or fl is None else cf / fl,
+                 None if cf is None or cd is None else cf / cd]
+        rows.append("  ".join(_cell(v, w, ratio=i >= 9) for i, (v, (_, w)) in enumerate(zip(cells, _COLUMNS))))
+    return rows
+
+
+def _cell(v, width, ratio=False) -> str:
+    if v is None:
+        return f"{'-':>{width}}"
+    if isinstance(v, float):
+        return f"{v:>{width}.2f}" if ratio else f"{v:>{width}.1f}"
+    return f"{v:>{width}}"
+
+
+def format_table(records: list[dict]) -> str:
+    return "\n".join([format_header()] + [row for rec in records for row in format_rows(rec)])
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200' (for file names)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def default_json_path(gpu_name: str, when: datetime) -> str:
+    return f"bench-{gpu_slug(gpu_name)}-{when:%Y%m%d}.json"
+
+
+def write_json(path, env: dict, settings: dict, records: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump({"env": env, "settings": settings, "cases": records}, f, indent=2)
+        f.write("\n")
+
+
+# ----------------------------------------------------------------------------- measuring (GPU)
+
+
+def _cuda_device_count() -> tuple[int, str]:
+    """(number of CUDA devices, why none) -- any CuPy/driver failure counts as no GPU."""
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        return n, "" if n else "getDeviceCount() returned 0"
+    except Exception as e:  # ImportError, CUDARuntimeError (no driver, insufficient driver, ...)
+        return 0, f"{type(e).__name__}: {e}"
+
+
+def _load_torch():
+    """torch if importable and it sees a CUDA device, else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def env_info(torch=None) -> dict:
+    import cupy
+
+    import cuflash
+
+    rt = cupy.cuda.runtime
+    dev = cupy.cuda.Device()
+    props = rt.getDeviceProperties(dev.id)
+    name = props["name"]
+    return {
+        "gpu": name.decode() if isinstance(name, bytes) else name,
+        "sm_count": props["multiProcessorCount"],
+        "compute_capability": dev.compute_capability,
+        "driver_version": rt.driverGetVersion(),
+        "runtime_version": rt.runtimeGetVersion(),
+        "cuflash_version": getattr(cuflash, "__version__", None),
+        "cupy_version": cupy.__version__,
+        "torch_version": torch.__version__ if torch is not None else None,
+        "python_version": platform.python_version(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class Bench(NamedTuple):
+    fn: Callable
+    rotate: list  # argument tuples, cycled through by time_cuda
+    events: str  # "cupy" or "torch": whose current stream the work runs on
+    context: Callable = contextlib.nullcontext  # entered once around all runs (keeps it out of the loop)
+
+
+def _cupy_dtype(dtype: str):
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(ml_dtypes.bfloat16 if dtype == "bf16" else np.float16)
+
+
+def _torch_to_cupy(t, cp_dtype):
+    import cupy
+    import torch
+
+    try:
+        return cupy.from_dlpack(t)  # zero-copy view
+    except Exception:  # a CuPy without bf16 DLPack: share the bits as int16 and reinterpret them
+        return cupy.from_dlpack(t.view(torch.int16)).view(cp_dtype)
+
+
+def make_inputs(case: Case, dtype: str, torch=None, n_sets: int = 3) -> list[dict]:
+    """``n_sets`` random-normal (q, k, v) sets in (B, N, H, D), never zeros (zeros would hide
+    wrong results in the check, and draw less power than real data). With torch, the tensors are torch's and cuflash gets CuPy views
+    of the same memory, so every backend reads identical inputs."""
+    import cupy
+
+    shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+    cp_dtype = _cupy_dtype(dtype)
+    sets = []
+    for _ in range(n_sets):
+        if torch is not None:
+            t_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+            qkv = [torch.randn(shape, device="cuda", dtype=t_dtype) for _ in range(3)]
+            sets.append({"cupy": tuple(_torch_to_cupy(t, cp_dtype) for t in qkv),
+                         "torch_bhnd": tuple(t.transpose(1, 2) for t in qkv)})  # SDPA wants (B, H, N, D)
+        else:
+            sets.append({"cupy": tuple(cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cp_dtype)
+                                       for _ in range(3))})
+    if torch is not None:
+        torch.cuda.synchronize()  # inputs were written on torch's stream; cuflash runs on CuPy's
+    return sets
+
+
+def _fwd_benches(case: Case, sets: list[dict], torch) -> dict[str, Bench]:
+    import cuflash
+
+    def cf(q, k, v):
+        return cuflash.attention(q, k, v, causal=case.causal)
+
+    benches = {"cuflash": Bench(cf, [s["cupy"] for s in sets], "cupy")}
+    if torch is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa(q, k, v):  # square seqlens: top-left and bottom-right causal masks coincide
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+
+        rot = [s["torch_bhnd"] for s in sets]
+        benches["sdpa_flash"] = Bench(sdpa, rot, "torch", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
+        benches["sdpa_cudnn"] = Bench(sdpa, rot, "torch", lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION))
+    return benches
+
+
+# pass name -> builder of {backend: Bench}. A backward pass only adds "bwd" here (flops, bytes,
+# table rows and JSON already handle any pass) and a --passes option to main.
+PASS_BENCHES = {"fwd": _fwd_benches}
+
+
+def _check_fwd(rec: dict, benches: dict[str, Bench], torch) -> None:
+    """Max |cuflash - SDPA| on the first input set, against flash (or cuDNN if flash failed)."""
+    import cupy
+
+    ok = rec["timings"].get("fwd", {})
+    ref = next((b for b in ("sdpa_flash", "sdpa_cudnn") if ok.get(b) is not None), None)
+    if ref is None or ok.get("cuflash") is None:
+        return
+    out = benches["cuflash"].fn(*benches["cuflash"].rotate[0])
+    with benches[ref].context():
+        o_ref = benches[ref].fn(*benches[ref].rotate[0])
+    # fp32 and contiguous before DLPack: no dependence on bf16 DLPack support.
+    o_ref = o_ref.transpose(1, 2).float().contiguous()
+    torch.cuda.synchronize()
+    diff = cupy.abs(out.astype(cupy.float32) - cupy.from_dlpack(o_ref)).max()
+    rec["max_abs_diff"] = float(diff)
+    rec["checked_against"] = ref
+
+
+def _short_error(e: Exception) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}"[:300]
+
+
+def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50, warmup=10) -> dict:
+    """Time every backend for every pass of one case; a backend that raises is recorded as None."""
+    import cupy
+
+    rec = new_record(case, dtype, passes)
+    sets = make_inputs(case, dtype, torch)
+    benches = {}
+    for pass_ in passes:
+        benches = PASS_BENCHES[pass_](case, sets, torch)
+        for name, b in benches.items():
+            try:
+                # SDPA warns at length when a forced backend cannot run; the exception says why.
+                with warnings.catch_warnings(), b.context():
+                    warnings.simplefilter("ignore")
+                    stats = time_cuda(b.fn, warmup=warmup, reps=reps, rotate=b.rotate, events=b.events)
+                add_timing(rec, pass_, name, stats)
+            except Exception as e:
+                add_timing(rec, pass_, name, None, _short_error(e))
+        if pass_ == "fwd" and torch is not None:
+            try:
+                _check_fwd(rec, benches, torch)
+            except Exception as e:
+                rec["errors"].setdefault("fwd", {})["check"] = _short_error(e)
+    # Free this case's inputs before the next one allocates its own.
+    del sets, benches
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+    return rec
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    n_gpus, why = _cuda_device_count()
+    if n_gpus == 0:
+        print(f"cuflash.bench: no CUDA GPU found ({why}); nothing to benchmark.", file=sys.stderr)
+        return 2
+
+    torch = None if args.no_sdpa else _load_torch()
+    env = env_info(torch)
+    path = args.json or default_json_path(env["gpu"], datetime.now(timezone.utc))
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    cases = cases_from_args(args)
+    print(f"{env['gpu']} ({env['sm_count']} SMs), {args.dtype}, {len(cases)} cases"
+          + ("" if torch is not None else ", SDPA not measured (torch with CUDA unavailable or --no-sdpa)"))
+    print(format_header(), flush=True)
+
+    records = []
+    for case in cases:
+        rec = measure_case(case, dtype=args.dtype, torch=torch, reps=args.reps, warmup=args.warmup)
+        records.append(rec)
+        for row in format_rows(rec):
+            print(row, flush=True)
+        if rec["max_abs_diff"] is not None and rec["max_abs_diff"] > MISMATCH_TOL[args.dtype]:
+            print(f"  WARNING: max |cuflash - {rec['checked_against']}| = {rec['max_abs_diff']:.3g}"
+                  f" > {MISMATCH_TOL[args.dtype]:.3g}", flush=True)
+        for pass_, errs in rec["errors"].items():
+            for backend, msg in errs.items():
+                print(f"  {backend} {pass_}: {msg}", flush=True)
+        write_json(path, env, settings, records)  # after every case: a crash keeps what was measured
+    print(f"results written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

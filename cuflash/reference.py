@@ -1,0 +1,357 @@
+"""Float64 NumPy reference implementations of attention: the oracle of every test.
+
+Pure NumPy (no CuPy import), so it runs anywhere, CI included.
+
+Layout is FlashAttention's: ``q`` is (B, N_q, H, d), ``k`` and ``v`` are (B, N_k, H, d);
+outputs ``out`` / ``dq`` / ``dk`` / ``dv`` have the layout of the matching input, and the
+log-sum-exp ``lse`` is (B, H, N_q). Everything is computed and returned in float64.
+
+Notation follows the FlashAttention papers (Dao et al. 2022, Dao 2023):
+
+    S = tau Q K^T,   P = softmax(S) (row-wise),   O = P V,   L = lse = log rowsum(e^S),
+
+with tau = ``softmax_scale`` (default 1/sqrt(d)). Causal masking is aligned to the
+bottom-right corner (FlashAttention >= 2.1): query row i may attend key j iff
+j <= i + (N_k - N_q). When N_q > N_k the first N_q - N_k rows may attend nothing; such rows
+have O = 0 exactly and L = -inf.
+
+Dropout is described by an explicit boolean keep-mask of shape (B, H, N_q, N_k) (True =
+kept) and its probability p: with Z = mask / (1 - p), O = (P o Z) V, while L stays the
+log-sum-exp of the undropped scores, as in FlashAttention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "causal_mask",
+    "attention_naive",
+    "attention_v1_tiled",
+    "attention_v2_tiled",
+    "attention_backward",
+    "attention_backward_tiled",
+]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def causal_mask(nq: int, nk: int) -> np.ndarray:
+    """Bottom-right aligned causal mask M of shape (N_q, N_k): M_ij = (j <= i + N_k - N_q).
+
+    True where attention is allowed. For N_q == N_k this is the lower triangle.
+    """
+    rows = np.arange(nq)[:, None]
+    cols = np.arange(nk)[None, :]
+    return cols <= rows + (nk - nq)
+
+
+def _prepare(q, k, v, softmax_scale):
+    """Upcast to float64, check shapes, go to (B, H, N, d) and resolve tau."""
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError("q, k, v must be 4-D arrays of layout (B, N, H, d)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    b, _, h, d = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, h, d):
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on B, H or d")
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    # (B, N, H, d) -> (B, H, N, d): every head is an independent matrix problem.
+    return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), scale
+
+
+def _dropout_scale(dropout_mask, dropout_p, shape):
+    """Z = mask / (1 - p) as float64 of `shape` (B, H, N_q, N_k), or None without dropout."""
+    if dropout_mask is None:
+        if dropout_p != 0.0:
+            raise ValueError("dropout_p > 0 needs an explicit dropout_mask (the oracle does not sample)")
+        return None
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    mask = np.asarray(dropout_mask, dtype=bool)
+    if mask.shape != shape:
+        raise ValueError(f"dropout_mask must have shape {shape}, got {mask.shape}")
+    return mask / (1.0 - dropout_p)
+
+
+def _finite_or_zero(m):
+    """Replace -inf running maxima by 0 before subtracting them.
+
+    A row whose scores are all masked has max -inf, and e^{S - m} would be e^{-inf - -inf}
+    = NaN. Every score of such a row is itself -inf, so subtracting 0 instead gives the
+    correct e^{-inf} = 0 (the same trick the CUDA kernels use).
+    """
+    return np.where(np.isneginf(m), 0.0, m)
+
+
+def _normalise(acc, l):
+    """acc / l row-wise, with 0 for rows that attended nothing (l == 0)."""
+    attended = l > 0
+    return np.where(attended[..., None], acc / np.where(attended, l, 1.0)[..., None], 0.0)
+
+
+def _lse(m, l):
+    """L = m + log(l), -inf for rows that attended nothing (l == 0)."""
+    attended = l > 0
+    return np.where(attended, m + np.log(np.where(attended, l, 1.0)), -np.inf)
+
+
+def _scores(qi, kj, scale, allowed):
+    """S_ij = tau Q_i K_j^T with disallowed entries set to -inf (allowed=None: no mask)."""
+    s = scale * (qi @ kj.swapaxes(-1, -2))
+    return s if allowed is None else np.where(allowed, s, -np.inf)
+
+
+def _out_layout(*xs):
+    """(B, H, N, d) -> (B, N, H, d) for every array given."""
+    return tuple(np.ascontiguousarray(x.transpose(0, 2, 1, 3)) for x in xs)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0):
+    """Standard attention, materialising the N_q x N_k matrices.
+
+    S = tau Q K^T (masked entries -inf), P = softmax(S), O = (P o Z) V with Z the dropout
+    scale (Z = 1 without dropout), L = log rowsum(e^S).
+
+    Returns ``(out, lse)``: out (B, N_q, H, d) and lse (B, H, N_q), float64.
+    """
+    q, k, v, scale = _prepare(q, k, v, softmax_scale)
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
+
+    s = _scores(q, k, scale, causal_mask(nq, nk) if causal else None)
+    m = s.max(axis=-1)
+    e = np.exp(s - _finite_or_zero(m)[..., None])
+    l = e.sum(axis=-1)
+    p = _normalise(e, l)  # divides each row of e by its l; rows with l == 0 stay 0
+    if z is not None:
+        p = p * z
+    (out,) = _out_layout(p @ v)
+    return out, _lse(m, l)
+
+
+def attention_v1_tiled(
+    q, k, v, *, causal=False, softmax_scale=None, block_q=64, block_k=64, dropout_mask=None, dropout_p=0.0
+):
+    """FlashAttention-1 forward, Algorithm 1 (Algorithm 2 with dropout) of Dao et al. 2022.
+
+    O, l, m live in "HBM" arrays initialised to 0, 0, -inf. The OUTER loop runs over K/V
+    blocks j, the INNER loop over Q blocks i. Each step loads O_i, l_i, m_i and computes
+
+        S_ij = tau Q_i K_j^T
+        m~_ij = rowmax(S_ij),  P~_ij = e^{S_ij - m~_ij},  l~_ij = rowsum(P~_ij)
+        m_i^new = max(m_i, m~_ij)
+        l_i^new = e^{m_i - m_i^new} l_i + e^{m~_ij - m_i^new} l~_ij
+        O_i <- diag(l_i^new)^-1 (diag(l_i) e^{m_i - m_i^new} O_i + e^{m~_ij - m_i^new} (P~_ij o Z_ij) V_j)
+
+    and writes O_i, l_i, m_i back. O_i is therefore re-normalised at every step, the
+    extra work FlashAttention-2 removes. The lse returned is m + log(l).
+    """
+    q, k, v, scale = _prepare(q, k, v, softmax_scale)
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
+    allowed = causal_mask(nq, nk) if causal else None
+
+    o = np.zeros((b, h, nq, d))
+    l = np.zeros((b, h, nq))
+    m = np.full((b, h, nq), -np.inf)
+
+    for j0 in range(0, nk, block_k):
+        j1 = min(j0 + block_k, nk)
+        kj, vj = k[:, :, j0:j1], v[:, :, j0:j1]
+        for i0 in range(0, nq, block_q):
+            i1 = min(i0 + block_q, nq)
+            qi, oi, li, mi = q[:, :, i0:i1], o[:, :, i0:i1], l[:, :, i0:i1], m[:, :, i0:i1]
+
+            # Algorithm 1 does not skip fully masked blocks: the -inf guards below make
+            # such a block a no-op (m~ = -inf, P~ = 0, l~ = 0).
+            s = _scores(qi, kj, scale, None if allowed is None else allowed[i0:i1, j0:j1])
+            m_blk = s.max(axis=-1)
+            p_blk = np.exp(s - _finite_or_zero(m_blk)[..., None])
+            l_blk = p_blk.sum(axis=-1)  # l~ is the UNdropped row sum: dropout does not renormalise
+
+            m_new = np.maximum(mi, m_blk)
+            m_safe = _finite_or_zero(m_new)
+            alpha = np.exp(mi - m_safe)  # rescales the old O_i, l_i
+            beta = np.exp(m_blk - m_safe)  # rescales this block's contribution
+            l_new = alpha * li + beta * l_blk
+
+            if z is not None:
+                p_blk = p_blk * z[:, :, i0:i1, j0:j1]
+            acc = (li * alpha)[..., None] * oi + beta[..., None] * (p_blk @ vj)
+            o[:, :, i0:i1] = _normalise(acc, l_new)
+            l[:, :, i0:i1] = l_new
+            m[:, :, i0:i1] = m_new
+
+    (out,) = _out_layout(o)
+    return out, _lse(m, l)
+
+
+def attention_v2_tiled(
+    q, k, v, *, causal=False, softmax_scale=None, block_q=64, block_k=64, dropout_mask=None, dropout_p=0.0
+):
+    """FlashAttention-2 forward, Algorithm 1 of Dao 2023.
+
+    The OUTER loop runs over Q blocks i (one thread block each in the kernel), the INNER
+    loop over K/V blocks j, with m_i, l_i and an UNnormalised accumulator O~_i kept on chip:
+
+        S_ij = tau Q_i K_j^T
+        m_i^(j) = max(m_i^(j-1), rowmax(S_ij)),   P~_ij = e^{S_ij - m_i^(j)}
+        l_i^(j) = e^{m_i^(j-1) - m_i^(j)} l_i^(j-1) + rowsum(P~_ij)
+        O~_i^(j) = diag(e^{m_i^(j-1) - m_i^(j)}) O~_i^(j-1) + (P~_ij o Z_ij) V_j
+
+    and only at the end O_i = diag(l_i)^-1 O~_i, L_i = m_i + log(l_i).
+    """
+    q, k, v, scale = _prepare(q, k, v, softmax_scale)
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
+    allowed = causal_mask(nq, nk) if causal else None
+
+    o = np.zeros((b, h, nq, d))
+    lse = np.full((b, h, nq), -np.inf)
+
+    for i0 in range(0, nq, block_q):
+        i1 = min(i0 + block_q, nq)
+        qi = q[:, :, i0:i1]
+        acc = np.zeros((b, h, i1 - i0, d))
+        l = np.zeros((b, h, i1 - i0))
+        m = np.full((b, h, i1 - i0), -np.inf)
+
+        # Causal: the last row of the block, i1 - 1, sees keys j <= i1 - 1 + N_k - N_q, so
+        # K blocks starting beyond that are fully masked and, as in the kernel, never
+        # loaded. (When this bound is <= 0 the whole Q block attends nothing: O = 0, L = -inf.)
+        k_end = min(nk, i1 + nk - nq) if causal else nk
+        for j0 in range(0, k_end, block_k):
+            j1 = min(j0 + block_k, nk)
+            s = _scores(qi, k[:, :, j0:j1], scale, None if allowed is None else allowed[i0:i1, j0:j1])
+            m_new = np.maximum(m, s.max(axis=-1))
+            m_safe = _finite_or_zero(m_new)  # rows still fully masked so far
+            p = np.exp(s - m_safe[..., None])
+            alpha = np.exp(m - m_safe)
+            l = alpha * l + p.sum(axis=-1)
+            if z is not None:
+                p = p * z[:, :, i0:i1, j0:j1]
+            acc = alpha[..., None] * acc + p @ v[:, :, j0:j1]
+            m = m_new
+
+        o[:, :, i0:i1] = _normalise(acc, l)  # the single division by l
+        lse[:, :, i0:i1] = _lse(m, l)
+
+    (out,) = _out_layout(o)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _prepare_backward(dout, q, k, v, out, lse, softmax_scale):
+    q, k, v, scale = _prepare(q, k, v, softmax_scale)
+    do = np.asarray(dout, dtype=np.float64)
+    o = np.asarray(out, dtype=np.float64)
+    b, h, nq, d = q.shape
+    if do.shape != (b, nq, h, d) or o.shape != (b, nq, h, d):
+        raise ValueError(f"dout {do.shape} and out {o.shape} must have the shape of q {(b, nq, h, d)}")
+    lse = np.asarray(lse, dtype=np.float64)
+    if lse.shape != (b, h, nq):
+        raise ValueError(f"lse must have shape (B, H, N_q) = {(b, h, nq)}, got {lse.shape}")
+    do, o = do.transpose(0, 2, 1, 3), o.transpose(0, 2, 1, 3)
+    # D_i = rowsum(dO_i o O_i) = rowsum(P_i o dP_i): the FA2 preprocessing step.
+    dvec = (do * o).sum(axis=-1)
+    # Rows that attended nothing have L = -inf and all their scores masked to -inf; using
+    # L = +inf there gives P = e^{-inf - inf} = 0 instead of the NaN of -inf - -inf.
+    lse_safe = np.where(np.isneginf(lse), np.inf, lse)
+    return do, q, k, v, dvec, lse_safe, scale
+
+
+def attention_backward(
+    dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0
+):
+    """Gradients of O = attention(Q, K, V) for the loss whose output gradient is dO.
+
+    FlashAttention-2 backward formulas, with P recomputed from the saved L instead of stored:
+
+        P  = e^{tau Q K^T - L}        (0 where masked or where L = -inf)
+        dV = (P o Z)^T dO
+        dP = (dO V^T) o Z
+        D  = rowsum(dO o O)
+        dS = P o (dP - D)
+        dQ = tau dS K,   dK = tau dS^T Q
+
+    with Z = mask / (1 - p) under dropout (Z = 1 otherwise). ``out`` and ``lse`` are the
+    forward's outputs. Returns ``(dq, dk, dv)`` in the layout of q, k, v, float64.
+    """
+    do, q, k, v, dvec, lse_safe, scale = _prepare_backward(dout, q, k, v, out, lse, softmax_scale)
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
+
+    s = _scores(q, k, scale, causal_mask(nq, nk) if causal else None)
+    p = np.exp(s - lse_safe[..., None])
+    pz = p if z is None else p * z
+    dp = do @ v.swapaxes(-1, -2)
+    if z is not None:
+        dp = dp * z
+    ds = p * (dp - dvec[..., None])
+
+    dv = pz.swapaxes(-1, -2) @ do
+    dq = scale * (ds @ k)
+    dk = scale * (ds.swapaxes(-1, -2) @ q)
+    return _out_layout(dq, dk, dv)
+
+
+def attention_backward_tiled(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block_q=64, block_k=64):
+    """FlashAttention-2 backward, Algorithm 2 of Dao 2023 (no dropout).
+
+    The OUTER loop runs over K/V blocks j, keeping dK_j and dV_j "on chip"; the INNER loop
+    over Q blocks i recomputes P_ij = e^{S_ij - L_i} and accumulates
+
+        dV_j += P_ij^T dO_i,   dP_ij = dO_i V_j^T,   dS_ij = P_ij o (dP_ij - D_i)
+        dK_j += tau dS_ij^T Q_i,   dQ_i += tau dS_ij K_j
+
+    dQ is shared by all K/V blocks, so it lives in a float64 buffer in "HBM" (the kernel
+    accumulates it there with atomic adds in float32).
+    """
+    do, q, k, v, dvec, lse_safe, scale = _prepare_backward(dout, q, k, v, out, lse, softmax_scale)
+    nq, nk = q.shape[2], k.shape[2]
+    allowed = causal_mask(nq, nk) if causal else None
+
+    dq = np.zeros_like(q)
+    dk = np.zeros_like(k)
+    dv = np.zeros_like(v)
+
+    for j0 in range(0, nk, block_k):
+        j1 = min(j0 + block_k, nk)
+        kj, vj = k[:, :, j0:j1], v[:, :, j0:j1]
+        dkj = np.zeros_like(kj)
+        dvj = np.zeros_like(vj)
+
+        # Causal: key j0 is first visible to row j0 - (N_k - N_q); Q blocks that end before
+        # that row are fully masked for this K block and, as in the kernel, skipped.
+        i_first = max(0, j0 - (nk - nq)) if causal else 0
+        for i0 in range(i_first // block_q * block_q, nq, block_q):
+            i1 = min(i0 + block_q, nq)
+            qi, doi = q[:, :, i0:i1], do[:, :, i0:i1]
+            s = _scores(qi, kj, scale, None if allowed is None else allowed[i0:i1, j0:j1])
+            p = np.exp(s - lse_safe[:, :, i0:i1, None])
+            dvj += p.swapaxes(-1, -2) @ doi
+            dp = doi @ vj.swapaxes(-1, -2)
+            ds = p * (dp - dvec[:, :, i0:i1, None])
+            dkj += scale * (ds.swapaxes(-1, -2) @ qi)
+            dq[:, :, i0:i1] += scale * (ds @ kj)
+
+        dk[:, :, j0:j1] = dkj
+        dv[:, :, j0:j1] = dvj
+
+    return _out_layout(dq, dk, dv)

@@ -1,0 +1,252 @@
+"""Self-tests of the float64 NumPy oracle (cuflash.reference). CPU only, no CuPy needed."""
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cuflash.reference import (
+    attention_backward,
+    attention_backward_tiled,
+    attention_naive,
+    attention_v1_tiled,
+    attention_v2_tiled,
+    causal_mask,
+)
+
+TILED = [attention_v1_tiled, attention_v2_tiled]
+TOL = dict(rtol=1e-12, atol=1e-12)
+
+# (B, H, Nq, Nk, D, block_q, block_k): odd seqlens, Nq != Nk both ways, blocks that do not
+# divide the seqlens, blocks larger than the seqlens, and Nq > Nk (fully masked causal rows).
+SHAPES = [
+    (1, 1, 1, 1, 16, 64, 64),
+    (2, 3, 7, 17, 16, 4, 5),
+    (2, 2, 17, 7, 64, 5, 3),
+    (1, 2, 113, 130, 64, 32, 48),
+    (2, 1, 130, 113, 16, 48, 32),
+    (1, 2, 130, 7, 16, 16, 4),
+    (1, 1, 1, 113, 64, 64, 16),
+]
+
+
+def _qkv(seed, b, h, nq, nk, d, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, nq, h, d)).astype(dtype)
+    k = rng.standard_normal((b, nk, h, d)).astype(dtype)
+    v = rng.standard_normal((b, nk, h, d)).astype(dtype)
+    return q, k, v
+
+
+def _dropout(seed, b, h, nq, nk, p):
+    return np.random.default_rng(seed).random((b, h, nq, nk)) >= p
+
+
+def _assert_lse_equal(lse, ref):
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref))
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(lse[finite], ref[finite], **TOL)
+
+
+def _assert_forward_matches_naive(fwd, q, k, v, **kw):
+    out_ref, lse_ref = attention_naive(q, k, v, **{n: x for n, x in kw.items() if not n.startswith("block")})
+    out, lse = fwd(q, k, v, **kw)
+    assert out.dtype == lse.dtype == np.float64
+    assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, out_ref, **TOL)
+    _assert_lse_equal(lse, lse_ref)
+    return out, lse
+
+
+# --------------------------------------------------------------------------- mask and naive
+
+
+def test_causal_mask_bottom_right():
+    np.testing.assert_array_equal(causal_mask(4, 4), np.tril(np.ones((4, 4), bool)))
+    np.testing.assert_array_equal(causal_mask(2, 4), [[1, 1, 1, 0], [1, 1, 1, 1]])
+    np.testing.assert_array_equal(causal_mask(4, 2), [[0, 0], [0, 0], [1, 0], [1, 1]])
+
+
+def test_naive_matches_explicit_softmax():
+    q, k, v = _qkv(0, 2, 3, 5, 9, 16)
+    s = np.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(16)
+    p = np.exp(s) / np.exp(s).sum(-1, keepdims=True)
+    out, lse = attention_naive(q, k, v)
+    np.testing.assert_allclose(out, np.einsum("bhij,bjhd->bihd", p, v), **TOL)
+    np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), **TOL)
+    mask = _dropout(4, 2, 3, 5, 9, 0.4)
+    out, lse_drop = attention_naive(q, k, v, dropout_mask=mask, dropout_p=0.4)
+    np.testing.assert_allclose(out, np.einsum("bhij,bjhd->bihd", p * mask / 0.6, v), **TOL)
+    np.testing.assert_allclose(lse_drop, lse, **TOL)
+
+
+def test_naive_causal_edge_rows():
+    nq, nk = 6, 4
+    q, k, v = _qkv(1, 2, 2, nq, nk, 16)
+    out, lse = attention_naive(q, k, v, causal=True)
+    # Rows 0, 1 see no key: exactly 0 and -inf. Row 2 sees only key 0: O = V_0, L = S_00.
+    assert (out[:, :2] == 0).all() and np.isneginf(lse[:, :, :2]).all()
+    np.testing.assert_allclose(out[:, 2], v[:, 0], **TOL)
+    np.testing.assert_allclose(lse[:, :, 2], np.einsum("bhd,bhd->bh", q[:, 2], k[:, 0]) / 4.0, **TOL)
+    assert np.isfinite(lse[:, :, 2:]).all()
+
+
+# --------------------------------------------------------------------------- tiled forward
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fwd", TILED)
+def test_tiled_forward_matches_naive(fwd, shape, causal):
+    b, h, nq, nk, d, bq, bk = shape
+    q, k, v = _qkv(SHAPES.index(shape), b, h, nq, nk, d)
+    out, lse = _assert_forward_matches_naive(fwd, q, k, v, causal=causal, block_q=bq, block_k=bk)
+    if causal and nq > nk:
+        assert (out[:, : nq - nk] == 0).all() and np.isneginf(lse[:, :, : nq - nk]).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 2),
+    nq=st.integers(1, 40),
+    nk=st.integers(1, 40),
+    d=st.sampled_from([16, 64]),
+    block_q=st.integers(1, 48),
+    block_k=st.integers(1, 48),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_tiled_forward_matches_naive_hypothesis(b, h, nq, nk, d, block_q, block_k, causal, seed):
+    q, k, v = _qkv(seed, b, h, nq, nk, d)
+    for fwd in TILED:
+        _assert_forward_matches_naive(fwd, q, k, v, causal=causal, block_q=block_q, block_k=block_k)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fwd", TILED)
+def test_tiled_forward_dropout_matches_naive(fwd, causal):
+    b, h, nq, nk, d, p = 2, 2, 37, 23, 16, 0.3
+    q, k, v = _qkv(2, b, h, nq, nk, d)
+    mask = _dropout(3, b, h, nq, nk, p)
+    out, lse = _assert_forward_matches_naive(
+        fwd, q, k, v, causal=causal, block_q=8, block_k=5, dropout_mask=mask, dropout_p=p
+    )
+    out_nodrop, lse_nodrop = attention_naive(q, k, v, causal=causal)
+    assert not np.allclose(out, out_nodrop)  # the mask is really applied ...
+    _assert_lse_equal(lse, lse_nodrop)  # ... but L is that of the undropped softmax
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def _finite_difference_check(seed, b, h, nq, nk, d, causal, p, scale=None, n_entries=4, eps=1e-5):
+    rng = np.random.default_rng(seed)
+    q, k, v = _qkv(seed, b, h, nq, nk, d)
+    dout = rng.standard_normal(q.shape)
+    kw = dict(causal=causal, softmax_scale=scale)
+    if p:
+        kw.update(dropout_mask=_dropout(seed + 1, b, h, nq, nk, p), dropout_p=p)
+
+    def loss(q, k, v):
+        return (attention_naive(q, k, v, **kw)[0] * dout).sum()
+
+    out, lse = attention_naive(q, k, v, **kw)
+    grads = attention_backward(dout, q, k, v, out, lse, **kw)
+    args = [q, k, v]
+    for which, grad in enumerate(grads):
+        x = args[which]
+        idx = [tuple(rng.integers(0, n) for n in x.shape) for _ in range(n_entries)]
+        numeric = []
+        for i in idx:
+            plus, minus = [a.copy() for a in args], [a.copy() for a in args]
+            plus[which][i] += eps
+            minus[which][i] -= eps
+            numeric.append((loss(*plus) - loss(*minus)) / (2 * eps))
+        analytic = np.array([grad[i] for i in idx])
+        err = np.linalg.norm(analytic - numeric) / max(np.linalg.norm(numeric), 1e-3)
+        assert err < 1e-6, ("dq", "dk", "dv")[which]
+
+
+@pytest.mark.parametrize("p", [0.0, 0.25])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq, nk", [(9, 14), (14, 9)])
+def test_backward_matches_finite_differences(nq, nk, causal, p):
+    _finite_difference_check(nq * 100 + nk, 2, 2, nq, nk, 16, causal, p)
+
+
+def test_backward_finite_differences_custom_scale():
+    _finite_difference_check(7, 1, 2, 11, 6, 16, causal=True, p=0.0, scale=0.37)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_tiled_matches_backward(shape, causal):
+    b, h, nq, nk, d, bq, bk = shape
+    q, k, v = _qkv(SHAPES.index(shape) + 100, b, h, nq, nk, d)
+    dout = np.random.default_rng(5).standard_normal(q.shape)
+    out, lse = attention_naive(q, k, v, causal=causal)
+    ref = attention_backward(dout, q, k, v, out, lse, causal=causal)
+    got = attention_backward_tiled(dout, q, k, v, out, lse, causal=causal, block_q=bq, block_k=bk)
+    for g, r in zip(got, ref):
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, r, **TOL)
+    if causal and nq > nk:  # rows that attend nothing get no gradient
+        assert (got[0][:, : nq - nk] == 0).all()
+
+
+# --------------------------------------------------------------------------- scale and dtypes
+
+
+@pytest.mark.parametrize("fwd", [attention_naive, *TILED])
+def test_softmax_scale_is_honoured(fwd):
+    d, scale = 16, 0.9
+    q, k, v = _qkv(8, 1, 2, 13, 10, d)
+    out, lse = fwd(q, k, v, causal=True, softmax_scale=scale)
+    # tau Q K^T with tau = 0.9 is the default 1/sqrt(d) applied to (0.9 sqrt(d)) Q.
+    out_ref, lse_ref = attention_naive(q * scale * math.sqrt(d), k, v, causal=True)
+    np.testing.assert_allclose(out, out_ref, **TOL)
+    _assert_lse_equal(lse, lse_ref)
+    assert not np.allclose(out, fwd(q, k, v, causal=True)[0])
+
+
+def test_backward_tiled_softmax_scale():
+    q, k, v = _qkv(9, 1, 2, 13, 10, 16)
+    dout = np.random.default_rng(10).standard_normal(q.shape)
+    out, lse = attention_naive(q, k, v, softmax_scale=0.2)
+    ref = attention_backward(dout, q, k, v, out, lse, softmax_scale=0.2)
+    got = attention_backward_tiled(dout, q, k, v, out, lse, softmax_scale=0.2, block_q=4, block_k=3)
+    for g, r in zip(got, ref):
+        np.testing.assert_allclose(g, r, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_low_precision_inputs_are_upcast(dtype):
+    q, k, v = _qkv(11, 1, 2, 9, 12, 16, dtype=dtype)
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    out_ref, lse_ref = attention_naive(q64, k64, v64, causal=True)
+    for fwd in [attention_naive, *TILED]:
+        out, lse = fwd(q, k, v, causal=True)
+        assert out.dtype == lse.dtype == np.float64
+        np.testing.assert_allclose(out, out_ref, **TOL)
+        _assert_lse_equal(lse, lse_ref)
+    dout = np.random.default_rng(12).standard_normal(q.shape).astype(dtype)
+    ref = attention_backward(dout.astype(np.float64), q64, k64, v64, out_ref, lse_ref, causal=True)
+    for bwd in [attention_backward, attention_backward_tiled]:
+        got = bwd(dout, q, k, v, out_ref, lse_ref, causal=True)
+        for g, r in zip(got, ref):
+            assert g.dtype == np.float64
+            np.testing.assert_allclose(g, r, **TOL)
+
+
+def test_invalid_arguments_raise():
+    q, k, v = _qkv(13, 1, 1, 4, 5, 16)
+    with pytest.raises(ValueError):
+        attention_naive(q, k[:, :, :, :8], v)
+    with pytest.raises(ValueError):
+        attention_naive(q, k, v, dropout_p=0.1)  # dropout needs an explicit mask
+    with pytest.raises(ValueError):
+        attention_v2_tiled(q, k, v, dropout_mask=np.ones((1, 1, 5, 4), bool), dropout_p=0.1)
