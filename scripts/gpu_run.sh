@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
+# Usage: bash scripts/gpu_run.sh [tests] [sanitize] [bench] [benchfull]   (default: all but benchfull)
+# Writes logs and JSON under $OUT (or ./out when $OUT is unset).
+set -uo pipefail
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+stages=${*:-tests sanitize bench}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/env.txt"
+python3 -c "import cupy, sys; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'runtime', cupy.cuda.runtime.runtimeGetVersion(), 'py', sys.version.split()[0])" | tee -a "$OUT/env.txt"
+for s in $stages; do
+  case $s in
+    tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE --maxfail=30 2>&1 | tee "$OUT/gpu-tests.log" | tail -40 ;;
+    sanitize)
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool $tool --print-limit 20 python3 scripts/sanitize_cases.py 2>&1 | tail -6 | tee -a "$OUT/sanitize.log"
+      done ;;
+    bench) python3 -m cuflash.bench --quick --json "$OUT/bench-quick.json" 2>&1 | tee "$OUT/bench-quick.log" ;;
+    benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done

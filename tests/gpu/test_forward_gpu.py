@@ -1,0 +1,168 @@
+"""Forward kernel on the GPU against the float64 reference, by FlashAttention's 2x rule (R2, R5, R6, R10)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.gpu._oracle import dtype_of, fa_rule, naive, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+SEQLEN_PAIRS = [(1, 1), (17, 17), (113, 113), (128, 128), (255, 255), (1000, 1000), (2048, 2048),
+                (1, 239), (239, 1), (3, 799), (799, 3), (113, 203), (128, 217), (1023, 1024), (1024, 1023)]
+
+
+def _poisoned_call(fn, out_shape, out_dtype, lse_shape):
+    """Fill the pool blocks the outputs will take with NaN, free them, then call fn().
+
+    CuPy's pool hands the most recently freed block of a size back first, so the kernel's outputs
+    start out as NaN; the returned pointers prove it (an unwritten element would stay NaN).
+    """
+    import cupy
+
+    o = cupy.full(out_shape, cupy.nan, dtype=cupy.float32).astype(out_dtype)
+    l_ = cupy.full(lse_shape, cupy.nan, dtype=cupy.float32)
+    ptrs = (o.data.ptr, l_.data.ptr)
+    del o, l_
+    out, lse = fn()
+    return out, lse, (out.data.ptr, lse.data.ptr) == ptrs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", SEQLEN_PAIRS)
+def test_forward_matches_reference(nq, nk, causal, d, dtype):
+    import cupy
+    import cuflash
+
+    rng = np.random.default_rng(hash((nq, nk, causal, d, dtype)) % 2**32)
+    b, h = 2, 3
+    q, k, v = random_qkv(rng, b, nq, nk, h, d, dtype_of(dtype))
+    out, lse, poisoned = _poisoned_call(lambda: cuflash.attention(q, k, v, causal=causal, return_lse=True),
+                                        q.shape, q.dtype, (b, h, nq))
+    assert poisoned, "test harness failed to poison the output buffers"
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == cupy.float32
+    assert not bool(cupy.isnan(out.astype(cupy.float32)).any()), "unwritten or NaN output"
+    scale = 1 / math.sqrt(d)
+    err, pt_err, allowed = fa_rule(out, q, k, v, causal, scale)
+    assert err <= allowed, f"max err {err:.3e} > allowed {allowed:.3e} (same-dtype err {pt_err:.3e})"
+    _, lse_ref = naive(q, k, v, causal, scale, cupy.float64)
+    finite = cupy.isfinite(lse_ref)
+    assert bool((cupy.isfinite(lse) == finite).all()), "lse -inf pattern differs from reference"
+    if bool(finite.any()):
+        assert float(cupy.abs(lse.astype(cupy.float64) - lse_ref)[finite].max()) < 1e-3
+    if causal and nq > nk:  # rows that see no key: exactly 0
+        dead = nq - nk
+        assert bool((out[:, :dead].astype(cupy.float32) == 0).all())
+
+
+def test_reference_on_gpu_matches_numpy_oracle():
+    """The CuPy float64 naive used by these tests equals cuflash.reference (small case)."""
+    import cupy
+    from cuflash import reference
+
+    rng = np.random.default_rng(0)
+    q, k, v = random_qkv(rng, 2, 37, 53, 3, 64, cupy.float16)
+    for causal in (False, True):
+        o_gpu, lse_gpu = naive(q, k, v, causal, 0.125, cupy.float64)
+        o_np, lse_np = reference.attention_naive(q.get(), k.get(), v.get(), causal=causal, softmax_scale=0.125)
+        np.testing.assert_allclose(o_gpu.get(), o_np, atol=1e-12)
+        np.testing.assert_allclose(lse_gpu.get(), lse_np, atol=1e-12)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_config_in_space(d):
+    """Every config the tuner may pick is correct, not only the default (ragged and causal shapes)."""
+    import cupy
+    from cuflash import _configs, _forward
+
+    rng = np.random.default_rng(d)
+    for cfg in _configs.fwd_space(d, _forward._smem_optin(0)):
+        for nq, nk, causal in ((200, 333, True), (129, 70, True), (257, 257, False)):
+            q, k, v = random_qkv(rng, 1, nq, nk, 2, d, dtype_of("bfloat16"))
+            out, _ = _forward.forward(q, k, v, causal=causal, config=cfg)
+            err, pt_err, allowed = fa_rule(out, q, k, v, causal, 1 / math.sqrt(d))
+            assert err <= allowed, f"{cfg} nq={nq} nk={nk} causal={causal}: err {err:.3e} > {allowed:.3e}"
+
+
+def test_strided_inputs_used_without_copy():
+    """Slices of a packed (b, n, 3, h, d) qkv array: same bits as contiguous copies (R10)."""
+    import cupy
+    import cuflash
+
+    rng = np.random.default_rng(7)
+    qkv = cupy.asarray(rng.standard_normal((2, 300, 3, 4, 128)).astype(np.float32)).astype(dtype_of("bfloat16"))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    assert not q.flags.c_contiguous
+    out = cuflash.attention(q, k, v, causal=True)
+    ref = cuflash.attention(cupy.ascontiguousarray(q), cupy.ascontiguousarray(k), cupy.ascontiguousarray(v), causal=True)
+    assert bool((out.view(cupy.uint16) == ref.view(cupy.uint16)).all())
+
+
+def test_nan_padding_never_read():
+    """Inputs are views into NaN-padded buffers: any out-of-bounds read would leak NaN (R6)."""
+    import cupy
+    import cuflash
+
+    rng = np.random.default_rng(11)
+    bf = dtype_of("bfloat16")
+    for nq, nk in ((17, 113), (130, 65), (1, 1)):
+        bufs = [cupy.full((2, 256, 3, 64), cupy.nan, dtype=cupy.float32).astype(bf) for _ in range(3)]
+        q, k, v = random_qkv(rng, 2, nq, nk, 3, 64, bf)
+        views = []
+        for buf, x in zip(bufs, (q, k, v)):
+            buf[:, : x.shape[1]] = x
+            views.append(buf[:, : x.shape[1]])
+        for causal in (False, True):
+            out = cuflash.attention(*views, causal=causal)
+            ref = cuflash.attention(q, k, v, causal=causal)
+            assert not bool(cupy.isnan(out.astype(cupy.float32)).any())
+            assert bool((out.view(cupy.uint16) == ref.view(cupy.uint16)).all())
+
+
+def test_large_logits_and_constant_inputs_stay_finite():
+    """Large-magnitude and constant inputs (R4): finite and within the rule."""
+    import cupy
+    import cuflash
+
+    rng = np.random.default_rng(3)
+    for scale in (8.0, 30.0):
+        q, k, v = random_qkv(rng, 1, 333, 333, 2, 128, dtype_of("bfloat16"), scale=scale)
+        for causal in (False, True):
+            out = cuflash.attention(q, k, v, causal=causal)
+            assert bool(cupy.isfinite(out.astype(cupy.float32)).all())
+            err, pt_err, allowed = fa_rule(out, q, k, v, causal, 1 / math.sqrt(128))
+            assert err <= allowed, f"scale {scale}: {err:.3e} > {allowed:.3e}"
+    c = cupy.full((1, 100, 2, 64), 1000.0, dtype=cupy.float32).astype(dtype_of("float16"))
+    out = cuflash.attention(c, c, c)
+    assert bool((out.astype(cupy.float32) == 1000.0).all())
+
+
+def test_deterministic_forward():
+    import cupy
+    import cuflash
+
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 4, 1000, 1000, 4, 128, dtype_of("bfloat16"))
+    o0, l0 = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    for _ in range(20):
+        o1, l1 = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        assert bool((o0.view(cupy.uint16) == o1.view(cupy.uint16)).all())
+        assert bool((l0 == l1).all())
+
+
+def test_custom_scale_and_nondefault_stream():
+    import cupy
+    import cuflash
+
+    rng = np.random.default_rng(9)
+    q, k, v = random_qkv(rng, 2, 177, 300, 2, 64, dtype_of("bfloat16"))
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        out = cuflash.attention(q, k, v, softmax_scale=0.3)
+    s.synchronize()
+    err, pt_err, allowed = fa_rule(out, q, k, v, False, 0.3)
+    assert err <= allowed
