@@ -24,8 +24,13 @@ def select_fwd_config(problem: _validate.FwdProblem) -> _configs.FwdConfig:
     return _configs.default_fwd_config(problem.head_dim, _smem_optin(problem.device))
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, config: _configs.FwdConfig | None = None):
-    """Returns (out, lse): out like q (fresh, contiguous), lse float32 (batch, heads, seqlen_q)."""
+def forward(q, k, v, *, causal=False, softmax_scale=None, config: _configs.FwdConfig | None = None,
+            out=None, lse=None):
+    """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
+
+    `out` and `lse` may be given (internal: tests poison them, the backward reuses them); otherwise
+    fresh contiguous arrays are allocated. `config` overrides the selected kernel config.
+    """
     import cupy
 
     qi, ki, vi = (_validate.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -37,8 +42,9 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, config: _configs.FwdCo
         raise ValueError(f"problem too large: {n_blocks} thread blocks exceed the grid limit {_MAX_GRID_X}")
 
     with cupy.cuda.Device(p.device):
-        out = cupy.empty(q.shape, dtype=q.dtype)
-        lse = cupy.empty((p.batch, p.heads, p.seqlen_q), dtype=cupy.float32)
+        out = cupy.empty(q.shape, dtype=q.dtype) if out is None else _checked_out(out, q)
+        lse_shape = (p.batch, p.heads, p.seqlen_q)
+        lse = cupy.empty(lse_shape, dtype=cupy.float32) if lse is None else _checked_lse(lse, lse_shape)
         kern = _compile.get_fwd_kernel(cfg, p.dtype, p.device)
         es = [a.strides for a in (q, k, v, out)]
         it = q.dtype.itemsize
@@ -52,3 +58,20 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, config: _configs.FwdCo
             shared_mem=cfg.smem_bytes,
         )
     return out, lse
+
+
+def _checked_out(out, q):
+    info = _validate.describe(out, "out")
+    if info.shape != tuple(q.shape) or info.dtype != q.dtype.name or info.device != q.device.id:
+        raise ValueError(f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype.name}, device {q.device.id}), "
+                         f"got shape {info.shape}, dtype {info.dtype}, device {info.device}")
+    _validate.check_layout(info, "out")
+    return out
+
+
+def _checked_lse(lse, shape):
+    import cupy
+
+    if not isinstance(lse, cupy.ndarray) or lse.shape != shape or lse.dtype != cupy.float32 or not lse.flags.c_contiguous:
+        raise ValueError(f"lse must be a contiguous float32 CuPy array of shape {shape}")
+    return lse

@@ -51,7 +51,7 @@ def describe(x, name: str) -> ArrayInfo:
     return ArrayInfo(tuple(x.shape), x.dtype.name, x.dtype.itemsize, tuple(x.strides), x.data.ptr, x.device.id)
 
 
-def _check_layout(a: ArrayInfo, name: str) -> None:
+def check_layout(a: ArrayInfo, name: str) -> None:
     if len(a.shape) != 4:
         raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {a.shape}")
     if a.dtype not in SUPPORTED_DTYPES:
@@ -70,7 +70,7 @@ def _check_layout(a: ArrayInfo, name: str) -> None:
 
 def check_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, causal, softmax_scale) -> FwdProblem:
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
-        _check_layout(a, name)
+        check_layout(a, name)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
