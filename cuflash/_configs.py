@@ -41,9 +41,9 @@ class FwdConfig:
             return f"block_k {self.block_k} is not a multiple of 16"
         if self.stages < 2:
             return "stages must be >= 2"
-        chunks = self.head_dim // 8
-        if (self.block_q * chunks) % self.threads or (self.block_k * chunks) % self.threads:
-            return "tile copies do not split evenly over the threads"
+        step = self.threads // (self.head_dim // 8)  # rows one pass of the tile copy covers
+        if step % 8 or self.block_q % step or self.block_k % step:
+            return f"tiles of {self.block_q}/{self.block_k} rows do not split into copy passes of {step} rows"
         return None
 
     def fits(self, smem_optin_bytes: int) -> bool:
@@ -53,7 +53,7 @@ class FwdConfig:
 def fwd_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[FwdConfig]:
     """Every forward config for `head_dim` that is structurally valid and fits in shared memory."""
     out = []
-    for bq, bk, w, s in itertools.product((64, 128, 192), (32, 64, 128), (4, 8), (2, 3)):
+    for bq, bk, w, s in itertools.product((64, 128, 192), (32, 48, 64, 96, 128), (4, 8), (2, 3)):
         cfg = FwdConfig(head_dim, bq, bk, w, s)
         if cfg.fits(smem_optin_bytes):
             out.append(cfg)

@@ -53,19 +53,22 @@ struct FwdShape {
 };
 
 // Copy rows [row0, row0+ROWS) of one (batch, head) slice into a swizzled shared tile; rows
-// at or past `n_rows` are zero-filled.
+// at or past `n_rows` are zero-filled. Thread t copies chunk t % CH of rows t / CH + i*STEP:
+// STEP is a multiple of 8, so every row a thread touches has the same swizzle and one pointer
+// plus one 64-bit stride serve all of them.
 template <int ROWS, int CH, int THREADS>
 __device__ __forceinline__ void load_tile(u32 s_base, const elem_t* g, long long row_stride,
                                           int row0, int n_rows, int tid) {
-    static_assert((ROWS * CH) % THREADS == 0, "tile chunks must split evenly over threads");
+    constexpr int STEP = THREADS / CH;
+    static_assert(THREADS % CH == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "tile copy layout");
+    const int r = tid / CH, c = tid % CH;
+    const elem_t* src = g + (long long)(row0 + r) * row_stride + c * 8;
+    const long long src_step = (long long)STEP * row_stride;
+    const u32 dst = s_base + swz<CH>(r, c);
 #pragma unroll
-    for (int it = 0; it < ROWS * CH / THREADS; ++it) {
-        int idx = it * THREADS + tid;
-        int r = idx / CH, c = idx % CH;
-        int gr = row0 + r;
-        bool ok = gr < n_rows;
-        const elem_t* src = g + (ok ? (long long)gr * row_stride : 0) + c * 8;
-        cp_async_16(s_base + swz<CH>(r, c), src, ok);
+    for (int i = 0; i < ROWS / STEP; ++i) {
+        bool ok = row0 + r + i * STEP < n_rows;
+        cp_async_16(dst + i * STEP * CH * 16, ok ? src + i * src_step : g, ok);
     }
 }
 
@@ -76,7 +79,7 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
     constexpr int THREADS = S_::THREADS;
     const float NEG_INF = __int_as_float(0xff800000);
 
-    extern __shared__ __align__(128) unsigned char smem[];
+    extern __shared__ __align__(1024) unsigned char smem[];
     const u32 sQ = smem_u32(smem);
     const u32 sK = sQ + S_::Q_BYTES;
     const u32 sV = sK + STAGES * S_::KV_TILE_BYTES;
@@ -132,6 +135,18 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
     }
 
     const int warp_row0 = warp * S_::ROWS_PER_WARP;
+    // With one m16 tile per warp, Q's A fragments (KD x 4 registers) stay in registers for the
+    // whole loop: an eighth less shared-memory traffic, which is what bounds the MT == 1 configs.
+    constexpr bool Q_IN_REGS = (MT == 1);
+    u32 q_frag[Q_IN_REGS ? KD : 1][4];
+    // Per-lane byte offsets of the ldmatrix rows at k-chunk 0. Every row a lane addresses has
+    // row % 8 == lane % 8, so chunk c of it sits at (offset of chunk 0) ^ (16 c): stepping along
+    // the head dim is one XOR with a constant, not a fresh swizzle (keeps address registers few).
+    const int lane_row = lane % 8;
+    const u32 q_frag_off = swz<CH>(warp_row0 + lane_row + ((lane / 8) % 2) * 8, lane / 16);
+    const u32 k_frag_off = swz<CH>(lane_row + (lane / 16) * 8, (lane / 8) % 2);
+    const u32 v_frag_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
+    constexpr u32 ROW16 = 16 * CH * 16;  // bytes of 16 tile rows
     for (int j = 0; j < n_end; ++j) {
         // Tile j has landed once at most STAGES-2 younger groups are pending. The barrier also
         // tells every warp that all others finished tile j-1, whose slot is refilled next.
@@ -150,6 +165,14 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
         const u32 sKj = sK + slot * S_::KV_TILE_BYTES;
         const u32 sVj = sV + slot * S_::KV_TILE_BYTES;
 
+        if constexpr (Q_IN_REGS) {
+            if (j == 0) {  // Q landed with tile 0's group
+#pragma unroll
+                for (int kd = 0; kd < KD; ++kd)
+                    ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + (q_frag_off ^ (32 * kd)));
+            }
+        }
+
         // ---- S = Q K_j^T (raw, unscaled) ----
         float acc_s[MT][SN][4];
 #pragma unroll
@@ -161,14 +184,16 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
             u32 a[MT][4];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                int row = warp_row0 + mt * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-                ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3], sQ + swz<CH>(row, 2 * kd + lane / 16));
+                if constexpr (Q_IN_REGS) {
+                    a[mt][0] = q_frag[kd][0], a[mt][1] = q_frag[kd][1], a[mt][2] = q_frag[kd][2], a[mt][3] = q_frag[kd][3];
+                } else {
+                    ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3], sQ + mt * ROW16 + (q_frag_off ^ (32 * kd)));
+                }
             }
 #pragma unroll
             for (int np = 0; np < SN / 2; ++np) {
                 u32 b0, b1, b2, b3;
-                int row = np * 16 + (lane % 8) + (lane / 16) * 8;
-                ldmatrix_x4(b0, b1, b2, b3, sKj + swz<CH>(row, 2 * kd + (lane / 8) % 2));
+                ldmatrix_x4(b0, b1, b2, b3, sKj + np * ROW16 + (k_frag_off ^ (32 * kd)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
                     mma_16816<BF16>(acc_s[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
@@ -227,26 +252,31 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
                 }
             }
 
-        // ---- O~ += P V_j; P goes from the S accumulators straight into A fragments ----
+        // ---- P to 16-bit A fragments now, so the fp32 S accumulators die before P V ----
+        // (the C layout of two adjacent n8 tiles is exactly the A layout of one k16 step)
+        u32 p_frag[MT][KB][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int kb = 0; kb < KB; ++kb) {
+                p_frag[mt][kb][0] = pack2<BF16>(acc_s[mt][2 * kb][0], acc_s[mt][2 * kb][1]);
+                p_frag[mt][kb][1] = pack2<BF16>(acc_s[mt][2 * kb][2], acc_s[mt][2 * kb][3]);
+                p_frag[mt][kb][2] = pack2<BF16>(acc_s[mt][2 * kb + 1][0], acc_s[mt][2 * kb + 1][1]);
+                p_frag[mt][kb][3] = pack2<BF16>(acc_s[mt][2 * kb + 1][2], acc_s[mt][2 * kb + 1][3]);
+            }
+
+        // ---- O~ += P V_j ----
 #pragma unroll
         for (int kb = 0; kb < KB; ++kb) {
-            u32 a[MT][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                a[mt][0] = pack2<BF16>(acc_s[mt][2 * kb][0], acc_s[mt][2 * kb][1]);
-                a[mt][1] = pack2<BF16>(acc_s[mt][2 * kb][2], acc_s[mt][2 * kb][3]);
-                a[mt][2] = pack2<BF16>(acc_s[mt][2 * kb + 1][0], acc_s[mt][2 * kb + 1][1]);
-                a[mt][3] = pack2<BF16>(acc_s[mt][2 * kb + 1][2], acc_s[mt][2 * kb + 1][3]);
-            }
 #pragma unroll
             for (int dp = 0; dp < ON / 2; ++dp) {
                 u32 b0, b1, b2, b3;
-                int row = kb * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
-                ldmatrix_x4_trans(b0, b1, b2, b3, sVj + swz<CH>(row, 2 * dp + lane / 16));
+                ldmatrix_x4_trans(b0, b1, b2, b3, sVj + kb * ROW16 + (v_frag_off ^ (32 * dp)));
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) {
-                    mma_16816<BF16>(acc_o[mt][2 * dp], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
-                    mma_16816<BF16>(acc_o[mt][2 * dp + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
+                    const u32* a = p_frag[mt][kb];
+                    mma_16816<BF16>(acc_o[mt][2 * dp], a[0], a[1], a[2], a[3], b0, b1);
+                    mma_16816<BF16>(acc_o[mt][2 * dp + 1], a[0], a[1], a[2], a[3], b2, b3);
                 }
             }
         }
