@@ -162,3 +162,24 @@ def test_custom_scale_and_nondefault_stream():
     s.synchronize()
     err, pt_err, allowed = fa_rule(out, q, k, v, False, 0.3)
     assert err <= allowed
+
+
+def test_more_than_2_31_elements_uses_64_bit_offsets():
+    """q has > 2^31 elements (4.3 GB in bf16): offsets must be 64-bit (R8). Last batch checked."""
+    import cupy
+    import cuflash
+
+    free, _ = cupy.cuda.runtime.memGetInfo()
+    b, n, h, d = 16400, 128, 8, 128  # 2.15e9 elements per tensor
+    if free < 5 * b * n * h * d * 2:
+        pytest.skip(f"needs ~{5 * b * n * h * d * 2 / 2**30:.0f} GiB of free GPU memory")
+    assert b * n * h * d > 2**31
+    bf = dtype_of("bfloat16")
+    rng = cupy.random.default_rng(0)
+    q, k, v = (rng.standard_normal((b, n, h, d), dtype=cupy.float32).astype(bf) for _ in range(3))
+    out = cuflash.attention(q, k, v, causal=True)
+    tail = slice(b - 2, b)
+    err, pt_err, allowed = fa_rule(out[tail], q[tail], k[tail], v[tail], True, 1 / math.sqrt(d))
+    assert err <= allowed, f"last batches: {err:.3e} > {allowed:.3e}"
+    del q, k, v, out
+    cupy.get_default_memory_pool().free_all_blocks()
