@@ -24,6 +24,61 @@ def select_fwd_config(problem: _validate.FwdProblem) -> _configs.FwdConfig:
     return _configs.default_fwd_config(problem.head_dim, _smem_optin(problem.device))
 
 
+class _FwdPlan:
+    """Everything about a launch that depends only on shapes, strides, dtype, device and options.
+
+    Built once (full validation included) and cached, so a repeated call costs a dict lookup, two
+    allocations and the launch.
+    """
+
+    __slots__ = ("device", "kernel", "grid", "block", "smem", "out_shape", "dtype", "lse_shape", "tail")
+
+    def __init__(self, p: _validate.FwdProblem, cfg: _configs.FwdConfig, q, k, v):
+        m_blocks = -(-p.seqlen_q // cfg.block_q)
+        n_blocks = m_blocks * p.heads * p.batch
+        if n_blocks > _MAX_GRID_X:
+            raise ValueError(f"problem too large: {n_blocks} thread blocks exceed the grid limit {_MAX_GRID_X}")
+        self.device = p.device
+        self.kernel = _compile.get_fwd_kernel(cfg, p.dtype, p.device)
+        self.grid, self.block, self.smem = (n_blocks,), (cfg.threads,), cfg.smem_bytes
+        self.out_shape, self.dtype = tuple(q.shape), q.dtype
+        self.lse_shape = (p.batch, p.heads, p.seqlen_q)
+        it = q.dtype.itemsize
+        out_strides = (p.seqlen_q * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim)  # fresh contiguous out
+        # per tensor (batch, seqlen, heads) strides in elements, in CUFLASH_FWD_PARAMS order
+        strides = [np.int64(s // it) for a in (q, k, v) for s in a.strides[:3]] + [np.int64(s) for s in out_strides]
+        self.tail = (*strides, np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
+                     np.float32(p.softmax_scale * LOG2E), np.int32(p.causal))
+
+    def run(self, q, k, v, out=None, lse=None):
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            if out is None:
+                out = cupy.empty(self.out_shape, dtype=self.dtype)
+            if lse is None:
+                lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
+            self.kernel(self.grid, self.block, (q, k, v, out, lse, *self.tail), shared_mem=self.smem)
+        return out, lse
+
+
+_plans: dict = {}
+_MAX_PLANS = 4096
+
+
+def _plan_key(q, k, v, causal, softmax_scale):
+    # Alignment of the base pointers is part of the key (it decides validity); the pointers are not.
+    return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
+            (q.data.ptr | k.data.ptr | v.data.ptr) % _validate.ALIGN_BYTES,
+            q.data.device_id, k.data.device_id, v.data.device_id, causal, softmax_scale)
+
+
+def _build_plan(q, k, v, causal, softmax_scale, config) -> _FwdPlan:
+    qi, ki, vi = (_validate.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    p = _validate.check_forward(qi, ki, vi, causal, softmax_scale)
+    return _FwdPlan(p, config or select_fwd_config(p), q, k, v)
+
+
 def forward(q, k, v, *, causal=False, softmax_scale=None, config: _configs.FwdConfig | None = None,
             out=None, lse=None):
     """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
@@ -33,31 +88,25 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, config: _configs.FwdCo
     """
     import cupy
 
-    qi, ki, vi = (_validate.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    p = _validate.check_forward(qi, ki, vi, causal, softmax_scale)
-    cfg = config or select_fwd_config(p)
-    m_blocks = -(-p.seqlen_q // cfg.block_q)
-    n_blocks = m_blocks * p.heads * p.batch
-    if n_blocks > _MAX_GRID_X:
-        raise ValueError(f"problem too large: {n_blocks} thread blocks exceed the grid limit {_MAX_GRID_X}")
-
-    with cupy.cuda.Device(p.device):
-        out = cupy.empty(q.shape, dtype=q.dtype) if out is None else _checked_out(out, q)
-        lse_shape = (p.batch, p.heads, p.seqlen_q)
-        lse = cupy.empty(lse_shape, dtype=cupy.float32) if lse is None else _checked_lse(lse, lse_shape)
-        kern = _compile.get_fwd_kernel(cfg, p.dtype, p.device)
-        es = [a.strides for a in (q, k, v, out)]
-        it = q.dtype.itemsize
-        strides = [np.int64(s // it) for st in es for s in st[:3]]
-        # strides come in (batch, seqlen, heads) order per tensor, matching CUFLASH_FWD_PARAMS
-        kern(
-            (n_blocks,), (cfg.threads,),
-            (q, k, v, out, lse, *strides,
-             np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
-             np.float32(p.softmax_scale * LOG2E), np.int32(p.causal)),
-            shared_mem=cfg.smem_bytes,
-        )
-    return out, lse
+    if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
+        try:
+            key = _plan_key(q, k, v, causal, softmax_scale)
+            plan = _plans.get(key)
+        except TypeError:  # unhashable option: let validation name it
+            key = plan = None
+        if plan is None:
+            plan = _build_plan(q, k, v, causal, softmax_scale, None)
+            if key is not None:
+                if len(_plans) >= _MAX_PLANS:  # many distinct shapes (e.g. serving): start over
+                    _plans.clear()
+                _plans[key] = plan
+    else:
+        plan = _build_plan(q, k, v, causal, softmax_scale, config)
+    if out is not None:
+        out = _checked_out(out, q)
+    if lse is not None:
+        lse = _checked_lse(lse, plan.lse_shape)
+    return plan.run(q, k, v, out, lse)
 
 
 def _checked_out(out, q):
@@ -65,7 +114,8 @@ def _checked_out(out, q):
     if info.shape != tuple(q.shape) or info.dtype != q.dtype.name or info.device != q.device.id:
         raise ValueError(f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype.name}, device {q.device.id}), "
                          f"got shape {info.shape}, dtype {info.dtype}, device {info.device}")
-    _validate.check_layout(info, "out")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
     return out
 
 
