@@ -10,9 +10,9 @@ import numpy as np
 
 
 def _gpu_reason() -> str | None:
-    from .bench import _cuda_device_count
+    from ._device import cuda_device_count
 
-    n, why = _cuda_device_count()
+    n, why = cuda_device_count()
     return None if n else why
 
 

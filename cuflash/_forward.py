@@ -1,27 +1,18 @@
 """Forward pass: validate, pick a config, allocate outputs, launch on CuPy's current stream."""
 from __future__ import annotations
 
-import functools
-import math
 
 import numpy as np
 
-from . import _compile, _configs, _validate
+from . import _compile, _configs, _device, _validate
 
 LOG2E = 1.4426950408889634
 # Grid is 1-D (blockIdx.x = m_block + m_blocks * (head + heads * batch)); its limit is 2^31 - 1.
 _MAX_GRID_X = 2**31 - 1
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_optin(device_id: int) -> int:
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceProperties(device_id)["sharedMemPerBlockOptin"]
-
-
 def select_fwd_config(problem: _validate.FwdProblem) -> _configs.FwdConfig:
-    return _configs.default_fwd_config(problem.head_dim, _smem_optin(problem.device))
+    return _configs.default_fwd_config(problem.head_dim, _device.smem_optin(problem.device))
 
 
 class _FwdPlan:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Callable, NamedTuple
 
+from ._device import cuda_device_count as _cuda_device_count
 from ._timing import bytes_attention, flops_attention, time_cuda
 
 BACKENDS = ("cuflash", "sdpa_flash", "sdpa_cudnn")
@@ -169,17 +170,6 @@ def write_json(path, env: dict, settings: dict, records: list[dict]) -> None:
 
 
 # ----------------------------------------------------------------------------- measuring (GPU)
-
-
-def _cuda_device_count() -> tuple[int, str]:
-    """(number of CUDA devices, why none) -- any CuPy/driver failure counts as no GPU."""
-    try:
-        import cupy
-
-        n = cupy.cuda.runtime.getDeviceCount()
-        return n, "" if n else "getDeviceCount() returned 0"
-    except Exception as e:  # ImportError, CUDARuntimeError (no driver, insufficient driver, ...)
-        return 0, f"{type(e).__name__}: {e}"
 
 
 def _load_torch():

@@ -5,7 +5,7 @@ import cupy
 import numpy as np
 
 import cuflash
-from cuflash import _forward
+
 from tests.gpu._oracle import dtype_of, random_qkv
 
 q, k, v = random_qkv(np.random.default_rng(0), 1, 128, 128, 1, 64, dtype_of("bfloat16"))

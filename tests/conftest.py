@@ -9,15 +9,10 @@ import pytest
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001 - any import failure means no GPU path
-        return f"CuPy not importable ({e.__class__.__name__})"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001
-        return f"no CUDA GPU present ({e.__class__.__name__})"
-    return None if n > 0 else "no CUDA GPU present (0 devices)"
+    from cuflash._device import cuda_device_count
+
+    n, why = cuda_device_count()
+    return None if n > 0 else f"no CUDA GPU present ({why.split(':')[0]})"
 
 
 def pytest_collection_modifyitems(config, items):
