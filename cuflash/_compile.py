@@ -13,7 +13,6 @@ import importlib.resources
 import pathlib
 import re
 
-from ._configs import FwdConfig
 
 _DTYPE_TAG = {"float16": ("f16", "false"), "bfloat16": ("bf16", "true")}
 
@@ -42,26 +41,41 @@ def source_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-def fwd_kernel_name(cfg: FwdConfig, dtype: str) -> str:
+# kernel -> (header, device template, parameter macro, argument macro). Every kernel template takes
+# <BF16, D, BR, BC, WARPS, STAGES>; the config's KERNEL names its row here.
+_KERNELS = {
+    "fwd": ("flash_fwd.cuh", "cuflash::flash_fwd", "CUFLASH_FWD_PARAMS", "CUFLASH_FWD_ARGS"),
+    "bwd": ("flash_bwd.cuh", "cuflash::flash_bwd_dkdv", "CUFLASH_BWD_PARAMS", "CUFLASH_BWD_ARGS"),
+    "bwd_dq": ("flash_bwd.cuh", "cuflash::flash_bwd_dq", "CUFLASH_DQ_PARAMS", "CUFLASH_DQ_ARGS"),
+}
+
+
+def kernel_name(cfg, dtype: str) -> str:
     tag = _DTYPE_TAG[dtype][0]
-    return (f"cuflash_fwd_{tag}_d{cfg.head_dim}_br{cfg.block_q}_bc{cfg.block_k}"
+    return (f"cuflash_{cfg.KERNEL}_{tag}_d{cfg.head_dim}_br{cfg.block_q}_bc{cfg.block_k}"
             f"_w{cfg.warps}_s{cfg.stages}")
 
 
-def fwd_source(cfg: FwdConfig, dtype: str) -> str:
+def kernel_source(cfg, dtype: str) -> str:
+    """The generated extern "C" shell for one config of any kernel in _KERNELS."""
     problem = cfg.structural_problem()
     if problem:
-        raise ValueError(f"invalid forward config {cfg}: {problem}")
+        raise ValueError(f"invalid {cfg.KERNEL} config {cfg}: {problem}")
+    header, template, params, args = _KERNELS[cfg.KERNEL]
     bf16 = _DTYPE_TAG[dtype][1]
-    name = fwd_kernel_name(cfg, dtype)
     return (
         f"// cuflash generated shell; kernels_cu sources {source_fingerprint()}\n"
-        f'#include "flash_fwd.cuh"\n'
-        f'extern "C" __global__ void __launch_bounds__({cfg.threads}) {name}(CUFLASH_FWD_PARAMS) {{\n'
-        f"    cuflash::flash_fwd<{bf16}, {cfg.head_dim}, {cfg.block_q}, {cfg.block_k}, "
-        f"{cfg.warps}, {cfg.stages}>(CUFLASH_FWD_ARGS);\n"
+        f'#include "{header}"\n'
+        f'extern "C" __global__ void __launch_bounds__({cfg.threads}) {kernel_name(cfg, dtype)}({params}) {{\n'
+        f"    {template}<{bf16}, {cfg.head_dim}, {cfg.block_q}, {cfg.block_k}, "
+        f"{cfg.warps}, {cfg.stages}>({args});\n"
         f"}}\n"
     )
+
+
+# The forward's names, kept for the tests and scripts written against them.
+fwd_kernel_name = kernel_name
+fwd_source = kernel_source
 
 
 def nvrtc_options(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -109,17 +123,47 @@ def parse_ptxas_log(log: str) -> dict:
 _loaded: dict = {}
 
 
-def get_fwd_kernel(cfg: FwdConfig, dtype: str, device_id: int):
+def _load(source: str, name: str, smem_bytes: int, device_id: int):
+    import cupy
+
+    with cupy.cuda.Device(device_id):
+        mod = cupy.RawModule(code=source, options=nvrtc_options(), backend="nvrtc")
+        fn = mod.get_function(name)
+        if smem_bytes > 48 * 1024:
+            fn.max_dynamic_shared_size_bytes = smem_bytes
+    return fn
+
+
+def get_kernel(cfg, dtype: str, device_id: int):
     """The loaded kernel for (config, dtype) on a device; compiled once per process and device."""
-    key = (cfg, dtype, device_id)
+    key = (cfg.KERNEL, cfg, dtype, device_id)
     fn = _loaded.get(key)
     if fn is None:
-        import cupy
+        fn = _loaded[key] = _load(kernel_source(cfg, dtype), kernel_name(cfg, dtype), cfg.smem_bytes, device_id)
+    return fn
 
-        with cupy.cuda.Device(device_id):
-            mod = cupy.RawModule(code=fwd_source(cfg, dtype), options=nvrtc_options(), backend="nvrtc")
-            fn = mod.get_function(fwd_kernel_name(cfg, dtype))
-            if cfg.smem_bytes > 48 * 1024:
-                fn.max_dynamic_shared_size_bytes = cfg.smem_bytes
-        _loaded[key] = fn
+
+get_fwd_kernel = get_kernel
+
+
+def aux_source(name: str, dtype: str, head_dim: int) -> tuple[str, str]:
+    """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`)."""
+    tag, bf16 = _DTYPE_TAG[dtype]
+    fn = f"cuflash_{name}_{tag}_d{head_dim}"
+    params = {"bwd_prep": "CUFLASH_PREP_PARAMS", "bwd_dq_convert": "CUFLASH_CONVERT_PARAMS"}[name]
+    return (
+        f"// cuflash generated shell; kernels_cu sources {source_fingerprint()}\n"
+        f'#include "flash_bwd.cuh"\n'
+        f'extern "C" __global__ void {fn}({params}) {{\n'
+        f"    cuflash::{name}<{bf16}, {head_dim}>({params.replace('PARAMS', 'ARGS')});\n"
+        f"}}\n"
+    ), fn
+
+
+def get_aux_kernel(name: str, dtype: str, head_dim: int, device_id: int):
+    key = ("aux", name, dtype, head_dim, device_id)
+    fn = _loaded.get(key)
+    if fn is None:
+        src, fname = aux_source(name, dtype, head_dim)
+        fn = _loaded[key] = _load(src, fname, 0, device_id)
     return fn

@@ -1,7 +1,12 @@
-"""Kernel configurations: what a forward config is, which ones exist, which one runs by default.
+"""Kernel configurations: what a config of each kernel is, which ones exist, which one runs by default.
 
-A config fixes the compile-time constants of one kernel instance. The tuner (issue 4) searches the
-space built here; the heuristic defaults below serve until a tuned table exists.
+A config fixes the compile-time constants of one kernel instance. The tuner searches the spaces
+built here; the heuristic defaults below serve until a tuned table exists.
+
+Kernels (the `KERNEL` name of each config class):
+  "fwd"      FwdConfig   kernels_cu/flash_fwd.cuh   forward, v2 algorithm
+  "bwd"      BwdConfig   kernels_cu/flash_bwd.cuh   backward main kernel: dK, dV (and dQ by atomics)
+  "bwd_dq"   DqConfig    kernels_cu/flash_bwd.cuh   deterministic backward: dQ without atomics
 """
 from __future__ import annotations
 
@@ -15,6 +20,8 @@ DTYPE_NAMES = ("float16", "bfloat16")
 @dataclasses.dataclass(frozen=True, order=True)
 class FwdConfig:
     """Compile-time shape of the v2 forward kernel (kernels_cu/flash_fwd.cuh)."""
+
+    KERNEL = "fwd"
 
     head_dim: int
     block_q: int  # BR: query rows per thread block
@@ -81,3 +88,146 @@ def default_fwd_config(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> Fwd
 def selectable_fwd_configs() -> list[FwdConfig]:
     """Configs the package may pick at run time without tuning (the CPU compile test covers these)."""
     return sorted({c for cands in _DEFAULTS.values() for c in cands})
+
+
+# ----------------------------------------------------------------------------- backward
+
+def _copy_problem(threads: int, head_dim: int, *tiles: int) -> str | None:
+    step = threads // (head_dim // 8)  # rows one pass of a tile copy covers
+    if step % 8 or any(t % step for t in tiles):
+        return f"tiles of {'/'.join(map(str, tiles))} rows do not split into copy passes of {step} rows"
+    return None
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class BwdConfig:
+    """Compile-time shape of the backward main kernel (kernels_cu/flash_bwd.cuh, flash_bwd_dkdv).
+
+    One thread block owns block_k keys (16 per warp) and keeps their dK, dV in registers while it
+    walks the query tiles of block_q rows through a cp.async ring of `stages` slots.
+    """
+
+    KERNEL = "bwd"
+
+    head_dim: int
+    block_q: int  # BR: query rows per step of the inner loop
+    block_k: int  # BC: key rows the block owns; 16 per warp
+    warps: int
+    stages: int  # depth of the cp.async Q / dO ring
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # K, V tiles + STAGES x (Q, dO tiles) + dS^T tile (16-bit) + STAGES x (lse, delta) rows (fp32)
+        # (mirrors BwdShape::SMEM_BYTES)
+        d, br, bc, s = self.head_dim, self.block_q, self.block_k, self.stages
+        return 2 * d * (2 * bc + 2 * s * br) + 2 * bc * br + 2 * s * br * 4
+
+    def structural_problem(self) -> str | None:
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.block_k != 16 * self.warps:
+            return f"block_k must be 16*warps ({16 * self.warps}), got {self.block_k}"
+        if self.block_q % 64:
+            return f"block_q {self.block_q} is not a multiple of 64"
+        if self.stages < 2:
+            return "stages must be >= 2"
+        wm = min(self.warps, self.block_q // 16)  # dQ = dS K split over warps: wm x wn
+        wn = self.warps // wm
+        if self.warps % wm or (self.head_dim // wn) % 16:
+            return f"dQ tile {self.block_q}x{self.head_dim} does not split over {self.warps} warps"
+        return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
+
+    def fits(self, smem_optin_bytes: int) -> bool:
+        return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class DqConfig:
+    """Compile-time shape of the deterministic dQ kernel (kernels_cu/flash_bwd.cuh, flash_bwd_dq).
+
+    Laid out like the forward: warps own query rows, K/V tiles stream through a cp.async ring.
+    """
+
+    KERNEL = "bwd_dq"
+
+    head_dim: int
+    block_q: int  # BR: query rows per block, 16 per warp
+    block_k: int  # BC: key rows per K/V tile
+    warps: int
+    stages: int
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q, dO tiles + STAGES x (K, V tiles) (mirrors DqShape::SMEM_BYTES)
+        return 2 * self.head_dim * (2 * self.block_q + 2 * self.stages * self.block_k)
+
+    def structural_problem(self) -> str | None:
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.block_q != 16 * self.warps:
+            return f"block_q must be 16*warps ({16 * self.warps}), got {self.block_q}"
+        if self.block_k % 16:
+            return f"block_k {self.block_k} is not a multiple of 16"
+        if self.stages < 2:
+            return "stages must be >= 2"
+        return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
+
+    def fits(self, smem_optin_bytes: int) -> bool:
+        return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
+
+
+def bwd_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[BwdConfig]:
+    out = []
+    for bq, w, s in itertools.product((64, 128), (4, 8), (2, 3)):
+        cfg = BwdConfig(head_dim, bq, 16 * w, w, s)
+        if cfg.fits(smem_optin_bytes):
+            out.append(cfg)
+    return out
+
+
+def dq_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[DqConfig]:
+    out = []
+    for w, bk, s in itertools.product((4, 8), (32, 64, 128), (2, 3)):
+        cfg = DqConfig(head_dim, 16 * w, bk, w, s)
+        if cfg.fits(smem_optin_bytes):
+            out.append(cfg)
+    return out
+
+
+# Preferences until measured (docs/perf-notes.md); first that fits wins.
+_BWD_DEFAULTS = {
+    64: (BwdConfig(64, 128, 128, 8, 2), BwdConfig(64, 64, 128, 8, 2), BwdConfig(64, 64, 64, 4, 2)),
+    128: (BwdConfig(128, 64, 128, 8, 2), BwdConfig(128, 64, 64, 4, 2)),
+}
+_DQ_DEFAULTS = {
+    64: (DqConfig(64, 128, 64, 8, 2), DqConfig(64, 64, 64, 4, 2)),
+    128: (DqConfig(128, 128, 64, 8, 2), DqConfig(128, 64, 64, 4, 2)),
+}
+
+
+def _first_fit(table, head_dim, smem_optin_bytes, what):
+    for cfg in table[head_dim]:
+        if cfg.fits(smem_optin_bytes):
+            return cfg
+    raise RuntimeError(f"no {what} config for head_dim {head_dim} fits in {smem_optin_bytes} bytes of shared memory")
+
+
+def default_bwd_config(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> BwdConfig:
+    return _first_fit(_BWD_DEFAULTS, head_dim, smem_optin_bytes, "backward")
+
+
+def default_dq_config(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> DqConfig:
+    return _first_fit(_DQ_DEFAULTS, head_dim, smem_optin_bytes, "deterministic dQ")
+
+
+def selectable_bwd_configs() -> list:
+    return sorted({c for t in (_BWD_DEFAULTS, _DQ_DEFAULTS) for cands in t.values() for c in cands},
+                  key=lambda c: (c.KERNEL, c))
