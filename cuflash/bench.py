@@ -66,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-sdpa", action="store_true", help="do not use torch, measure cuflash only")
     p.add_argument("--reps", type=int, default=50, help="timed runs per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--passes", nargs="+", choices=sorted(PASS_BENCHES), default=["fwd", "bwd"])
     p.add_argument("--quick", action="store_true", help="only seqlen 2048 and 8192")
     args = p.parse_args(argv)
     if args.quick:
@@ -270,9 +271,56 @@ def _fwd_benches(case: Case, sets: list[dict], torch) -> dict[str, Bench]:
     return benches
 
 
-# pass name -> builder of {backend: Bench}. A backward pass only adds "bwd" here (flops, bytes,
-# table rows and JSON already handle any pass) and a --passes option to main.
-PASS_BENCHES = {"fwd": _fwd_benches}
+def _bwd_benches(case: Case, sets: list[dict], torch) -> dict[str, Bench]:
+    """Backward only: the forward's results (and SDPA's autograd graphs) are built before timing."""
+    import cupy
+
+    from . import _backward, _forward
+
+    cf_rot = []
+    for s in sets:
+        q, k, v = s["cupy"]
+        out, lse = _forward.forward(q, k, v, causal=case.causal)
+        dout = cupy.random.standard_normal(q.shape, dtype=cupy.float32).astype(q.dtype)
+        cf_rot.append((dout, q, k, v, out, lse))
+
+    def cf(dout, q, k, v, out, lse):
+        return _backward.backward(dout, q, k, v, out, lse, causal=case.causal)
+
+    benches = {"cuflash": Bench(cf, cf_rot, "cupy")}
+    if torch is not None:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def graphs(backend):
+            rot = []
+            with sdpa_kernel(backend):
+                for s in sets:
+                    q, k, v = (t.detach().requires_grad_() for t in s["torch_bhnd"])
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+                    rot.append((out, torch.randn_like(out), q, k, v))
+            return rot
+
+        def sdpa_bwd(out, dout, q, k, v):
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    benches[name] = Bench(sdpa_bwd, graphs(backend), "torch")
+            except Exception as e:  # the backend cannot run this case: measure_case records why
+                benches[name] = Bench(_raiser(e), [()], "torch")
+    return benches
+
+
+def _raiser(e: Exception):
+    def fn(*_):
+        raise e
+    return fn
+
+
+# pass name -> builder of {backend: Bench}; flops, bytes, table rows and JSON handle any pass.
+PASS_BENCHES = {"fwd": _fwd_benches, "bwd": _bwd_benches}
 
 
 def _check_fwd(rec: dict, benches: dict[str, Bench], torch) -> None:
@@ -351,7 +399,8 @@ def main(argv=None) -> int:
 
     records = []
     for case in cases:
-        rec = measure_case(case, dtype=args.dtype, torch=torch, reps=args.reps, warmup=args.warmup)
+        rec = measure_case(case, dtype=args.dtype, torch=torch, passes=tuple(args.passes), reps=args.reps,
+                           warmup=args.warmup)
         records.append(rec)
         for row in format_rows(rec):
             print(row, flush=True)

@@ -105,4 +105,24 @@ __device__ __forceinline__ int swz(int row, int chunk) {
     return (row * ROW_CHUNKS + (chunk ^ (row & 7))) * 16;
 }
 
+// Copy rows [row0, row0+ROWS) of one (batch, head) slice into a swizzled shared tile; rows
+// at or past `n_rows` are zero-filled. Thread t copies chunk t % CH of rows t / CH + i*STEP:
+// STEP is a multiple of 8, so every row a thread touches has the same swizzle and one pointer
+// plus one 64-bit stride serve all of them.
+template <int ROWS, int CH, int THREADS>
+__device__ __forceinline__ void load_tile(u32 s_base, const elem_t* g, long long row_stride,
+                                          int row0, int n_rows, int tid) {
+    constexpr int STEP = THREADS / CH;
+    static_assert(THREADS % CH == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "tile copy layout");
+    const int r = tid / CH, c = tid % CH;
+    const elem_t* src = g + (long long)(row0 + r) * row_stride + c * 8;
+    const long long src_step = (long long)STEP * row_stride;
+    const u32 dst = s_base + swz<CH>(r, c);
+#pragma unroll
+    for (int i = 0; i < ROWS / STEP; ++i) {
+        bool ok = row0 + r + i * STEP < n_rows;
+        cp_async_16(dst + i * STEP * CH * 16, ok ? src + i * src_step : g, ok);
+    }
+}
+
 }  // namespace cuflash

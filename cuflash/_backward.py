@@ -1,0 +1,179 @@
+"""Backward pass: validate, pick configs, allocate gradients and workspaces, launch on CuPy's stream.
+
+Launch sequence (kernels_cu/flash_bwd.cuh):
+    bwd_prep        delta = rowsum(dO * O), lse2 = lse * log2(e) (+inf where P must be 0), dq_acc = 0
+    flash_bwd_dkdv  dK, dV per key tile; dQ added to the fp32 dq_acc with atomics
+    bwd_dq_convert  dq = softmax_scale * dq_acc, to the input dtype
+With deterministic=True the atomics are off and flash_bwd_dq computes dQ in registers instead
+(bitwise reproducible, three extra GEMMs).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile, _configs, _device, _validate
+from ._forward import LOG2E, _MAX_GRID_X
+
+# lse2 / delta / dq_acc rows are padded to this multiple (>= every block_q) so the kernels copy
+# them with unguarded 16-byte loads.
+_ROW_PAD = 128
+_AUX_THREADS = 256
+
+
+def select_bwd_config(p: _validate.FwdProblem) -> _configs.BwdConfig:
+    return _tuned_or_default("bwd", p, _configs.default_bwd_config)
+
+
+def select_dq_config(p: _validate.FwdProblem) -> _configs.DqConfig:
+    return _tuned_or_default("bwd_dq", p, _configs.default_dq_config)
+
+
+def _tuned_or_default(kernel, p, default):
+    try:
+        from . import _tuned
+    except ImportError:  # the tuner is optional at run time
+        _tuned = None
+    cfg = _tuned.lookup(kernel, p) if _tuned is not None and hasattr(_tuned, "lookup") else None
+    return cfg or default(p.head_dim, _device.smem_optin(p.device))
+
+
+class _BwdPlan:
+    __slots__ = ("device", "deterministic", "prep", "prep_grid", "main", "main_grid", "main_block", "main_smem",
+                 "post", "post_grid", "post_block", "post_smem", "shapes", "dtype", "ws_rows", "head_dim",
+                 "prep_tail", "main_tail", "post_tail")
+
+    def __init__(self, p: _validate.FwdProblem, cfg, dq_cfg, q, k, v, dout, out, deterministic: bool):
+        it = q.dtype.itemsize
+        b, nq, nk, h, d = p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim
+        pad = -(-nq // _ROW_PAD) * _ROW_PAD
+        ch = d // 8
+        i32, i64, f32 = np.int32, np.int64, np.float32
+
+        def st(a):  # (batch, seqlen, heads) strides in elements
+            return [i64(s // it) for s in a.strides[:3]]
+
+        def fresh(n):  # strides of a fresh contiguous (b, n, h, d) gradient
+            return [i64(n * h * d), i64(h * d), i64(d)]
+
+        self.device, self.deterministic = p.device, deterministic
+        self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
+        self.dtype, self.head_dim = q.dtype, d
+        self.ws_rows = b * h * pad
+
+        self.prep = _compile.get_aux_kernel("bwd_prep", p.dtype, d, p.device)
+        self.prep_grid = (-(-self.ws_rows * ch // _AUX_THREADS),)
+        self.prep_tail = (*st(out), *st(dout), i32(h), i32(nq), i32(pad), i64(self.ws_rows))
+
+        n_blocks = -(-nk // cfg.block_k)
+        grid = n_blocks * h * b
+        if grid > _MAX_GRID_X:
+            raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit {_MAX_GRID_X}")
+        self.main = _compile.get_kernel(cfg, p.dtype, p.device)
+        self.main_grid, self.main_block, self.main_smem = (grid,), (cfg.threads,), cfg.smem_bytes
+        scale_log2, scale = f32(p.softmax_scale * LOG2E), f32(p.softmax_scale)
+        self.main_tail = (*st(q), *st(k), *st(v), *st(dout), *fresh(nk), *fresh(nk),
+                          i32(h), i32(nq), i32(nk), i32(pad), i32(n_blocks), scale_log2, scale, i32(p.causal))
+
+        if deterministic:
+            m_blocks = -(-nq // dq_cfg.block_q)
+            if m_blocks * h * b > _MAX_GRID_X:
+                raise ValueError(f"problem too large: {m_blocks * h * b} thread blocks exceed the grid limit")
+            self.post = _compile.get_kernel(dq_cfg, p.dtype, p.device)
+            self.post_grid, self.post_block, self.post_smem = (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes
+            self.post_tail = (*st(q), *st(k), *st(v), *st(dout), *fresh(nq),
+                              i32(h), i32(nq), i32(nk), i32(pad), i32(m_blocks), scale_log2, scale, i32(p.causal))
+        else:
+            self.post = _compile.get_aux_kernel("bwd_dq_convert", p.dtype, d, p.device)
+            n_rows = b * h * nq
+            self.post_grid, self.post_block, self.post_smem = (-(-n_rows * ch // _AUX_THREADS),), (_AUX_THREADS,), 0
+            self.post_tail = (*fresh(nq), i32(h), i32(nq), i32(pad), scale, i64(n_rows))
+
+    def run(self, dout, q, k, v, out, lse):
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            dq = cupy.empty(self.shapes[0], dtype=self.dtype)
+            dk = cupy.empty(self.shapes[1], dtype=self.dtype)
+            dv = cupy.empty(self.shapes[2], dtype=self.dtype)
+            delta = cupy.empty(self.ws_rows, dtype=cupy.float32)
+            lse2 = cupy.empty(self.ws_rows, dtype=cupy.float32)
+            dq_acc = None if self.deterministic else cupy.empty(self.ws_rows * self.head_dim, dtype=cupy.float32)
+            null = dq_acc if dq_acc is not None else np.uint64(0)
+            self.prep(self.prep_grid, (_AUX_THREADS,), (out, dout, lse, delta, lse2, null, *self.prep_tail))
+            self.main(self.main_grid, self.main_block, (q, k, v, dout, lse2, delta, null, dk, dv, *self.main_tail),
+                      shared_mem=self.main_smem)
+            if self.deterministic:
+                self.post(self.post_grid, self.post_block, (q, k, v, dout, lse2, delta, dq, *self.post_tail),
+                          shared_mem=self.post_smem)
+            else:
+                self.post(self.post_grid, self.post_block, (dq_acc, dq, *self.post_tail))
+        return dq, dk, dv
+
+
+_plans: dict = {}
+_MAX_PLANS = 4096
+
+
+def _plan_key(arrays, causal, softmax_scale, deterministic):
+    ptr_bits = 0
+    for a in arrays:
+        ptr_bits |= a.data.ptr
+    return (tuple((a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays),
+            ptr_bits % _validate.ALIGN_BYTES, causal, softmax_scale, deterministic)
+
+
+def _build_plan(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, config, dq_config) -> _BwdPlan:
+    infos = {n: _validate.describe(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"))}
+    p = _validate.check_forward(infos["q"], infos["k"], infos["v"], causal, softmax_scale)
+    _check_grad_inputs(infos, lse, p)
+    if not isinstance(deterministic, (bool, int)) or deterministic not in (0, 1):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    cfg = config or select_bwd_config(p)
+    dq_cfg = (dq_config or select_dq_config(p)) if deterministic else None
+    return _BwdPlan(p, cfg, dq_cfg, q, k, v, dout, out, bool(deterministic))
+
+
+def _check_grad_inputs(infos, lse, p):
+    q = infos["q"]
+    for name in ("dout", "out"):
+        a = infos[name]
+        _validate.check_layout(a, name)
+        if a.shape != q.shape or a.dtype != q.dtype or a.device != q.device:
+            raise ValueError(f"{name} must match q (shape {q.shape}, dtype {q.dtype}, device {q.device}), "
+                             f"got shape {a.shape}, dtype {a.dtype}, device {a.device}")
+    import cupy
+
+    want = (p.batch, p.heads, p.seqlen_q)
+    if not isinstance(lse, cupy.ndarray):
+        raise TypeError(f"lse must be a CuPy array, got {type(lse).__module__}.{type(lse).__name__}")
+    if lse.shape != want or lse.dtype != cupy.float32 or not lse.flags.c_contiguous or lse.device.id != q.device:
+        raise ValueError(f"lse must be a C-contiguous float32 array of shape {want} on device {q.device} "
+                         f"(as returned by the forward), got shape {lse.shape}, dtype {lse.dtype}, "
+                         f"device {lse.device.id}")
+
+
+def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
+             config: _configs.BwdConfig | None = None, dq_config: _configs.DqConfig | None = None):
+    """Gradients (dq, dk, dv) of attention for upstream gradient `dout`; CuPy arrays like q, k, v.
+
+    `out` and `lse` are the forward's results for the same q, k, v, causal and softmax_scale.
+    `config` / `dq_config` override the selected kernel configs (tuner, tests).
+    """
+    import cupy
+
+    arrays = (dout, q, k, v, out, lse)
+    if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
+        try:
+            key = _plan_key(arrays, causal, softmax_scale, deterministic)
+            plan = _plans.get(key)
+        except TypeError:
+            key = plan = None
+        if plan is None:
+            plan = _build_plan(*arrays, causal, softmax_scale, deterministic, None, None)
+            if key is not None:
+                if len(_plans) >= _MAX_PLANS:
+                    _plans.clear()
+                _plans[key] = plan
+    else:
+        plan = _build_plan(*arrays, causal, softmax_scale, deterministic, config, dq_config)
+    return plan.run(dout, q, k, v, out, lse)

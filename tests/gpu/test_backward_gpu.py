@@ -1,0 +1,107 @@
+"""Backward kernels on the GPU against float64 gradients, by FlashAttention's 2x rule (issue 3)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.gpu._oracle import dtype_of, random_qkv
+from tests.gpu._oracle_bwd import fa_rule_grads
+from tests.gpu.test_forward_gpu import SEQLEN_PAIRS
+
+pytestmark = pytest.mark.gpu
+
+
+def _fwd_bwd(q, k, v, dout, causal, deterministic=False, config=None, dq_config=None):
+    from cuflash import _backward, _forward
+
+    out, lse = _forward.forward(q, k, v, causal=causal)
+    grads = _backward.backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic,
+                               config=config, dq_config=dq_config)
+    return out, lse, grads
+
+
+def _check(grads, q, k, v, dout, causal, what=""):
+    import cupy
+
+    for g, x in zip(grads, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        assert not bool(cupy.isnan(g.astype(cupy.float32)).any()), f"NaN in gradient {what}"
+    res = fa_rule_grads(grads, q, k, v, dout, causal, 1 / math.sqrt(q.shape[-1]))
+    for name, (err, pt_err, allowed) in res.items():
+        assert err <= allowed, f"{name}{what}: max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt_err:.3e})"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", SEQLEN_PAIRS)
+def test_backward_matches_reference(nq, nk, causal, d, dtype, deterministic):
+    rng = np.random.default_rng(hash((nq, nk, causal, d, dtype, deterministic, "bwd")) % 2**32)
+    q, k, v = random_qkv(rng, 2, nq, nk, 3, d, dtype_of(dtype))
+    dout, _, _ = random_qkv(rng, 2, nq, 1, 3, d, dtype_of(dtype))
+    _, _, grads = _fwd_bwd(q, k, v, dout, causal, deterministic)
+    _check(grads, q, k, v, dout, causal)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_every_backward_config(d):
+    from cuflash import _configs, _device
+
+    smem = _device.smem_optin(0)
+    rng = np.random.default_rng(d + 1)
+    for nq, nk, causal in ((200, 333, True), (129, 70, True), (257, 190, False)):
+        q, k, v = random_qkv(rng, 1, nq, nk, 2, d, dtype_of("bfloat16"))
+        dout, _, _ = random_qkv(rng, 1, nq, 1, 2, d, dtype_of("bfloat16"))
+        for cfg in _configs.bwd_space(d, smem):
+            _, _, grads = _fwd_bwd(q, k, v, dout, causal, config=cfg)
+            _check(grads, q, k, v, dout, causal, f" {cfg} {(nq, nk, causal)}")
+        for cfg in _configs.dq_space(d, smem):
+            _, _, grads = _fwd_bwd(q, k, v, dout, causal, deterministic=True, dq_config=cfg)
+            _check(grads, q, k, v, dout, causal, f" {cfg} {(nq, nk, causal)}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_is_bitwise_reproducible(causal):
+    import cupy
+
+    rng = np.random.default_rng(7)
+    q, k, v = random_qkv(rng, 2, 1031, 1031, 4, 128, dtype_of("bfloat16"))
+    dout, _, _ = random_qkv(rng, 2, 1031, 1, 4, 128, dtype_of("bfloat16"))
+    _, _, first = _fwd_bwd(q, k, v, dout, causal, deterministic=True)
+    for _ in range(5):
+        _, _, again = _fwd_bwd(q, k, v, dout, causal, deterministic=True)
+        for a, b in zip(first, again):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+    # the atomic path agrees with it to rounding (dk, dv are computed identically)
+    _, _, fast = _fwd_bwd(q, k, v, dout, causal, deterministic=False)
+    assert bool((fast[1].view(cupy.uint16) == first[1].view(cupy.uint16)).all())
+    assert bool((fast[2].view(cupy.uint16) == first[2].view(cupy.uint16)).all())
+    assert float(cupy.abs(fast[0].astype(cupy.float32) - first[0].astype(cupy.float32)).max()) < 2e-2
+
+
+def test_backward_strided_inputs_match_contiguous():
+    """q, k, v slices of one packed (b, n, 3, h, d) array; dout a transposed view."""
+    import cupy
+
+    rng = np.random.default_rng(3)
+    b, n, h, d = 2, 300, 4, 64
+    qkv = cupy.asarray(rng.standard_normal((b, n, 3, h, d)).astype(np.float32)).astype(dtype_of("bfloat16"))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    dout_t = cupy.asarray(rng.standard_normal((b, h, n, d)).astype(np.float32)).astype(q.dtype)
+    dout = dout_t.transpose(0, 2, 1, 3)
+    _, _, g1 = _fwd_bwd(q, k, v, dout, True, deterministic=True)
+    _, _, g2 = _fwd_bwd(*(cupy.ascontiguousarray(x) for x in (q, k, v, dout)), True, deterministic=True)
+    for a, c in zip(g1, g2):
+        assert bool((a.view(cupy.uint16) == c.view(cupy.uint16)).all())
+
+
+def test_large_logits_backward():
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 1, 257, 257, 2, 128, dtype_of("float16"), scale=4.0)
+    dout, _, _ = random_qkv(rng, 1, 257, 1, 2, 128, dtype_of("float16"))
+    for causal in (False, True):
+        _, _, grads = _fwd_bwd(q, k, v, dout, causal)
+        _check(grads, q, k, v, dout, causal, " (large logits)")
