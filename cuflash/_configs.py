@@ -7,6 +7,7 @@ Kernels (the `KERNEL` name of each config class):
   "fwd"      FwdConfig   kernels_cu/flash_fwd.cuh   forward, v2 algorithm
   "bwd"      BwdConfig   kernels_cu/flash_bwd.cuh   backward main kernel: dK, dV (and dQ by atomics)
   "bwd_dq"   DqConfig    kernels_cu/flash_bwd.cuh   deterministic backward: dQ without atomics
+  "fwd_v1"   V1Config    kernels_cu/flash_fwd_v1.cuh  forward, v1 algorithm (FlashAttention-1, Algorithm 1)
 """
 from __future__ import annotations
 
@@ -121,10 +122,10 @@ class BwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        # K, V tiles + STAGES x (Q, dO tiles) + dS^T tile (16-bit) + STAGES x (lse, delta) rows (fp32)
-        # (mirrors BwdShape::SMEM_BYTES)
+        # K, V tiles + STAGES x (Q, dO tiles) + 2 x dS^T tile (16-bit, double-buffered)
+        # + STAGES x (lse, delta) rows (fp32)  (mirrors BwdShape::SMEM_BYTES)
         d, br, bc, s = self.head_dim, self.block_q, self.block_k, self.stages
-        return 2 * d * (2 * bc + 2 * s * br) + 2 * bc * br + 2 * s * br * 4
+        return 2 * d * (2 * bc + 2 * s * br) + 2 * 2 * bc * br + 2 * s * br * 4
 
     def structural_problem(self) -> str | None:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -231,3 +232,76 @@ def default_dq_config(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> DqCo
 def selectable_bwd_configs() -> list:
     return sorted({c for t in (_BWD_DEFAULTS, _DQ_DEFAULTS) for cands in t.values() for c in cands},
                   key=lambda c: (c.KERNEL, c))
+
+
+# ----------------------------------------------------------------------------- v1 forward
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class V1Config:
+    """Compile-time shape of the v1 forward kernel (kernels_cu/flash_fwd_v1.cuh).
+
+    FlashAttention-1's Algorithm 1: one thread block per (batch, head); K/V tiles of block_k rows
+    in the outer loop (single-buffered in shared memory), Q tiles of block_q rows in the inner
+    loop through a cp.async ring of `stages` slots; O, m, l in an fp32 workspace in device memory.
+    """
+
+    KERNEL = "fwd_v1"
+
+    head_dim: int
+    block_q: int  # BR: query rows per inner step, block_q / warps per warp
+    block_k: int  # BC: key rows per outer step
+    warps: int
+    stages: int  # depth of the cp.async Q ring
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def smem_bytes(self) -> int:
+        # K tile + V tile + STAGES Q tiles, 16-bit elements (mirrors FwdV1Shape::SMEM_BYTES)
+        return 2 * self.head_dim * (2 * self.block_k + self.stages * self.block_q)
+
+    def structural_problem(self) -> str | None:
+        """Why this config can never compile (mirrors the static_asserts), or None."""
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.block_q % (16 * self.warps):
+            return f"block_q {self.block_q} is not a multiple of 16*warps ({16 * self.warps})"
+        if self.block_k % 16:
+            return f"block_k {self.block_k} is not a multiple of 16"
+        if self.stages < 2:
+            return "stages must be >= 2"
+        return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
+
+    def fits(self, smem_optin_bytes: int) -> bool:
+        return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
+
+
+def v1_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[V1Config]:
+    """Every v1 forward config for `head_dim` that is structurally valid and fits in shared memory."""
+    out = []
+    for bq, bk, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+        cfg = V1Config(head_dim, bq, bk, w, s)
+        if cfg.fits(smem_optin_bytes):
+            out.append(cfg)
+    return out
+
+
+# The v1 kernel exists to be compared with v2, so its defaults use v2's default tile shapes
+# (block_q x block_k); first that fits wins. At d=64 it takes 8 warps where v2 takes 4: v1 runs
+# only batch*heads blocks, one per SM, and 4 warps of 32 rows sit at 255 registers.
+_V1_DEFAULTS = {
+    64: (V1Config(64, 128, 64, 8, 2), V1Config(64, 64, 64, 4, 2)),
+    128: (V1Config(128, 128, 128, 8, 2), V1Config(128, 128, 64, 8, 2), V1Config(128, 64, 64, 4, 2)),
+}
+
+
+def default_v1_config(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> V1Config:
+    return _first_fit(_V1_DEFAULTS, head_dim, smem_optin_bytes, "v1 forward")
+
+
+def selectable_v1_configs() -> list[V1Config]:
+    """v1 configs the package may pick without tuning (the CPU compile test asserts no spills)."""
+    return sorted({c for cands in _V1_DEFAULTS.values() for c in cands})

@@ -81,6 +81,11 @@
     do_sb, do_sn, do_sh, dq_sb, dq_sn, dq_sh, n_heads, seqlen_q, seqlen_k, seqlen_q_pad,  \
     m_blocks, scale_log2, scale, causal
 
+// Unroll factor of the head-dim loop of the S^T / dP^T products (see tile_mma_abt).
+#ifndef CUFLASH_BWD_KD_UNROLL
+#define CUFLASH_BWD_KD_UNROLL 2
+#endif
+
 namespace cuflash {
 
 // Two 16-bit floats of one register -> fp32 (lo = low half).
@@ -211,7 +216,9 @@ template <bool BF16, int CH, int KD, int SN>
 __device__ __forceinline__ void tile_mma_abt(float (&acc)[SN][4], u32 a_base, u32 a_off, u32 b_base, u32 b_off) {
 #pragma unroll
     for (int i = 0; i < SN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-#pragma unroll 1
+    // Partly unrolled: fully unrolled, ptxas hoists every B fragment of the tile ahead of the MMAs and
+    // the dK, dV accumulators (128 registers at d=128) no longer fit next to them.
+#pragma unroll CUFLASH_BWD_KD_UNROLL
     for (int kd = 0; kd < KD; ++kd) {
         u32 a0, a1, a2, a3;
         ldmatrix_x4(a0, a1, a2, a3, a_base + (a_off ^ (32 * kd)));
@@ -282,12 +289,59 @@ struct BwdShape {
     static constexpr int QT_BYTES = BR * D * 2;
     static constexpr int DS_BYTES = BC * BR * 2;
     static constexpr int STAT_BYTES = BR * 4;
-    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 2 * STAGES * QT_BYTES + DS_BYTES + 2 * STAGES * STAT_BYTES;
+    static constexpr int SMEM_BYTES = 2 * KV_BYTES + 2 * STAGES * QT_BYTES + 2 * DS_BYTES + 2 * STAGES * STAT_BYTES;
     static_assert(BC == 16 * WARPS, "each warp owns 16 keys");
     static_assert(BR % 64 == 0, "dS^T rows must span at least 128 bytes");
     static_assert(WARPS % WM == 0 && CN % 16 == 0 && RM % 16 == 0, "dQ warp grid");
     static_assert(STAGES >= 2, "the single-barrier pipeline needs at least 2 stages");
 };
+
+// dQ rows [q0, q0+BR) += dS K over this block's BC keys, into the fp32 accumulator (atomics).
+// A = dS (rows = queries, k = keys) is read transposed out of dS^T (rows = keys); warps split
+// the BR x D product as a WM x WN grid.
+template <bool BF16, class S_>
+__device__ __forceinline__ void bwd_dq_product(u32 sdS_buf, u32 sK, float* dq_rows, int warp, int lane) {
+    constexpr int QM = S_::QM, QN = S_::QN, KK = S_::KK, SCH = S_::SCH, CH = S_::CH, D = S_::CH * 8;
+    constexpr u32 ROW16 = 16 * CH * 16;
+    const int g = lane / 4, t = lane % 4, lane_row = lane % 8;
+    const int wm = warp % S_::WM, wn = warp / S_::WM;
+    const u32 bt_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
+    // matrices (q 0-7 | 8-15) x (keys 0-7 | 8-15) in a0..a3 order
+    const u32 ds_off = swz<SCH>(lane_row + (lane / 16) * 8, (wm * S_::RM) / 8 + (lane / 8) % 2);
+    float acc_q[QM][QN][4];
+#pragma unroll
+    for (int mi = 0; mi < QM; ++mi)
+#pragma unroll
+        for (int i = 0; i < QN; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_q[mi][i][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+        u32 a[QM][4];
+#pragma unroll
+        for (int mi = 0; mi < QM; ++mi)
+            ldmatrix_x4_trans(a[mi][0], a[mi][1], a[mi][2], a[mi][3], sdS_buf + kk * 16 * SCH * 16 + (ds_off ^ (32 * mi)));
+#pragma unroll
+        for (int dp = 0; dp < QN / 2; ++dp) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4_trans(b0, b1, b2, b3, sK + kk * ROW16 + (bt_off ^ (16 * (wn * S_::CN / 8) + 32 * dp)));
+#pragma unroll
+            for (int mi = 0; mi < QM; ++mi) {
+                mma_16816<BF16>(acc_q[mi][2 * dp], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b0, b1);
+                mma_16816<BF16>(acc_q[mi][2 * dp + 1], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b2, b3);
+            }
+        }
+    }
+    float* dqg = dq_rows + wm * S_::RM * D + wn * S_::CN;
+#pragma unroll
+    for (int mi = 0; mi < QM; ++mi)
+#pragma unroll
+        for (int i = 0; i < QN; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                red_add2(dqg + (mi * 16 + g + 8 * half) * D + i * 8 + 2 * t, acc_q[mi][i][2 * half],
+                         acc_q[mi][i][2 * half + 1]);
+}
 
 template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES>
 __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
@@ -301,7 +355,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
     const u32 sQ = sV + S_::KV_BYTES;
     const u32 sdO = sQ + STAGES * S_::QT_BYTES;
     const u32 sdS = sdO + STAGES * S_::QT_BYTES;
-    const u32 sL = sdS + S_::DS_BYTES;           // STAGES x BR floats of lse2
+    const u32 sL = sdS + 2 * S_::DS_BYTES;       // (dS^T is double-buffered) STAGES x BR floats of lse2
     const u32 sDelta = sL + STAGES * S_::STAT_BYTES;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -382,6 +436,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
         const int slot = it % STAGES;
         const u32 sQs = sQ + slot * S_::QT_BYTES, sdOs = sdO + slot * S_::QT_BYTES;
         const int q0 = (m_begin + it) * BR;
+        const u32 sdS_it = sdS + (it % 2) * S_::DS_BYTES;
+        // dQ of the previous query tile: its dS^T is complete now that every warp passed the
+        // barrier above. Deferring it by one tile saves the second barrier per tile.
+        if (dq_acc != nullptr && it > 0)
+            bwd_dq_product<BF16, S_>(sdS + ((it - 1) % 2) * S_::DS_BYTES, sK,
+                                     dq_acc + ((long long)bh * seqlen_q_pad + q0 - BR) * D, warp, lane);
 
         // Phases are ordered so that at most one 16 x BR fp32 tile is live next to dK, dV:
         // S^T -> P^T (packed) -> dV; then dP^T -> dS^T (packed) -> dK.
@@ -436,59 +496,21 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     // frag[kq][j]: key row g + 8*(j%2), query cols (2kq + j/2)*8 + 2t
-                    u32 addr = sdS + swz<SCH>(warp * 16 + g + 8 * (j % 2), 2 * kq + j / 2) + 4 * t;
+                    u32 addr = sdS_it + swz<SCH>(warp * 16 + g + 8 * (j % 2), 2 * kq + j / 2) + 4 * t;
                     asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr), "r"(frag[kq][j]) : "memory");
                 }
         }
         // ---- dK += dS^T Q ----
         tile_mma_ab<BF16, CH, KQ, DN>(acc_dk, frag, sQs, bt_off);
 
-        // ---- dQ_tile += dS K (all warps' keys), added to the fp32 accumulator ----
-        if (dq_acc != nullptr) {
-            constexpr int QM = S_::QM, QN = S_::QN, KK = S_::KK;
-            __syncthreads();  // dS^T complete
-            const int wm = warp % S_::WM, wn = warp / S_::WM;
-            float acc_q[QM][QN][4];
-#pragma unroll
-            for (int mi = 0; mi < QM; ++mi)
-#pragma unroll
-                for (int i = 0; i < QN; ++i)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_q[mi][i][e] = 0.f;
-            // A = dS (rows = queries, k = keys) read transposed from dS^T (rows = keys):
-            // matrices (q 0-7 | 8-15) x (keys 0-7 | 8-15) in a0..a3 order.
-            const u32 ds_off = swz<SCH>(lane_row + (lane / 16) * 8, (wm * S_::RM) / 8 + (lane / 8) % 2);
-#pragma unroll
-            for (int kk = 0; kk < KK; ++kk) {
-                u32 a[QM][4];
-#pragma unroll
-                for (int mi = 0; mi < QM; ++mi)
-                    ldmatrix_x4_trans(a[mi][0], a[mi][1], a[mi][2], a[mi][3],
-                                      sdS + kk * 16 * SCH * 16 + (ds_off ^ (32 * mi)));
-#pragma unroll
-                for (int dp = 0; dp < QN / 2; ++dp) {
-                    u32 b0, b1, b2, b3;
-                    ldmatrix_x4_trans(b0, b1, b2, b3, sK + kk * ROW16 + (bt_off ^ (16 * (wn * S_::CN / 8) + 32 * dp)));
-#pragma unroll
-                    for (int mi = 0; mi < QM; ++mi) {
-                        mma_16816<BF16>(acc_q[mi][2 * dp], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b0, b1);
-                        mma_16816<BF16>(acc_q[mi][2 * dp + 1], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b2, b3);
-                    }
-                }
-            }
-            float* dqg = dq_acc + ((long long)bh * seqlen_q_pad + q0 + wm * S_::RM) * D + wn * S_::CN;
-#pragma unroll
-            for (int mi = 0; mi < QM; ++mi)
-#pragma unroll
-                for (int i = 0; i < QN; ++i)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half)
-                        red_add2(dqg + (mi * 16 + g + 8 * half) * D + i * 8 + 2 * t,
-                                 acc_q[mi][i][2 * half], acc_q[mi][i][2 * half + 1]);
-        }
     }
     cp_async_wait<0>();
-    __syncthreads();  // every warp is done reading K and V: their rows take dK, dV for the store
+    __syncthreads();  // the last dS^T is complete
+    if (dq_acc != nullptr && n_iter > 0) {
+        bwd_dq_product<BF16, S_>(sdS + ((n_iter - 1) % 2) * S_::DS_BYTES, sK,
+                                 dq_acc + ((long long)bh * seqlen_q_pad + (m_begin + n_iter - 1) * BR) * D, warp, lane);
+        __syncthreads();  // every warp is done reading K: its rows take dK for the store
+    }
 
     // ---- epilogue: dK = scale * dK~, dV; through this warp's own K/V rows ----
     stash_c_tile<BF16, CH, DN>(sK, warp * 16, acc_dk, scale, lane);
