@@ -26,3 +26,34 @@ def test_default_falls_back_on_small_smem():
     assert default_fwd_config(128, 163 * 1024).smem_bytes <= 163 * 1024
     assert default_fwd_config(128, 99 * 1024).smem_bytes <= 99 * 1024
     assert all(c.structural_problem() is None for c in selectable_fwd_configs())
+
+
+def test_backward_spaces_respect_shared_memory_and_structure():
+    from cuflash._configs import bwd_space, dq_space
+
+    for limit in (99 * 1024, 163 * 1024, 227 * 1024):
+        for d in (64, 128):
+            for c in bwd_space(d, limit) + dq_space(d, limit):
+                assert c.smem_bytes <= limit and c.structural_problem() is None
+
+
+def test_backward_structure_rules():
+    from cuflash._configs import BwdConfig, DqConfig
+
+    assert BwdConfig(128, 64, 96, 8, 2).structural_problem()  # block_k must be 16*warps
+    assert BwdConfig(128, 32, 128, 8, 2).structural_problem()  # dS^T rows must span 128 bytes
+    assert BwdConfig(128, 64, 128, 8, 1).structural_problem()  # single-barrier ring needs 2 stages
+    assert DqConfig(128, 64, 64, 8, 2).structural_problem()  # block_q must be 16*warps
+    assert BwdConfig(128, 64, 128, 8, 2).structural_problem() is None
+    # K, V + 2 x (Q, dO) + 2 x dS^T + 2 x (lse, delta)
+    assert BwdConfig(128, 64, 128, 8, 2).smem_bytes == 2 * 128 * (256 + 256) + 4 * 128 * 64 + 2 * 2 * 64 * 4
+
+
+def test_backward_defaults():
+    from cuflash._configs import BwdConfig, default_bwd_config, default_dq_config
+
+    assert default_bwd_config(128) == BwdConfig(128, 64, 128, 8, 2)
+    for d in (64, 128):
+        assert default_bwd_config(d, 163 * 1024).smem_bytes <= 163 * 1024
+        assert default_dq_config(d, 99 * 1024).smem_bytes <= 99 * 1024
+    assert default_bwd_config(64, 99 * 1024).smem_bytes <= 99 * 1024
