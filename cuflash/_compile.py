@@ -47,6 +47,7 @@ _KERNELS = {
     "fwd": ("flash_fwd.cuh", "cuflash::flash_fwd", "CUFLASH_FWD_PARAMS", "CUFLASH_FWD_ARGS"),
     "bwd": ("flash_bwd.cuh", "cuflash::flash_bwd_dkdv", "CUFLASH_BWD_PARAMS", "CUFLASH_BWD_ARGS"),
     "bwd_dq": ("flash_bwd.cuh", "cuflash::flash_bwd_dq", "CUFLASH_DQ_PARAMS", "CUFLASH_DQ_ARGS"),
+    "fwd_v1": ("flash_fwd_v1.cuh", "cuflash::flash_fwd_v1", "CUFLASH_FWDV1_PARAMS", "CUFLASH_FWDV1_ARGS"),
 }
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
-# Usage: bash scripts/gpu_run.sh [tests] [sanitize] [bench] [benchfull]   (default: all but benchfull)
+# Usage: bash scripts/gpu_run.sh [tests] [sanitize] [bench] [benchfull] [roofline]   (default: tests sanitize bench)
 # Writes logs and JSON under $OUT (or ./out when $OUT is unset).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -20,6 +20,7 @@ for s in $stages; do
       done ;;
     bench) python3 -m cuflash.bench --quick --json "$OUT/bench-quick.json" 2>&1 | tee "$OUT/bench-quick.log" ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
+    roofline) python3 -m cuflash.roofline --out "$OUT/roofline.png" --json "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.log" ;;
     *) echo "unknown stage $s" ;;
   esac
 done

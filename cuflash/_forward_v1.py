@@ -1,0 +1,115 @@
+"""v1 forward (FlashAttention-1, Algorithm 1): validate, pick a config, allocate, launch.
+
+Same arguments, checks, outputs and semantics as the v2 forward (cuflash/_forward.py); the kernel is
+kernels_cu/flash_fwd_v1.cuh. It exists to measure the algorithm against v2 (docs/roofline.md):
+one thread block per (batch, head), K/V tiles in the outer loop, and O, m, l in an fp32 workspace
+in device memory, allocated per call from CuPy's memory pool on the current stream.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile, _configs, _device, _validate
+from ._forward import LOG2E, _checked_lse, _checked_out, _plan_key
+
+# Grid is 1-D, one block per (batch, head): blockIdx.x = head + heads * batch.
+_MAX_GRID_X = 2**31 - 1
+
+
+def select_v1_config(problem: _validate.FwdProblem) -> _configs.V1Config:
+    return _configs.default_v1_config(problem.head_dim, _device.smem_optin(problem.device))
+
+
+def workspace_elements(batch: int, heads: int, seqlen_q: int, seqlen_k: int, cfg: _configs.V1Config) -> tuple[int, int]:
+    """fp32 elements of the (O, (m, l)) workspace; none is read or written when one K/V tile covers seqlen_k."""
+    if seqlen_k <= cfg.block_k:
+        return 1, 1
+    rows = batch * heads * seqlen_q
+    return rows * cfg.head_dim, rows * 2
+
+
+class _V1Plan:
+    """Everything about a launch that depends only on shapes, strides, dtype, device and options."""
+
+    __slots__ = ("device", "kernel", "grid", "block", "smem", "out_shape", "dtype", "lse_shape", "ws", "tail")
+
+    def __init__(self, p: _validate.FwdProblem, cfg: _configs.V1Config, q, k, v):
+        if cfg.head_dim != p.head_dim:
+            raise ValueError(f"config {cfg} is for head_dim {cfg.head_dim}, the problem has {p.head_dim}")
+        n_blocks = p.batch * p.heads
+        if n_blocks > _MAX_GRID_X:
+            raise ValueError(f"problem too large: {n_blocks} thread blocks exceed the grid limit {_MAX_GRID_X}")
+        m_blocks = -(-p.seqlen_q // cfg.block_q)
+        self.device = p.device
+        self.kernel = _compile.get_kernel(cfg, p.dtype, p.device)
+        self.grid, self.block, self.smem = (n_blocks,), (cfg.threads,), cfg.smem_bytes
+        self.out_shape, self.dtype = tuple(q.shape), q.dtype
+        self.lse_shape = (p.batch, p.heads, p.seqlen_q)
+        self.ws = workspace_elements(p.batch, p.heads, p.seqlen_q, p.seqlen_k, cfg)
+        it = q.dtype.itemsize
+        out_strides = (p.seqlen_q * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim)  # fresh contiguous out
+        # per tensor (batch, seqlen, heads) strides in elements, in CUFLASH_FWDV1_PARAMS order
+        strides = [np.int64(s // it) for a in (q, k, v) for s in a.strides[:3]] + [np.int64(s) for s in out_strides]
+        self.tail = (*strides, np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
+                     np.float32(p.softmax_scale * LOG2E), np.int32(p.causal))
+
+    def run(self, q, k, v, out=None, lse=None):
+        import cupy
+
+        with cupy.cuda.Device(self.device):
+            if out is None:
+                out = cupy.empty(self.out_shape, dtype=self.dtype)
+            if lse is None:
+                lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
+            # Workspace from the pool, uninitialised: the kernel writes every element before reading it.
+            ws_o = cupy.empty(self.ws[0], dtype=cupy.float32)
+            ws_ml = cupy.empty(self.ws[1], dtype=cupy.float32)
+            self.kernel(self.grid, self.block, (q, k, v, out, lse, ws_o, ws_ml, *self.tail), shared_mem=self.smem)
+        # ws_o / ws_ml go back to the pool when they die here; the pool reuses a block only for work
+        # queued later on the same stream, so the running kernel keeps it.
+        return out, lse
+
+
+_plans: dict = {}
+_MAX_PLANS = 1024
+
+
+def _build_plan(q, k, v, causal, softmax_scale, config) -> _V1Plan:
+    qi, ki, vi = (_validate.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    p = _validate.check_forward(qi, ki, vi, causal, softmax_scale)
+    if config is not None and not isinstance(config, _configs.V1Config):
+        raise TypeError(f"config must be a V1Config, got {type(config).__name__}")
+    return _V1Plan(p, config or select_v1_config(p), q, k, v)
+
+
+def forward_v1(q, k, v, *, causal=False, softmax_scale=None, config: _configs.V1Config | None = None,
+               out=None, lse=None):
+    """FlashAttention-1 forward. Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
+
+    Arguments and results are those of the v2 forward (cuflash.attention): q (batch, seqlen_q,
+    heads, head_dim), k and v (batch, seqlen_k, heads, head_dim), fp16 or bf16 CuPy arrays with a
+    contiguous last dimension; bottom-right causal mask; lse in natural log, -inf (and out 0) for
+    rows that see no key. `out`/`lse` may be given (internal: tests poison them); `config`
+    overrides the selected kernel config. Runs on CuPy's current stream.
+    """
+    import cupy
+
+    if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
+        try:
+            key = _plan_key(q, k, v, causal, softmax_scale)
+            plan = _plans.get(key)
+        except TypeError:  # unhashable option: let validation name it
+            key = plan = None
+        if plan is None:
+            plan = _build_plan(q, k, v, causal, softmax_scale, None)
+            if key is not None:
+                if len(_plans) >= _MAX_PLANS:
+                    _plans.clear()
+                _plans[key] = plan
+    else:
+        plan = _build_plan(q, k, v, causal, softmax_scale, config)
+    if out is not None:
+        out = _checked_out(out, q)
+    if lse is not None:
+        lse = _checked_lse(lse, plan.lse_shape)
+    return plan.run(q, k, v, out, lse)

@@ -1,0 +1,128 @@
+"""The v1 forward kernel (kernels_cu/flash_fwd_v1.cuh) compiles with NVRTC for sm_80 and sm_90a, without a GPU.
+
+Every config of its space compiles; the selectable ones (defaults) have no spills. Also its config
+class and the launch module's CPU-side behaviour.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuflash import _compile, _configs
+from cuflash._configs import V1Config
+
+ARCHS = ("sm_80", "sm_90a")
+DTYPES = ("bfloat16", "float16")
+SMEM_OPTIN = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
+
+
+def _nvrtc_available() -> bool:
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nvrtc.getVersion()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", _configs.selectable_v1_configs(), ids=str)
+def test_selectable_v1_configs_compile_without_spills(cfg, dtype, arch, record_property):
+    rep = _compile.compile_report(_compile.kernel_source(cfg, dtype), arch)
+    record_property("resources", {k: v for k, v in rep.items() if k != "log"} | {"smem_dynamic": cfg.smem_bytes})
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep["log"]
+    assert rep["stack_bytes"] == 0, rep["log"]
+    assert 0 < rep["registers"] <= 255
+    assert rep["registers"] * cfg.threads <= 65536, "block needs more registers than an SM has"
+
+
+@needs_nvrtc
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("d", _configs.SUPPORTED_HEAD_DIMS)
+def test_whole_v1_space_compiles(d, arch):
+    """Every v1 config of the space compiles (spills allowed: 4-warp, 32-row configs at d=128 spill, as in v2)."""
+    space = _configs.v1_space(d, SMEM_OPTIN[arch])
+    assert len(space) >= 10
+    table = []
+    for cfg in space:
+        rep = _compile.compile_report(_compile.kernel_source(cfg, "bfloat16"), arch)
+        table.append((cfg, rep["registers"], rep["spill_stores"]))
+        assert rep["registers"] > 0
+    print("\n".join(f"{arch} {c}: {r} regs, {s} B spilled" for c, r, s in table))
+
+
+@needs_nvrtc
+def test_smem_formula_matches_the_kernel():
+    """V1Config.smem_bytes equals FwdV1Shape::SMEM_BYTES for every config (static_assert under NVRTC)."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    cfgs = _configs.v1_space(64) + _configs.v1_space(128)
+    lines = [f"static_assert(cuflash::FwdV1Shape<{c.head_dim}, {c.block_q}, {c.block_k}, {c.warps}, {c.stages}>"
+             f"::SMEM_BYTES == {c.smem_bytes}, \"{c}\");" for c in cfgs]
+    src = '#include "flash_fwd_v1.cuh"\n' + "\n".join(lines) + "\n"
+    prog = nvrtc.createProgram(src, "v1_smem_check.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(_compile.nvrtc_options(("--gpu-architecture=sm_80",))))
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def test_registered_and_named():
+    assert _compile._KERNELS["fwd_v1"] == ("flash_fwd_v1.cuh", "cuflash::flash_fwd_v1", "CUFLASH_FWDV1_PARAMS",
+                                            "CUFLASH_FWDV1_ARGS")
+    assert (_compile.kernel_dir() / "flash_fwd_v1.cuh").is_file()
+    cfg = _configs.default_v1_config(128)
+    src = _compile.kernel_source(cfg, "bfloat16")
+    assert '#include "flash_fwd_v1.cuh"' in src and "cuflash::flash_fwd_v1<true, 128, " in src
+    assert _compile.kernel_name(cfg, "bfloat16").startswith("cuflash_fwd_v1_bf16_d128_")
+    names = {_compile.kernel_name(c, dt) for c in _configs.v1_space(128) for dt in DTYPES}
+    assert len(names) == 2 * len(_configs.v1_space(128))
+    # distinct from every v2 forward kernel name
+    assert not names & {_compile.kernel_name(c, dt) for c in _configs.fwd_space(128) for dt in DTYPES}
+
+
+def test_v1_space_and_defaults():
+    for limit in (99 * 1024, 163 * 1024, 227 * 1024):
+        for d in _configs.SUPPORTED_HEAD_DIMS:
+            space = _configs.v1_space(d, limit)
+            assert space
+            assert all(c.smem_bytes <= limit and c.structural_problem() is None for c in space)
+            cfg = _configs.default_v1_config(d, limit)
+            assert cfg.fits(limit) and cfg in _configs.selectable_v1_configs()
+    assert V1Config(128, 128, 128, 8, 2).smem_bytes == 2 * 128 * (2 * 128 + 2 * 128) == 131072
+    assert V1Config.KERNEL == "fwd_v1"
+    # v1's defaults use v2's default tile shapes, so the comparison isolates the algorithm
+    for d in _configs.SUPPORTED_HEAD_DIMS:
+        v1, v2 = _configs.default_v1_config(d), _configs.default_fwd_config(d)
+        assert (v1.block_q, v1.block_k) == (v2.block_q, v2.block_k)
+
+
+def test_invalid_v1_config_is_refused():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        _compile.kernel_source(V1Config(128, 128, 40, 8, 2), "bfloat16")
+    with pytest.raises(ValueError, match="block_q"):
+        _compile.kernel_source(V1Config(128, 96, 64, 4, 2), "bfloat16")
+    with pytest.raises(ValueError, match="stages"):
+        _compile.kernel_source(V1Config(128, 128, 64, 8, 1), "bfloat16")
+
+
+def test_forward_v1_validates_before_any_launch():
+    """Non-CuPy inputs are refused with the v2 forward's messages (no GPU needed)."""
+    from cuflash._forward_v1 import forward_v1, workspace_elements
+
+    x = np.zeros((1, 8, 1, 64), dtype=np.float16)
+    with pytest.raises(TypeError, match="q must be a CuPy array"):
+        forward_v1(x, x, x)
+    cfg = V1Config(128, 128, 64, 8, 2)
+    assert workspace_elements(2, 3, 100, 64, cfg) == (1, 1)  # one K/V tile: no workspace traffic
+    assert workspace_elements(2, 3, 100, 65, cfg) == (2 * 3 * 100 * 128, 2 * 3 * 100 * 2)
