@@ -123,33 +123,13 @@ def _plan_key(arrays, causal, softmax_scale, deterministic):
 
 
 def _build_plan(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, config, dq_config) -> _BwdPlan:
-    infos = {n: _validate.describe(x, n) for x, n in ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"))}
-    p = _validate.check_forward(infos["q"], infos["k"], infos["v"], causal, softmax_scale)
-    _check_grad_inputs(infos, lse, p)
-    if not isinstance(deterministic, (bool, int)) or deterministic not in (0, 1):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    infos = [_validate.describe(x, n) for x, n in
+             ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
+    p = _validate.check_backward(*infos, causal, softmax_scale)
+    deterministic = _validate.check_flag(deterministic, "deterministic")
     cfg = config or select_bwd_config(p)
     dq_cfg = (dq_config or select_dq_config(p)) if deterministic else None
     return _BwdPlan(p, cfg, dq_cfg, q, k, v, dout, out, bool(deterministic))
-
-
-def _check_grad_inputs(infos, lse, p):
-    q = infos["q"]
-    for name in ("dout", "out"):
-        a = infos[name]
-        _validate.check_layout(a, name)
-        if a.shape != q.shape or a.dtype != q.dtype or a.device != q.device:
-            raise ValueError(f"{name} must match q (shape {q.shape}, dtype {q.dtype}, device {q.device}), "
-                             f"got shape {a.shape}, dtype {a.dtype}, device {a.device}")
-    import cupy
-
-    want = (p.batch, p.heads, p.seqlen_q)
-    if not isinstance(lse, cupy.ndarray):
-        raise TypeError(f"lse must be a CuPy array, got {type(lse).__module__}.{type(lse).__name__}")
-    if lse.shape != want or lse.dtype != cupy.float32 or not lse.flags.c_contiguous or lse.device.id != q.device:
-        raise ValueError(f"lse must be a C-contiguous float32 array of shape {want} on device {q.device} "
-                         f"(as returned by the forward), got shape {lse.shape}, dtype {lse.dtype}, "
-                         f"device {lse.device.id}")
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,

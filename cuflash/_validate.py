@@ -95,15 +95,68 @@ def check_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, causal, softmax_scal
         raise ValueError(f"seqlen of q must be >= 1, got {nq}")
     if nk < 1:
         raise ValueError(f"seqlen of k and v must be >= 1, got {nk}")
-    if not isinstance(causal, (bool, int)) or causal not in (0, 1, True, False):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
+    return FwdProblem(b, nq, nk, h, d, q.dtype, q.device, check_flag(causal, "causal"),
+                      check_softmax_scale(softmax_scale, d))
+
+
+def check_flag(value, name: str) -> bool:
+    """A bool option (0 and 1 are accepted as bools, as in check_forward's `causal`)."""
+    if not isinstance(value, (bool, int)) or value not in (0, 1, True, False):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    """The scale to use: 1/sqrt(head_dim) for None, else a positive finite float."""
     if softmax_scale is None:
-        scale = 1.0 / math.sqrt(d)
-    else:
-        try:
-            scale = float(softmax_scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}") from None
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
-    return FwdProblem(b, nq, nk, h, d, q.dtype, q.device, bool(causal), scale)
+        return 1.0 / math.sqrt(head_dim)
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}") from None
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
+    return scale
+
+
+def check_algorithm(algorithm) -> str:
+    if algorithm != "v2" and algorithm != "v1":
+        raise ValueError(f"algorithm must be 'v1' or 'v2', got {algorithm!r}")
+    return algorithm
+
+
+LSE_DTYPE = "float32"
+
+
+def check_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
+                   causal, softmax_scale) -> FwdProblem:
+    """Checks for the backward's arguments; returns the problem (as the forward's checks do).
+
+    q, k, v, causal and softmax_scale follow check_forward. `out` (the forward's output) and `dout`
+    (the gradient of the loss with respect to it) must have q's shape, dtype and device, and the
+    layout rules of q (contiguous last dimension, 16-byte aligned pointer and strides). `lse` is the
+    forward's float32 (batch, heads, seqlen_q) log-sum-exp, C-contiguous, on q's device.
+    """
+    p = check_forward(q, k, v, causal, softmax_scale)
+    for a, name in ((out, "out"), (dout, "dout")):
+        if a.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")
+        if a.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {q.shape}, got shape {a.shape}")
+        check_layout(a, name)
+        if a.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got device {a.device}")
+    want = (p.batch, p.heads, p.seqlen_q)
+    if lse.dtype != LSE_DTYPE:
+        raise TypeError(f"lse must be float32 (the forward's log-sum-exp), got dtype {lse.dtype}")
+    if tuple(lse.shape) != want:
+        raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {want}, got shape {lse.shape}")
+    contiguous = (p.heads * p.seqlen_q * lse.itemsize, p.seqlen_q * lse.itemsize, lse.itemsize)
+    if any(n > 1 and s != c for n, s, c in zip(lse.shape, lse.strides, contiguous)):
+        raise ValueError(f"lse must be C-contiguous (strides {contiguous} bytes), got strides {lse.strides}; "
+                         f"pass the lse the forward returned, or a contiguous copy of it")
+    if lse.ptr % lse.itemsize:
+        raise ValueError(f"lse's data pointer is not {lse.itemsize}-byte aligned; copy it first")
+    if lse.device != q.device:
+        raise ValueError(f"lse must be on q's device {q.device}, got device {lse.device}")
+    return p

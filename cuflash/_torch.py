@@ -1,0 +1,182 @@
+"""PyTorch integration: cuflash's forward and backward as torch custom ops, with autograd.
+
+    torch.ops.cuflash.attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic) -> (out, lse)
+    torch.ops.cuflash.attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+        -> (dq, dk, dv)
+
+`cuflash.attention` on torch tensors calls attention_fwd; its registered autograd formula calls
+attention_bwd, so `out.backward()` works when q, k or v require grad. Both ops have fake (meta)
+implementations, so torch.compile traces around them (they stay opaque calls in the graph).
+`deterministic` is an argument of the forward op only so that autograd can hand it to the backward.
+
+The kernels run on torch's current stream of the tensors' device (no synchronisation added), on
+zero-copy CuPy views of the tensors; results are CuPy allocations handed to torch by DLPack.
+The lse output is not differentiable (marked so): gradients flow through `out` only.
+
+This module imports torch, so cuflash imports it only when the first torch tensor arrives; the
+ops are registered then, once per process. Needs torch >= 2.4 (torch.library.custom_op).
+"""
+import torch
+
+from . import _interop, _validate
+
+FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, str algorithm, "
+              "bool deterministic) -> (Tensor, Tensor)")
+BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
+              "float? softmax_scale, bool deterministic) -> (Tensor, Tensor, Tensor)")
+
+Tensor = torch.Tensor
+
+# Outputs come from CuPy's memory pool, which CUDA-graph capture (torch.compile's "reduce-overhead")
+# knows nothing about: let Inductor keep these ops out of captured graphs. Recent torch versions
+# have the tag (and custom_op's `tags` argument); older ones go without.
+_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+def _custom_op(name, schema):
+    import inspect
+
+    kw = {"tags": _TAGS} if _TAGS and "tags" in inspect.signature(torch.library.custom_op).parameters else {}
+    return torch.library.custom_op(name, mutates_args=(), schema=schema, **kw)
+
+
+_QKV = ("q", "k", "v")
+_BWD_NAMES = ("dout", "q", "k", "v", "out", "lse")
+
+
+def _device(tensors, names) -> int:
+    """Device ordinal shared by `tensors` (all torch tensors); errors name the argument."""
+    for t in tensors:
+        if not isinstance(t, Tensor):
+            _interop.common_framework(tensors, names)  # raises the error naming the odd argument
+            raise TypeError(f"{_interop._join(names)} must all be torch tensors")  # (not reached)
+    d0 = tensors[0].device
+    for t, n in zip(tensors, names):
+        if t.device.type != "cuda":
+            raise TypeError(f"{n} must be on a CUDA device, got a torch.Tensor on {t.device}")
+    for t in tensors:
+        if t.device != d0:
+            devs = ", ".join(str(x.device) for x in tensors)
+            raise ValueError(f"{_interop._join(names)} must be on one device, got devices {devs}")
+    return d0.index  # a tensor's CUDA device always has an index
+
+
+def _scale_arg(softmax_scale):
+    """None stays None (the op's default, 1/sqrt(head_dim)); anything else a checked float."""
+    return None if softmax_scale is None else _validate.check_softmax_scale(softmax_scale, 1)
+
+
+def _forward_fn(algorithm):
+    if algorithm == "v2":
+        from . import _forward
+
+        return _forward.forward
+    if algorithm == "v1":
+        from ._forward_v1 import forward_v1
+
+        return forward_v1
+    _validate.check_algorithm(algorithm)
+
+
+# ------------------------------------------------------------------------------------------ the ops
+
+@_custom_op("cuflash::attention_fwd", FWD_SCHEMA)
+def attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic):
+    fwd = _forward_fn(algorithm)
+    dev = _device((q, k, v), _QKV)
+
+    def run(cq, ck, cv):
+        return fwd(cq, ck, cv, causal=causal, softmax_scale=softmax_scale)
+
+    out, lse = _interop.run(run, (q, k, v), _interop.TORCH, dev, _QKV)
+    return out.contiguous(), lse.contiguous()  # as the fake promises (no-ops: fresh arrays)
+
+
+@_custom_op("cuflash::attention_bwd", BWD_SCHEMA)
+def attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    dev = _device((dout, q, k, v, out, lse), _BWD_NAMES)
+    dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
+    from . import _backward
+
+    def run(*arrays):
+        return _backward.backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
+
+    dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, _BWD_NAMES)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()  # the fake's layout, whatever the kernel's
+
+
+# ----------------------------------------------------------------------------- fake (meta) versions
+
+def _info(t, name, contiguous=False):
+    """ArrayInfo from tensor metadata (no data access: works on fake tensors); None if symbolic."""
+    shape, strides = tuple(t.shape), tuple(t.stride())
+    if not all(type(s) is int for s in shape + strides):
+        return None  # dynamic shapes: the real call validates
+    it = t.element_size()
+    if contiguous:
+        strides, acc = [], 1
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+    dtype = str(t.dtype).rpartition(".")[2]
+    return _validate.ArrayInfo(shape, dtype, it, tuple(s * it for s in strides), 0, t.device.index or 0)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, algorithm, deterministic):
+    _validate.check_algorithm(algorithm)
+    infos = [_info(t, n) for t, n in zip((q, k, v), _QKV)]
+    if None not in infos:
+        _validate.check_forward(*infos, causal, softmax_scale)
+    b, nq, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, nq), dtype=torch.float32)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    infos = [_info(t, n, contiguous=(n == "dout")) for t, n in zip((dout, q, k, v, out, lse), _BWD_NAMES)]
+    if None not in infos:
+        _validate.check_backward(*infos, causal, softmax_scale)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+# ------------------------------------------------------------------------------------------ autograd
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, algorithm, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    # dlse is ignored: lse is marked non-differentiable (autograd hands zeros or None here).
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+_fwd_op = torch.ops.cuflash.attention_fwd.default
+_bwd_op = torch.ops.cuflash.attention_bwd.default
+
+
+# ------------------------------------------------------------------------------ public entry points
+
+def attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic):
+    """cuflash.attention for torch tensors (differentiable). Arguments checked by the caller:
+    algorithm and deterministic; checked here: types, devices, causal, softmax_scale."""
+    _device((q, k, v), _QKV)
+    out, lse = _fwd_op(q, k, v, _validate.check_flag(causal, "causal"), _scale_arg(softmax_scale), algorithm,
+                       bool(deterministic))
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    """cuflash.attention_backward for torch tensors: (dq, dk, dv), not itself differentiable."""
+    _device((dout, q, k, v, out, lse), _BWD_NAMES)
+    with torch.no_grad():
+        return _bwd_op(dout, q, k, v, out, lse, _validate.check_flag(causal, "causal"), _scale_arg(softmax_scale),
+                       bool(deterministic))
