@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _compile, _configs, _device, _validate
+from . import _compile, _configs, _device, _tuned, _validate
 from ._forward import LOG2E, _MAX_GRID_X
 
 # lse2 / delta / dq_acc rows are padded to this multiple (>= every block_q) so the kernels copy
@@ -29,12 +29,8 @@ def select_dq_config(p: _validate.FwdProblem) -> _configs.DqConfig:
 
 
 def _tuned_or_default(kernel, p, default):
-    try:
-        from . import _tuned
-    except ImportError:  # the tuner is optional at run time
-        _tuned = None
-    cfg = _tuned.lookup(kernel, p) if _tuned is not None and hasattr(_tuned, "lookup") else None
-    return cfg or default(p.head_dim, _device.smem_optin(p.device))
+    cfg = _tuned.lookup(kernel, p)  # the user's tuning cache, then the shipped tables
+    return cfg if cfg is not None else default(p.head_dim, _device.smem_optin(p.device))
 
 
 class _BwdPlan:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.resources
 import pathlib
 import re
 
@@ -19,17 +18,17 @@ _DTYPE_TAG = {"float16": ("f16", "false"), "bfloat16": ("bf16", "true")}
 
 @functools.lru_cache(maxsize=None)
 def kernel_dir() -> pathlib.Path:
-    """kernels_cu/ as installed (cuflash/kernels_cu in the wheel) or beside the package in a checkout."""
-    try:
-        d = pathlib.Path(str(importlib.resources.files("cuflash.kernels_cu")))
+    """kernels_cu/ as installed (cuflash/kernels_cu in the wheel) or beside the package in a checkout.
+
+    Looked up by path, not importlib.resources: kernels_cu has no __init__.py, and for such a
+    namespace package files() returns a MultiplexedPath whose str() is not a path.
+    """
+    here = pathlib.Path(__file__).resolve().parent
+    for d in (here / "kernels_cu", here.parent / "kernels_cu"):
         if (d / "common.cuh").is_file():
             return d
-    except ModuleNotFoundError:
-        pass
-    d = pathlib.Path(__file__).resolve().parent.parent / "kernels_cu"
-    if not (d / "common.cuh").is_file():
-        raise FileNotFoundError(f"cuflash kernel sources not found (looked in the package and in {d})")
-    return d
+    raise FileNotFoundError(f"cuflash kernel sources not found (looked in {here / 'kernels_cu'} and "
+                            f"{here.parent / 'kernels_cu'})")
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _compile, _configs, _device, _validate
+from . import _compile, _configs, _device, _tuned, _validate
 
 LOG2E = 1.4426950408889634
 # Grid is 1-D (blockIdx.x = m_block + m_blocks * (head + heads * batch)); its limit is 2^31 - 1.
@@ -12,7 +12,8 @@ _MAX_GRID_X = 2**31 - 1
 
 
 def select_fwd_config(problem: _validate.FwdProblem) -> _configs.FwdConfig:
-    return _configs.default_fwd_config(problem.head_dim, _device.smem_optin(problem.device))
+    cfg = _tuned.lookup("fwd", problem)  # the user's tuning cache, then the shipped tables
+    return cfg if cfg is not None else _configs.default_fwd_config(problem.head_dim, _device.smem_optin(problem.device))
 
 
 class _FwdPlan:

@@ -21,8 +21,38 @@ def test_wheel_ships_kernel_sources(tmp_path):
     assert r.returncode == 0, r.stderr
     (whl,) = tmp_path.glob("cuflash-*.whl")
     names = zipfile.ZipFile(whl).namelist()
-    for f in ("cuflash/kernels_cu/common.cuh", "cuflash/kernels_cu/flash_fwd.cuh", "cuflash/__init__.py"):
+    for f in ("cuflash/kernels_cu/common.cuh", "cuflash/kernels_cu/flash_fwd.cuh", "cuflash/__init__.py",
+              "cuflash/_tuned.py", "cuflash/tune/__main__.py", "cuflash/tune/cache.py", "cuflash/tuning/README.md"):
         assert f in names
+    # every shipped tuning table is in the wheel, where the lookup finds it
+    for table in sorted((root / "tuning").glob("*.json")):
+        assert f"cuflash/tuning/{table.name}" in names, table.name
+    site = tmp_path / "site"
+    zipfile.ZipFile(whl).extractall(site)
+    code = ("from cuflash.tune import cache; from cuflash import _compile; print(cache.shipped_dir()); "
+            "print(len(cache.shipped_tables())); print(_compile.kernel_dir())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    where, count, kdir = r.stdout.split()
+    assert kdir == str(site / "cuflash" / "kernels_cu")  # the installed wheel finds its kernel sources
+    assert where == str(site / "cuflash" / "tuning") and int(count) == len(list((root / "tuning").glob("*.json")))
+
+
+def test_shipped_tables_are_current_and_readable():
+    """Each table in tuning/ parses, has only well-formed entries, and was made from the kernel
+    sources in this checkout (a stale table would be ignored on every user's machine)."""
+    from cuflash.tune import cache, space
+
+    for table in cache.shipped_tables():
+        entries, problem = cache.read_file(table)
+        assert problem is None, (table.name, problem)
+        for e in entries:
+            assert cache.check_entry(e) is None, (table.name, e)
+            cfg = space.config_from_dict(e["kernel"], e["config"])
+            assert cfg.structural_problem() is None
+            assert e["source"] == cache.kernel_fingerprint(e["kernel"]), (
+                f"{table.name}: {e['kernel']} entries were tuned for other kernel sources; re-tune and re-export")
 
 
 def test_main_job_without_gpu_runs_cpu_reference(capsys):

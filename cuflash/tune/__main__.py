@@ -1,0 +1,281 @@
+"""python -m cuflash.tune: tune cuflash's kernels for this GPU and remember the best configs.
+
+    python -m cuflash.tune                               # default shapes for this GPU
+    python -m cuflash.tune --kernels fwd --head-dims 128 --seqlens 8192 --dtypes bf16
+    python -m cuflash.tune --exhaustive-compare --json run.json --plot plots/   # judge the search
+    python -m cuflash.tune --show | --clear | --no-tune --export tuning/<gpu>.json
+    python -m cuflash.tune --dry-run --props tests/fixtures/devices/l4.json --compile-check   # no GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from datetime import datetime, timezone
+
+from . import cache, report, search, space
+from .runner import DTYPES
+from .tuner import Options
+
+DEFAULT_SEQLENS = (1024, 4096, 16384)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cuflash.tune", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    g = p.add_argument_group("what to tune")
+    g.add_argument("--kernels", nargs="+", choices=list(space.KERNELS), default=None,
+                   help="default: " + " ".join(space.DEFAULT_KERNELS) + " (those present)")
+    g.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    g.add_argument("--dtypes", nargs="+", choices=["bf16", "fp16"], default=["bf16", "fp16"])
+    g.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS),
+                   help="one study per seqlen; cached under its power-of-two bucket (default: %(default)s)")
+    g.add_argument("--causal", choices=["0", "1", "both"], default="both")
+    g.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen (default %(default)s)")
+    g.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head_dim (default %(default)s)")
+    g = p.add_argument_group("how")
+    m = g.add_mutually_exclusive_group()
+    m.add_argument("--exhaustive", action="store_true", help="time every valid config instead of searching")
+    m.add_argument("--exhaustive-compare", action="store_true",
+                   help="search, then time every valid config too, and report how close the search came")
+    g.add_argument("--trials", type=int, default=None,
+                   help="configs timed per study (default: a third of the valid configs, at least 6)")
+    g.add_argument("--time-budget", type=float, default=None, metavar="S", help="seconds of search per study")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--sampler", choices=list(search.SAMPLERS), default="tpe", help="Optuna sampler (gp needs torch)")
+    g.add_argument("--reps", type=int, default=20, help="timed runs per trial (median; default %(default)s)")
+    g.add_argument("--warmup", type=int, default=5)
+    g.add_argument("--confirm-rounds", type=int, default=3, help="re-timing rounds of the finalists")
+    g.add_argument("--allow-spills", type=int, default=0, metavar="BYTES",
+                   help="keep configs with up to BYTES of local memory per thread (default 0: prune any spill)")
+    g.add_argument("--device", type=int, default=0)
+    g.add_argument("--in-process", action="store_true",
+                   help="run trials in this process (no crash isolation; for debugging)")
+    g.add_argument("--no-cache", action="store_true", help="do not write the results to the user's cache")
+    g = p.add_argument_group("output and cache")
+    g.add_argument("--show", action="store_true", help="list cached and shipped configs and their gain, then exit")
+    g.add_argument("--clear", action="store_true", help="delete the user's tuning cache, then exit")
+    g.add_argument("--export", metavar="PATH", help="after tuning, write this GPU's cached configs to PATH "
+                   "(a table for tuning/; merged into PATH if it exists)")
+    g.add_argument("--no-tune", action="store_true", help="skip tuning (with --export: export the cache as is)")
+    g.add_argument("--json", metavar="PATH", help="write every study's trials and results to PATH")
+    g.add_argument("--plot", metavar="DIR", help="save best-time-against-trial plots (PNG; needs matplotlib)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="no timing: print each space and why configs are pruned (works without a GPU)")
+    g.add_argument("--props", metavar="FILE", help="with --dry-run: device properties from a JSON file")
+    g.add_argument("--compile-check", action="store_true", help="with --dry-run: also compile offline (NVRTC)")
+    return p.parse_args(argv)
+
+
+def _causal(arg):
+    return {"0": (False,), "1": (True,), "both": (False, True)}[arg]
+
+
+def available_kernels() -> list:
+    """The default kernels whose sources and Python runner are present in this cuflash."""
+    import importlib
+
+    out = []
+    for k in space.DEFAULT_KERNELS:
+        try:
+            importlib.import_module(space.spec(k).api_module)
+        except ImportError:
+            continue
+        if cache.kernel_fingerprint(k) is not None:
+            out.append(k)
+    return out
+
+
+def options_from_args(a) -> Options:
+    kernels = a.kernels or available_kernels()
+    mode = "exhaustive" if a.exhaustive else ("compare" if a.exhaustive_compare else "search")
+    return Options(kernels=tuple(kernels), head_dims=tuple(a.head_dims), dtypes=tuple(DTYPES[d] for d in a.dtypes),
+                   seqlens=tuple(a.seqlens), causal=_causal(a.causal), mode=mode, trials=a.trials,
+                   time_budget_s=a.time_budget, seed=a.seed, sampler=a.sampler, warmup=a.warmup, reps=a.reps,
+                   confirm_rounds=a.confirm_rounds, tokens=a.tokens, hidden=a.hidden,
+                   allow_local_bytes=a.allow_spills, write_cache=not a.no_cache)
+
+
+def _gpu_props(device):
+    from .._device import cuda_device_count
+    from .device import query
+
+    n, why = cuda_device_count()
+    if n == 0:
+        return None, why
+    return query(device), ""
+
+
+def do_show(props) -> int:
+    dev = cache.DeviceKey.of(props) if props is not None else None
+    tables = [("user", cache.cache_path(), False)] + [(f"shipped:{p.name}", p, True) for p in cache.shipped_tables()]
+    rows = report.show_rows(tables, dev)
+    print(f"user cache: {cache.cache_path()}" + ("" if cache.cache_path().exists() else " (none yet)"))
+    if dev is not None:
+        print(f"this GPU: {dev.gpu}, cc {dev.cc}, {dev.sm_count} SMs, driver {dev.driver}, NVRTC {dev.nvrtc}")
+    else:
+        print("no GPU here: status shows only whether an entry's kernel sources are current")
+    print(report.format_table(report.SHOW_COLUMNS, rows) if rows else "nothing cached")
+    print("status: match = used on this GPU; stale-* = ignored (re-tune); other-device = for another GPU")
+    return 0
+
+
+def do_export(path, props) -> int:
+    entries, problem = cache.read_file(cache.cache_path())
+    if problem:
+        print(f"cannot export: the cache {cache.cache_path()} is unusable ({problem})", file=sys.stderr)
+        return 1
+    dev = cache.DeviceKey.of(props) if props is not None else None
+    keep = [e for e in entries if cache.check_entry(e) is None
+            and (cache.classify(e, dev, False) == "match" if dev is not None
+                 else e["source"] == cache.kernel_fingerprint(e["kernel"]))]
+    if not keep:
+        print("nothing to export: no current entries for this GPU in the cache", file=sys.stderr)
+        return 1
+    n = cache.save_entries(path, keep)
+    print(f"exported {len(keep)} entries to {path} ({n} in the file)")
+    return 0
+
+
+def do_dry_run(a, o: Options) -> int:
+    from .device import DeviceProps
+
+    if a.props:
+        props = DeviceProps.from_json(a.props)
+    else:
+        props, why = _gpu_props(a.device)
+        if props is None:
+            print(f"--dry-run needs --props FILE here (no GPU: {why})", file=sys.stderr)
+            return 2
+    print(f"{props.name}: cc {props.cc_str} ({props.arch}), {props.sm_count} SMs, smem opt-in {props.smem_optin} B, "
+          f"{props.register_budget} registers per block")
+    for k in o.kernels:
+        for d in o.head_dims:
+            sp = space.build_space(k, d, props)
+            print(f"\n{k} d{d}: {sp.size} configs, {len(sp.candidates)} pass the static checks, default "
+                  f"{space.config_label(sp.default) if sp.default else 'none fits'}")
+            for c, why in sp.pruned.items():
+                print(f"  pruned  {space.config_label(c):<18} {why}")
+            for dt in (o.dtypes if a.compile_check else ()):
+                if cache.kernel_fingerprint(k) is None:
+                    print(f"  ({k} has no sources: compile check skipped)")
+                    break
+                valid, pruned = search.prune(sp.candidates, space.offline_check(dt, props, o.allow_local_bytes))
+                for c, why in pruned.items():
+                    print(f"  {DTYPES[dt] if dt in DTYPES else dt} compile-pruned {space.config_label(c):<18} {why}")
+                print(f"  {dt}: {len(valid)} valid after an offline {props.arch} compile: "
+                      + ", ".join(space.config_label(c) for c in valid))
+            if not a.compile_check:
+                print("  candidates: " + ", ".join(space.config_label(c) for c in sp.candidates))
+    return 0
+
+
+class _Progress:
+    """tqdm over studies, with the current trial in the postfix; per-study lines via tqdm.write."""
+
+    def __init__(self, total):
+        from tqdm import tqdm
+
+        self.tqdm = tqdm
+        # disable=None: a bar on a terminal, none in a log file (the per-study lines still print)
+        self.bar = tqdm(total=total, unit="study", dynamic_ncols=True, file=sys.stderr, disable=None,
+                        mininterval=0.5)
+
+    def __call__(self, kind, **kw):
+        if kind == "compile_start":
+            self.n_checked, self.n_total = 0, kw["n"]
+            self.bar.set_description(f"compile {kw['kernel']} {kw['dtype']} d{kw['head_dim']}")
+        elif kind == "checked":
+            self.n_checked += 1
+            self.bar.set_postfix_str(f"{self.n_checked}/{self.n_total} configs checked")
+        elif kind == "study_start":
+            self.bar.set_description(kw["shape"].label)
+            self.bar.set_postfix_str(f"{kw['n_valid']} valid")
+        elif kind == "trial":
+            t = kw["trial"]
+            ms = f"{t.ms:.3f} ms" if t.ms is not None else t.status
+            self.bar.set_postfix_str(f"trial {t.number + 1}: {space.config_label(t.config)} {ms}")
+        elif kind == "confirm":
+            self.bar.set_postfix_str(f"confirming {kw['n']} finalists")
+        elif kind == "study_done":
+            r = kw["report"]
+            if r.winner is not None:
+                sp = f"{r.speedup:.3f}x" if r.speedup else "-"
+                self.tqdm.write(f"{r.shape.label}: {space.config_label(r.winner)} {r.winner_ms:.3f} ms "
+                                f"(default {r.default_ms:.3f} ms, {sp}), {r.trials_used} trials of {r.n_valid} valid",
+                                file=sys.stderr)
+            else:
+                self.tqdm.write(f"{r.shape.label}: {r.error}", file=sys.stderr)
+            self.bar.update(1)
+
+    def close(self):
+        self.bar.close()
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.clear:
+        had = cache.clear()
+        print(f"{'removed' if had else 'no cache at'} {cache.cache_path()}")
+        return 0
+    o = options_from_args(a)
+    if a.dry_run:
+        return do_dry_run(a, o)
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'cuflash[plot]' (or pip install matplotlib)", file=sys.stderr)
+            return 2
+    props, why = _gpu_props(a.device)
+    if a.show:
+        return do_show(props)
+    if a.no_tune:
+        return do_export(a.export, props) if a.export else 0
+    if props is None:
+        print(f"cuflash.tune: no CUDA GPU found ({why}); nothing to tune. (--show, --clear and --dry-run work "
+              f"without one.)", file=sys.stderr)
+        return 2
+
+    from . import tuner
+    from .runner import Worker
+
+    shapes = tuner.plan_shapes(o)
+    print(f"{props.name} (cc {props.cc_str}, {props.sm_count} SMs, driver {props.driver_version}, "
+          f"NVRTC {cache.nvrtc_str(props.nvrtc_version)}): {len(shapes)} studies, mode {o.mode}, "
+          f"kernels {' '.join(o.kernels)}; cache {cache.cache_path() if o.write_cache else '(not written)'}",
+          flush=True)
+    progress = _Progress(len(shapes))
+    t0 = datetime.now(timezone.utc)
+    try:
+        with Worker(a.device, isolated=not a.in_process) as w:
+            reports = tuner.tune(o, w, props, on_event=progress)
+            restarts = w.restarts
+    finally:
+        progress.close()
+    print()
+    print(report.format_summary(reports))
+    if restarts:
+        print(f"the worker process was restarted {restarts} time(s) after crashed trials")
+    rc = 0
+    if a.json:
+        doc = {"env": {**props.to_dict(), "python": platform.python_version(), "started": t0.isoformat(timespec="seconds"),
+                       "sources": {k: cache.kernel_fingerprint(k) for k in o.kernels}},
+               "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(o).items()},
+               "studies": [r.to_dict() for r in reports]}
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        print(f"results written to {a.json}")
+    if a.plot:
+        paths = report.plot_studies(reports, a.plot)
+        print(f"{len(paths)} plots written to {a.plot}")
+    if a.export:
+        rc = do_export(a.export, props) or rc
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""What the tuner needs to know about a GPU, as one record that can be read from CuPy or from JSON.
+
+Everything the search space is derived from comes from here (shared memory a block may opt into,
+registers per block and per SM, threads per block, compute capability), so the space for a GPU
+that is not at hand can be built from its recorded properties (tests/fixtures/devices/*.json).
+The identity fields (name, compute capability, SM count, driver and NVRTC versions) are part of
+every tuning-cache key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceProps:
+    name: str
+    cc: tuple  # (major, minor)
+    sm_count: int
+    smem_optin: int  # sharedMemPerBlockOptin: dynamic + static shared memory one block may use
+    smem_per_sm: int
+    regs_per_block: int
+    regs_per_sm: int
+    max_threads_per_block: int
+    max_threads_per_sm: int
+    l2_bytes: int = 0
+    total_mem: int = 0
+    driver_version: int | None = None  # cudaDriverGetVersion, e.g. 13000
+    runtime_version: int | None = None
+    nvrtc_version: tuple | None = None  # (major, minor)
+
+    @property
+    def arch(self) -> str:
+        """NVRTC target of the binaries CuPy builds for this GPU (CuPy uses sm_XY, never sm_XYa)."""
+        return f"sm_{self.cc[0]}{self.cc[1]}"
+
+    @property
+    def cc_str(self) -> str:
+        return f"{self.cc[0]}.{self.cc[1]}"
+
+    @property
+    def register_budget(self) -> int:
+        """Registers one block may hold: the smaller of the per-block and per-SM limits."""
+        return min(self.regs_per_block, self.regs_per_sm)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["cc"] = list(self.cc)
+        if self.nvrtc_version is not None:
+            d["nvrtc_version"] = list(self.nvrtc_version)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceProps":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        kw["cc"] = tuple(kw["cc"])
+        if kw.get("nvrtc_version") is not None:
+            kw["nvrtc_version"] = tuple(kw["nvrtc_version"])
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path) -> "DeviceProps":
+        return cls.from_dict(json.loads(pathlib.Path(path).read_text()))
+
+
+def _str(x) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> tuple | None:
+    try:
+        from cupy.cuda import nvrtc
+
+        return tuple(nvrtc.getVersion())
+    except Exception:  # noqa: BLE001 - no NVRTC: nothing can compile, but the key must still build
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def query(device_id: int = 0) -> DeviceProps:
+    """The properties of CUDA device `device_id`, asked once per process."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    p = rt.getDeviceProperties(device_id)
+    return DeviceProps(
+        name=_str(p["name"]),
+        cc=(int(p["major"]), int(p["minor"])),
+        sm_count=int(p["multiProcessorCount"]),
+        smem_optin=int(p["sharedMemPerBlockOptin"]),
+        smem_per_sm=int(p["sharedMemPerMultiprocessor"]),
+        regs_per_block=int(p["regsPerBlock"]),
+        regs_per_sm=int(p["regsPerMultiprocessor"]),
+        max_threads_per_block=int(p["maxThreadsPerBlock"]),
+        max_threads_per_sm=int(p["maxThreadsPerMultiProcessor"]),
+        l2_bytes=int(p.get("l2CacheSize", 0)),
+        total_mem=int(p.get("totalGlobalMem", 0)),
+        driver_version=int(rt.driverGetVersion()),
+        runtime_version=int(rt.runtimeGetVersion()),
+        nvrtc_version=nvrtc_version(),
+    )

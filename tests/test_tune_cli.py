@@ -1,0 +1,232 @@
+"""`python -m cuflash.tune` and the tuning driver on CPU: a fake worker stands in for the GPU."""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+import types
+
+import pytest
+
+from cuflash import _configs, _tuned
+from cuflash.tune import __main__ as cli
+from cuflash.tune import cache, report, runner, search, space, tuner
+from cuflash.tune.device import DeviceProps
+
+FIX = pathlib.Path(__file__).parent / "fixtures" / "devices"
+H200 = DeviceProps.from_json(FIX / "h200.json")
+
+
+def cost(shape, c):
+    """A landscape per shape: causal prefers 64-row K tiles, full attention 48-row ones."""
+    bk = 64 if shape.causal else 48
+    return shape.seqlen / 1e3 * (1 + 0.1 * abs(math.log2(c.block_q / 128)) + 0.05 * abs(math.log2(c.block_k / bk))
+                                 + 0.08 * (c.warps != 4) + 0.03 * (c.stages != 2))
+
+
+class FakeWorker:
+    """The Worker protocol without a GPU; configs with block_k 96 'spill', one config is 'wrong'."""
+
+    restarts = 0
+
+    def __init__(self, *a, **k):
+        self.shape, self.checked, self.timed = None, [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def check(self, cfg, dtype, allow_local_bytes=0):
+        self.checked.append(cfg)
+        return "24 B of local memory per thread (register spills / stack frame)" if cfg.block_k == 96 else None
+
+    def setup(self, shape):
+        self.shape = shape
+        return "ok", {}
+
+    def trial(self, cfg, warmup=5, reps=20, verify=True):
+        assert cfg.block_k != 96, "a pruned config was timed"
+        self.timed.append((self.shape, cfg, verify))
+        if verify and cfg == _configs.FwdConfig(cfg.head_dim, 64, 32, 4, 2):
+            return search.Outcome("wrong", None, "planted")
+        return search.Outcome("ok", cost(self.shape, cfg), "", {"p20_ms": 0, "p80_ms": 0})
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "shipped_tables", lambda: [])
+    monkeypatch.setattr(_tuned, "_device_props", lambda device: H200)
+    _tuned.reload()
+    yield tmp_path
+    _tuned.reload()
+
+
+def test_options_from_args():
+    o = cli.options_from_args(cli.parse_args(["--kernels", "fwd", "--dtypes", "bf16", "--causal", "1",
+                                              "--exhaustive-compare", "--trials", "7", "--allow-spills", "32"]))
+    assert o.kernels == ("fwd",) and o.dtypes == ("bfloat16",) and o.causal == (True,)
+    assert o.mode == "compare" and o.trials == 7 and o.allow_local_bytes == 32
+    d = cli.options_from_args(cli.parse_args([]))
+    assert d.mode == "search" and d.dtypes == ("bfloat16", "float16") and d.causal == (False, True)
+    assert d.seqlens == cli.DEFAULT_SEQLENS and d.head_dims == (64, 128)
+    assert "fwd" in d.kernels
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--exhaustive", "--exhaustive-compare"])
+
+
+def test_plan_groups_shapes_by_compile_keys():
+    o = tuner.Options(kernels=("fwd",), head_dims=(64, 128), dtypes=("bfloat16",), seqlens=(1024, 16384))
+    shapes = tuner.plan_shapes(o)
+    assert len(shapes) == 8
+    assert shapes[0] == runner.Shape("fwd", "bfloat16", 64, False, 1024, 16, 32)
+    assert shapes[1].batch == 1 and shapes[1].bucket == 16384
+
+
+def test_tune_search_and_compare_end_to_end(env):
+    o = tuner.Options(kernels=("fwd",), head_dims=(128,), dtypes=("bfloat16",), seqlens=(2048, 8192), mode="compare")
+    w = FakeWorker()
+    reports = tuner.tune(o, w, H200)
+    assert len(reports) == 4
+    sp = space.build_space("fwd", 128, H200)
+    assert sorted(w.checked) == sorted(sp.candidates)  # each candidate compiled once per group
+    for r in reports:
+        assert r.error is None and r.winner is not None
+        assert r.winner.block_k != 96 and r.winner != _configs.FwdConfig(128, 64, 32, 4, 2)
+        best = min((c for c in sp.candidates if c.block_k != 96 and c != _configs.FwdConfig(128, 64, 32, 4, 2)),
+                   key=lambda c: cost(r.shape, c))
+        assert r.winner == best == r.exhaustive_best  # compare mode caches the true best
+        assert r.quality is not None and 0.9 < r.quality <= 1.0
+        assert r.search.trials[0].config == sp.default
+        assert r.winner_ms <= r.default_ms and r.speedup >= 1
+        assert r.trials_used <= search.default_budget(r.n_valid)
+        json.dumps(r.to_dict())
+    # the confirmation re-timing does not re-verify
+    assert any(not v for _, _, v in w.timed)
+    # later shapes are warm-started with earlier winners of the same group
+    assert reports[1].search.trials[1].config == reports[0].winner or reports[0].winner == sp.default
+    # every winner is in the user cache and is what lookup returns
+    for r in reports:
+        p = types.SimpleNamespace(seqlen_q=r.shape.seqlen, seqlen_k=r.shape.seqlen, head_dim=128, dtype="bfloat16",
+                                  device=0, causal=r.shape.causal)
+        assert _tuned.lookup("fwd", p) == r.winner
+    text = report.format_summary(reports)
+    assert "fwd bf16 d128 causal n8192" in text and "1 wrong" not in text.splitlines()[0]
+
+
+def test_tune_reports_missing_kernels_and_empty_spaces(env, monkeypatch):
+    monkeypatch.setattr(cache, "kernel_fingerprint", lambda k: None if k == "bwd" else "f" * 16)
+    l4 = DeviceProps.from_json(FIX / "l4.json")
+    o = tuner.Options(kernels=("bwd",), head_dims=(128,), seqlens=(1024,), causal=(False,))
+    (r,) = tuner.tune(o, FakeWorker(), l4)
+    assert "no sources" in r.error and r.winner is None
+    monkeypatch.setattr(cache, "kernel_fingerprint", lambda k: "f" * 16)
+    (r,) = tuner.tune(o, FakeWorker(), l4)
+    assert "fits this device" in r.error
+    assert "fits this device" in report.format_summary([r])
+
+
+def test_crashed_setup_is_reported_not_raised(env):
+    class Crashy(FakeWorker):
+        def setup(self, shape):
+            return "crashed", "worker process died (exit code -11)"
+
+    o = tuner.Options(kernels=("fwd",), head_dims=(64,), seqlens=(1024,), causal=(False,))
+    (r,) = tuner.tune(o, Crashy(), H200)
+    assert "setup failed" in r.error and r.winner is None
+
+
+def test_main_tunes_exports_and_writes_json(env, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_gpu_props", lambda device: (H200, ""))
+    monkeypatch.setattr(runner, "Worker", FakeWorker)
+    out_json, export = env / "run.json", env / "tuning" / "nvidia-h200.json"
+    rc = cli.main(["--kernels", "fwd", "--head-dims", "64", "128", "--seqlens", "8192", "--dtypes", "bf16",
+                   "--exhaustive-compare", "--json", str(out_json), "--export", str(export)])
+    assert rc == 0
+    out = capsys.readouterr()
+    assert "default ms" in out.out and "exported 4 entries" in out.out
+    doc = json.loads(out_json.read_text())
+    assert len(doc["studies"]) == 4 and doc["env"]["name"] == "NVIDIA H200"
+    for s in doc["studies"]:
+        assert s["quality"] is not None and s["trials_used"] <= s["n_valid"]
+        assert s["compile_pruned"] and all("local memory" in v for v in s["compile_pruned"].values())
+    # the exported table is exactly what lookup reads as a shipped table (even on another driver)
+    other = DeviceProps.from_dict({**H200.to_dict(), "driver_version": 12000})
+    tables = cache.load_tables(other, user_path=env / "none.json", shipped_paths=[export])
+    for s in doc["studies"]:
+        cfg, where = tables.find("fwd", "bfloat16", s["head_dim"], s["causal"], 8192)
+        assert where == "shipped" and space.config_to_dict(cfg) == s["winner"]
+
+
+def test_show_and_clear_without_gpu(env, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_gpu_props", lambda device: (None, "no GPU"))
+    cache.save_entries(cache.cache_path(), [cache.make_entry(
+        cache.DeviceKey.of(H200), "fwd", cache.kernel_fingerprint("fwd"), "bfloat16", 128, True, 8192,
+        space.config_to_dict(_configs.FwdConfig(128, 128, 64, 8, 2)), time_ms=1.0, default_ms=1.25,
+        method="optuna-tpe", trials=10, valid=30)])
+    assert cli.main(["--show"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA H200" in out and "128x64 w8 s2" in out and "+25.0%" in out and "10/30" in out
+    assert cli.main(["--clear"]) == 0
+    assert not cache.cache_path().exists()
+    assert cli.main(["--show"]) == 0 and "nothing cached" in capsys.readouterr().out
+    assert cli.main([]) == 2 and "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(env, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.main(["--plot", str(env / "plots")]) == 2
+    assert "pip install 'cuflash[plot]'" in capsys.readouterr().err
+
+
+def test_dry_run_from_recorded_properties(capsys):
+    assert cli.main(["--dry-run", "--props", str(FIX / "l4.json"), "--kernels", "fwd", "bwd",
+                     "--head-dims", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "NVIDIA L4" in out and "shared memory" in out and "fwd d128" in out
+    assert "bwd d128: 8 configs, 0 pass the static checks, default none fits" in out
+
+
+def test_worker_process_survives_a_dying_and_a_hanging_child():
+    """The isolation itself (no GPU needed): a child that exits or hangs is replaced."""
+    with runner.Worker(0, isolated=True, timeout_s=60) as w:
+        assert w.call("ping") == ("ok", "pong")
+        status, why = w.call("inject", "exit")
+        assert status == "crashed" and "exit code 9" in why
+        assert w.call("ping") == ("ok", "pong") and w.restarts == 1
+        status, why = w.call("inject", "hang", timeout_s=2)
+        assert status == "crashed" and "hung" in why
+        assert w.call("ping") == ("ok", "pong") and w.restarts == 2
+
+
+def test_compare_outputs():
+    import numpy as np
+    import ml_dtypes
+
+    bf = ml_dtypes.bfloat16
+    ref = np.linspace(-4, 4, 64, dtype=np.float32).astype(bf).reshape(8, 8)
+    lse = np.array([1.0, -np.inf, 3.0], np.float32)
+    assert runner.compare((ref, lse), (ref.copy(), lse.copy()))[0]
+    near = (ref.astype(np.float32) + 0.03).astype(bf)  # ~1 ulp at 4
+    assert runner.compare((ref,), (near,))[0]
+    far = ref.copy()
+    far[3, 3] = bf(2.0)
+    ok, diff, why = runner.compare((ref,), (far,))
+    assert not ok and "max |diff|" in why
+    nan = ref.copy()
+    nan[0, 0] = np.nan
+    assert "NaN" in runner.compare((ref,), (nan,))[2]
+    assert not runner.compare((lse,), (np.array([1.0, 0.0, 3.0], np.float32),))[0]  # -inf row must stay -inf
+    ok, _, why = runner.compare((ref,), (ref,), [(0, (ref, near))])
+    assert not ok and "bitwise" in why
+
+
+def test_plot_studies_if_matplotlib_is_installed(env):
+    pytest.importorskip("matplotlib")
+    o = tuner.Options(kernels=("fwd",), head_dims=(64,), seqlens=(1024,), causal=(False,), mode="compare")
+    reports = tuner.tune(o, FakeWorker(), H200)
+    paths = report.plot_studies(reports, env / "plots")
+    assert len(paths) == 1 and paths[0].stat().st_size > 1000
