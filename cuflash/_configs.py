@@ -69,11 +69,12 @@ def fwd_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[FwdConf
 
 
 # Heuristic defaults (before any tuning), in order of preference; the first that fits the device's
-# shared memory wins. Measured on an H200 (docs/perf-notes.md, 2026-11-29): the fastest configs
+# shared memory wins. Measured on an H200 (docs/perf-notes.md and the tuner's exhaustive sweep,
+# tuning/nvidia-h200.json, 2026-11-29): the fastest configs
 # that compile with no register spills for sm_80 and sm_90a. Later entries serve GPUs with less
 # shared memory (A100: 163 KB, L4 / RTX 4090: ~99 KB per block).
 _DEFAULTS = {
-    64: (FwdConfig(64, 128, 64, 4, 2), FwdConfig(64, 64, 64, 4, 2)),
+    64: (FwdConfig(64, 128, 96, 4, 2), FwdConfig(64, 128, 64, 4, 2), FwdConfig(64, 64, 64, 4, 2)),
     128: (FwdConfig(128, 128, 128, 8, 3), FwdConfig(128, 128, 128, 8, 2), FwdConfig(128, 128, 64, 8, 2),
           FwdConfig(128, 64, 64, 4, 2)),
 }
@@ -207,12 +208,12 @@ def dq_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[DqConfig
 # configs are not here: their dQ tile (64 fp32 registers per thread on top of dK, dV) spills on
 # sm_80. No d=128 backward config fits the ~99 KB of an L4 / RTX 4090 yet.
 _BWD_DEFAULTS = {
-    64: (BwdConfig(64, 128, 128, 8, 2), BwdConfig(64, 64, 128, 8, 2)),
-    128: (BwdConfig(128, 64, 128, 8, 2),),
+    64: (BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2), BwdConfig(64, 64, 128, 8, 2)),
+    128: (BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2)),
 }
 _DQ_DEFAULTS = {
-    64: (DqConfig(64, 128, 64, 8, 2), DqConfig(64, 64, 64, 4, 2)),
-    128: (DqConfig(128, 128, 64, 8, 2), DqConfig(128, 64, 64, 4, 2)),
+    64: (DqConfig(64, 64, 64, 4, 2), DqConfig(64, 128, 64, 8, 2)),
+    128: (DqConfig(128, 64, 64, 4, 2), DqConfig(128, 128, 64, 8, 2)),
 }
 
 

@@ -52,7 +52,8 @@ def test_backward_structure_rules():
 def test_backward_defaults():
     from cuflash._configs import BwdConfig, default_bwd_config, default_dq_config
 
-    assert default_bwd_config(128) == BwdConfig(128, 64, 128, 8, 2)
+    assert default_bwd_config(128) == BwdConfig(128, 64, 128, 8, 3)
+    assert default_bwd_config(128, 163 * 1024) == BwdConfig(128, 64, 128, 8, 2)
     for d in (64, 128):
         assert default_bwd_config(d, 163 * 1024).smem_bytes <= 163 * 1024
         assert default_dq_config(d, 99 * 1024).smem_bytes <= 99 * 1024

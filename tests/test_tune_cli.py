@@ -25,8 +25,12 @@ def cost(shape, c):
                                  + 0.08 * (c.warps != 4) + 0.03 * (c.stages != 2))
 
 
+def _spills(c):
+    return c.block_k == 96 and c.warps == 8
+
+
 class FakeWorker:
-    """The Worker protocol without a GPU; configs with block_k 96 'spill', one config is 'wrong'."""
+    """The Worker protocol without a GPU; 8-warp configs with block_k 96 'spill', one config is 'wrong'."""
 
     restarts = 0
 
@@ -41,14 +45,14 @@ class FakeWorker:
 
     def check(self, cfg, dtype, allow_local_bytes=0):
         self.checked.append(cfg)
-        return "24 B of local memory per thread (register spills / stack frame)" if cfg.block_k == 96 else None
+        return "24 B of local memory per thread (register spills / stack frame)" if _spills(cfg) else None
 
     def setup(self, shape):
         self.shape = shape
         return "ok", {}
 
     def trial(self, cfg, warmup=5, reps=20, verify=True):
-        assert cfg.block_k != 96, "a pruned config was timed"
+        assert not _spills(cfg), "a pruned config was timed"
         self.timed.append((self.shape, cfg, verify))
         if verify and cfg == _configs.FwdConfig(cfg.head_dim, 64, 32, 4, 2):
             return search.Outcome("wrong", None, "planted")
@@ -95,8 +99,8 @@ def test_tune_search_and_compare_end_to_end(env):
     assert sorted(w.checked) == sorted(sp.candidates)  # each candidate compiled once per group
     for r in reports:
         assert r.error is None and r.winner is not None
-        assert r.winner.block_k != 96 and r.winner != _configs.FwdConfig(128, 64, 32, 4, 2)
-        best = min((c for c in sp.candidates if c.block_k != 96 and c != _configs.FwdConfig(128, 64, 32, 4, 2)),
+        assert not _spills(r.winner) and r.winner != _configs.FwdConfig(128, 64, 32, 4, 2)
+        best = min((c for c in sp.candidates if not _spills(c) and c != _configs.FwdConfig(128, 64, 32, 4, 2)),
                    key=lambda c: cost(r.shape, c))
         assert r.winner == best == r.exhaustive_best  # compare mode caches the true best
         assert r.quality is not None and 0.9 < r.quality <= 1.0

@@ -73,7 +73,8 @@ def test_budget_and_stop_when_space_exhausted():
     valid = _space().candidates[:5]
     r = search.optimize(valid, Recorder(bowl), n_trials=50, seed=0)
     assert len(r.trials) == 5 and r.best == min(valid, key=bowl)
-    assert search.default_budget(30) == 10 and search.default_budget(9) == 6 and search.default_budget(4) == 4
+    assert search.default_budget(30) == 10 and search.default_budget(32) == 10 and search.default_budget(9) == 3
+    assert search.default_budget(4) == 1 and search.default_budget(2) == 1 and search.default_budget(0) == 0
     assert search.optimize([], Recorder(bowl), n_trials=5).trials == []
 
 

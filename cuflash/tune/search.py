@@ -106,9 +106,13 @@ def prune(candidates: Iterable, check: Callable | None, on_check: Callable | Non
     return valid, pruned
 
 
-def default_budget(n_valid: int, fraction: float = 1 / 3, minimum: int = 6) -> int:
-    """Trials per study when none is given: a third of the valid configs, at least `minimum`."""
-    return min(n_valid, max(minimum, math.ceil(fraction * n_valid)))
+def default_budget(n_valid: int, fraction: float = 1 / 3, minimum: int = 1) -> int:
+    """Trials per study when none is given: at most a third of the valid configs (rounded down),
+    at least `minimum` (the warm start: the heuristic default is always the first trial).
+
+    Small spaces thus get few trials, and lean on good heuristic defaults (cuflash/_configs.py).
+    """
+    return min(n_valid, max(minimum, math.floor(fraction * n_valid)))
 
 
 def make_sampler(name: str, seed: int, n_startup: int):

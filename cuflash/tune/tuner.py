@@ -38,7 +38,7 @@ class Options:
     mode: str = "search"
     trials: int | None = None  # per study; None: search.default_budget(valid)
     fraction: float = 1 / 3
-    min_trials: int = 6
+    min_trials: int = 1
     time_budget_s: float | None = None  # per study, search phase
     seed: int = 0
     sampler: str = "tpe"
