@@ -24,7 +24,7 @@ _tmod = None  # the cuflash._torch module (registers the torch ops), once a torc
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-              algorithm: str = "v2", deterministic: bool = False):
+              algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads, head_dim); float16 or
@@ -48,48 +48,56 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     algorithm: "v2" (FlashAttention-2 loop order, the default) or "v1" (FlashAttention-1). The
         backward is the same for both.
     deterministic: for torch autograd, run the backward deterministically (bitwise reproducible dq).
+    dropout_p, seed: dropout on the attention probabilities, fused in the kernel (both algorithms):
+        a counter-based Philox mask of `seed` (an int in [0, 2^64)), so the same seed gives the same
+        mask and the backward regenerates it instead of storing it (pass the same dropout_p and seed
+        to attention_backward; torch autograd does it for you, and draws a seed from torch's CPU
+        generator when none is given). p is quantised to 1/65536; kept values are scaled by
+        1/(1 - p). lse is that of the undropped scores.
 
     Raises TypeError/ValueError naming the argument before any launch on bad input.
     """
     t = type(q)
     if (t is _ndarray and type(k) is t and type(v) is t and algorithm == "v2"
             and (deterministic is False or deterministic is True)):
-        out, lse = _fwd(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        out, lse = _fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed)
         return (out, lse) if return_lse else out
-    return _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic)
+    return _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed)
 
 
-def _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic):
+def _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed):
     from . import _validate
 
     _validate.check_algorithm(algorithm)
     deterministic = _validate.check_flag(deterministic, "deterministic")
     tm = _tmod
     if tm is not None and isinstance(q, tm.Tensor):
-        return tm.attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic)
+        return tm.attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed)
 
     from . import _interop
 
     fw, dev = _interop.common_framework((q, k, v), ("q", "k", "v"))
     if fw == _interop.TORCH:
-        return _load_torch().attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic)
+        return _load_torch().attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic,
+                                       dropout_p, seed)
     fwd = _forward_fn(algorithm)
     if fw == _interop.CUPY:
-        out, lse = fwd(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        out, lse = fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed)
     else:
-        out, lse = _interop.run(lambda *a: fwd(*a, causal=causal, softmax_scale=softmax_scale), (q, k, v), fw, dev,
-                                ("q", "k", "v"))
+        out, lse = _interop.run(lambda *a: fwd(*a, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                                               seed=seed), (q, k, v), fw, dev, ("q", "k", "v"))
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                       deterministic: bool = False):
+                       deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None):
     """Gradients (dq, dk, dv) of attention(q, k, v) for the output gradient `dout`.
 
     `out` and `lse` are the forward's outputs (attention(..., return_lse=True)) for the same q, k, v,
     causal and softmax_scale. dout and out: q's shape and dtype, contiguous in the last dimension;
     lse: float32 (batch, heads, seqlen_q), contiguous. dq, dk, dv have the shapes and dtype of q, k, v.
     deterministic: bitwise reproducible dq (no floating-point atomics), at some speed cost.
+    dropout_p, seed: those the forward used (the mask is regenerated from the seed).
 
     Accepts the same frameworks as `attention`, results in the caller's framework (torch: through
     the op `torch.ops.cuflash.attention_bwd`, which is not itself differentiable). Raises
@@ -100,27 +108,29 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     if t is _ndarray and all(type(a) is t for a in args) and (deterministic is False or deterministic is True):
         from ._backward import backward
 
-        return backward(*args, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
-    return _attention_backward(args, causal, softmax_scale, deterministic)
+        return backward(*args, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                        dropout_p=dropout_p, seed=seed)
+    return _attention_backward(args, causal, softmax_scale, deterministic, dropout_p, seed)
 
 
 _BWD_NAMES = ("dout", "q", "k", "v", "out", "lse")
 
 
-def _attention_backward(args, causal, softmax_scale, deterministic):
+def _attention_backward(args, causal, softmax_scale, deterministic, dropout_p, seed):
     from . import _interop, _validate
 
     deterministic = _validate.check_flag(deterministic, "deterministic")
     tm = _tmod
     if tm is not None and isinstance(args[1], tm.Tensor):
-        return tm.attention_backward(*args, causal, softmax_scale, deterministic)
+        return tm.attention_backward(*args, causal, softmax_scale, deterministic, dropout_p, seed)
     fw, dev = _interop.common_framework(args, _BWD_NAMES)
     if fw == _interop.TORCH:
-        return _load_torch().attention_backward(*args, causal, softmax_scale, deterministic)
+        return _load_torch().attention_backward(*args, causal, softmax_scale, deterministic, dropout_p, seed)
     from ._backward import backward
 
     def run(*a):
-        return backward(*a, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
+        return backward(*a, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                        dropout_p=dropout_p, seed=seed)
 
     if fw == _interop.CUPY:
         _remember_cupy()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _compile, _configs, _device, _tuned, _validate
+from . import _compile, _configs, _device, _dropout, _tuned, _validate
 from ._forward import LOG2E, _MAX_GRID_X
 
 # lse2 / delta / dq_acc rows are padded to this multiple (>= every block_q) so the kernels copy
@@ -20,16 +20,17 @@ _ROW_PAD = 128
 _AUX_THREADS = 256
 
 
-def select_bwd_config(p: _validate.FwdProblem) -> _configs.BwdConfig:
-    return _tuned_or_default("bwd", p, _configs.default_bwd_config)
+def select_bwd_config(p: _validate.FwdProblem, dropout: bool = False) -> _configs.BwdConfig:
+    return _tuned_or_default("bwd", p, _configs.default_bwd_config, dropout)
 
 
-def select_dq_config(p: _validate.FwdProblem) -> _configs.DqConfig:
-    return _tuned_or_default("bwd_dq", p, _configs.default_dq_config)
+def select_dq_config(p: _validate.FwdProblem, dropout: bool = False) -> _configs.DqConfig:
+    return _tuned_or_default("bwd_dq", p, _configs.default_dq_config, dropout)
 
 
-def _tuned_or_default(kernel, p, default):
-    cfg = _tuned.lookup(kernel, p)  # the user's tuning cache, then the shipped tables
+def _tuned_or_default(kernel, p, default, dropout):
+    # the user's tuning cache, then the shipped tables (plain kernels only; see select_fwd_config)
+    cfg = None if dropout else _tuned.lookup(kernel, p)
     return cfg if cfg is not None else default(p.head_dim, _device.smem_optin(p.device))
 
 
@@ -38,7 +39,8 @@ class _BwdPlan:
                  "post", "post_grid", "post_block", "post_smem", "shapes", "dtype", "ws_rows", "head_dim",
                  "prep_tail", "main_tail", "post_tail")
 
-    def __init__(self, p: _validate.FwdProblem, cfg, dq_cfg, q, k, v, dout, out, deterministic: bool):
+    def __init__(self, p: _validate.FwdProblem, cfg, dq_cfg, q, k, v, dout, out, deterministic: bool,
+                 dropout: bool = False):
         it = q.dtype.itemsize
         b, nq, nk, h, d = p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim
         pad = -(-nq // _ROW_PAD) * _ROW_PAD
@@ -64,7 +66,7 @@ class _BwdPlan:
         grid = n_blocks * h * b
         if grid > _MAX_GRID_X:
             raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit {_MAX_GRID_X}")
-        self.main = _compile.get_kernel(cfg, p.dtype, p.device)
+        self.main = _compile.get_kernel(cfg, p.dtype, p.device, dropout)
         self.main_grid, self.main_block, self.main_smem = (grid,), (cfg.threads,), cfg.smem_bytes
         scale_log2, scale = f32(p.softmax_scale * LOG2E), f32(p.softmax_scale)
         self.main_tail = (*st(q), *st(k), *st(v), *st(dout), *fresh(nk), *fresh(nk),
@@ -74,7 +76,7 @@ class _BwdPlan:
             m_blocks = -(-nq // dq_cfg.block_q)
             if m_blocks * h * b > _MAX_GRID_X:
                 raise ValueError(f"problem too large: {m_blocks * h * b} thread blocks exceed the grid limit")
-            self.post = _compile.get_kernel(dq_cfg, p.dtype, p.device)
+            self.post = _compile.get_kernel(dq_cfg, p.dtype, p.device, dropout)
             self.post_grid, self.post_block, self.post_smem = (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes
             self.post_tail = (*st(q), *st(k), *st(v), *st(dout), *fresh(nq),
                               i32(h), i32(nq), i32(nk), i32(pad), i32(m_blocks), scale_log2, scale, i32(p.causal))
@@ -84,7 +86,7 @@ class _BwdPlan:
             self.post_grid, self.post_block, self.post_smem = (-(-n_rows * ch // _AUX_THREADS),), (_AUX_THREADS,), 0
             self.post_tail = (*fresh(nq), i32(h), i32(nq), i32(pad), scale, i64(n_rows))
 
-    def run(self, dout, q, k, v, out, lse):
+    def run(self, dout, q, k, v, out, lse, drop=_dropout.OFF):
         import cupy
 
         with cupy.cuda.Device(self.device):
@@ -96,10 +98,10 @@ class _BwdPlan:
             dq_acc = None if self.deterministic else cupy.empty(self.ws_rows * self.head_dim, dtype=cupy.float32)
             null = dq_acc if dq_acc is not None else np.uint64(0)
             self.prep(self.prep_grid, (_AUX_THREADS,), (out, dout, lse, delta, lse2, null, *self.prep_tail))
-            self.main(self.main_grid, self.main_block, (q, k, v, dout, lse2, delta, null, dk, dv, *self.main_tail),
+            self.main(self.main_grid, self.main_block, (q, k, v, dout, lse2, delta, null, dk, dv, *self.main_tail, *drop),
                       shared_mem=self.main_smem)
             if self.deterministic:
-                self.post(self.post_grid, self.post_block, (q, k, v, dout, lse2, delta, dq, *self.post_tail),
+                self.post(self.post_grid, self.post_block, (q, k, v, dout, lse2, delta, dq, *self.post_tail, *drop),
                           shared_mem=self.post_smem)
             else:
                 self.post(self.post_grid, self.post_block, (dq_acc, dq, *self.post_tail))
@@ -110,46 +112,49 @@ _plans: dict = {}
 _MAX_PLANS = 4096
 
 
-def _plan_key(arrays, causal, softmax_scale, deterministic):
+def _plan_key(arrays, causal, softmax_scale, deterministic, dropout):
     ptr_bits = 0
     for a in arrays:
         ptr_bits |= a.data.ptr
     return (tuple((a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays),
-            ptr_bits % _validate.ALIGN_BYTES, causal, softmax_scale, deterministic)
+            ptr_bits % _validate.ALIGN_BYTES, causal, softmax_scale, deterministic, dropout)
 
 
-def _build_plan(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, config, dq_config) -> _BwdPlan:
+def _build_plan(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, config, dq_config,
+                dropout=False) -> _BwdPlan:
     infos = [_validate.describe(x, n) for x, n in
              ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
     p = _validate.check_backward(*infos, causal, softmax_scale)
     deterministic = _validate.check_flag(deterministic, "deterministic")
-    cfg = config or select_bwd_config(p)
-    dq_cfg = (dq_config or select_dq_config(p)) if deterministic else None
-    return _BwdPlan(p, cfg, dq_cfg, q, k, v, dout, out, bool(deterministic))
+    cfg = config or select_bwd_config(p, dropout)
+    dq_cfg = (dq_config or select_dq_config(p, dropout)) if deterministic else None
+    return _BwdPlan(p, cfg, dq_cfg, q, k, v, dout, out, bool(deterministic), dropout)
 
 
-def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False,
-             config: _configs.BwdConfig | None = None, dq_config: _configs.DqConfig | None = None):
+def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False, dropout_p=0.0,
+             seed=None, config: _configs.BwdConfig | None = None, dq_config: _configs.DqConfig | None = None):
     """Gradients (dq, dk, dv) of attention for upstream gradient `dout`; CuPy arrays like q, k, v.
 
-    `out` and `lse` are the forward's results for the same q, k, v, causal and softmax_scale.
+    `out` and `lse` are the forward's results for the same q, k, v, causal, softmax_scale,
+    dropout_p and seed (the dropout mask is regenerated from the seed, never stored).
     `config` / `dq_config` override the selected kernel configs (tuner, tests).
     """
     import cupy
 
     arrays = (dout, q, k, v, out, lse)
+    drop = _dropout.kernel_args(dropout_p, seed)
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
         try:
-            key = _plan_key(arrays, causal, softmax_scale, deterministic)
+            key = _plan_key(arrays, causal, softmax_scale, deterministic, drop is not None)
             plan = _plans.get(key)
         except TypeError:
             key = plan = None
         if plan is None:
-            plan = _build_plan(*arrays, causal, softmax_scale, deterministic, None, None)
+            plan = _build_plan(*arrays, causal, softmax_scale, deterministic, None, None, drop is not None)
             if key is not None:
                 if len(_plans) >= _MAX_PLANS:
                     _plans.clear()
                 _plans[key] = plan
     else:
-        plan = _build_plan(*arrays, causal, softmax_scale, deterministic, config, dq_config)
-    return plan.run(dout, q, k, v, out, lse)
+        plan = _build_plan(*arrays, causal, softmax_scale, deterministic, config, dq_config, drop is not None)
+    return plan.run(dout, q, k, v, out, lse, drop or _dropout.OFF)

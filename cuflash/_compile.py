@@ -41,7 +41,9 @@ def source_fingerprint() -> str:
 
 
 # kernel -> (header, device template, parameter macro, argument macro). Every kernel template takes
-# <BF16, D, BR, BC, WARPS, STAGES>; the config's KERNEL names its row here.
+# <BF16, D, BR, BC, WARPS, STAGES, DROPOUT>; the config's KERNEL names its row here. DROPOUT is not a
+# tuning choice but a variant: the kernels with fused dropout are separate instantiations, so the
+# plain ones carry no Philox code (nor its registers).
 _KERNELS = {
     "fwd": ("flash_fwd.cuh", "cuflash::flash_fwd", "CUFLASH_FWD_PARAMS", "CUFLASH_FWD_ARGS"),
     "bwd": ("flash_bwd.cuh", "cuflash::flash_bwd_dkdv", "CUFLASH_BWD_PARAMS", "CUFLASH_BWD_ARGS"),
@@ -50,13 +52,13 @@ _KERNELS = {
 }
 
 
-def kernel_name(cfg, dtype: str) -> str:
+def kernel_name(cfg, dtype: str, dropout: bool = False) -> str:
     tag = _DTYPE_TAG[dtype][0]
     return (f"cuflash_{cfg.KERNEL}_{tag}_d{cfg.head_dim}_br{cfg.block_q}_bc{cfg.block_k}"
-            f"_w{cfg.warps}_s{cfg.stages}")
+            f"_w{cfg.warps}_s{cfg.stages}" + ("_drop" if dropout else ""))
 
 
-def kernel_source(cfg, dtype: str) -> str:
+def kernel_source(cfg, dtype: str, dropout: bool = False) -> str:
     """The generated extern "C" shell for one config of any kernel in _KERNELS."""
     problem = cfg.structural_problem()
     if problem:
@@ -66,9 +68,9 @@ def kernel_source(cfg, dtype: str) -> str:
     return (
         f"// cuflash generated shell; kernels_cu sources {source_fingerprint()}\n"
         f'#include "{header}"\n'
-        f'extern "C" __global__ void __launch_bounds__({cfg.threads}) {kernel_name(cfg, dtype)}({params}) {{\n'
+        f'extern "C" __global__ void __launch_bounds__({cfg.threads}) {kernel_name(cfg, dtype, dropout)}({params}) {{\n'
         f"    {template}<{bf16}, {cfg.head_dim}, {cfg.block_q}, {cfg.block_k}, "
-        f"{cfg.warps}, {cfg.stages}>({args});\n"
+        f"{cfg.warps}, {cfg.stages}, {'true' if dropout else 'false'}>({args});\n"
         f"}}\n"
     )
 
@@ -134,12 +136,13 @@ def _load(source: str, name: str, smem_bytes: int, device_id: int):
     return fn
 
 
-def get_kernel(cfg, dtype: str, device_id: int):
-    """The loaded kernel for (config, dtype) on a device; compiled once per process and device."""
-    key = (cfg.KERNEL, cfg, dtype, device_id)
+def get_kernel(cfg, dtype: str, device_id: int, dropout: bool = False):
+    """The loaded kernel for (config, dtype, dropout variant) on a device; compiled once per process."""
+    key = (cfg.KERNEL, cfg, dtype, device_id) if not dropout else (cfg.KERNEL, cfg, dtype, device_id, "drop")
     fn = _loaded.get(key)
     if fn is None:
-        fn = _loaded[key] = _load(kernel_source(cfg, dtype), kernel_name(cfg, dtype), cfg.smem_bytes, device_id)
+        fn = _loaded[key] = _load(kernel_source(cfg, dtype, dropout), kernel_name(cfg, dtype, dropout),
+                                  cfg.smem_bytes, device_id)
     return fn
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _compile, _configs, _device, _tuned, _validate
+from . import _compile, _configs, _device, _dropout, _tuned, _validate
 
 LOG2E = 1.4426950408889634
 # Grid is 1-D (blockIdx.x = m_block + m_blocks * (head + heads * batch)); its limit is 2^31 - 1.
 _MAX_GRID_X = 2**31 - 1
 
 
-def select_fwd_config(problem: _validate.FwdProblem) -> _configs.FwdConfig:
-    cfg = _tuned.lookup("fwd", problem)  # the user's tuning cache, then the shipped tables
-    return cfg if cfg is not None else _configs.default_fwd_config(problem.head_dim, _device.smem_optin(problem.device))
+def select_fwd_config(problem: _validate.FwdProblem, dropout: bool = False) -> _configs.FwdConfig:
+    # Tuned tables hold the plain kernel's winners; the dropout variant uses the heuristic, which
+    # avoids configs whose dropout instantiation spills.
+    cfg = None if dropout else _tuned.lookup("fwd", problem)  # the user's tuning cache, then the shipped tables
+    return cfg if cfg is not None else _configs.default_fwd_config(
+        problem.head_dim, _device.smem_optin(problem.device), dropout)
 
 
 class _FwdPlan:
@@ -25,13 +28,13 @@ class _FwdPlan:
 
     __slots__ = ("device", "kernel", "grid", "block", "smem", "out_shape", "dtype", "lse_shape", "tail")
 
-    def __init__(self, p: _validate.FwdProblem, cfg: _configs.FwdConfig, q, k, v):
+    def __init__(self, p: _validate.FwdProblem, cfg: _configs.FwdConfig, q, k, v, dropout: bool = False):
         m_blocks = -(-p.seqlen_q // cfg.block_q)
         n_blocks = m_blocks * p.heads * p.batch
         if n_blocks > _MAX_GRID_X:
             raise ValueError(f"problem too large: {n_blocks} thread blocks exceed the grid limit {_MAX_GRID_X}")
         self.device = p.device
-        self.kernel = _compile.get_fwd_kernel(cfg, p.dtype, p.device)
+        self.kernel = _compile.get_kernel(cfg, p.dtype, p.device, dropout)
         self.grid, self.block, self.smem = (n_blocks,), (cfg.threads,), cfg.smem_bytes
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (p.batch, p.heads, p.seqlen_q)
@@ -42,7 +45,7 @@ class _FwdPlan:
         self.tail = (*strides, np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
                      np.float32(p.softmax_scale * LOG2E), np.int32(p.causal))
 
-    def run(self, q, k, v, out=None, lse=None):
+    def run(self, q, k, v, out=None, lse=None, drop=_dropout.OFF):
         import cupy
 
         with cupy.cuda.Device(self.device):
@@ -50,7 +53,7 @@ class _FwdPlan:
                 out = cupy.empty(self.out_shape, dtype=self.dtype)
             if lse is None:
                 lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
-            self.kernel(self.grid, self.block, (q, k, v, out, lse, *self.tail), shared_mem=self.smem)
+            self.kernel(self.grid, self.block, (q, k, v, out, lse, *self.tail, *drop), shared_mem=self.smem)
         return out, lse
 
 
@@ -65,40 +68,45 @@ def _plan_key(q, k, v, causal, softmax_scale):
             q.data.device_id, k.data.device_id, v.data.device_id, causal, softmax_scale)
 
 
-def _build_plan(q, k, v, causal, softmax_scale, config) -> _FwdPlan:
+def _build_plan(q, k, v, causal, softmax_scale, config, dropout=False) -> _FwdPlan:
     qi, ki, vi = (_validate.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = _validate.check_forward(qi, ki, vi, causal, softmax_scale)
-    return _FwdPlan(p, config or select_fwd_config(p), q, k, v)
+    return _FwdPlan(p, config or select_fwd_config(p, dropout), q, k, v, dropout)
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, config: _configs.FwdConfig | None = None,
-            out=None, lse=None):
+def forward(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None,
+            config: _configs.FwdConfig | None = None, out=None, lse=None):
     """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
+    dropout_p > 0 drops attention probabilities with the Philox mask of `seed` (an int; the same
+    seed must go to the backward); lse is that of the undropped scores.
     `out` and `lse` may be given (internal: tests poison them, the backward reuses them); otherwise
     fresh contiguous arrays are allocated. `config` overrides the selected kernel config.
     """
     import cupy
 
+    drop = _dropout.kernel_args(dropout_p, seed)
     if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
         try:
             key = _plan_key(q, k, v, causal, softmax_scale)
+            if drop is not None:
+                key += ("dropout",)
             plan = _plans.get(key)
         except TypeError:  # unhashable option: let validation name it
             key = plan = None
         if plan is None:
-            plan = _build_plan(q, k, v, causal, softmax_scale, None)
+            plan = _build_plan(q, k, v, causal, softmax_scale, None, drop is not None)
             if key is not None:
                 if len(_plans) >= _MAX_PLANS:  # many distinct shapes (e.g. serving): start over
                     _plans.clear()
                 _plans[key] = plan
     else:
-        plan = _build_plan(q, k, v, causal, softmax_scale, config)
+        plan = _build_plan(q, k, v, causal, softmax_scale, config, drop is not None)
     if out is not None:
         out = _checked_out(out, q)
     if lse is not None:
         lse = _checked_lse(lse, plan.lse_shape)
-    return plan.run(q, k, v, out, lse)
+    return plan.run(q, k, v, out, lse, drop or _dropout.OFF)
 
 
 def _checked_out(out, q):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _compile, _configs, _device, _validate
+from . import _compile, _configs, _device, _dropout, _validate
 from ._forward import LOG2E, _checked_lse, _checked_out, _plan_key
 
 # Grid is 1-D, one block per (batch, head): blockIdx.x = head + heads * batch.
@@ -33,7 +33,7 @@ class _V1Plan:
 
     __slots__ = ("device", "kernel", "grid", "block", "smem", "out_shape", "dtype", "lse_shape", "ws", "tail")
 
-    def __init__(self, p: _validate.FwdProblem, cfg: _configs.V1Config, q, k, v):
+    def __init__(self, p: _validate.FwdProblem, cfg: _configs.V1Config, q, k, v, dropout: bool = False):
         if cfg.head_dim != p.head_dim:
             raise ValueError(f"config {cfg} is for head_dim {cfg.head_dim}, the problem has {p.head_dim}")
         n_blocks = p.batch * p.heads
@@ -41,7 +41,7 @@ class _V1Plan:
             raise ValueError(f"problem too large: {n_blocks} thread blocks exceed the grid limit {_MAX_GRID_X}")
         m_blocks = -(-p.seqlen_q // cfg.block_q)
         self.device = p.device
-        self.kernel = _compile.get_kernel(cfg, p.dtype, p.device)
+        self.kernel = _compile.get_kernel(cfg, p.dtype, p.device, dropout)
         self.grid, self.block, self.smem = (n_blocks,), (cfg.threads,), cfg.smem_bytes
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (p.batch, p.heads, p.seqlen_q)
@@ -53,7 +53,7 @@ class _V1Plan:
         self.tail = (*strides, np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
                      np.float32(p.softmax_scale * LOG2E), np.int32(p.causal))
 
-    def run(self, q, k, v, out=None, lse=None):
+    def run(self, q, k, v, out=None, lse=None, drop=_dropout.OFF):
         import cupy
 
         with cupy.cuda.Device(self.device):
@@ -64,7 +64,7 @@ class _V1Plan:
             # Workspace from the pool, uninitialised: the kernel writes every element before reading it.
             ws_o = cupy.empty(self.ws[0], dtype=cupy.float32)
             ws_ml = cupy.empty(self.ws[1], dtype=cupy.float32)
-            self.kernel(self.grid, self.block, (q, k, v, out, lse, ws_o, ws_ml, *self.tail), shared_mem=self.smem)
+            self.kernel(self.grid, self.block, (q, k, v, out, lse, ws_o, ws_ml, *self.tail, *drop), shared_mem=self.smem)
         # ws_o / ws_ml go back to the pool when they die here; the pool reuses a block only for work
         # queued later on the same stream, so the running kernel keeps it.
         return out, lse
@@ -74,16 +74,16 @@ _plans: dict = {}
 _MAX_PLANS = 1024
 
 
-def _build_plan(q, k, v, causal, softmax_scale, config) -> _V1Plan:
+def _build_plan(q, k, v, causal, softmax_scale, config, dropout=False) -> _V1Plan:
     qi, ki, vi = (_validate.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p = _validate.check_forward(qi, ki, vi, causal, softmax_scale)
     if config is not None and not isinstance(config, _configs.V1Config):
         raise TypeError(f"config must be a V1Config, got {type(config).__name__}")
-    return _V1Plan(p, config or select_v1_config(p), q, k, v)
+    return _V1Plan(p, config or select_v1_config(p), q, k, v, dropout)
 
 
-def forward_v1(q, k, v, *, causal=False, softmax_scale=None, config: _configs.V1Config | None = None,
-               out=None, lse=None):
+def forward_v1(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None,
+               config: _configs.V1Config | None = None, out=None, lse=None):
     """FlashAttention-1 forward. Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
     Arguments and results are those of the v2 forward (cuflash.attention): q (batch, seqlen_q,
@@ -94,22 +94,25 @@ def forward_v1(q, k, v, *, causal=False, softmax_scale=None, config: _configs.V1
     """
     import cupy
 
+    drop = _dropout.kernel_args(dropout_p, seed)
     if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
         try:
             key = _plan_key(q, k, v, causal, softmax_scale)
+            if drop is not None:
+                key += ("dropout",)
             plan = _plans.get(key)
         except TypeError:  # unhashable option: let validation name it
             key = plan = None
         if plan is None:
-            plan = _build_plan(q, k, v, causal, softmax_scale, None)
+            plan = _build_plan(q, k, v, causal, softmax_scale, None, drop is not None)
             if key is not None:
                 if len(_plans) >= _MAX_PLANS:
                     _plans.clear()
                 _plans[key] = plan
     else:
-        plan = _build_plan(q, k, v, causal, softmax_scale, config)
+        plan = _build_plan(q, k, v, causal, softmax_scale, config, drop is not None)
     if out is not None:
         out = _checked_out(out, q)
     if lse is not None:
         lse = _checked_lse(lse, plan.lse_shape)
-    return plan.run(q, k, v, out, lse)
+    return plan.run(q, k, v, out, lse, drop or _dropout.OFF)

@@ -20,10 +20,11 @@ import torch
 
 from . import _interop, _validate
 
+# seed travels as a signed 64-bit int (torch's `int`); _seed_in/_seed_out map [0, 2^64) onto it.
 FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, str algorithm, "
-              "bool deterministic) -> (Tensor, Tensor)")
+              "bool deterministic, float dropout_p, int seed) -> (Tensor, Tensor)")
 BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-              "float? softmax_scale, bool deterministic) -> (Tensor, Tensor, Tensor)")
+              "float? softmax_scale, bool deterministic, float dropout_p, int seed) -> (Tensor, Tensor, Tensor)")
 
 Tensor = torch.Tensor
 
@@ -66,6 +67,30 @@ def _scale_arg(softmax_scale):
     return None if softmax_scale is None else _validate.check_softmax_scale(softmax_scale, 1)
 
 
+def _seed_in(seed: int) -> int:
+    return seed - (1 << 64) if seed >= (1 << 63) else seed
+
+
+def _seed_out(seed: int):
+    return seed & ((1 << 64) - 1)
+
+
+def _dropout_args(dropout_p, seed):
+    """(dropout_p, seed) for the ops: validated; a missing seed with dropout is drawn from torch's
+    CPU generator (so torch.manual_seed makes runs repeatable), and autograd reuses it."""
+    if dropout_p is None or (not isinstance(dropout_p, bool) and dropout_p == 0.0 and seed is None):
+        from . import _dropout
+
+        _dropout.kernel_args(dropout_p, seed)  # raises for None
+        return 0.0, 0
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
+    from . import _dropout
+
+    _dropout.kernel_args(dropout_p, seed)  # validates both
+    return float(dropout_p), _seed_in(int(seed))
+
+
 def _forward_fn(algorithm):
     if algorithm == "v2":
         from . import _forward
@@ -81,25 +106,28 @@ def _forward_fn(algorithm):
 # ------------------------------------------------------------------------------------------ the ops
 
 @_custom_op("cuflash::attention_fwd", FWD_SCHEMA)
-def attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic):
+def attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed):
     fwd = _forward_fn(algorithm)
     dev = _device((q, k, v), _QKV)
+    seed = _seed_out(seed) if dropout_p > 0 else None
 
     def run(cq, ck, cv):
-        return fwd(cq, ck, cv, causal=causal, softmax_scale=softmax_scale)
+        return fwd(cq, ck, cv, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed)
 
     out, lse = _interop.run(run, (q, k, v), _interop.TORCH, dev, _QKV)
     return out.contiguous(), lse.contiguous()  # as the fake promises (no-ops: fresh arrays)
 
 
 @_custom_op("cuflash::attention_bwd", BWD_SCHEMA)
-def attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed):
     dev = _device((dout, q, k, v, out, lse), _BWD_NAMES)
     dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
+    seed = _seed_out(seed) if dropout_p > 0 else None
     from . import _backward
 
     def run(*arrays):
-        return _backward.backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic)
+        return _backward.backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                                  dropout_p=dropout_p, seed=seed)
 
     dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, _BWD_NAMES)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()  # the fake's layout, whatever the kernel's
@@ -123,7 +151,7 @@ def _info(t, name, contiguous=False):
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, softmax_scale, algorithm, deterministic):
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed):
     _validate.check_algorithm(algorithm)
     infos = [_info(t, n) for t, n in zip((q, k, v), _QKV)]
     if None not in infos:
@@ -133,7 +161,7 @@ def _attention_fwd_fake(q, k, v, causal, softmax_scale, algorithm, deterministic
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed):
     infos = [_info(t, n, contiguous=(n == "dout")) for t, n in zip((dout, q, k, v, out, lse), _BWD_NAMES)]
     if None not in infos:
         _validate.check_backward(*infos, causal, softmax_scale)
@@ -143,18 +171,20 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, determin
 # ------------------------------------------------------------------------------------------ autograd
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, algorithm, deterministic = inputs
+    q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.dropout_p, ctx.seed = dropout_p, seed  # the backward regenerates the same mask
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     # dlse is ignored: lse is marked non-differentiable (autograd hands zeros or None here).
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+                               ctx.dropout_p, ctx.seed)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -165,18 +195,20 @@ _bwd_op = torch.ops.cuflash.attention_bwd.default
 
 # ------------------------------------------------------------------------------ public entry points
 
-def attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic):
+def attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p=0.0, seed=None):
     """cuflash.attention for torch tensors (differentiable). Arguments checked by the caller:
-    algorithm and deterministic; checked here: types, devices, causal, softmax_scale."""
+    algorithm and deterministic; checked here: types, devices, causal, softmax_scale, dropout."""
     _device((q, k, v), _QKV)
     out, lse = _fwd_op(q, k, v, _validate.check_flag(causal, "causal"), _scale_arg(softmax_scale), algorithm,
-                       bool(deterministic))
+                       bool(deterministic), *_dropout_args(dropout_p, seed))
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p=0.0, seed=None):
     """cuflash.attention_backward for torch tensors: (dq, dk, dv), not itself differentiable."""
     _device((dout, q, k, v, out, lse), _BWD_NAMES)
+    if dropout_p and seed is None:
+        raise ValueError("seed is required with dropout_p > 0: pass the seed the forward used")
     with torch.no_grad():
         return _bwd_op(dout, q, k, v, out, lse, _validate.check_flag(causal, "causal"), _scale_arg(softmax_scale),
-                       bool(deterministic))
+                       bool(deterministic), *_dropout_args(dropout_p, seed))

@@ -125,4 +125,40 @@ __device__ __forceinline__ void load_tile(u32 s_base, const elem_t* g, long long
     }
 }
 
+// ------------------------------------------------------------------------------------ dropout
+// Philox4x32-10 (Salmon et al. 2011), counter-based: the same (counter, key) always gives the
+// same 128 random bits, so the backward regenerates the forward's mask instead of storing it.
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, u32 k0, u32 k1) {
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const u32 hi0 = __umulhi(0xD2511F53u, c.x), lo0 = 0xD2511F53u * c.x;
+        const u32 hi1 = __umulhi(0xCD9E8D57u, c.z), lo1 = 0xCD9E8D57u * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k0, lo1, hi0 ^ c.w ^ k1, lo0);
+    }
+    return c;
+}
+
+// Keep bits of the 8 elements one MMA thread (g = lane/4, t = lane%4) holds in the 16x16 block
+// (query block R, key block C) of head bh: bit hh*4 + s*2 + e is query 16R + g + 8hh, key
+// 16C + 8s + 2t + e. An element is kept iff its 16-bit uniform value is >= threshold. The mapping
+// from (bh, query, key) to bits is fixed (cuflash/philox.py is its NumPy twin), so forward,
+// backward, v1 and v2 and every tile shape see the same mask.
+__device__ __forceinline__ u32 dropout_bits8(int R, int C, int g, int t, int bh, unsigned long long seed,
+                                             u32 threshold) {
+    const uint4 r = philox4x32_10(make_uint4(u32(C) * 4u + u32(t), u32(R) * 8u + u32(g), u32(bh), 0u),
+                                  u32(seed), u32(seed >> 32));
+    const u32 w[4] = {r.x, r.y, r.z, r.w};
+    u32 bits = 0;
+#pragma unroll
+    for (int idx = 0; idx < 8; ++idx) {
+        const u32 u = (w[idx / 2] >> (16 * (idx % 2))) & 0xffffu;
+        bits |= u32(u >= threshold) << idx;
+    }
+    return bits;
+}
+
 }  // namespace cuflash

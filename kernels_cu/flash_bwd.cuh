@@ -16,6 +16,8 @@
 //                   With dq_acc != null the block also adds dQ += dS K for the tile into the
 //                   fp32 accumulator with atomics (dS^T goes through shared memory once).
 //   bwd_dq_convert  dQ = dq_acc * softmax_scale -> 16-bit, in the caller's strides.
+//   (DROPOUT instantiations regenerate the forward's Philox mask: dV uses P o mask, and
+//   dS = P o (dP o Z - delta) with Z = mask / (1 - p).)
 //   flash_bwd_dq    the deterministic dQ: laid out like the forward (warps own query rows, K/V
 //                   stream through a ring), recomputes S and dP and accumulates dQ = dS K in
 //                   registers; no atomics, so bitwise reproducible. Costs 3 more GEMMs.
@@ -58,11 +60,13 @@
     long long dk_sb, long long dk_sn, long long dk_sh,                                    \
     long long dv_sb, long long dv_sn, long long dv_sh,                                    \
     int n_heads, int seqlen_q, int seqlen_k, int seqlen_q_pad, int n_blocks,              \
-    float scale_log2, float scale, int causal
+    float scale_log2, float scale, int causal,                                            \
+    unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
 #define CUFLASH_BWD_ARGS                                                                  \
     q, k, v, dout, lse2, delta, dq_acc, dk, dv, q_sb, q_sn, q_sh, k_sb, k_sn, k_sh,       \
     v_sb, v_sn, v_sh, do_sb, do_sn, do_sh, dk_sb, dk_sn, dk_sh, dv_sb, dv_sn, dv_sh,      \
-    n_heads, seqlen_q, seqlen_k, seqlen_q_pad, n_blocks, scale_log2, scale, causal
+    n_heads, seqlen_q, seqlen_k, seqlen_q_pad, n_blocks, scale_log2, scale, causal,       \
+    drop_seed, drop_threshold, drop_scale
 
 #define CUFLASH_DQ_PARAMS                                                                 \
     const cuflash::elem_t* __restrict__ q, const cuflash::elem_t* __restrict__ k,         \
@@ -75,11 +79,12 @@
     long long do_sb, long long do_sn, long long do_sh,                                    \
     long long dq_sb, long long dq_sn, long long dq_sh,                                    \
     int n_heads, int seqlen_q, int seqlen_k, int seqlen_q_pad, int m_blocks,              \
-    float scale_log2, float scale, int causal
+    float scale_log2, float scale, int causal,                                            \
+    unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
 #define CUFLASH_DQ_ARGS                                                                   \
     q, k, v, dout, lse2, delta, dq, q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, \
     do_sb, do_sn, do_sh, dq_sb, dq_sn, dq_sh, n_heads, seqlen_q, seqlen_k, seqlen_q_pad,  \
-    m_blocks, scale_log2, scale, causal
+    m_blocks, scale_log2, scale, causal, drop_seed, drop_threshold, drop_scale
 
 // Unroll factor of the head-dim loop of the S^T / dP^T products (see tile_mma_abt).
 #ifndef CUFLASH_BWD_KD_UNROLL
@@ -212,13 +217,13 @@ __device__ __forceinline__ void bwd_dq_convert(CUFLASH_CONVERT_PARAMS) {
 // acc[SN] (16 x 8*SN) = A (16 x 16*KD, rows at a_addr, row-major in smem) * B^T where B's rows
 // (8*SN of them, 16*KD wide) are in smem at b_base: the S = Q K^T shape. Offsets are the
 // per-lane ldmatrix offsets at k-chunk 0; stepping along k is an XOR (see flash_fwd.cuh).
-template <bool BF16, int CH, int KD, int SN>
+template <bool BF16, int CH, int KD, int SN, int UNROLL = CUFLASH_BWD_KD_UNROLL>
 __device__ __forceinline__ void tile_mma_abt(float (&acc)[SN][4], u32 a_base, u32 a_off, u32 b_base, u32 b_off) {
 #pragma unroll
     for (int i = 0; i < SN; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
     // Partly unrolled: fully unrolled, ptxas hoists every B fragment of the tile ahead of the MMAs and
     // the dK, dV accumulators (128 registers at d=128) no longer fit next to them.
-#pragma unroll CUFLASH_BWD_KD_UNROLL
+#pragma unroll UNROLL
     for (int kd = 0; kd < KD; ++kd) {
         u32 a0, a1, a2, a3;
         ldmatrix_x4(a0, a1, a2, a3, a_base + (a_off ^ (32 * kd)));
@@ -234,17 +239,30 @@ __device__ __forceinline__ void tile_mma_abt(float (&acc)[SN][4], u32 a_base, u3
 
 // acc[DN] (16 x 8*DN) += A (16 x 16*KQ, given as A fragments) * B where B (16*KQ rows of 8*DN)
 // is row-major in smem at b_base (read with ldmatrix.trans): the O += P V shape.
-template <bool BF16, int CH, int KQ, int DN>
-__device__ __forceinline__ void tile_mma_ab(float (&acc)[DN][4], const u32 (&a)[KQ][4], u32 b_base, u32 b_off) {
+// With MASK, element pair r of a[kq] (C tile 2kq + r/2, rows g + 8(r%2)) is ANDed with keep
+// bits 8(kq%4) + 2r, +1 of keep[kq/4] (the dropout mask), so dropped entries enter as 0.
+template <bool BF16, int CH, int KQ, int DN, bool MASK = false>
+__device__ __forceinline__ void tile_mma_ab(float (&acc)[DN][4], const u32 (&a_in)[KQ][4], u32 b_base, u32 b_off,
+                                            const u32* keep = nullptr) {
 #pragma unroll
-    for (int kq = 0; kq < KQ; ++kq)
+    for (int kq = 0; kq < KQ; ++kq) {
+        u32 a[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            a[r] = a_in[kq][r];
+            if constexpr (MASK) {
+                const u32 b = keep[kq / 4] >> ((kq % 4) * 8 + 2 * r);
+                a[r] &= ((b & 1u) ? 0x0000ffffu : 0u) | ((b & 2u) ? 0xffff0000u : 0u);
+            }
+        }
 #pragma unroll
         for (int dp = 0; dp < DN / 2; ++dp) {
             u32 b0, b1, b2, b3;
             ldmatrix_x4_trans(b0, b1, b2, b3, b_base + kq * 16 * CH * 16 + (b_off ^ (32 * dp)));
-            mma_16816<BF16>(acc[2 * dp], a[kq][0], a[kq][1], a[kq][2], a[kq][3], b0, b1);
-            mma_16816<BF16>(acc[2 * dp + 1], a[kq][0], a[kq][1], a[kq][2], a[kq][3], b2, b3);
+            mma_16816<BF16>(acc[2 * dp], a[0], a[1], a[2], a[3], b0, b1);
+            mma_16816<BF16>(acc[2 * dp + 1], a[0], a[1], a[2], a[3], b2, b3);
         }
+    }
 }
 
 // C fragments of two adjacent n8 tiles are exactly the A fragment of one k16 step.
@@ -343,7 +361,7 @@ __device__ __forceinline__ void bwd_dq_product(u32 sdS_buf, u32 sK, float* dq_ro
                          acc_q[mi][i][2 * half + 1]);
 }
 
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES>
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
 __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
     using S_ = BwdShape<D, BR, BC, WARPS, STAGES>;
     constexpr int CH = S_::CH, SCH = S_::SCH, KD = S_::KD, SN = S_::SN, KQ = S_::KQ, DN = S_::DN;
@@ -443,6 +461,28 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
             bwd_dq_product<BF16, S_>(sdS + ((it - 1) % 2) * S_::DS_BYTES, sK,
                                      dq_acc + ((long long)bh * seqlen_q_pad + q0 - BR) * D, warp, lane);
 
+        // ---- dropout keep bits (first, while few registers are live): keep[kq] bit s*4 + h*2 + e is key g + 8h, query 16kq + 8s + 2t + e.
+        // In the mask's own (query-major) grouping these 8 elements come from two Philox calls,
+        // each giving 4 of them (see dropout_bits8). ----
+        // Packed 4 query blocks to a register (8 bits each): registers are the scarce resource here.
+        u32 keep[DROPOUT ? (KQ + 3) / 4 : 1];
+        if constexpr (DROPOUT) {
+#pragma unroll
+            for (int w = 0; w < (KQ + 3) / 4; ++w) keep[w] = 0;
+#pragma unroll
+            for (int kq = 0; kq < KQ; ++kq) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const u32 bits = dropout_bits8(q0 / 16 + kq, key_w / 16, 2 * t + e, g / 2, bh, drop_seed,
+                                                   drop_threshold);
+#pragma unroll
+                    for (int s = 0; s < 2; ++s)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h)
+                            keep[kq / 4] |= ((bits >> (s * 4 + h * 2 + (g & 1))) & 1u) << ((kq % 4) * 8 + s * 4 + h * 2 + e);
+                }
+            }
+        }
         // Phases are ordered so that at most one 16 x BR fp32 tile is live next to dK, dV:
         // S^T -> P^T (packed) -> dV; then dP^T -> dS^T (packed) -> dK.
         const bool need_mask = key_tail || (causal && q0 + off < c0 + BC - 1);
@@ -453,7 +493,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
         // ---- S^T = K_w Q^T; P^T = exp2(S^T c - lse2), masked ----
         {
             float acc[SN][4];
-            tile_mma_abt<BF16, CH, KD, SN>(acc, sK, a_off, sQs, bn_off);
+            tile_mma_abt<BF16, CH, KD, SN, DROPOUT ? 1 : CUFLASH_BWD_KD_UNROLL>(acc, sK, a_off, sQs, bn_off);
 #pragma unroll
             for (int nt = 0; nt < SN; ++nt) {
                 const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
@@ -470,20 +510,23 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
             }
             c_to_a_frags<BF16, KQ>(frag, acc);
         }
-        // ---- dV += P^T dO ----
-        tile_mma_ab<BF16, CH, KQ, DN>(acc_dv, frag, sdOs, bt_off);
+        // ---- dV += (P o mask)^T dO (the 1/(1-p) scale is applied to dV once, at the end) ----
+        tile_mma_ab<BF16, CH, KQ, DN, DROPOUT>(acc_dv, frag, sdOs, bt_off, keep);
 
         // ---- dP^T = V_w dO^T; dS^T = P^T (dP^T - delta), P^T recomputed from S^T ----
         {
             float acc[SN][4];
-            tile_mma_abt<BF16, CH, KD, SN>(acc, sV, a_off, sdOs, bn_off);
+            tile_mma_abt<BF16, CH, KD, SN, DROPOUT ? 1 : CUFLASH_BWD_KD_UNROLL>(acc, sV, a_off, sdOs, bn_off);
 #pragma unroll
             for (int nt = 0; nt < SN; ++nt) {
                 const float2 Dl = *reinterpret_cast<const float2*>(sDf + nt * 8 + 2 * t);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     // P^T from its packed 16-bit copy: the same rounding the dV product used.
-                    acc[nt][e] = a_frag_elem<BF16, KQ>(frag, nt, e) * (acc[nt][e] - ((e & 1) ? Dl.y : Dl.x));
+                    float dp = acc[nt][e];
+                    if constexpr (DROPOUT)  // dP o Z, Z = mask / (1 - p)
+                        dp = ((keep[nt / 8] >> (((nt / 2) % 4) * 8 + (nt % 2) * 4 + e)) & 1u) ? dp * drop_scale : 0.f;
+                    acc[nt][e] = a_frag_elem<BF16, KQ>(frag, nt, e) * (dp - ((e & 1) ? Dl.y : Dl.x));
                 }
             }
             c_to_a_frags<BF16, KQ>(frag, acc);
@@ -514,7 +557,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
 
     // ---- epilogue: dK = scale * dK~, dV; through this warp's own K/V rows ----
     stash_c_tile<BF16, CH, DN>(sK, warp * 16, acc_dk, scale, lane);
-    stash_c_tile<BF16, CH, DN>(sV, warp * 16, acc_dv, 1.f, lane);
+    stash_c_tile<BF16, CH, DN>(sV, warp * 16, acc_dv, DROPOUT ? drop_scale : 1.f, lane);
     __syncwarp();
     elem_t* dkg = dk + (long long)b * dk_sb + (long long)h * dk_sh;
     elem_t* dvg = dv + (long long)b * dv_sb + (long long)h * dv_sh;
@@ -538,7 +581,7 @@ struct DqShape {
     static_assert(BC % 16 == 0 && STAGES >= 2, "tile shape");
 };
 
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES>
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
 __device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
     using S_ = DqShape<D, BR, BC, WARPS, STAGES>;
     constexpr int CH = S_::CH, KD = S_::KD, SN = S_::SN, KB = S_::KB, DN = S_::DN;
@@ -645,8 +688,14 @@ __device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
             }
         }
 
-        // ---- P, dS (rows = queries, cols = keys) ----
+        // ---- P, dS (rows = queries, cols = keys); dropout bits as in the forward ----
         const bool need_mask = j >= n_full;
+        u32 dbits[DROPOUT ? KB : 1];
+        if constexpr (DROPOUT) {
+#pragma unroll
+            for (int kb = 0; kb < KB; ++kb)
+                dbits[kb] = dropout_bits8((r0 + warp * 16) / 16, (j * BC) / 16 + kb, g, t, bh, drop_seed, drop_threshold);
+        }
 #pragma unroll
         for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
@@ -658,7 +707,10 @@ __device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
                     int row = row_a + (lo ? 0 : 8);
                     if (key >= seqlen_k || (causal && key > row + off)) p = 0.f;
                 }
-                acc_dp[nt][e] = p * (acc_dp[nt][e] - (lo ? D0 : D1));
+                float dp = acc_dp[nt][e];
+                if constexpr (DROPOUT)  // dP o Z; bit half*4 + s*2 + e of the forward's grouping
+                    dp = ((dbits[nt / 2] >> ((e / 2) * 4 + (nt % 2) * 2 + (e % 2))) & 1u) ? dp * drop_scale : 0.f;
+                acc_dp[nt][e] = p * (dp - (lo ? D0 : D1));
             }
 
         // ---- dQ += dS K ----

@@ -11,6 +11,8 @@
 //
 // Causal masks are aligned bottom-right: query row i sees key j iff j <= i + (Nk - Nq).
 // Rows that see no key get O = 0 and lse = -inf.
+// DROPOUT (a separate instantiation): P V uses P o mask, O = (P o mask) V * scale / l, with the
+// mask from Philox (common.cuh, dropout_bits8); l and lse are those of the undropped P.
 //
 // Not compiled on its own: cuflash/_compile.py generates an extern "C" shell per config.
 #pragma once
@@ -26,10 +28,12 @@
     long long k_sb, long long k_sn, long long k_sh,                                     \
     long long v_sb, long long v_sn, long long v_sh,                                     \
     long long o_sb, long long o_sn, long long o_sh,                                     \
-    int n_heads, int seqlen_q, int seqlen_k, int m_blocks, float scale_log2, int causal
+    int n_heads, int seqlen_q, int seqlen_k, int m_blocks, float scale_log2, int causal, \
+    unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
 #define CUFLASH_FWD_ARGS                                                                \
     q, k, v, o, lse, q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh,              \
-    o_sb, o_sn, o_sh, n_heads, seqlen_q, seqlen_k, m_blocks, scale_log2, causal
+    o_sb, o_sn, o_sh, n_heads, seqlen_q, seqlen_k, m_blocks, scale_log2, causal,        \
+    drop_seed, drop_threshold, drop_scale
 
 namespace cuflash {
 
@@ -52,7 +56,7 @@ struct FwdShape {
     static_assert(STAGES >= 2, "the single-barrier pipeline needs at least 2 stages");
 };
 
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES>
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
 __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
     using S_ = FwdShape<D, BR, BC, WARPS, STAGES>;
     constexpr int MT = S_::MT, SN = S_::SN, ON = S_::ON, KD = S_::KD, KB = S_::KB, CH = S_::CH;
@@ -232,6 +236,21 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
                 }
             }
 
+        // ---- dropout: zero the dropped P entries for P V only (l keeps the undropped sum, the
+        // 1/(1-p) scale joins the final 1/l) ----
+        if constexpr (DROPOUT) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int kb = 0; kb < KB; ++kb) {
+                    const u32 bits = dropout_bits8((r0 + warp_row0) / 16 + mt, (j * BC) / 16 + kb, g, t, bh,
+                                                   drop_seed, drop_threshold);
+#pragma unroll
+                    for (int idx = 0; idx < 8; ++idx)  // idx = half*4 + s*2 + e
+                        if (!((bits >> idx) & 1u)) acc_s[mt][2 * kb + (idx / 2) % 2][2 * (idx / 4) + idx % 2] = 0.f;
+                }
+        }
+
         // ---- P to 16-bit A fragments now, so the fp32 S accumulators die before P V ----
         // (the C layout of two adjacent n8 tiles is exactly the A layout of one k16 step)
         u32 p_frag[MT][KB][4];
@@ -272,7 +291,7 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float l = warp_sum4(row_sum[mt][half]);
-            float inv = l > 0.f ? 1.f / l : 0.f;
+            float inv = l > 0.f ? (DROPOUT ? drop_scale : 1.f) / l : 0.f;
             int tile_row = warp_row0 + mt * 16 + g + 8 * half;
             int row = r0 + tile_row;
             if (t == 0 && row < seqlen_q)

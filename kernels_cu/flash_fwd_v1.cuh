@@ -55,10 +55,12 @@
     long long k_sb, long long k_sn, long long k_sh,                                     \
     long long v_sb, long long v_sn, long long v_sh,                                     \
     long long o_sb, long long o_sn, long long o_sh,                                     \
-    int n_heads, int seqlen_q, int seqlen_k, int m_blocks, float scale_log2, int causal
+    int n_heads, int seqlen_q, int seqlen_k, int m_blocks, float scale_log2, int causal, \
+    unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
 #define CUFLASH_FWDV1_ARGS                                                              \
     q, k, v, o, lse, ws_o, ws_ml, q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, \
-    o_sb, o_sn, o_sh, n_heads, seqlen_q, seqlen_k, m_blocks, scale_log2, causal
+    o_sb, o_sn, o_sh, n_heads, seqlen_q, seqlen_k, m_blocks, scale_log2, causal,        \
+    drop_seed, drop_threshold, drop_scale
 
 namespace cuflash {
 
@@ -91,7 +93,7 @@ __device__ __forceinline__ int v1_first_q_tile(int j, int off, int causal) {
     return (!causal || x <= 0) ? 0 : (x + BR - 1) / BR;
 }
 
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES>
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
 __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
     using S_ = FwdV1Shape<D, BR, BC, WARPS, STAGES>;
     constexpr int MT = S_::MT, SN = S_::SN, ON = S_::ON, KD = S_::KD, KB = S_::KB, CH = S_::CH;
@@ -277,6 +279,22 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
                     row_l[mt][half] = l_new;
                 }
 
+            // ---- dropout (Algorithm 2 of the FlashAttention paper): P~ o mask enters P~ V only;
+            // l stays the undropped sum and the 1/(1-p) scale is applied once, at the last step.
+            // Same Philox mask as v2 (common.cuh, dropout_bits8). ----
+            if constexpr (DROPOUT) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int kb = 0; kb < KB; ++kb) {
+                        const u32 bits = dropout_bits8((r0 + warp_row0) / 16 + mt, (j * BC) / 16 + kb, g, t, bh,
+                                                       drop_seed, drop_threshold);
+#pragma unroll
+                        for (int idx = 0; idx < 8; ++idx)  // idx = half*4 + s*2 + e
+                            if (!((bits >> idx) & 1u)) acc_s[mt][2 * kb + (idx / 2) % 2][2 * (idx / 4) + idx % 2] = 0.f;
+                    }
+            }
+
             // ---- P to 16-bit A fragments (C layout of two n8 tiles = A layout of one k16 step) ----
             u32 p_frag[MT][KB][4];
 #pragma unroll
@@ -334,7 +352,7 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const float l = row_l[mt][half];
-                        const float inv = l > 0.f ? 1.f / l : 0.f;
+                        const float inv = l > 0.f ? (DROPOUT ? drop_scale : 1.f) / l : 0.f;
                         const int tile_row = warp_row0 + mt * 16 + g + 8 * half;
                         const int row = r0 + tile_row;
                         if (t == 0 && row < seqlen_q)

@@ -156,7 +156,8 @@ def test_cupy_fast_path_calls_forward_directly(monkeypatch):
     q = Arr()
     assert cuflash.attention(q, q, q) == "out"
     assert cuflash.attention(q, q, q, causal=True, softmax_scale=0.5, return_lse=True, deterministic=True) == ("out", "lse")
-    assert calls == [dict(causal=False, softmax_scale=None), dict(causal=True, softmax_scale=0.5)]
+    assert calls == [dict(causal=False, softmax_scale=None, dropout_p=0.0, seed=None),
+                     dict(causal=True, softmax_scale=0.5, dropout_p=0.0, seed=None)]
 
 
 def test_torch_inputs_go_to_the_torch_module(fake_torch, monkeypatch):
@@ -168,9 +169,9 @@ def test_torch_inputs_go_to_the_torch_module(fake_torch, monkeypatch):
     monkeypatch.setattr(cuflash, "_tmod", fake_mod)
     t = fake_torch()
     assert cuflash.attention(t, t, t, causal=True, algorithm="v1", deterministic=True) == "out"
-    assert calls[-1] == ("fwd", (t, t, t, True, None, False, "v1", True))
+    assert calls[-1] == ("fwd", (t, t, t, True, None, False, "v1", True, 0.0, None))
     assert cuflash.attention_backward(t, t, t, t, t, t, softmax_scale=0.1) == ("dq", "dk", "dv")
-    assert calls[-1] == ("bwd", (t, t, t, t, t, t, False, 0.1, False))
+    assert calls[-1] == ("bwd", (t, t, t, t, t, t, False, 0.1, False, 0.0, None))
 
 
 def test_dlpack_inputs_run_through_interop(monkeypatch):

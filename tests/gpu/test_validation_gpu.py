@@ -15,8 +15,8 @@ def test_bad_inputs_rejected_before_launch(monkeypatch):
     from cuflash import _compile
 
     launches = []
-    real = _compile.get_fwd_kernel
-    monkeypatch.setattr(_compile, "get_fwd_kernel", lambda *a: launches.append(a) or real(*a))
+    real = _compile.get_kernel
+    monkeypatch.setattr(_compile, "get_kernel", lambda *a: launches.append(a) or real(*a))
     rng = np.random.default_rng(0)
     bf = dtype_of("bfloat16")
     q, k, v = random_qkv(rng, 2, 64, 64, 2, 64, bf)
