@@ -24,11 +24,13 @@ def random_qkv(rng, b, nq, nk, h, d, dtype, scale=1.0):
     return mk(nq), mk(nk), mk(nk)
 
 
-def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None):
+def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=None):
     """softmax(scale Q K^T) V on the GPU in `compute_dtype`, bottom-right causal.
 
     With round_dtype set, S, P and O are rounded to it the way a plain same-dtype attention (e.g.
     PyTorch's math path in bf16) would; this is the "pt" side of the FlashAttention 2x rule.
+    keep_scale: dropout as Z = keep_mask * scale, a (b, h, nq, nk) CuPy array: O = (P o Z) V (the
+    same-dtype side rounds P o Z, as dropout applied to a bf16 P would); lse stays undropped.
     Returns (out, lse) in compute_dtype; fully masked rows give 0 and -inf.
     """
     import cupy
@@ -45,20 +47,23 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None):
     e = cupy.exp(s - m_safe)
     l = e.sum(axis=-1, keepdims=True)
     p = rnd(e / cupy.where(l > 0, l, 1))
+    if keep_scale is not None:
+        p = rnd(p * keep_scale.astype(compute_dtype))
     o = rnd(cupy.matmul(p, vf))
     lse = cupy.where(l[..., 0] > 0, cupy.log(cupy.where(l[..., 0] > 0, l[..., 0], 1)) + m_safe[..., 0], -cupy.inf)
     return o.transpose(0, 2, 1, 3), lse
 
 
-def fa_rule(out, q, k, v, causal, scale, factor=2.0):
+def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None):
     """(kernel error, same-dtype error, allowed) by FlashAttention's rule against a float64 reference.
 
     allowed = factor * same-dtype error + 2 ulps at the output's magnitude (FA3's data-derived floor).
+    keep_scale: dropout's Z = keep_mask * scale (b, h, nq, nk), applied on both sides (see naive).
     """
     import cupy
 
-    ref, _ = naive(q, k, v, causal, scale, cupy.float64)
-    pt, _ = naive(q, k, v, causal, scale, cupy.float32, round_dtype=out.dtype)
+    ref, _ = naive(q, k, v, causal, scale, cupy.float64, keep_scale=keep_scale)
+    pt, _ = naive(q, k, v, causal, scale, cupy.float32, round_dtype=out.dtype, keep_scale=keep_scale)
     err = float(cupy.abs(out.astype(cupy.float64) - ref).max())
     pt_err = float(cupy.abs(pt.astype(cupy.float64) - ref).max())
     r = ref.astype(out.dtype).astype(cupy.float64)
