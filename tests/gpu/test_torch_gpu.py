@@ -198,11 +198,13 @@ def test_opcheck():
 
     cuflash._load_torch()  # registers the ops
     q, k, v = _qkv(50, 2, 64, 80, 2, 64, requires_grad=True)
-    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, (q, k, v, True, None, "v2", True))
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, (q, k, v, True, None, "v2", True, 0.0, 0))
+    # with dropout (seed as the op's signed int: 2^63 + 5 travels as -(2^63) + 5)
+    torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, (q, k, v, False, None, "v2", True, 0.25, -(2**63) + 5))
     out, lse = cuflash.attention(q.detach(), k.detach(), v.detach(), causal=True, return_lse=True)
     dout = torch.randn_like(out)
     torch.library.opcheck(torch.ops.cuflash.attention_bwd.default,
-                          (dout, q.detach(), k.detach(), v.detach(), out, lse, True, None, True))
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, True, None, True, 0.0, 0))
 
 
 def test_torch_compile():
