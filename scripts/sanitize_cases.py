@@ -34,3 +34,14 @@ for d in (64, 128):
                 _backward.backward(out, q, k, v, out, lse, causal=causal, deterministic=det)
 cupy.cuda.Device().synchronize()
 print("sanitize backward cases done")
+# dropout: v1 and v2 forward, both backward paths
+for d in (64, 128):
+    for nq, nk in ((37, 150), (150, 37)):
+        q, k, v = random_qkv(rng, 1, nq, nk, 2, d, dtype_of("bfloat16"))
+        for algorithm in ("v1", "v2"):
+            cuflash.attention(q, k, v, causal=True, algorithm=algorithm, dropout_p=0.2, seed=7)
+        out, lse = _forward.forward(q, k, v, causal=True, dropout_p=0.2, seed=7)
+        for det in (False, True):
+            _backward.backward(out, q, k, v, out, lse, causal=True, deterministic=det, dropout_p=0.2, seed=7)
+cupy.cuda.Device().synchronize()
+print("sanitize dropout cases done")
