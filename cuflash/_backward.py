@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compile, _configs, _device, _dropout, _tuned, _validate
+from . import _plans as _plans_mod
 from ._forward import LOG2E, _MAX_GRID_X
 
 # lse2 / delta / dq_acc rows are padded to this multiple (>= every block_q) so the kernels copy
@@ -108,16 +109,7 @@ class _BwdPlan:
         return dq, dk, dv
 
 
-_plans: dict = {}
-_MAX_PLANS = 4096
-
-
-def _plan_key(arrays, causal, softmax_scale, deterministic, dropout):
-    ptr_bits = 0
-    for a in arrays:
-        ptr_bits |= a.data.ptr
-    return (tuple((a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays),
-            ptr_bits % _validate.ALIGN_BYTES, causal, softmax_scale, deterministic, dropout)
+_plans = _plans_mod.PlanCache()
 
 
 def _build_plan(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, config, dq_config,
@@ -143,18 +135,10 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deter
 
     arrays = (dout, q, k, v, out, lse)
     drop = _dropout.kernel_args(dropout_p, seed)
+    dropout = drop is not None
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
-        try:
-            key = _plan_key(arrays, causal, softmax_scale, deterministic, drop is not None)
-            plan = _plans.get(key)
-        except TypeError:
-            key = plan = None
-        if plan is None:
-            plan = _build_plan(*arrays, causal, softmax_scale, deterministic, None, None, drop is not None)
-            if key is not None:
-                if len(_plans) >= _MAX_PLANS:
-                    _plans.clear()
-                _plans[key] = plan
+        plan = _plans.get(lambda: (*_plans_mod.array_key(arrays), causal, softmax_scale, deterministic, dropout),
+                          lambda: _build_plan(*arrays, causal, softmax_scale, deterministic, None, None, dropout))
     else:
-        plan = _build_plan(*arrays, causal, softmax_scale, deterministic, config, dq_config, drop is not None)
+        plan = _build_plan(*arrays, causal, softmax_scale, deterministic, config, dq_config, dropout)
     return plan.run(dout, q, k, v, out, lse, drop or _dropout.OFF)

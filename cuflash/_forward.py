@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compile, _configs, _device, _dropout, _tuned, _validate
+from . import _plans as _plans_mod
 
 LOG2E = 1.4426950408889634
 # Grid is 1-D (blockIdx.x = m_block + m_blocks * (head + heads * batch)); its limit is 2^31 - 1.
@@ -38,12 +39,7 @@ class _FwdPlan:
         self.grid, self.block, self.smem = (n_blocks,), (cfg.threads,), cfg.smem_bytes
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (p.batch, p.heads, p.seqlen_q)
-        it = q.dtype.itemsize
-        out_strides = (p.seqlen_q * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim)  # fresh contiguous out
-        # per tensor (batch, seqlen, heads) strides in elements, in CUFLASH_FWD_PARAMS order
-        strides = [np.int64(s // it) for a in (q, k, v) for s in a.strides[:3]] + [np.int64(s) for s in out_strides]
-        self.tail = (*strides, np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
-                     np.float32(p.softmax_scale * LOG2E), np.int32(p.causal))
+        self.tail = scalar_args(p, q, k, v, m_blocks)
 
     def run(self, q, k, v, out=None, lse=None, drop=_dropout.OFF):
         import cupy
@@ -57,15 +53,17 @@ class _FwdPlan:
         return out, lse
 
 
-_plans: dict = {}
-_MAX_PLANS = 4096
+def scalar_args(p: _validate.FwdProblem, q, k, v, m_blocks: int) -> tuple:
+    """The kernel arguments after the pointers (CUFLASH_FWD_PARAMS, CUFLASH_FWDV1_PARAMS), dropout's
+    three excepted: per tensor (batch, seqlen, heads) strides in elements, then the sizes."""
+    it = q.dtype.itemsize
+    out_strides = (p.seqlen_q * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim)  # fresh contiguous out
+    strides = [np.int64(s // it) for a in (q, k, v) for s in a.strides[:3]] + [np.int64(s) for s in out_strides]
+    return (*strides, np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
+            np.float32(p.softmax_scale * LOG2E), np.int32(p.causal))
 
 
-def _plan_key(q, k, v, causal, softmax_scale):
-    # Alignment of the base pointers is part of the key (it decides validity); the pointers are not.
-    return (q.shape, q.strides, k.shape, k.strides, v.shape, v.strides, q.dtype, k.dtype, v.dtype,
-            (q.data.ptr | k.data.ptr | v.data.ptr) % _validate.ALIGN_BYTES,
-            q.data.device_id, k.data.device_id, v.data.device_id, causal, softmax_scale)
+_plans = _plans_mod.PlanCache()
 
 
 def _build_plan(q, k, v, causal, softmax_scale, config, dropout=False) -> _FwdPlan:
@@ -87,19 +85,8 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=No
 
     drop = _dropout.kernel_args(dropout_p, seed)
     if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
-        try:
-            key = _plan_key(q, k, v, causal, softmax_scale)
-            if drop is not None:
-                key += ("dropout",)
-            plan = _plans.get(key)
-        except TypeError:  # unhashable option: let validation name it
-            key = plan = None
-        if plan is None:
-            plan = _build_plan(q, k, v, causal, softmax_scale, None, drop is not None)
-            if key is not None:
-                if len(_plans) >= _MAX_PLANS:  # many distinct shapes (e.g. serving): start over
-                    _plans.clear()
-                _plans[key] = plan
+        plan = _plans.get(lambda: (*_plans_mod.array_key((q, k, v)), causal, softmax_scale, drop is not None),
+                          lambda: _build_plan(q, k, v, causal, softmax_scale, None, drop is not None))
     else:
         plan = _build_plan(q, k, v, causal, softmax_scale, config, drop is not None)
     if out is not None:

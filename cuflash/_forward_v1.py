@@ -7,10 +7,10 @@ in device memory, allocated per call from CuPy's memory pool on the current stre
 """
 from __future__ import annotations
 
-import numpy as np
 
 from . import _compile, _configs, _device, _dropout, _validate
-from ._forward import LOG2E, _checked_lse, _checked_out, _plan_key
+from . import _plans as _plans_mod
+from ._forward import _checked_lse, _checked_out, scalar_args
 
 # Grid is 1-D, one block per (batch, head): blockIdx.x = head + heads * batch.
 _MAX_GRID_X = 2**31 - 1
@@ -46,12 +46,7 @@ class _V1Plan:
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (p.batch, p.heads, p.seqlen_q)
         self.ws = workspace_elements(p.batch, p.heads, p.seqlen_q, p.seqlen_k, cfg)
-        it = q.dtype.itemsize
-        out_strides = (p.seqlen_q * p.heads * p.head_dim, p.heads * p.head_dim, p.head_dim)  # fresh contiguous out
-        # per tensor (batch, seqlen, heads) strides in elements, in CUFLASH_FWDV1_PARAMS order
-        strides = [np.int64(s // it) for a in (q, k, v) for s in a.strides[:3]] + [np.int64(s) for s in out_strides]
-        self.tail = (*strides, np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
-                     np.float32(p.softmax_scale * LOG2E), np.int32(p.causal))
+        self.tail = scalar_args(p, q, k, v, m_blocks)  # same parameter list as v2's
 
     def run(self, q, k, v, out=None, lse=None, drop=_dropout.OFF):
         import cupy
@@ -70,8 +65,7 @@ class _V1Plan:
         return out, lse
 
 
-_plans: dict = {}
-_MAX_PLANS = 1024
+_plans = _plans_mod.PlanCache(1024)
 
 
 def _build_plan(q, k, v, causal, softmax_scale, config, dropout=False) -> _V1Plan:
@@ -96,19 +90,8 @@ def forward_v1(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed
 
     drop = _dropout.kernel_args(dropout_p, seed)
     if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
-        try:
-            key = _plan_key(q, k, v, causal, softmax_scale)
-            if drop is not None:
-                key += ("dropout",)
-            plan = _plans.get(key)
-        except TypeError:  # unhashable option: let validation name it
-            key = plan = None
-        if plan is None:
-            plan = _build_plan(q, k, v, causal, softmax_scale, None, drop is not None)
-            if key is not None:
-                if len(_plans) >= _MAX_PLANS:
-                    _plans.clear()
-                _plans[key] = plan
+        plan = _plans.get(lambda: (*_plans_mod.array_key((q, k, v)), causal, softmax_scale, drop is not None),
+                          lambda: _build_plan(q, k, v, causal, softmax_scale, None, drop is not None))
     else:
         plan = _build_plan(q, k, v, causal, softmax_scale, config, drop is not None)
     if out is not None:

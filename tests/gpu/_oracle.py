@@ -71,47 +71,9 @@ def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None):
     return err, pt_err, factor * pt_err + atol
 
 
-def naive_grads(dout, q, k, v, causal, scale, compute_dtype, round_dtype=None):
-    """(dq, dk, dv) of naive attention for output gradient dout, on the GPU in `compute_dtype`.
-
-    With round_dtype set, S, P, O, dP, dS and the gradients are rounded to it as a same-dtype
-    autograd (e.g. PyTorch's math attention in bf16) would: the "pt" side of the 2x rule. The
-    softmax backward is autograd's, dS = P o (dP - rowsum(dP o P)). Rows that see no key (causal,
-    seqlen_q > seqlen_k) have P = 0 and so zero gradients. Layout of q, k, v.
-    """
-    import cupy
-
-    rnd = (lambda x: x.astype(round_dtype).astype(compute_dtype)) if round_dtype is not None else (lambda x: x)
-    qf, kf, vf, dof = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v, dout))  # b h n d
-    s = rnd(cupy.matmul(qf, kf.transpose(0, 1, 3, 2))) * scale
-    nq, nk = s.shape[-2:]
-    if causal:
-        allowed = cupy.arange(nk)[None, :] <= cupy.arange(nq)[:, None] + (nk - nq)
-        s = cupy.where(allowed, s, -cupy.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m_safe = cupy.where(cupy.isfinite(m), m, 0)
-    e = cupy.exp(s - m_safe)
-    l = e.sum(axis=-1, keepdims=True)
-    p = rnd(e / cupy.where(l > 0, l, 1))
-    dv = rnd(cupy.matmul(p.transpose(0, 1, 3, 2), dof))
-    dp = rnd(cupy.matmul(dof, vf.transpose(0, 1, 3, 2)))
-    ds = rnd(p * (dp - (dp * p).sum(axis=-1, keepdims=True)))
-    dq = rnd(cupy.matmul(ds, kf) * scale)
-    dk = rnd(cupy.matmul(ds.transpose(0, 1, 3, 2), qf) * scale)
-    return tuple(g.transpose(0, 2, 1, 3) for g in (dq, dk, dv))
-
-
 def fa_rule_grads(grads, dout, q, k, v, causal, scale, factor=2.0):
-    """[(name, kernel error, same-dtype error, allowed)] for (dq, dk, dv), as fa_rule does for out."""
-    import cupy
+    """[(name, kernel error, same-dtype error, allowed)] for (dq, dk, dv): the list form (dout first)
+    of tests/gpu/_oracle_bwd.fa_rule_grads, which holds the backward reference."""
+    from tests.gpu._oracle_bwd import fa_rule_grads as rule
 
-    ref = naive_grads(dout, q, k, v, causal, scale, cupy.float64)
-    pt = naive_grads(dout, q, k, v, causal, scale, cupy.float32, round_dtype=q.dtype)
-    rows = []
-    for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, pt):
-        err = float(cupy.abs(g.astype(cupy.float64) - r).max())
-        pt_err = float(cupy.abs(p.astype(cupy.float64) - r).max())
-        rr = r.astype(g.dtype).astype(cupy.float64)
-        atol = 2 * float(cupy.abs((rr + 0.3).astype(g.dtype).astype(cupy.float64) - 0.3 - rr).max())
-        rows.append((name, err, pt_err, factor * pt_err + atol))
-    return rows
+    return [(name, *r) for name, r in rule(grads, q, k, v, dout, causal, scale, factor).items()]
