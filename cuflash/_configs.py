@@ -290,7 +290,7 @@ class V1Config:
 def v1_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[V1Config]:
     """Every v1 forward config for `head_dim` that is structurally valid and fits in shared memory."""
     out = []
-    for bq, bk, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3)):
+    for bq, bk, w, s in itertools.product((64, 128), (32, 64, 96, 128), (4, 8), (2, 3)):
         cfg = V1Config(head_dim, bq, bk, w, s)
         if cfg.fits(smem_optin_bytes):
             out.append(cfg)
