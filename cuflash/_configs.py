@@ -19,16 +19,19 @@ DTYPE_NAMES = ("float16", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class FwdConfig:
-    """Compile-time shape of the v2 forward kernel (kernels_cu/flash_fwd.cuh)."""
+class _TileConfig:
+    """The compile-time constants every kernel template takes: <D, BR, BC, WARPS, STAGES>.
 
-    KERNEL = "fwd"
+    Subclasses say what the tiles mean for their kernel (KERNEL, smem_bytes, structural_problem).
+    """
+
+    KERNEL = ""
 
     head_dim: int
-    block_q: int  # BR: query rows per thread block
-    block_k: int  # BC: key rows per K/V tile
-    warps: int  # warps per block; each owns block_q / warps query rows
-    stages: int  # depth of the cp.async K/V ring
+    block_q: int  # BR
+    block_k: int  # BC
+    warps: int
+    stages: int  # depth of the kernel's cp.async ring
 
     @property
     def threads(self) -> int:
@@ -36,36 +39,62 @@ class FwdConfig:
 
     @property
     def smem_bytes(self) -> int:
-        # Q tile + STAGES x (K tile + V tile), 16-bit elements (mirrors FwdShape::SMEM_BYTES).
-        return 2 * self.head_dim * (self.block_q + 2 * self.stages * self.block_k)
+        raise NotImplementedError
 
     def structural_problem(self) -> str | None:
-        """Why this config can never compile (mirrors the static_asserts), or None."""
+        """Why this config can never compile (mirrors the kernel's static_asserts), or None."""
+        raise NotImplementedError
+
+    def _common_problem(self) -> str | None:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
-        if self.block_q % (16 * self.warps):
-            return f"block_q {self.block_q} is not a multiple of 16*warps ({16 * self.warps})"
-        if self.block_k % 16:
-            return f"block_k {self.block_k} is not a multiple of 16"
         if self.stages < 2:
-            return "stages must be >= 2"
-        step = self.threads // (self.head_dim // 8)  # rows one pass of the tile copy covers
-        if step % 8 or self.block_q % step or self.block_k % step:
-            return f"tiles of {self.block_q}/{self.block_k} rows do not split into copy passes of {step} rows"
+            return "stages must be >= 2 (the single-barrier pipeline)"
         return None
 
     def fits(self, smem_optin_bytes: int) -> bool:
         return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
 
 
+def _space(make, *axes) -> list:
+    """Every config make(*choice) over the product of `axes` that is valid and fits (make returns
+    None for a config it rules out)."""
+    return [c for choice in itertools.product(*axes) if (c := make(*choice)) is not None]
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class FwdConfig(_TileConfig):
+    """Compile-time shape of the v2 forward kernel (kernels_cu/flash_fwd.cuh).
+
+    block_q: query rows per thread block, block_q / warps per warp; block_k: key rows per K/V
+    tile; stages: depth of the cp.async K/V ring.
+    """
+
+    KERNEL = "fwd"
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q tile + STAGES x (K tile + V tile), 16-bit elements (mirrors FwdShape::SMEM_BYTES).
+        return 2 * self.head_dim * (self.block_q + 2 * self.stages * self.block_k)
+
+    def structural_problem(self) -> str | None:
+        if problem := self._common_problem():
+            return problem
+        if self.block_q % (16 * self.warps):
+            return f"block_q {self.block_q} is not a multiple of 16*warps ({16 * self.warps})"
+        if self.block_k % 16:
+            return f"block_k {self.block_k} is not a multiple of 16"
+        return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
+
+
+def _fitting(cfg, smem_optin_bytes):
+    return cfg if cfg.fits(smem_optin_bytes) else None
+
+
 def fwd_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[FwdConfig]:
     """Every forward config for `head_dim` that is structurally valid and fits in shared memory."""
-    out = []
-    for bq, bk, w, s in itertools.product((64, 128, 192), (32, 48, 64, 96, 128), (4, 8), (2, 3)):
-        cfg = FwdConfig(head_dim, bq, bk, w, s)
-        if cfg.fits(smem_optin_bytes):
-            out.append(cfg)
-    return out
+    return _space(lambda bq, bk, w, s: _fitting(FwdConfig(head_dim, bq, bk, w, s), smem_optin_bytes),
+                  (64, 128, 192), (32, 48, 64, 96, 128), (4, 8), (2, 3))
 
 
 # Heuristic defaults (before any tuning), in order of preference; the first that fits the device's
@@ -107,7 +136,7 @@ def _copy_problem(threads: int, head_dim: int, *tiles: int) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class BwdConfig:
+class BwdConfig(_TileConfig):
     """Compile-time shape of the backward main kernel (kernels_cu/flash_bwd.cuh, flash_bwd_dkdv).
 
     One thread block owns block_k keys (16 per warp) and keeps their dK, dV in registers while it
@@ -115,16 +144,8 @@ class BwdConfig:
     """
 
     KERNEL = "bwd"
-
-    head_dim: int
-    block_q: int  # BR: query rows per step of the inner loop
-    block_k: int  # BC: key rows the block owns; 16 per warp
-    warps: int
-    stages: int  # depth of the cp.async Q / dO ring
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
+    # block_q: query rows per step of the inner loop; block_k: keys the block owns, 16 per warp;
+    # stages: depth of the cp.async Q / dO ring
 
     @property
     def smem_bytes(self) -> int:
@@ -134,42 +155,29 @@ class BwdConfig:
         return 2 * d * (2 * bc + 2 * s * br) + 2 * 2 * bc * br + 2 * s * br * 4
 
     def structural_problem(self) -> str | None:
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if problem := self._common_problem():
+            return problem
         if self.block_k != 16 * self.warps:
             return f"block_k must be 16*warps ({16 * self.warps}), got {self.block_k}"
         if self.block_q % 64:
             return f"block_q {self.block_q} is not a multiple of 64"
-        if self.stages < 2:
-            return "stages must be >= 2"
         wm = min(self.warps, self.block_q // 16)  # dQ = dS K split over warps: wm x wn
         wn = self.warps // wm
         if self.warps % wm or (self.head_dim // wn) % 16:
             return f"dQ tile {self.block_q}x{self.head_dim} does not split over {self.warps} warps"
         return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
 
-    def fits(self, smem_optin_bytes: int) -> bool:
-        return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
-
 
 @dataclasses.dataclass(frozen=True, order=True)
-class DqConfig:
+class DqConfig(_TileConfig):
     """Compile-time shape of the deterministic dQ kernel (kernels_cu/flash_bwd.cuh, flash_bwd_dq).
 
     Laid out like the forward: warps own query rows, K/V tiles stream through a cp.async ring.
     """
 
     KERNEL = "bwd_dq"
-
-    head_dim: int
-    block_q: int  # BR: query rows per block, 16 per warp
-    block_k: int  # BC: key rows per K/V tile
-    warps: int
-    stages: int
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
+    # block_q: query rows per block, 16 per warp; block_k: key rows per K/V tile;
+    # stages: depth of the cp.async K / V ring
 
     @property
     def smem_bytes(self) -> int:
@@ -177,36 +185,23 @@ class DqConfig:
         return 2 * self.head_dim * (2 * self.block_q + 2 * self.stages * self.block_k)
 
     def structural_problem(self) -> str | None:
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if problem := self._common_problem():
+            return problem
         if self.block_q != 16 * self.warps:
             return f"block_q must be 16*warps ({16 * self.warps}), got {self.block_q}"
         if self.block_k % 16:
             return f"block_k {self.block_k} is not a multiple of 16"
-        if self.stages < 2:
-            return "stages must be >= 2"
         return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
-
-    def fits(self, smem_optin_bytes: int) -> bool:
-        return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
 
 
 def bwd_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[BwdConfig]:
-    out = []
-    for bq, w, s in itertools.product((64, 128), (4, 8), (2, 3)):
-        cfg = BwdConfig(head_dim, bq, 16 * w, w, s)
-        if cfg.fits(smem_optin_bytes):
-            out.append(cfg)
-    return out
+    return _space(lambda bq, w, s: _fitting(BwdConfig(head_dim, bq, 16 * w, w, s), smem_optin_bytes),
+                  (64, 128), (4, 8), (2, 3))
 
 
 def dq_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[DqConfig]:
-    out = []
-    for w, bk, s in itertools.product((4, 8), (32, 64, 128), (2, 3)):
-        cfg = DqConfig(head_dim, 16 * w, bk, w, s)
-        if cfg.fits(smem_optin_bytes):
-            out.append(cfg)
-    return out
+    return _space(lambda w, bk, s: _fitting(DqConfig(head_dim, 16 * w, bk, w, s), smem_optin_bytes),
+                  (4, 8), (32, 64, 128), (2, 3))
 
 
 # Measured on an H200 (scripts/sweep_bwd.py, docs/perf-notes.md); first that fits wins. The 4-warp
@@ -246,7 +241,7 @@ def selectable_bwd_configs() -> list:
 
 
 @dataclasses.dataclass(frozen=True, order=True)
-class V1Config:
+class V1Config(_TileConfig):
     """Compile-time shape of the v1 forward kernel (kernels_cu/flash_fwd_v1.cuh).
 
     FlashAttention-1's Algorithm 1: one thread block per (batch, head); K/V tiles of block_k rows
@@ -255,16 +250,8 @@ class V1Config:
     """
 
     KERNEL = "fwd_v1"
-
-    head_dim: int
-    block_q: int  # BR: query rows per inner step, block_q / warps per warp
-    block_k: int  # BC: key rows per outer step
-    warps: int
-    stages: int  # depth of the cp.async Q ring
-
-    @property
-    def threads(self) -> int:
-        return self.warps * 32
+    # block_q: query rows per inner step, block_q / warps per warp; block_k: key rows per outer
+    # step; stages: depth of the cp.async Q ring
 
     @property
     def smem_bytes(self) -> int:
@@ -272,29 +259,19 @@ class V1Config:
         return 2 * self.head_dim * (2 * self.block_k + self.stages * self.block_q)
 
     def structural_problem(self) -> str | None:
-        """Why this config can never compile (mirrors the static_asserts), or None."""
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if problem := self._common_problem():
+            return problem
         if self.block_q % (16 * self.warps):
             return f"block_q {self.block_q} is not a multiple of 16*warps ({16 * self.warps})"
         if self.block_k % 16:
             return f"block_k {self.block_k} is not a multiple of 16"
-        if self.stages < 2:
-            return "stages must be >= 2"
         return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
-
-    def fits(self, smem_optin_bytes: int) -> bool:
-        return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
 
 
 def v1_space(head_dim: int, smem_optin_bytes: int = 227 * 1024) -> list[V1Config]:
     """Every v1 forward config for `head_dim` that is structurally valid and fits in shared memory."""
-    out = []
-    for bq, bk, w, s in itertools.product((64, 128), (32, 64, 96, 128), (4, 8), (2, 3)):
-        cfg = V1Config(head_dim, bq, bk, w, s)
-        if cfg.fits(smem_optin_bytes):
-            out.append(cfg)
-    return out
+    return _space(lambda bq, bk, w, s: _fitting(V1Config(head_dim, bq, bk, w, s), smem_optin_bytes),
+                  (64, 128), (32, 64, 96, 128), (4, 8), (2, 3))
 
 
 # The v1 kernel exists to be compared with v2, so its defaults use v2's default tile shapes

@@ -66,12 +66,6 @@ def scalar_args(p: _validate.FwdProblem, q, k, v, m_blocks: int) -> tuple:
 _plans = _plans_mod.PlanCache()
 
 
-def _build_plan(q, k, v, causal, softmax_scale, config, dropout=False) -> _FwdPlan:
-    qi, ki, vi = (_validate.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    p = _validate.check_forward(qi, ki, vi, causal, softmax_scale)
-    return _FwdPlan(p, config or select_fwd_config(p, dropout), q, k, v, dropout)
-
-
 def forward(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None,
             config: _configs.FwdConfig | None = None, out=None, lse=None):
     """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
@@ -81,14 +75,35 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=No
     `out` and `lse` may be given (internal: tests poison them, the backward reuses them); otherwise
     fresh contiguous arrays are allocated. `config` overrides the selected kernel config.
     """
+    return run_forward(_plans, _FwdPlan, select_fwd_config, None, q, k, v, causal, softmax_scale, dropout_p, seed,
+                       config, out, lse)
+
+
+def run_forward(plans, plan_class, select, config_type, q, k, v, causal, softmax_scale, dropout_p, seed, config,
+                out, lse):
+    """The body the v2 and v1 forwards share: dropout arguments, the cached (or, with an explicit
+    config, fresh) launch plan, optional output buffers, the launch.
+
+    plan_class(problem, cfg, q, k, v, dropout) builds a plan; select(problem, dropout) picks the
+    config when none is given; config_type, when set, is the only config class accepted.
+    """
     import cupy
 
     drop = _dropout.kernel_args(dropout_p, seed)
+    dropout = drop is not None
+
+    def build(cfg):
+        qi, ki, vi = (_validate.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        p = _validate.check_forward(qi, ki, vi, causal, softmax_scale)
+        if cfg is not None and config_type is not None and not isinstance(cfg, config_type):
+            raise TypeError(f"config must be a {config_type.__name__}, got {type(cfg).__name__}")
+        return plan_class(p, cfg or select(p, dropout), q, k, v, dropout)
+
     if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
-        plan = _plans.get(lambda: (*_plans_mod.array_key((q, k, v)), causal, softmax_scale, drop is not None),
-                          lambda: _build_plan(q, k, v, causal, softmax_scale, None, drop is not None))
+        plan = plans.get(lambda: (*_plans_mod.array_key((q, k, v)), causal, softmax_scale, dropout),
+                         lambda: build(None))
     else:
-        plan = _build_plan(q, k, v, causal, softmax_scale, config, drop is not None)
+        plan = build(config)
     if out is not None:
         out = _checked_out(out, q)
     if lse is not None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from . import _compile, _configs, _device, _dropout, _validate
 from . import _plans as _plans_mod
-from ._forward import _checked_lse, _checked_out, scalar_args
+from ._forward import run_forward, scalar_args
 
 # Grid is 1-D, one block per (batch, head): blockIdx.x = head + heads * batch.
 _MAX_GRID_X = 2**31 - 1
 
 
-def select_v1_config(problem: _validate.FwdProblem) -> _configs.V1Config:
+def select_v1_config(problem: _validate.FwdProblem, dropout: bool = False) -> _configs.V1Config:
+    # (the v1 defaults' dropout instantiations do not spill: tests/test_compile_dropout.py)
     return _configs.default_v1_config(problem.head_dim, _device.smem_optin(problem.device))
 
 
@@ -68,14 +69,6 @@ class _V1Plan:
 _plans = _plans_mod.PlanCache(1024)
 
 
-def _build_plan(q, k, v, causal, softmax_scale, config, dropout=False) -> _V1Plan:
-    qi, ki, vi = (_validate.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-    p = _validate.check_forward(qi, ki, vi, causal, softmax_scale)
-    if config is not None and not isinstance(config, _configs.V1Config):
-        raise TypeError(f"config must be a V1Config, got {type(config).__name__}")
-    return _V1Plan(p, config or select_v1_config(p), q, k, v, dropout)
-
-
 def forward_v1(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None,
                config: _configs.V1Config | None = None, out=None, lse=None):
     """FlashAttention-1 forward. Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
@@ -86,16 +79,5 @@ def forward_v1(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed
     rows that see no key. `out`/`lse` may be given (internal: tests poison them); `config`
     overrides the selected kernel config. Runs on CuPy's current stream.
     """
-    import cupy
-
-    drop = _dropout.kernel_args(dropout_p, seed)
-    if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
-        plan = _plans.get(lambda: (*_plans_mod.array_key((q, k, v)), causal, softmax_scale, drop is not None),
-                          lambda: _build_plan(q, k, v, causal, softmax_scale, None, drop is not None))
-    else:
-        plan = _build_plan(q, k, v, causal, softmax_scale, config, drop is not None)
-    if out is not None:
-        out = _checked_out(out, q)
-    if lse is not None:
-        lse = _checked_lse(lse, plan.lse_shape)
-    return plan.run(q, k, v, out, lse, drop or _dropout.OFF)
+    return run_forward(_plans, _V1Plan, select_v1_config, _configs.V1Config, q, k, v, causal, softmax_scale,
+                       dropout_p, seed, config, out, lse)

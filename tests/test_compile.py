@@ -26,16 +26,21 @@ def _nvrtc_available() -> bool:
 pytestmark = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cfg", _configs.selectable_fwd_configs(), ids=str)
-def test_selectable_configs_compile_without_spills(cfg, dtype, arch, record_property):
-    rep = _compile.compile_report(_compile.fwd_source(cfg, dtype), arch)
+def check_spill_free(cfg, dtype, arch, record_property):
+    """Compile `cfg` for `arch`; assert no spills, no stack, registers that fit the block (any kernel)."""
+    rep = _compile.compile_report(_compile.kernel_source(cfg, dtype), arch)
     record_property("resources", {k: v for k, v in rep.items() if k != "log"} | {"smem_dynamic": cfg.smem_bytes})
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep["log"]
     assert rep["stack_bytes"] == 0, rep["log"]
     assert 0 < rep["registers"] <= 255
     assert rep["registers"] * cfg.threads <= 65536, "block needs more registers than an SM has"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cfg", _configs.selectable_fwd_configs(), ids=str)
+def test_selectable_configs_compile_without_spills(cfg, dtype, arch, record_property):
+    check_spill_free(cfg, dtype, arch, record_property)
 
 
 def test_defaults_fit_each_arch():

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from cuflash import _compile, _configs
-from tests.test_compile import ARCHS, DTYPES, SMEM_OPTIN, _nvrtc_available
+from tests.test_compile import ARCHS, DTYPES, SMEM_OPTIN, _nvrtc_available, check_spill_free
 
 pytestmark = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
 
@@ -13,12 +13,7 @@ pytestmark = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadab
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cfg", _configs.selectable_bwd_configs(), ids=str)
 def test_selectable_bwd_configs_compile_without_spills(cfg, dtype, arch, record_property):
-    rep = _compile.compile_report(_compile.kernel_source(cfg, dtype), arch)
-    record_property("resources", {k: v for k, v in rep.items() if k != "log"} | {"smem_dynamic": cfg.smem_bytes})
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep["log"]
-    assert rep["stack_bytes"] == 0, rep["log"]
-    assert 0 < rep["registers"] <= 255
-    assert rep["registers"] * cfg.threads <= 65536
+    check_spill_free(cfg, dtype, arch, record_property)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

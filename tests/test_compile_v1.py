@@ -11,20 +11,7 @@ import pytest
 from cuflash import _compile, _configs
 from cuflash._configs import V1Config
 
-ARCHS = ("sm_80", "sm_90a")
-DTYPES = ("bfloat16", "float16")
-SMEM_OPTIN = {"sm_80": 163 * 1024, "sm_90a": 227 * 1024}
-
-
-def _nvrtc_available() -> bool:
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-
-        nvrtc.getVersion()
-        return True
-    except Exception:  # noqa: BLE001
-        return False
-
+from tests.test_compile import ARCHS, DTYPES, SMEM_OPTIN, _nvrtc_available, check_spill_free
 
 needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
 
@@ -34,12 +21,7 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loada
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cfg", _configs.selectable_v1_configs(), ids=str)
 def test_selectable_v1_configs_compile_without_spills(cfg, dtype, arch, record_property):
-    rep = _compile.compile_report(_compile.kernel_source(cfg, dtype), arch)
-    record_property("resources", {k: v for k, v in rep.items() if k != "log"} | {"smem_dynamic": cfg.smem_bytes})
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, rep["log"]
-    assert rep["stack_bytes"] == 0, rep["log"]
-    assert 0 < rep["registers"] <= 255
-    assert rep["registers"] * cfg.threads <= 65536, "block needs more registers than an SM has"
+    check_spill_free(cfg, dtype, arch, record_property)
 
 
 @needs_nvrtc
