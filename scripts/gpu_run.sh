@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
-# Usage: bash scripts/gpu_run.sh [tests] [sanitize] [bench] [benchfull] [roofline]   (default: tests sanitize bench)
+# Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [roofline] [tune]
+#        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
+#        alltests: the whole suite, CPU tests included (torch tests run only here).
 # Writes logs and JSON under $OUT (or ./out when $OUT is unset).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -13,6 +15,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.g
 python3 -c "import cupy, sys; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'runtime', cupy.cuda.runtime.runtimeGetVersion(), 'py', sys.version.split()[0])" | tee -a "$OUT/env.txt"
 for s in $stages; do
   case $s in
+    golden) python3 scripts/golden/outputs_golden.py check tests/golden/outputs.json 2>&1 | tee "$OUT/golden.log" | tail -45 ;;
+    alltests) python3 -m pytest -q tests -p no:cacheprovider -rfEs --durations=15 2>&1 | tee "$OUT/all-tests.log" | tail -60 ;;
+    tune) python3 -m cuflash.tune --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -40 ;;
     tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE --maxfail=30 2>&1 | tee "$OUT/gpu-tests.log" | tail -40 ;;
     sanitize)
       for tool in memcheck racecheck; do
