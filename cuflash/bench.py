@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Callable, NamedTuple
 
-from ._device import cuda_device_count as _cuda_device_count
+from .device import cuda_device_count as _cuda_device_count
 from ._timing import bytes_attention, flops_attention, time_cuda
 
 BACKENDS = ("cuflash", "sdpa_flash", "sdpa_cudnn")
