@@ -120,14 +120,14 @@ def test_jax_eager_matches_cupy(jax_gpu, monkeypatch):
     for jx in (jq, jk, jv):  # zero-copy in
         assert _interop.to_cupy(jx, _interop.JAX).data.ptr == jx.unsafe_buffer_pointer()
     seen = {}
-    real = cuflash._fwd
+    real = cuflash.api._fwd
 
     def spy(*a, **kw):
         o, l = real(*a, **kw)
         seen["out"] = o.data.ptr
         return o, l
 
-    monkeypatch.setattr(cuflash, "_fwd", spy)
+    monkeypatch.setattr(cuflash.api, "_fwd", spy)
     out, lse = cuflash.attention(jq, jk, jv, causal=True, return_lse=True)
     assert isinstance(out, jax.Array) and isinstance(lse, jax.Array)
     assert out.dtype == jq.dtype and out.shape == jq.shape and str(lse.dtype) == "float32"

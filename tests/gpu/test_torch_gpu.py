@@ -196,7 +196,7 @@ def test_opcheck():
     """torch.library.opcheck on real tensors: schema, fake vs real (shapes, strides), autograd, AOT."""
     import cuflash
 
-    cuflash._load_torch()  # registers the ops
+    cuflash.api._load_torch()  # registers the ops
     q, k, v = _qkv(50, 2, 64, 80, 2, 64, requires_grad=True)
     torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, (q, k, v, True, None, "v2", True, 0.0, 0))
     # with dropout (seed as the op's signed int: 2^63 + 5 travels as -(2^63) + 5)
