@@ -84,6 +84,16 @@ def cuda_device_count() -> tuple[int, str]:
         return 0, f"{type(e).__name__}: {e}"
 
 
+def cuda_torch():
+    """torch if importable and it sees a CUDA device, else None (torch is optional: the benchmarks
+    compare against it when it is there)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
 def _str(x) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 

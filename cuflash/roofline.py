@@ -27,6 +27,7 @@ import sys
 import numpy as np
 
 from ._timing import bytes_attention, flops_attention
+from .device import cuda_torch
 
 # ----------------------------------------------------------------------------- ceilings
 
@@ -333,13 +334,6 @@ def plot(report: dict, path: str) -> None:
 # ----------------------------------------------------------------------------- measuring (GPU)
 
 
-def _load_torch():
-    """torch if importable and it sees a CUDA device, else None (torch is optional)."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
 
 
 def measure_compute_ceiling(n: int = 8192, reps: int = 20, warmup: int = 5) -> dict:
@@ -506,7 +500,7 @@ def main(argv=None) -> int:
 
     from .bench import env_info
 
-    torch = None if args.no_sdpa else _load_torch()
+    torch = None if args.no_sdpa else cuda_torch()
     env = env_info(torch)
 
     print(f"{env['gpu']} ({env['sm_count']} SMs): measuring ceilings ...", flush=True)
