@@ -10,7 +10,7 @@ import numpy as np
 
 
 def _gpu_reason() -> str | None:
-    from ._device import cuda_device_count
+    from .device import cuda_device_count
 
     n, why = cuda_device_count()
     return None if n else why

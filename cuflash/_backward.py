@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _compile, _configs, _device, _dropout, _tuned, _validate
-from . import _plans as _plans_mod
-from ._forward import LOG2E, _MAX_GRID_X
+from . import _compile, _dropout, _launch, _validate, families
+from . import _plans as plan_cache
+from ._launch import LOG2E
+from .tiles import BwdConfig, DqConfig
 
 # lse2 / delta / dq_acc rows are padded to this multiple (>= every block_q) so the kernels copy
 # them with unguarded 16-byte loads.
@@ -21,27 +22,13 @@ _ROW_PAD = 128
 _AUX_THREADS = 256
 
 
-def select_bwd_config(p: _validate.FwdProblem, dropout: bool = False) -> _configs.BwdConfig:
-    return _tuned_or_default("bwd", p, _configs.default_bwd_config, dropout)
-
-
-def select_dq_config(p: _validate.FwdProblem, dropout: bool = False) -> _configs.DqConfig:
-    return _tuned_or_default("bwd_dq", p, _configs.default_dq_config, dropout)
-
-
-def _tuned_or_default(kernel, p, default, dropout):
-    # the user's tuning cache, then the shipped tables (plain kernels only; see select_fwd_config)
-    cfg = None if dropout else _tuned.lookup(kernel, p)
-    return cfg if cfg is not None else default(p.head_dim, _device.smem_optin(p.device))
-
-
 class _BwdPlan:
     __slots__ = ("device", "deterministic", "prep", "prep_grid", "main", "main_grid", "main_block", "main_smem",
                  "post", "post_grid", "post_block", "post_smem", "shapes", "dtype", "ws_rows", "head_dim",
                  "prep_tail", "main_tail", "post_tail")
 
-    def __init__(self, p: _validate.FwdProblem, cfg, dq_cfg, q, k, v, dout, out, deterministic: bool,
-                 dropout: bool = False):
+    def __init__(self, p: _validate.FwdProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, q, k, v, dout, out,
+                 deterministic: bool):
         it = q.dtype.itemsize
         b, nq, nk, h, d = p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim
         pad = -(-nq // _ROW_PAD) * _ROW_PAD
@@ -59,15 +46,14 @@ class _BwdPlan:
         self.dtype, self.head_dim = q.dtype, d
         self.ws_rows = b * h * pad
 
-        self.prep = _compile.get_aux_kernel("bwd_prep", p.dtype, d, p.device)
+        self.prep = _compile.get_aux_kernel("bwd_prep", p.features, p.device)
         self.prep_grid = (-(-self.ws_rows * ch // _AUX_THREADS),)
         self.prep_tail = (*st(out), *st(dout), i32(h), i32(nq), i32(pad), i64(self.ws_rows))
 
         n_blocks = -(-nk // cfg.block_k)
         grid = n_blocks * h * b
-        if grid > _MAX_GRID_X:
-            raise ValueError(f"problem too large: {grid} thread blocks exceed the grid limit {_MAX_GRID_X}")
-        self.main = _compile.get_kernel(cfg, p.dtype, p.device, dropout)
+        _launch.check_grid(grid)
+        self.main = _compile.get_kernel(cfg, p.features, p.device)
         self.main_grid, self.main_block, self.main_smem = (grid,), (cfg.threads,), cfg.smem_bytes
         scale_log2, scale = f32(p.softmax_scale * LOG2E), f32(p.softmax_scale)
         self.main_tail = (*st(q), *st(k), *st(v), *st(dout), *fresh(nk), *fresh(nk),
@@ -75,14 +61,13 @@ class _BwdPlan:
 
         if deterministic:
             m_blocks = -(-nq // dq_cfg.block_q)
-            if m_blocks * h * b > _MAX_GRID_X:
-                raise ValueError(f"problem too large: {m_blocks * h * b} thread blocks exceed the grid limit")
-            self.post = _compile.get_kernel(dq_cfg, p.dtype, p.device, dropout)
+            _launch.check_grid(m_blocks * h * b)
+            self.post = _compile.get_kernel(dq_cfg, p.features, p.device)
             self.post_grid, self.post_block, self.post_smem = (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes
             self.post_tail = (*st(q), *st(k), *st(v), *st(dout), *fresh(nq),
                               i32(h), i32(nq), i32(nk), i32(pad), i32(m_blocks), scale_log2, scale, i32(p.causal))
         else:
-            self.post = _compile.get_aux_kernel("bwd_dq_convert", p.dtype, d, p.device)
+            self.post = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)
             n_rows = b * h * nq
             self.post_grid, self.post_block, self.post_smem = (-(-n_rows * ch // _AUX_THREADS),), (_AUX_THREADS,), 0
             self.post_tail = (*fresh(nq), i32(h), i32(nq), i32(pad), scale, i64(n_rows))
@@ -109,22 +94,30 @@ class _BwdPlan:
         return dq, dk, dv
 
 
-_plans = _plans_mod.PlanCache()
+_plans = plan_cache.PlanCache()
 
 
 def _build_plan(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, config, dq_config,
                 dropout=False) -> _BwdPlan:
     infos = [_validate.describe(x, n) for x, n in
              ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
-    p = _validate.check_backward(*infos, causal, softmax_scale)
+    p = _validate.check_backward(*infos, causal, softmax_scale, dropout)
     deterministic = _validate.check_flag(deterministic, "deterministic")
-    cfg = config or select_bwd_config(p, dropout)
-    dq_cfg = (dq_config or select_dq_config(p, dropout)) if deterministic else None
-    return _BwdPlan(p, cfg, dq_cfg, q, k, v, dout, out, bool(deterministic), dropout)
+    cfg = _tile(families.BWD, config, p)
+    dq_cfg = _tile(families.BWD_DQ, dq_config, p) if deterministic else None
+    return _BwdPlan(p, cfg, dq_cfg, q, k, v, dout, out, bool(deterministic))
+
+
+def _tile(family, config, p):
+    """The caller's tile (checked against family and problem), else the selected one."""
+    if config is None:
+        return families.select(family, p)
+    family.check_explicit(config, p.features)
+    return config
 
 
 def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False, dropout_p=0.0,
-             seed=None, config: _configs.BwdConfig | None = None, dq_config: _configs.DqConfig | None = None):
+             seed=None, config: BwdConfig | None = None, dq_config: DqConfig | None = None):
     """Gradients (dq, dk, dv) of attention for upstream gradient `dout`; CuPy arrays like q, k, v.
 
     `out` and `lse` are the forward's results for the same q, k, v, causal, softmax_scale,
@@ -137,7 +130,7 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deter
     drop = _dropout.kernel_args(dropout_p, seed)
     dropout = drop is not None
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
-        plan = _plans.get(lambda: (*_plans_mod.array_key(arrays), causal, softmax_scale, deterministic, dropout),
+        plan = _plans.get(lambda: (*plan_cache.array_key(arrays), causal, softmax_scale, deterministic, dropout),
                           lambda: _build_plan(*arrays, causal, softmax_scale, deterministic, None, None, dropout))
     else:
         plan = _build_plan(*arrays, causal, softmax_scale, deterministic, config, dq_config, dropout)

@@ -12,8 +12,8 @@ import hashlib
 import pathlib
 import re
 
-
-_DTYPE_TAG = {"float16": ("f16", "false"), "bfloat16": ("bf16", "true")}
+from . import families
+from .features import Features
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,44 +40,75 @@ def source_fingerprint() -> str:
     return h.hexdigest()[:16]
 
 
-# kernel -> (header, device template, parameter macro, argument macro). Every kernel template takes
-# <BF16, D, BR, BC, WARPS, STAGES, DROPOUT>; the config's KERNEL names its row here. DROPOUT is not a
-# tuning choice but a variant: the kernels with fused dropout are separate instantiations, so the
-# plain ones carry no Philox code (nor its registers).
-_KERNELS = {
-    "fwd": ("flash_fwd.cuh", "cuflash::flash_fwd", "CUFLASH_FWD_PARAMS", "CUFLASH_FWD_ARGS"),
-    "bwd": ("flash_bwd.cuh", "cuflash::flash_bwd_dkdv", "CUFLASH_BWD_PARAMS", "CUFLASH_BWD_ARGS"),
-    "bwd_dq": ("flash_bwd.cuh", "cuflash::flash_bwd_dq", "CUFLASH_DQ_PARAMS", "CUFLASH_DQ_ARGS"),
-    "fwd_v1": ("flash_fwd_v1.cuh", "cuflash::flash_fwd_v1", "CUFLASH_FWDV1_PARAMS", "CUFLASH_FWDV1_ARGS"),
-}
+def kernel_name(tile, features) -> str:
+    """cuflash_<family>_<dtype>_<tile tag><variant tag>, e.g. cuflash_fwd_bf16_d128_br128_bc128_w8_s3_drop."""
+    return f"cuflash_{families.of(tile).name}_{features.dtype_tag}_{tile.tag()}{features.tag()}"
 
 
-def kernel_name(cfg, dtype: str, dropout: bool = False) -> str:
-    tag = _DTYPE_TAG[dtype][0]
-    return (f"cuflash_{cfg.KERNEL}_{tag}_d{cfg.head_dim}_br{cfg.block_q}_bc{cfg.block_k}"
-            f"_w{cfg.warps}_s{cfg.stages}" + ("_drop" if dropout else ""))
+def kernel_source(tile, features) -> str:
+    """The generated extern "C" shell for one (tile, features) instance of the tile's family.
 
-
-def kernel_source(cfg, dtype: str, dropout: bool = False) -> str:
-    """The generated extern "C" shell for one config of any kernel in _KERNELS."""
-    problem = cfg.structural_problem()
+    Every family's template takes <BF16, *tile fields, DROPOUT>: the features' dtype, the tile's
+    integer fields in order, and whether the fused-dropout variant is built.
+    """
+    fam = families.of(tile)
+    problem = tile.structural_problem()
     if problem:
-        raise ValueError(f"invalid {cfg.KERNEL} config {cfg}: {problem}")
-    header, template, params, args = _KERNELS[cfg.KERNEL]
-    bf16 = _DTYPE_TAG[dtype][1]
+        raise ValueError(f"invalid {fam.name} config {tile}: {problem}")
+    if tile.head_dim != features.head_dim:
+        raise ValueError(f"config {tile} is for head_dim {tile.head_dim}, the problem has {features.head_dim}")
+    targs = ", ".join(map(str, tile.template_args()))
     return (
         f"// cuflash generated shell; kernels_cu sources {source_fingerprint()}\n"
-        f'#include "{header}"\n'
-        f'extern "C" __global__ void __launch_bounds__({cfg.threads}) {kernel_name(cfg, dtype, dropout)}({params}) {{\n'
-        f"    {template}<{bf16}, {cfg.head_dim}, {cfg.block_q}, {cfg.block_k}, "
-        f"{cfg.warps}, {cfg.stages}, {'true' if dropout else 'false'}>({args});\n"
+        f'#include "{fam.header}"\n'
+        f'extern "C" __global__ void __launch_bounds__({tile.threads}) {kernel_name(tile, features)}'
+        f"({fam.params_macro}) {{\n"
+        f"    {fam.template}<{features.bf16}, {targs}, {'true' if features.dropout else 'false'}>({fam.args_macro});\n"
         f"}}\n"
     )
 
 
-# The forward's names, kept for the tests and scripts written against them.
-fwd_kernel_name = kernel_name
-fwd_source = kernel_source
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', flags=re.M)
+
+
+def _local_headers(root: pathlib.Path, header: str) -> set:
+    """`header` and every local header it includes, transitively, as paths relative to `root`.
+    An include resolves against the including file's directory first, then against `root`
+    (nvcc's order for quoted includes, with root as the -I directory)."""
+    seen, todo = set(), [header]
+    while todo:
+        rel = todo.pop()
+        if rel in seen or not (root / rel).is_file():
+            continue
+        seen.add(rel)
+        here = pathlib.PurePosixPath(rel).parent
+        for inc in _INCLUDE.findall((root / rel).read_text("utf-8", "replace")):
+            beside = (here / inc).as_posix()
+            todo.append(beside if (root / beside).is_file() else inc)
+    return seen
+
+
+_fingerprints: dict = {}
+
+
+def kernel_fingerprint(family) -> str | None:
+    """Hash of what decides a family's binaries: its header and every local header it includes
+    (transitively), the template it instantiates, and the NVRTC options. None when the family's
+    sources are absent. Editing another family's header does not change it (tuned tables key on it)."""
+    if family.name in _fingerprints:
+        return _fingerprints[family.name]
+    fp = None
+    kdir = kernel_dir()
+    if (kdir / family.header).is_file():
+        row = (family.header, family.template, family.params_macro, family.args_macro)
+        h = hashlib.sha256(repr(row).encode())
+        h.update(repr([o for o in nvrtc_options() if not o.startswith("-I")]).encode())
+        for name in sorted(_local_headers(kdir, family.header)):
+            h.update(name.encode())
+            h.update((kdir / name).read_bytes())
+        fp = h.hexdigest()[:16]
+    _fingerprints[family.name] = fp
+    return fp
 
 
 def nvrtc_options(extra: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -136,23 +167,21 @@ def _load(source: str, name: str, smem_bytes: int, device_id: int):
     return fn
 
 
-def get_kernel(cfg, dtype: str, device_id: int, dropout: bool = False):
-    """The loaded kernel for (config, dtype, dropout variant) on a device; compiled once per process."""
-    key = (cfg.KERNEL, cfg, dtype, device_id) if not dropout else (cfg.KERNEL, cfg, dtype, device_id, "drop")
+def get_kernel(tile, features, device_id: int):
+    """The loaded kernel for (tile, features) on a device; compiled once per process."""
+    key = (tile, features, device_id)  # each family has its own tile class
     fn = _loaded.get(key)
     if fn is None:
-        fn = _loaded[key] = _load(kernel_source(cfg, dtype, dropout), kernel_name(cfg, dtype, dropout),
-                                  cfg.smem_bytes, device_id)
+        fn = _loaded[key] = _load(kernel_source(tile, features), kernel_name(tile, features), tile.smem_bytes,
+                                  device_id)
     return fn
-
-
-get_fwd_kernel = get_kernel
 
 
 def aux_source(name: str, dtype: str, head_dim: int) -> tuple[str, str]:
     """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`)."""
-    tag, bf16 = _DTYPE_TAG[dtype]
-    fn = f"cuflash_{name}_{tag}_d{head_dim}"
+    f = Features(dtype, head_dim)
+    bf16 = f.bf16
+    fn = f"cuflash_{name}_{f.dtype_tag}_d{head_dim}"
     params = {"bwd_prep": "CUFLASH_PREP_PARAMS", "bwd_dq_convert": "CUFLASH_CONVERT_PARAMS"}[name]
     return (
         f"// cuflash generated shell; kernels_cu sources {source_fingerprint()}\n"
@@ -163,10 +192,10 @@ def aux_source(name: str, dtype: str, head_dim: int) -> tuple[str, str]:
     ), fn
 
 
-def get_aux_kernel(name: str, dtype: str, head_dim: int, device_id: int):
-    key = ("aux", name, dtype, head_dim, device_id)
+def get_aux_kernel(name: str, features, device_id: int):
+    key = ("aux", name, features.dtype, features.head_dim, device_id)
     fn = _loaded.get(key)
     if fn is None:
-        src, fname = aux_source(name, dtype, head_dim)
+        src, fname = aux_source(name, features.dtype, features.head_dim)
         fn = _loaded[key] = _load(src, fname, 0, device_id)
     return fn

@@ -8,20 +8,12 @@ in device memory, allocated per call from CuPy's memory pool on the current stre
 from __future__ import annotations
 
 
-from . import _compile, _configs, _device, _dropout, _validate
-from . import _plans as _plans_mod
-from ._forward import run_forward, scalar_args
-
-# Grid is 1-D, one block per (batch, head): blockIdx.x = head + heads * batch.
-_MAX_GRID_X = 2**31 - 1
+from . import _compile, _dropout, _launch, _validate, families
+from . import _plans as plan_cache
+from .tiles import V1Config
 
 
-def select_v1_config(problem: _validate.FwdProblem, dropout: bool = False) -> _configs.V1Config:
-    # (the v1 defaults' dropout instantiations do not spill: tests/test_compile_dropout.py)
-    return _configs.default_v1_config(problem.head_dim, _device.smem_optin(problem.device))
-
-
-def workspace_elements(batch: int, heads: int, seqlen_q: int, seqlen_k: int, cfg: _configs.V1Config) -> tuple[int, int]:
+def workspace_elements(batch: int, heads: int, seqlen_q: int, seqlen_k: int, cfg: V1Config) -> tuple[int, int]:
     """fp32 elements of the (O, (m, l)) workspace; none is read or written when one K/V tile covers seqlen_k."""
     if seqlen_k <= cfg.block_k:
         return 1, 1
@@ -34,20 +26,17 @@ class _V1Plan:
 
     __slots__ = ("device", "kernel", "grid", "block", "smem", "out_shape", "dtype", "lse_shape", "ws", "tail")
 
-    def __init__(self, p: _validate.FwdProblem, cfg: _configs.V1Config, q, k, v, dropout: bool = False):
-        if cfg.head_dim != p.head_dim:
-            raise ValueError(f"config {cfg} is for head_dim {cfg.head_dim}, the problem has {p.head_dim}")
-        n_blocks = p.batch * p.heads
-        if n_blocks > _MAX_GRID_X:
-            raise ValueError(f"problem too large: {n_blocks} thread blocks exceed the grid limit {_MAX_GRID_X}")
+    def __init__(self, p: _validate.FwdProblem, cfg: V1Config, q, k, v):
+        n_blocks = p.batch * p.heads  # one block per (batch, head): blockIdx.x = head + heads * batch
+        _launch.check_grid(n_blocks)
         m_blocks = -(-p.seqlen_q // cfg.block_q)
         self.device = p.device
-        self.kernel = _compile.get_kernel(cfg, p.dtype, p.device, dropout)
+        self.kernel = _compile.get_kernel(cfg, p.features, p.device)
         self.grid, self.block, self.smem = (n_blocks,), (cfg.threads,), cfg.smem_bytes
         self.out_shape, self.dtype = tuple(q.shape), q.dtype
         self.lse_shape = (p.batch, p.heads, p.seqlen_q)
         self.ws = workspace_elements(p.batch, p.heads, p.seqlen_q, p.seqlen_k, cfg)
-        self.tail = scalar_args(p, q, k, v, m_blocks)  # same parameter list as v2's
+        self.tail = _launch.scalar_args(p, q, k, v, m_blocks)  # same parameter list as v2's
 
     def run(self, q, k, v, out=None, lse=None, drop=_dropout.OFF):
         import cupy
@@ -66,11 +55,11 @@ class _V1Plan:
         return out, lse
 
 
-_plans = _plans_mod.PlanCache(1024)
+_plans = plan_cache.PlanCache(1024)
 
 
 def forward_v1(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None,
-               config: _configs.V1Config | None = None, out=None, lse=None):
+               config: V1Config | None = None, out=None, lse=None):
     """FlashAttention-1 forward. Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
     Arguments and results are those of the v2 forward (cuflash.attention): q (batch, seqlen_q,
@@ -79,5 +68,6 @@ def forward_v1(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed
     rows that see no key. `out`/`lse` may be given (internal: tests poison them); `config`
     overrides the selected kernel config. Runs on CuPy's current stream.
     """
-    return run_forward(_plans, _V1Plan, select_v1_config, _configs.V1Config, q, k, v, causal, softmax_scale,
-                       dropout_p, seed, config, out, lse)
+    return _launch.run_forward(families.FWD_V1, _V1Plan, _plans, q, k, v, causal=causal,
+                               softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed, config=config, out=out,
+                               lse=lse)

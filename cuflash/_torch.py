@@ -19,6 +19,7 @@ ops are registered then, once per process. Needs torch >= 2.4 (torch.library.cus
 import torch
 
 from . import _interop, _validate
+from .api import BWD_NAMES, forward_fn
 
 # seed travels as a signed 64-bit int (torch's `int`); _seed_in/_seed_out map [0, 2^64) onto it.
 FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, str algorithm, "
@@ -42,7 +43,6 @@ def _custom_op(name, schema):
 
 
 _QKV = ("q", "k", "v")
-_BWD_NAMES = ("dout", "q", "k", "v", "out", "lse")
 
 
 def _device(tensors, names) -> int:
@@ -91,23 +91,11 @@ def _dropout_args(dropout_p, seed):
     return float(dropout_p), _seed_in(int(seed))
 
 
-def _forward_fn(algorithm):
-    if algorithm == "v2":
-        from . import _forward
-
-        return _forward.forward
-    if algorithm == "v1":
-        from ._forward_v1 import forward_v1
-
-        return forward_v1
-    _validate.check_algorithm(algorithm)
-
-
 # ------------------------------------------------------------------------------------------ the ops
 
 @_custom_op("cuflash::attention_fwd", FWD_SCHEMA)
 def attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed):
-    fwd = _forward_fn(algorithm)
+    fwd = forward_fn(algorithm)
     dev = _device((q, k, v), _QKV)
     seed = _seed_out(seed) if dropout_p > 0 else None
 
@@ -120,7 +108,7 @@ def attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, drop
 
 @_custom_op("cuflash::attention_bwd", BWD_SCHEMA)
 def attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed):
-    dev = _device((dout, q, k, v, out, lse), _BWD_NAMES)
+    dev = _device((dout, q, k, v, out, lse), BWD_NAMES)
     dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
     seed = _seed_out(seed) if dropout_p > 0 else None
     from . import _backward
@@ -129,7 +117,7 @@ def attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic,
         return _backward.backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
                                   dropout_p=dropout_p, seed=seed)
 
-    dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, _BWD_NAMES)
+    dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, BWD_NAMES)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()  # the fake's layout, whatever the kernel's
 
 
@@ -162,7 +150,7 @@ def _attention_fwd_fake(q, k, v, causal, softmax_scale, algorithm, deterministic
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed):
-    infos = [_info(t, n, contiguous=(n == "dout")) for t, n in zip((dout, q, k, v, out, lse), _BWD_NAMES)]
+    infos = [_info(t, n, contiguous=(n == "dout")) for t, n in zip((dout, q, k, v, out, lse), BWD_NAMES)]
     if None not in infos:
         _validate.check_backward(*infos, causal, softmax_scale)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -206,7 +194,7 @@ def attention(q, k, v, causal, softmax_scale, return_lse, algorithm, determinist
 
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p=0.0, seed=None):
     """cuflash.attention_backward for torch tensors: (dq, dk, dv), not itself differentiable."""
-    _device((dout, q, k, v, out, lse), _BWD_NAMES)
+    _device((dout, q, k, v, out, lse), BWD_NAMES)
     if dropout_p and seed is None:
         raise ValueError("seed is required with dropout_p > 0: pass the seed the forward used")
     with torch.no_grad():

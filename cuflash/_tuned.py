@@ -1,11 +1,11 @@
-"""Call-time lookup of tuned kernel configs (the tuner's only hook on the hot path).
+"""Call-time lookup of tuned kernel configs (the tuned tables' only hook on the hot path).
 
-    cfg = _tuned.lookup("fwd", problem)   # a config, or None: use the heuristic default
+    tile = _tuned.lookup(families.FWD, problem, props)   # a tile, or None: use the heuristic default
 
 The first lookup on a device reads the user's tuning cache and the shipped tables once (see
-cuflash/tune/cache.py for the key and the matching rules); every later lookup is one dict hit on
-(kernel, device, dtype, head_dim, causal, seqlen bucket). Never raises: a broken cache is reported
-with a warning and treated as empty. No Optuna, no GPU work.
+cuflash/tuning_store.py for the key and the matching rules); every later lookup is one dict hit on
+(family, device, dtype, head_dim, perf class, causal, seqlen bucket). Never raises: a broken cache
+is reported with a warning and treated as empty. No Optuna, no GPU work, no import of the tuner.
 
 CUFLASH_TUNED=0 in the environment disables tuned configs (the heuristic defaults run).
 """
@@ -15,8 +15,10 @@ import os
 import threading
 import warnings
 
-_memo: dict = {}  # (kernel, device, dtype, head_dim, causal, bucket) -> config or None
-_tables: dict = {}  # device -> cache.Tables
+from . import tuning_store
+
+_memo: dict = {}  # (family, device, shape key, bucket) -> tile or None
+_tables: dict = {}  # device -> tuning_store.Tables
 _lock = threading.Lock()
 
 
@@ -24,30 +26,25 @@ def enabled() -> bool:
     return os.environ.get("CUFLASH_TUNED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _device_props(device: int):
-    from .tune import device as _dev
-
-    return _dev.query(device)
-
-
-def tables(device: int):
+def tables(device: int, props):
     """The loaded tables for a device (loaded on first use)."""
     t = _tables.get(device)
     if t is None:
         with _lock:
             t = _tables.get(device)
             if t is None:
-                from .tune import cache
-
-                t = _tables[device] = cache.load_tables(_device_props(device))
+                t = _tables[device] = tuning_store.load_tables(props)
     return t
 
 
-def lookup(kernel: str, problem):
-    """The tuned config of `kernel` for a problem (anything with device, dtype, head_dim, causal,
-    seqlen_q, seqlen_k), or None when nothing tuned applies."""
-    bucket = 1 << (max(problem.seqlen_q, problem.seqlen_k, 1) - 1).bit_length()
-    key = (kernel, problem.device, problem.dtype, problem.head_dim, bool(problem.causal), bucket)
+def lookup(family, problem, props):
+    """The tuned tile of `family` for a problem (anything with device, dtype, head_dim, causal,
+    seqlen_q, seqlen_k and features) on a device with properties `props`, or None when nothing
+    tuned applies."""
+    bucket = tuning_store.seqlen_bucket(problem.seqlen_q, problem.seqlen_k)
+    shape = tuning_store.shape_key(family.name, problem.dtype, problem.head_dim, problem.features.perf_class(),
+                                   problem.causal)
+    key = (problem.device, shape, bucket)
     try:
         return _memo[key]
     except KeyError:
@@ -55,7 +52,7 @@ def lookup(kernel: str, problem):
     cfg = None
     if enabled():
         try:
-            cfg, _ = tables(problem.device).find(kernel, problem.dtype, problem.head_dim, bool(problem.causal), bucket)
+            cfg, _ = tables(problem.device, props).find(shape, bucket)
         except Exception as e:  # noqa: BLE001 - a tuning cache must never break attention()
             warnings.warn(f"cuflash: tuned-config lookup failed ({type(e).__name__}: {e}); using defaults",
                           RuntimeWarning, stacklevel=2)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ._configs import SUPPORTED_HEAD_DIMS
+from .features import SUPPORTED_DTYPES, Features
+from .tiles import SUPPORTED_HEAD_DIMS
 
-SUPPORTED_DTYPES = ("float16", "bfloat16")
 # cp.async moves 16 bytes at a time: base pointers and row strides must be 16-byte aligned.
 ALIGN_BYTES = 16
 
@@ -37,6 +37,11 @@ class FwdProblem:
     device: int
     causal: bool
     softmax_scale: float
+    dropout: bool = False
+
+    @property
+    def features(self) -> Features:
+        return Features(self.dtype, self.head_dim, self.dropout)
 
 
 def describe(x, name: str) -> ArrayInfo:
@@ -68,7 +73,7 @@ def check_layout(a: ArrayInfo, name: str) -> None:
                 f"{name}'s {dim} stride ({s} bytes) is not a multiple of {ALIGN_BYTES} bytes; copy it first")
 
 
-def check_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, causal, softmax_scale) -> FwdProblem:
+def check_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, causal, softmax_scale, dropout: bool = False) -> FwdProblem:
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         check_layout(a, name)
     if not (q.dtype == k.dtype == v.dtype):
@@ -96,7 +101,7 @@ def check_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, causal, softmax_scal
     if nk < 1:
         raise ValueError(f"seqlen of k and v must be >= 1, got {nk}")
     return FwdProblem(b, nq, nk, h, d, q.dtype, q.device, check_flag(causal, "causal"),
-                      check_softmax_scale(softmax_scale, d))
+                      check_softmax_scale(softmax_scale, d), dropout)
 
 
 def check_flag(value, name: str) -> bool:
@@ -129,7 +134,7 @@ LSE_DTYPE = "float32"
 
 
 def check_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
-                   causal, softmax_scale) -> FwdProblem:
+                   causal, softmax_scale, dropout: bool = False) -> FwdProblem:
     """Checks for the backward's arguments; returns the problem (as the forward's checks do).
 
     q, k, v, causal and softmax_scale follow check_forward. `out` (the forward's output) and `dout`
@@ -137,7 +142,7 @@ def check_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, ou
     layout rules of q (contiguous last dimension, 16-byte aligned pointer and strides). `lse` is the
     forward's float32 (batch, heads, seqlen_q) log-sum-exp, C-contiguous, on q's device.
     """
-    p = check_forward(q, k, v, causal, softmax_scale)
+    p = check_forward(q, k, v, causal, softmax_scale, dropout)
     for a, name in ((out, "out"), (dout, "dout")):
         if a.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")

@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Callable, NamedTuple
 
-from ._device import cuda_device_count as _cuda_device_count
+from .device import cuda_device_count as _cuda_device_count
+from .device import cuda_torch
 from ._timing import bytes_attention, flops_attention, time_cuda
 
 BACKENDS = ("cuflash", "sdpa_flash", "sdpa_cudnn")
@@ -173,13 +174,6 @@ def write_json(path, env: dict, settings: dict, records: list[dict]) -> None:
 # ----------------------------------------------------------------------------- measuring (GPU)
 
 
-def _load_torch():
-    """torch if importable and it sees a CUDA device, else None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
 
 
 def env_info(torch=None) -> dict:
@@ -388,7 +382,7 @@ def main(argv=None) -> int:
         print(f"cuflash.bench: no CUDA GPU found ({why}); nothing to benchmark.", file=sys.stderr)
         return 2
 
-    torch = None if args.no_sdpa else _load_torch()
+    torch = None if args.no_sdpa else cuda_torch()
     env = env_info(torch)
     path = args.json or default_json_path(env["gpu"], datetime.now(timezone.utc))
     settings = {k: v for k, v in vars(args).items() if k != "json"}

@@ -27,6 +27,7 @@ import sys
 import numpy as np
 
 from ._timing import bytes_attention, flops_attention
+from .device import cuda_torch
 
 # ----------------------------------------------------------------------------- ceilings
 
@@ -333,13 +334,6 @@ def plot(report: dict, path: str) -> None:
 # ----------------------------------------------------------------------------- measuring (GPU)
 
 
-def _load_torch():
-    """torch if importable and it sees a CUDA device, else None (torch is optional)."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None
 
 
 def measure_compute_ceiling(n: int = 8192, reps: int = 20, warmup: int = 5) -> dict:
@@ -390,14 +384,14 @@ def measure_case(s: Shape, dtype: str, torch=None, reps: int = 10, warmup: int =
 
     import cupy
 
-    from . import _forward, _forward_v1, _validate
+    from . import _forward, _forward_v1, _validate, families
     from ._timing import time_cuda
     from .bench import Case, make_inputs
 
     sets = make_inputs(Case(s.head_dim, s.seqlen_q, s.batch, s.heads, s.causal), dtype, torch)
     infos = [_validate.describe(x, n) for x, n in zip(sets[0]["cupy"], "qkv")]
     problem = _validate.check_forward(*infos, s.causal, None)
-    configs = {"v1": _forward_v1.select_v1_config(problem), "v2": _forward.select_fwd_config(problem)}
+    configs = {"v1": families.select(families.FWD_V1, problem), "v2": families.select(families.FWD, problem)}
     benches = {
         "v1": (lambda q, k, v: _forward_v1.forward_v1(q, k, v, causal=s.causal), [x["cupy"] for x in sets], "cupy",
                contextlib.nullcontext),
@@ -486,7 +480,7 @@ def _try_plot(report: dict, path: str) -> bool:
 
 
 def _gpu_count() -> tuple[int, str]:
-    from ._device import cuda_device_count
+    from .device import cuda_device_count
 
     return cuda_device_count()
 
@@ -506,7 +500,7 @@ def main(argv=None) -> int:
 
     from .bench import env_info
 
-    torch = None if args.no_sdpa else _load_torch()
+    torch = None if args.no_sdpa else cuda_torch()
     env = env_info(torch)
 
     print(f"{env['gpu']} ({env['sm_count']} SMs): measuring ceilings ...", flush=True)

@@ -6,7 +6,7 @@ import numpy as np
 
 import cuflash
 
-from tests.gpu._oracle import dtype_of, random_qkv
+from cuflash.testing import dtype_of, random_qkv
 
 q, k, v = random_qkv(np.random.default_rng(0), 1, 128, 128, 1, 64, dtype_of("bfloat16"))
 for _ in range(20):

@@ -19,9 +19,9 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from cuflash import _configs  # noqa: E402
+from cuflash import families, tiles  # noqa: E402
 from cuflash.tune import search, space  # noqa: E402
-from cuflash.tune.device import DeviceProps  # noqa: E402
+from cuflash.device import DeviceProps  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ def load(path, props):
     land = collections.defaultdict(dict)
     if isinstance(doc, list):  # config sweep rows (forward)
         for r in doc:
-            cfg = _configs.FwdConfig(**r["cfg"])
+            cfg = tiles.FwdConfig(**r["cfg"])
             if props is None or space.static_problem(cfg, props) is None:
                 land[("fwd", r["d"], r["n"], r["causal"])][cfg] = r["ms"]
     else:  # tuner --json
@@ -42,7 +42,7 @@ def load(path, props):
             for t in s["exhaustive"]["trials"]:
                 if t["status"] == "ok":
                     land[(s["kernel"], s["head_dim"], s["seqlen"], s["causal"])][
-                        space.config_from_dict(s["kernel"], t["config"])] = t["ms"]
+                        families.get(s["kernel"]).tile_from_dict(t["config"])] = t["ms"]
     return land
 
 
@@ -50,7 +50,7 @@ def replay(land, sampler, fraction, seeds, neighbour=False):
     qs = []
     for (kernel, d, n, causal), times in land.items():
         valid, best = sorted(times), min(times.values())
-        warm = [space.spec(kernel).default_fn(d)]
+        warm = [families.get(kernel).default(d)]
         other = land.get((kernel, d, n, not causal))
         if neighbour and other:
             warm.append(min(other, key=other.get))

@@ -6,7 +6,7 @@ cupy.cuda.set_allocator(None)  # pool-less, so an out-of-bounds access is not hi
 
 import cuflash  # noqa: E402
 from cuflash._forward_v1 import forward_v1  # noqa: E402
-from tests.gpu._oracle import dtype_of, random_qkv  # noqa: E402
+from cuflash.testing import dtype_of, random_qkv  # noqa: E402
 
 rng = np.random.default_rng(0)
 for d in (64, 128):

@@ -11,9 +11,10 @@ import json
 import cupy
 import numpy as np
 
-from cuflash import _backward, _compile, _configs, _device, _forward
+from cuflash import _backward, _compile, _forward, device, families
+from cuflash.features import Features
 from cuflash._timing import flops_attention, time_cuda
-from tests.gpu._oracle import dtype_of, random_qkv
+from cuflash.testing import dtype_of, random_qkv
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--json", default=None)
@@ -39,29 +40,30 @@ def make_sets(b, n, h, d, causal):
 
 
 for d in args.head_dims:
-    smem = _device.smem_optin(0)
+    smem = device.query(0).smem_optin
     for n in args.seqlens:
         b, h = max(1, 16384 // n), 2048 // d
         for causal in map(bool, args.causal):
             sets = make_sets(b, n, h, d, causal)
             fl = flops_attention(b, h, n, n, d, causal, "bwd")
             for det in (False, True):
-                space = _configs.dq_space(d, smem) if det else _configs.bwd_space(d, smem)
+                space = families.BWD_DQ.space(d, smem) if det else families.BWD.space(d, smem)
                 if args.default_only:
-                    space = [_configs.default_dq_config(d, smem) if det else _configs.default_bwd_config(d, smem)]
+                    space = [families.BWD_DQ.default(d, smem) if det else families.BWD.default(d, smem)]
                 for cfg in space:
                     kw = dict(deterministic=True, dq_config=cfg) if det else dict(config=cfg)
                     t = time_cuda(lambda *a: _backward.backward(*a, causal=causal, **kw), warmup=3, reps=15, rotate=sets)
                     tf = fl / t["median_ms"] / 1e9
-                    rows.append(dict(d=d, n=n, causal=causal, deterministic=det, kernel=cfg.KERNEL, cfg=cfg.__dict__,
+                    rows.append(dict(d=d, n=n, causal=causal, deterministic=det, kernel=families.of(cfg).name, cfg=cfg.__dict__,
                                      ms=t["median_ms"], tflops=tf))
                     print(f"d={d} n={n} causal={int(causal)} det={int(det)} {cfg}: {t['median_ms']:.3f} ms {tf:7.1f} TFLOP/s",
                           flush=True)
             for macro in args.variants:
-                cfg = _configs.default_bwd_config(d, smem)
-                src = "#define {} {}\n".format(*macro.split("=", 1)) + _compile.kernel_source(cfg, "bfloat16")
-                fn = _compile._load(src, _compile.kernel_name(cfg, "bfloat16"), cfg.smem_bytes, 0)
-                key = (cfg.KERNEL, cfg, "bfloat16", 0)
+                cfg = families.BWD.default(d, smem)
+                feat = Features("bfloat16", cfg.head_dim)
+                src = "#define {} {}\n".format(*macro.split("=", 1)) + _compile.kernel_source(cfg, feat)
+                fn = _compile._load(src, _compile.kernel_name(cfg, feat), cfg.smem_bytes, 0)
+                key = (cfg, feat, 0)  # _compile.get_kernel's memo key
                 saved = _compile._loaded.get(key)
                 _compile._loaded[key] = fn
                 _backward._plans.clear()

@@ -7,9 +7,9 @@ import json
 
 import numpy as np
 
-from cuflash import _configs, _device, _forward
+from cuflash import _forward, device, families
 from cuflash._timing import flops_attention, time_cuda
-from tests.gpu._oracle import dtype_of, random_qkv
+from cuflash.testing import dtype_of, random_qkv
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--json", default=None)
@@ -20,7 +20,7 @@ args = ap.parse_args()
 rng = np.random.default_rng(0)
 rows = []
 for d in args.head_dims:
-    space = _configs.fwd_space(d, _device.smem_optin(0))
+    space = families.FWD.space(d, device.query(0).smem_optin)
     for n in args.seqlens:
         b, h = max(1, 16384 // n), 2048 // d
         sets = [random_qkv(rng, b, n, n, h, d, dtype_of("bfloat16")) for _ in range(2)]

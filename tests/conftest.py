@@ -9,7 +9,7 @@ import pytest
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    from cuflash._device import cuda_device_count
+    from cuflash.device import cuda_device_count
 
     n, why = cuda_device_count()
     return None if n > 0 else f"no CUDA GPU present ({why.split(':')[0]})"

@@ -8,8 +8,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash import _compile, _configs
-from cuflash._configs import V1Config
+from cuflash import _compile, families, tiles
+from cuflash.features import Features
+from cuflash.tiles import V1Config
 
 from tests.test_compile import ARCHS, DTYPES, SMEM_OPTIN, _nvrtc_available, check_spill_free
 
@@ -19,7 +20,7 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loada
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cfg", _configs.selectable_v1_configs(), ids=str)
+@pytest.mark.parametrize("cfg", families.FWD_V1.selectable(), ids=str)
 def test_selectable_v1_configs_compile_without_spills(cfg, dtype, arch, record_property):
     check_spill_free(cfg, dtype, arch, record_property)
 
@@ -27,14 +28,14 @@ def test_selectable_v1_configs_compile_without_spills(cfg, dtype, arch, record_p
 @needs_nvrtc
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("d", _configs.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("d", tiles.SUPPORTED_HEAD_DIMS)
 def test_whole_v1_space_compiles(d, arch):
     """Every v1 config of the space compiles (spills allowed: 4-warp, 32-row configs at d=128 spill, as in v2)."""
-    space = _configs.v1_space(d, SMEM_OPTIN[arch])
+    space = families.FWD_V1.space(d, SMEM_OPTIN[arch])
     assert len(space) >= 10
     table = []
     for cfg in space:
-        rep = _compile.compile_report(_compile.kernel_source(cfg, "bfloat16"), arch)
+        rep = _compile.compile_report(_compile.kernel_source(cfg, Features("bfloat16", cfg.head_dim)), arch)
         table.append((cfg, rep["registers"], rep["spill_stores"]))
         assert rep["registers"] > 0
     print("\n".join(f"{arch} {c}: {r} regs, {s} B spilled" for c, r, s in table))
@@ -45,7 +46,7 @@ def test_smem_formula_matches_the_kernel():
     """V1Config.smem_bytes equals FwdV1Shape::SMEM_BYTES for every config (static_assert under NVRTC)."""
     from cupy_backends.cuda.libs import nvrtc
 
-    cfgs = _configs.v1_space(64) + _configs.v1_space(128)
+    cfgs = families.FWD_V1.space(64) + families.FWD_V1.space(128)
     lines = [f"static_assert(cuflash::FwdV1Shape<{c.head_dim}, {c.block_q}, {c.block_k}, {c.warps}, {c.stages}>"
              f"::SMEM_BYTES == {c.smem_bytes}, \"{c}\");" for c in cfgs]
     src = '#include "flash_fwd_v1.cuh"\n' + "\n".join(lines) + "\n"
@@ -60,42 +61,43 @@ def test_smem_formula_matches_the_kernel():
 
 
 def test_registered_and_named():
-    assert _compile._KERNELS["fwd_v1"] == ("flash_fwd_v1.cuh", "cuflash::flash_fwd_v1", "CUFLASH_FWDV1_PARAMS",
-                                            "CUFLASH_FWDV1_ARGS")
+    fam = families.FWD_V1
+    assert (fam.header, fam.template, fam.params_macro, fam.args_macro) == (
+        "flash_fwd_v1.cuh", "cuflash::flash_fwd_v1", "CUFLASH_FWDV1_PARAMS", "CUFLASH_FWDV1_ARGS")
     assert (_compile.kernel_dir() / "flash_fwd_v1.cuh").is_file()
-    cfg = _configs.default_v1_config(128)
-    src = _compile.kernel_source(cfg, "bfloat16")
+    cfg = families.FWD_V1.default(128)
+    src = _compile.kernel_source(cfg, Features("bfloat16", cfg.head_dim))
     assert '#include "flash_fwd_v1.cuh"' in src and "cuflash::flash_fwd_v1<true, 128, " in src
-    assert _compile.kernel_name(cfg, "bfloat16").startswith("cuflash_fwd_v1_bf16_d128_")
-    names = {_compile.kernel_name(c, dt) for c in _configs.v1_space(128) for dt in DTYPES}
-    assert len(names) == 2 * len(_configs.v1_space(128))
+    assert _compile.kernel_name(cfg, Features("bfloat16", cfg.head_dim)).startswith("cuflash_fwd_v1_bf16_d128_")
+    names = {_compile.kernel_name(c, Features(dt, c.head_dim)) for c in families.FWD_V1.space(128) for dt in DTYPES}
+    assert len(names) == 2 * len(families.FWD_V1.space(128))
     # distinct from every v2 forward kernel name
-    assert not names & {_compile.kernel_name(c, dt) for c in _configs.fwd_space(128) for dt in DTYPES}
+    assert not names & {_compile.kernel_name(c, Features(dt, c.head_dim)) for c in families.FWD.space(128) for dt in DTYPES}
 
 
 def test_v1_space_and_defaults():
     for limit in (99 * 1024, 163 * 1024, 227 * 1024):
-        for d in _configs.SUPPORTED_HEAD_DIMS:
-            space = _configs.v1_space(d, limit)
+        for d in tiles.SUPPORTED_HEAD_DIMS:
+            space = families.FWD_V1.space(d, limit)
             assert space
             assert all(c.smem_bytes <= limit and c.structural_problem() is None for c in space)
-            cfg = _configs.default_v1_config(d, limit)
-            assert cfg.fits(limit) and cfg in _configs.selectable_v1_configs()
+            cfg = families.FWD_V1.default(d, limit)
+            assert cfg.fits(limit) and cfg in families.FWD_V1.selectable()
     assert V1Config(128, 128, 128, 8, 2).smem_bytes == 2 * 128 * (2 * 128 + 2 * 128) == 131072
-    assert V1Config.KERNEL == "fwd_v1"
+    assert families.of(V1Config(128, 128, 128, 8, 2)) is families.FWD_V1
     # v1's defaults use v2's default tile shapes, so the comparison isolates the algorithm
-    for d in _configs.SUPPORTED_HEAD_DIMS:
-        v1, v2 = _configs.default_v1_config(d), _configs.default_fwd_config(d)
+    for d in tiles.SUPPORTED_HEAD_DIMS:
+        v1, v2 = families.FWD_V1.default(d), families.FWD.default(d)
         assert (v1.block_q, v1.block_k) == (v2.block_q, v2.block_k)
 
 
 def test_invalid_v1_config_is_refused():
     with pytest.raises(ValueError, match="multiple of 16"):
-        _compile.kernel_source(V1Config(128, 128, 40, 8, 2), "bfloat16")
+        _compile.kernel_source(V1Config(128, 128, 40, 8, 2), Features("bfloat16", 128))
     with pytest.raises(ValueError, match="block_q"):
-        _compile.kernel_source(V1Config(128, 96, 64, 4, 2), "bfloat16")
+        _compile.kernel_source(V1Config(128, 96, 64, 4, 2), Features("bfloat16", 128))
     with pytest.raises(ValueError, match="stages"):
-        _compile.kernel_source(V1Config(128, 128, 64, 8, 1), "bfloat16")
+        _compile.kernel_source(V1Config(128, 128, 64, 8, 1), Features("bfloat16", 128))
 
 
 def test_forward_v1_validates_before_any_launch():

@@ -1,5 +1,8 @@
-"""The forward search space and the heuristic default, from device properties alone."""
-from cuflash._configs import FwdConfig, default_fwd_config, fwd_space, selectable_fwd_configs
+"""The families' search spaces and heuristic defaults, from device properties alone."""
+from cuflash import families
+from cuflash.tiles import BwdConfig, DqConfig, FwdConfig
+
+fwd_space, default_fwd_config = families.FWD.space, families.FWD.default
 
 
 def test_space_respects_shared_memory_and_structure():
@@ -25,12 +28,11 @@ def test_default_falls_back_on_small_smem():
     assert default_fwd_config(128) == FwdConfig(128, 128, 128, 8, 3)
     assert default_fwd_config(128, 163 * 1024).smem_bytes <= 163 * 1024
     assert default_fwd_config(128, 99 * 1024).smem_bytes <= 99 * 1024
-    assert all(c.structural_problem() is None for c in selectable_fwd_configs())
+    assert all(c.structural_problem() is None for c in families.FWD.selectable())
 
 
 def test_backward_spaces_respect_shared_memory_and_structure():
-    from cuflash._configs import bwd_space, dq_space
-
+    bwd_space, dq_space = families.BWD.space, families.BWD_DQ.space
     for limit in (99 * 1024, 163 * 1024, 227 * 1024):
         for d in (64, 128):
             for c in bwd_space(d, limit) + dq_space(d, limit):
@@ -38,8 +40,6 @@ def test_backward_spaces_respect_shared_memory_and_structure():
 
 
 def test_backward_structure_rules():
-    from cuflash._configs import BwdConfig, DqConfig
-
     assert BwdConfig(128, 64, 96, 8, 2).structural_problem()  # block_k must be 16*warps
     assert BwdConfig(128, 32, 128, 8, 2).structural_problem()  # dS^T rows must span 128 bytes
     assert BwdConfig(128, 64, 128, 8, 1).structural_problem()  # single-barrier ring needs 2 stages
@@ -50,8 +50,7 @@ def test_backward_structure_rules():
 
 
 def test_backward_defaults():
-    from cuflash._configs import BwdConfig, default_bwd_config, default_dq_config
-
+    default_bwd_config, default_dq_config = families.BWD.default, families.BWD_DQ.default
     assert default_bwd_config(128) == BwdConfig(128, 64, 128, 8, 3)
     assert default_bwd_config(128, 163 * 1024) == BwdConfig(128, 64, 128, 8, 2)
     for d in (64, 128):

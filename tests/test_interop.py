@@ -150,9 +150,9 @@ def test_bad_algorithm_and_flag_before_anything():
 def test_cupy_fast_path_calls_forward_directly(monkeypatch):
     Arr = type("ndarray", (), {})
     calls = []
-    monkeypatch.setattr(cuflash, "_ndarray", Arr)
-    monkeypatch.setattr(cuflash, "_fwd", lambda q, k, v, **kw: calls.append(kw) or ("out", "lse"))
-    monkeypatch.setattr(cuflash, "_attention", None)  # the slow path must not be taken
+    monkeypatch.setattr(cuflash.api, "_ndarray", Arr)
+    monkeypatch.setattr(cuflash.api, "_fwd", lambda q, k, v, **kw: calls.append(kw) or ("out", "lse"))
+    monkeypatch.setattr(cuflash.api, "_attention", None)  # the slow path must not be taken
     q = Arr()
     assert cuflash.attention(q, q, q) == "out"
     assert cuflash.attention(q, q, q, causal=True, softmax_scale=0.5, return_lse=True, deterministic=True) == ("out", "lse")
@@ -166,7 +166,7 @@ def test_torch_inputs_go_to_the_torch_module(fake_torch, monkeypatch):
         Tensor=fake_torch.Tensor,
         attention=lambda *a: calls.append(("fwd", a)) or "out",
         attention_backward=lambda *a: calls.append(("bwd", a)) or ("dq", "dk", "dv"))
-    monkeypatch.setattr(cuflash, "_tmod", fake_mod)
+    monkeypatch.setattr(cuflash.api, "_tmod", fake_mod)
     t = fake_torch()
     assert cuflash.attention(t, t, t, causal=True, algorithm="v1", deterministic=True) == "out"
     assert calls[-1] == ("fwd", (t, t, t, True, None, False, "v1", True, 0.0, None))

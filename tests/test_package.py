@@ -22,15 +22,15 @@ def test_wheel_ships_kernel_sources(tmp_path):
     (whl,) = tmp_path.glob("cuflash-*.whl")
     names = zipfile.ZipFile(whl).namelist()
     for f in ("cuflash/kernels_cu/common.cuh", "cuflash/kernels_cu/flash_fwd.cuh", "cuflash/__init__.py",
-              "cuflash/_tuned.py", "cuflash/tune/__main__.py", "cuflash/tune/cache.py", "cuflash/tuning/README.md"):
+              "cuflash/_tuned.py", "cuflash/tune/__main__.py", "cuflash/tuning_store.py", "cuflash/tuning/README.md"):
         assert f in names
     # every shipped tuning table is in the wheel, where the lookup finds it
     for table in sorted((root / "tuning").glob("*.json")):
         assert f"cuflash/tuning/{table.name}" in names, table.name
     site = tmp_path / "site"
     zipfile.ZipFile(whl).extractall(site)
-    code = ("from cuflash.tune import cache; from cuflash import _compile; print(cache.shipped_dir()); "
-            "print(len(cache.shipped_tables())); print(_compile.kernel_dir())")
+    code = ("from cuflash import _compile, tuning_store; print(tuning_store.shipped_dir()); "
+            "print(len(tuning_store.shipped_tables())); print(_compile.kernel_dir())")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
@@ -42,16 +42,16 @@ def test_wheel_ships_kernel_sources(tmp_path):
 def test_shipped_tables_are_current_and_readable():
     """Each table in tuning/ parses, has only well-formed entries, and was made from the kernel
     sources in this checkout (a stale table would be ignored on every user's machine)."""
-    from cuflash.tune import cache, space
+    from cuflash import families, tuning_store
 
-    for table in cache.shipped_tables():
-        entries, problem = cache.read_file(table)
+    for table in tuning_store.shipped_tables():
+        entries, problem = tuning_store.read_file(table)
         assert problem is None, (table.name, problem)
         for e in entries:
-            assert cache.check_entry(e) is None, (table.name, e)
-            cfg = space.config_from_dict(e["kernel"], e["config"])
+            assert tuning_store.check_entry(e) is None, (table.name, e)
+            cfg = families.get(e["kernel"]).tile_from_dict(e["config"])
             assert cfg.structural_problem() is None
-            assert e["source"] == cache.kernel_fingerprint(e["kernel"]), (
+            assert e["source"] == tuning_store.source_fingerprint(e["kernel"]), (
                 f"{table.name}: {e['kernel']} entries were tuned for other kernel sources; re-tune and re-export")
 
 

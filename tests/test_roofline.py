@@ -288,7 +288,7 @@ def test_main_without_gpu_exits_2(monkeypatch, capsys):
 
 def test_main_with_fake_measurements(monkeypatch, tmp_path, capsys):
     """Everything but the measuring runs for real: shapes, analysis, JSON (plot optional)."""
-    from cuflash import _configs, bench
+    from cuflash import bench, families
 
     monkeypatch.setattr(rl, "_gpu_count", lambda: (1, ""))
     monkeypatch.setattr(bench, "env_info", lambda torch=None: {"gpu": "NVIDIA H200", "sm_count": 132})
@@ -301,7 +301,7 @@ def test_main_with_fake_measurements(monkeypatch, tmp_path, capsys):
         ms2 = s.flops / 320e12 * 1e3
         return ({"v1": 5 * ms2, "v2": ms2}, {"v1": {"median_ms": 5 * ms2}, "v2": {"median_ms": ms2}},
                 {"max_abs_diff_out_v1_v2": 0.0},
-                {"v1": _configs.default_v1_config(s.head_dim), "v2": _configs.default_fwd_config(s.head_dim)})
+                {"v1": families.FWD_V1.default(s.head_dim), "v2": families.FWD.default(s.head_dim)})
 
     monkeypatch.setattr(rl, "measure_case", fake_case)
     js = tmp_path / "roof.json"

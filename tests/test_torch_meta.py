@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="torch not installed: torch op regis
 def ops():
     import cuflash
 
-    cuflash._load_torch()
+    cuflash.api._load_torch()
     return torch.ops.cuflash.attention_fwd.default, torch.ops.cuflash.attention_bwd.default
 
 
@@ -70,9 +70,9 @@ def test_cpu_tensors_refused_by_name(registered, monkeypatch):
     import cuflash
 
     if registered:  # the torch module loaded: its own checks give the same messages
-        cuflash._load_torch()
+        cuflash.api._load_torch()
     else:
-        monkeypatch.setattr(cuflash, "_tmod", None)
+        monkeypatch.setattr(cuflash.api, "_tmod", None)
     x = torch.zeros(1, 8, 1, 64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="q must be on a CUDA device, got a torch.Tensor on cpu"):
         cuflash.attention(x, x, x)

@@ -9,10 +9,10 @@ import types
 
 import pytest
 
-from cuflash import _configs, _tuned
+from cuflash import _compile, _tuned, families, tiles, tuning_store
 from cuflash.tune import __main__ as cli
-from cuflash.tune import cache, report, runner, search, space, tuner
-from cuflash.tune.device import DeviceProps
+from cuflash.tune import report, runner, search, space, tuner
+from cuflash.device import DeviceProps
 
 FIX = pathlib.Path(__file__).parent / "fixtures" / "devices"
 H200 = DeviceProps.from_json(FIX / "h200.json")
@@ -43,7 +43,7 @@ class FakeWorker:
     def __exit__(self, *exc):
         pass
 
-    def check(self, cfg, dtype, allow_local_bytes=0):
+    def check(self, cfg, features, allow_local_bytes=0):
         self.checked.append(cfg)
         return "24 B of local memory per thread (register spills / stack frame)" if _spills(cfg) else None
 
@@ -54,16 +54,15 @@ class FakeWorker:
     def trial(self, cfg, warmup=5, reps=20, verify=True):
         assert not _spills(cfg), "a pruned config was timed"
         self.timed.append((self.shape, cfg, verify))
-        if verify and cfg == _configs.FwdConfig(cfg.head_dim, 64, 32, 4, 2):
+        if verify and cfg == tiles.FwdConfig(cfg.head_dim, 64, 32, 4, 2):
             return search.Outcome("wrong", None, "planted")
         return search.Outcome("ok", cost(self.shape, cfg), "", {"p20_ms": 0, "p80_ms": 0})
 
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):
-    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    monkeypatch.setattr(cache, "shipped_tables", lambda: [])
-    monkeypatch.setattr(_tuned, "_device_props", lambda device: H200)
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning_store, "shipped_tables", lambda: [])
     _tuned.reload()
     yield tmp_path
     _tuned.reload()
@@ -95,12 +94,12 @@ def test_tune_search_and_compare_end_to_end(env):
     w = FakeWorker()
     reports = tuner.tune(o, w, H200)
     assert len(reports) == 4
-    sp = space.build_space("fwd", 128, H200)
+    sp = space.build_space(families.get("fwd"), 128, H200)
     assert sorted(w.checked) == sorted(sp.candidates)  # each candidate compiled once per group
     for r in reports:
         assert r.error is None and r.winner is not None
-        assert not _spills(r.winner) and r.winner != _configs.FwdConfig(128, 64, 32, 4, 2)
-        best = min((c for c in sp.candidates if not _spills(c) and c != _configs.FwdConfig(128, 64, 32, 4, 2)),
+        assert not _spills(r.winner) and r.winner != tiles.FwdConfig(128, 64, 32, 4, 2)
+        best = min((c for c in sp.candidates if not _spills(c) and c != tiles.FwdConfig(128, 64, 32, 4, 2)),
                    key=lambda c: cost(r.shape, c))
         assert r.winner == best == r.exhaustive_best  # compare mode caches the true best
         assert r.quality is not None and 0.9 < r.quality <= 1.0
@@ -115,19 +114,19 @@ def test_tune_search_and_compare_end_to_end(env):
     # every winner is in the user cache and is what lookup returns
     for r in reports:
         p = types.SimpleNamespace(seqlen_q=r.shape.seqlen, seqlen_k=r.shape.seqlen, head_dim=128, dtype="bfloat16",
-                                  device=0, causal=r.shape.causal)
-        assert _tuned.lookup("fwd", p) == r.winner
+                                  device=0, causal=r.shape.causal, features=r.shape.features)
+        assert _tuned.lookup(families.FWD, p, H200) == r.winner
     text = report.format_summary(reports)
     assert "fwd bf16 d128 causal n8192" in text and "1 wrong" not in text.splitlines()[0]
 
 
 def test_tune_reports_missing_kernels_and_empty_spaces(env, monkeypatch):
-    monkeypatch.setattr(cache, "kernel_fingerprint", lambda k: None if k == "bwd" else "f" * 16)
+    monkeypatch.setattr(_compile, "kernel_fingerprint", lambda f: None if f.name == "bwd" else "f" * 16)
     l4 = DeviceProps.from_json(FIX / "l4.json")
     o = tuner.Options(kernels=("bwd",), head_dims=(128,), seqlens=(1024,), causal=(False,))
     (r,) = tuner.tune(o, FakeWorker(), l4)
     assert "no sources" in r.error and r.winner is None
-    monkeypatch.setattr(cache, "kernel_fingerprint", lambda k: "f" * 16)
+    monkeypatch.setattr(_compile, "kernel_fingerprint", lambda f: "f" * 16)
     (r,) = tuner.tune(o, FakeWorker(), l4)
     assert "fits this device" in r.error
     assert "fits this device" in report.format_summary([r])
@@ -159,23 +158,23 @@ def test_main_tunes_exports_and_writes_json(env, monkeypatch, capsys):
         assert s["compile_pruned"] and all("local memory" in v for v in s["compile_pruned"].values())
     # the exported table is exactly what lookup reads as a shipped table (even on another driver)
     other = DeviceProps.from_dict({**H200.to_dict(), "driver_version": 12000})
-    tables = cache.load_tables(other, user_path=env / "none.json", shipped_paths=[export])
+    tables = tuning_store.load_tables(other, user_path=env / "none.json", shipped_paths=[export])
     for s in doc["studies"]:
-        cfg, where = tables.find("fwd", "bfloat16", s["head_dim"], s["causal"], 8192)
+        cfg, where = tables.find(tuning_store.shape_key("fwd", "bfloat16", s["head_dim"], "dense", s["causal"]), 8192)
         assert where == "shipped" and space.config_to_dict(cfg) == s["winner"]
 
 
 def test_show_and_clear_without_gpu(env, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_gpu_props", lambda device: (None, "no GPU"))
-    cache.save_entries(cache.cache_path(), [cache.make_entry(
-        cache.DeviceKey.of(H200), "fwd", cache.kernel_fingerprint("fwd"), "bfloat16", 128, True, 8192,
-        space.config_to_dict(_configs.FwdConfig(128, 128, 64, 8, 2)), time_ms=1.0, default_ms=1.25,
+    tuning_store.save_entries(tuning_store.cache_path(), [tuning_store.make_entry(
+        tuning_store.DeviceKey.of(H200), "fwd", _compile.kernel_fingerprint(families.FWD), "bfloat16", 128, "dense", True, 8192,
+        space.config_to_dict(tiles.FwdConfig(128, 128, 64, 8, 2)), time_ms=1.0, default_ms=1.25,
         method="optuna-tpe", trials=10, valid=30)])
     assert cli.main(["--show"]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA H200" in out and "128x64 w8 s2" in out and "+25.0%" in out and "10/30" in out
     assert cli.main(["--clear"]) == 0
-    assert not cache.cache_path().exists()
+    assert not tuning_store.cache_path().exists()
     assert cli.main(["--show"]) == 0 and "nothing cached" in capsys.readouterr().out
     assert cli.main([]) == 2 and "no CUDA GPU" in capsys.readouterr().err
 

@@ -11,9 +11,9 @@ import statistics
 
 import pytest
 
-from cuflash import _configs
+from cuflash import families, tiles
 from cuflash.tune import search, space
-from cuflash.tune.device import DeviceProps
+from cuflash.device import DeviceProps
 
 ROOT = pathlib.Path(__file__).parent.parent
 H200 = DeviceProps.from_json(pathlib.Path(__file__).parent / "fixtures" / "devices" / "h200.json")
@@ -42,7 +42,7 @@ class Recorder:
 
 
 def _space():
-    return space.build_space("fwd", 128, H200)
+    return space.build_space(families.get("fwd"), 128, H200)
 
 
 def test_optimize_finds_the_optimum_and_never_evaluates_a_pruned_config():
@@ -123,7 +123,7 @@ def test_time_budget_stops_the_search():
 def _sweep_landscapes():
     land = collections.defaultdict(dict)
     for row in json.loads(SWEEP.read_text()):
-        cfg = _configs.FwdConfig(**row["cfg"])
+        cfg = tiles.FwdConfig(**row["cfg"])
         if space.static_problem(cfg, H200) is None:
             land[(row["d"], row["n"], row["causal"])][cfg] = row["ms"]
     return land
@@ -136,7 +136,7 @@ def test_replay_of_the_recorded_h200_sweep():
     qs = []
     for (d, n, causal), times in _sweep_landscapes().items():
         valid, best = sorted(times), min(times.values())
-        default = _configs.default_fwd_config(d)
+        default = families.FWD.default(d)
         for seed in range(5):
             r = search.optimize(valid, lambda c: search.Outcome("ok", times[c]),
                                 n_trials=search.default_budget(len(valid)), warm_start=[default], seed=seed)

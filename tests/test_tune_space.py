@@ -5,9 +5,10 @@ import pathlib
 
 import pytest
 
-from cuflash import _configs
+from cuflash import families, tiles
+from cuflash.features import Features
 from cuflash.tune import space
-from cuflash.tune.device import DeviceProps
+from cuflash.device import DeviceProps
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "devices"
 DEVICES = {p.stem: DeviceProps.from_json(p) for p in sorted(FIXTURES.glob("*.json"))}
@@ -21,21 +22,22 @@ def test_fixtures_hold_the_recorded_properties():
     assert (l4.cc, l4.sm_count, l4.smem_optin) == ((8, 9), 58, 99 * 1024)
     assert (rtx.cc, rtx.sm_count, rtx.smem_optin) == ((8, 9), 128, 99 * 1024)
     assert a100.arch == "sm_80" and h200.arch == "sm_90" and l4.arch == "sm_89"
+    assert h200.arch_specific == "sm_90a" and a100.arch_specific == "sm_80" and l4.arch_specific == "sm_89"
     assert DeviceProps.from_dict(h200.to_dict()) == h200
 
 
 @pytest.mark.parametrize("name", sorted(DEVICES))
-@pytest.mark.parametrize("kernel", sorted(space.KERNELS))
-@pytest.mark.parametrize("d", _configs.SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("kernel", sorted(families.REGISTRY))
+@pytest.mark.parametrize("d", tiles.SUPPORTED_HEAD_DIMS)
 def test_space_is_split_into_candidates_and_pruned_with_reasons(name, kernel, d):
     props = DEVICES[name]
-    sp = space.build_space(kernel, d, props)
-    assert sp.size == len(space.spec(kernel).space_fn(d, 1 << 40))  # nothing is lost
+    sp = space.build_space(families.get(kernel), d, props)
+    assert sp.size == len(families.get(kernel).space(d, 1 << 40))  # nothing is lost
     for c in sp.candidates:
         assert c.structural_problem() is None
         assert c.smem_bytes <= props.smem_optin
         assert c.threads <= props.max_threads_per_block
-        assert space.spec(kernel).accumulator_registers(c) <= space.register_cap(c.threads, props)
+        assert families.get(kernel).accumulator_registers(c) <= families.register_cap(c.threads, props)
     for c, why in sp.pruned.items():
         assert why and space.static_problem(c, props) == why
     if sp.default is not None:  # the heuristic default is always a candidate
@@ -48,7 +50,7 @@ def test_forward_space_exists_on_every_gpu_and_shrinks_with_shared_memory():
     sizes = {}
     for name, props in DEVICES.items():
         for d in (64, 128):
-            sp = space.build_space("fwd", d, props)
+            sp = space.build_space(families.get("fwd"), d, props)
             assert sp.candidates and sp.default is not None, (name, d)
             sizes[name, d] = len(sp.candidates)
     assert sizes["l4", 128] == sizes["rtx4090", 128] < sizes["a100-80gb", 128] < sizes["h200", 128]
@@ -56,42 +58,42 @@ def test_forward_space_exists_on_every_gpu_and_shrinks_with_shared_memory():
 
 
 def test_shared_memory_prunes_what_fits_on_hopper_but_not_on_ada():
-    cfg = _configs.FwdConfig(128, 128, 128, 8, 3)  # 224 KiB: the H200 default
+    cfg = tiles.FwdConfig(128, 128, 128, 8, 3)  # 224 KiB: the H200 default
     assert space.static_problem(cfg, DEVICES["h200"]) is None
     assert "shared memory" in space.static_problem(cfg, DEVICES["a100-80gb"])
     assert "shared memory" in space.static_problem(cfg, DEVICES["l4"])
     # the backward at d128 does not fit in 99 KB at all: no candidates, no default, no crash
-    sp = space.build_space("bwd", 128, DEVICES["l4"])
+    sp = space.build_space(families.get("bwd"), 128, DEVICES["l4"])
     assert not sp.candidates and sp.default is None
 
 
 def test_register_lower_bound_prunes_sure_spills_without_compiling():
     h200 = DEVICES["h200"]
     # O (192x128) + S (192x128) fp32 over 128 threads = 384 registers per thread > 255
-    why = space.static_problem(_configs.FwdConfig(128, 192, 128, 4, 2), h200)
+    why = space.static_problem(tiles.FwdConfig(128, 192, 128, 4, 2), h200)
     assert why is not None and "registers" in why
-    assert space.static_problem(_configs.FwdConfig(128, 128, 128, 8, 2), h200) is None  # 128 per thread
-    assert space.register_cap(256, h200) == 255 and space.register_cap(512, h200) == 128
+    assert space.static_problem(tiles.FwdConfig(128, 128, 128, 8, 2), h200) is None  # 128 per thread
+    assert families.register_cap(256, h200) == 255 and families.register_cap(512, h200) == 128
     # a device with half the registers per block halves the cap and prunes more
     small = DeviceProps.from_dict({**h200.to_dict(), "regs_per_block": 16384})
-    assert space.register_cap(256, small) == 64
-    assert "registers" in space.static_problem(_configs.FwdConfig(128, 128, 128, 8, 2), small)
+    assert families.register_cap(256, small) == 64
+    assert "registers" in space.static_problem(tiles.FwdConfig(128, 128, 128, 8, 2), small)
 
 
 def test_old_gpus_get_no_configs():
     volta = DeviceProps.from_dict({**DEVICES["a100-80gb"].to_dict(), "cc": [7, 0], "name": "Tesla V100"})
-    sp = space.build_space("fwd", 64, volta)
+    sp = space.build_space(families.get("fwd"), 64, volta)
     assert not sp.candidates and all("compute capability" in r for r in sp.pruned.values())
 
 
 def test_resource_problem_from_compiled_resources():
     h200 = DEVICES["h200"]
-    cfg = _configs.FwdConfig(128, 128, 64, 8, 2)
+    cfg = tiles.FwdConfig(128, 128, 64, 8, 2)
     ok = {"registers": 216, "local_bytes": 0, "smem_static_bytes": 0, "max_threads_per_block": 256}
     assert space.resource_problem(cfg, ok, h200) is None
     assert "local memory" in space.resource_problem(cfg, {**ok, "local_bytes": 24}, h200)
     assert space.resource_problem(cfg, {**ok, "local_bytes": 24}, h200, allow_local_bytes=32) is None
-    big = _configs.FwdConfig(128, 256, 64, 16, 2)  # 512 threads x 216 registers > 65536
+    big = tiles.FwdConfig(128, 256, 64, 16, 2)  # 512 threads x 216 registers > 65536
     assert "registers" in space.resource_problem(big, ok, h200)
     assert "threads per block" in space.resource_problem(cfg, {**ok, "max_threads_per_block": 128}, h200)
     assert "static" in space.resource_problem(cfg, {**ok, "smem_static_bytes": h200.smem_optin}, h200)
@@ -101,14 +103,14 @@ def test_resource_problem_from_compiled_resources():
 
 
 def test_config_json_round_trip_and_rejects_malformed():
-    cfg = _configs.BwdConfig(128, 64, 128, 8, 2)
-    assert space.config_from_dict("bwd", space.config_to_dict(cfg)) == cfg
+    cfg = tiles.BwdConfig(128, 64, 128, 8, 2)
+    assert families.get("bwd").tile_from_dict(space.config_to_dict(cfg)) == cfg
     for bad in ({"head_dim": 128}, {**space.config_to_dict(cfg), "block_q": "64"},
                 {**space.config_to_dict(cfg), "extra": 1}, [1, 2], None):
         with pytest.raises(ValueError):
-            space.config_from_dict("bwd", bad)
+            families.get("bwd").tile_from_dict(bad)
     with pytest.raises(ValueError):
-        space.spec("nope")
+        families.get("nope")
 
 
 def _nvrtc_available() -> bool:
@@ -124,10 +126,10 @@ def _nvrtc_available() -> bool:
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable")
 def test_offline_compile_check_prunes_a_spilling_config_and_keeps_the_default():
     h200 = DEVICES["h200"]
-    check = space.offline_check("bfloat16", h200)
-    assert check(_configs.default_fwd_config(128)) is None
+    check = space.offline_check(Features("bfloat16", 128), h200)
+    assert check(families.FWD.default(128)) is None
     # passes the static register bound (176 per thread) but spills when compiled (recorded: 20 B)
-    spilling = _configs.FwdConfig(128, 128, 48, 4, 2)
+    spilling = tiles.FwdConfig(128, 128, 48, 4, 2)
     assert space.static_problem(spilling, h200) is None
     assert "local memory" in check(spilling)
 
@@ -136,7 +138,7 @@ def test_query_maps_cupy_device_properties(monkeypatch):
     """device.query reads the fields CuPy's getDeviceProperties returns (names as in cudaDeviceProp)."""
     import cupy
 
-    from cuflash.tune import device
+    from cuflash import device
 
     h = DEVICES["h200"]
     raw = {"name": h.name.encode(), "major": 9, "minor": 0, "multiProcessorCount": 132,

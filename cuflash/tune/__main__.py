@@ -14,7 +14,9 @@ import platform
 import sys
 from datetime import datetime, timezone
 
-from . import cache, report, search, space
+from .. import _compile, families, tuning_store
+from ..features import PERF_CLASSES, Features
+from . import report, search, space
 from .runner import DTYPES
 from .tuner import Options
 
@@ -26,8 +28,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     g = p.add_argument_group("what to tune")
-    g.add_argument("--kernels", nargs="+", choices=list(space.KERNELS), default=None,
-                   help="default: " + " ".join(space.DEFAULT_KERNELS) + " (those present)")
+    g.add_argument("--kernels", nargs="+", choices=list(families.REGISTRY), default=None,
+                   help="default: " + " ".join(space.default_kernels()) + " (those present)")
+    g.add_argument("--perf-classes", nargs="+", choices=list(PERF_CLASSES), default=["dense"],
+                   help="feature classes to tune, each keyed separately (default: %(default)s)")
     g.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     g.add_argument("--dtypes", nargs="+", choices=["bf16", "fp16"], default=["bf16", "fp16"])
     g.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS),
@@ -74,24 +78,14 @@ def _causal(arg):
 
 
 def available_kernels() -> list:
-    """The default kernels whose sources and Python runner are present in this cuflash."""
-    import importlib
-
-    out = []
-    for k in space.DEFAULT_KERNELS:
-        try:
-            importlib.import_module(space.spec(k).api_module)
-        except ImportError:
-            continue
-        if cache.kernel_fingerprint(k) is not None:
-            out.append(k)
-    return out
+    """The default kernels whose sources are present in this cuflash."""
+    return [k for k in space.default_kernels() if _compile.kernel_fingerprint(families.get(k)) is not None]
 
 
 def options_from_args(a) -> Options:
     kernels = a.kernels or available_kernels()
     mode = "exhaustive" if a.exhaustive else ("compare" if a.exhaustive_compare else "search")
-    return Options(kernels=tuple(kernels), head_dims=tuple(a.head_dims), dtypes=tuple(DTYPES[d] for d in a.dtypes),
+    return Options(kernels=tuple(kernels), perf_classes=tuple(a.perf_classes), head_dims=tuple(a.head_dims), dtypes=tuple(DTYPES[d] for d in a.dtypes),
                    seqlens=tuple(a.seqlens), causal=_causal(a.causal), mode=mode, trials=a.trials,
                    time_budget_s=a.time_budget, seed=a.seed, sampler=a.sampler, warmup=a.warmup, reps=a.reps,
                    confirm_rounds=a.confirm_rounds, tokens=a.tokens, hidden=a.hidden,
@@ -99,20 +93,19 @@ def options_from_args(a) -> Options:
 
 
 def _gpu_props(device):
-    from .._device import cuda_device_count
-    from .device import query
+    from .. import device as _device
 
-    n, why = cuda_device_count()
+    n, why = _device.cuda_device_count()
     if n == 0:
         return None, why
-    return query(device), ""
+    return _device.query(device), ""
 
 
 def do_show(props) -> int:
-    dev = cache.DeviceKey.of(props) if props is not None else None
-    tables = [("user", cache.cache_path(), False)] + [(f"shipped:{p.name}", p, True) for p in cache.shipped_tables()]
+    dev = tuning_store.DeviceKey.of(props) if props is not None else None
+    tables = [("user", tuning_store.cache_path(), False)] + [(f"shipped:{p.name}", p, True) for p in tuning_store.shipped_tables()]
     rows = report.show_rows(tables, dev)
-    print(f"user cache: {cache.cache_path()}" + ("" if cache.cache_path().exists() else " (none yet)"))
+    print(f"user cache: {tuning_store.cache_path()}" + ("" if tuning_store.cache_path().exists() else " (none yet)"))
     if dev is not None:
         print(f"this GPU: {dev.gpu}, cc {dev.cc}, {dev.sm_count} SMs, driver {dev.driver}, NVRTC {dev.nvrtc}")
     else:
@@ -123,24 +116,24 @@ def do_show(props) -> int:
 
 
 def do_export(path, props) -> int:
-    entries, problem = cache.read_file(cache.cache_path())
+    entries, problem = tuning_store.read_file(tuning_store.cache_path())
     if problem:
-        print(f"cannot export: the cache {cache.cache_path()} is unusable ({problem})", file=sys.stderr)
+        print(f"cannot export: the cache {tuning_store.cache_path()} is unusable ({problem})", file=sys.stderr)
         return 1
-    dev = cache.DeviceKey.of(props) if props is not None else None
-    keep = [e for e in entries if cache.check_entry(e) is None
-            and (cache.classify(e, dev, False) == "match" if dev is not None
-                 else e["source"] == cache.kernel_fingerprint(e["kernel"]))]
+    dev = tuning_store.DeviceKey.of(props) if props is not None else None
+    keep = [e for e in entries if tuning_store.check_entry(e) is None
+            and (tuning_store.classify(e, dev, False) == "match" if dev is not None
+                 else e["source"] == tuning_store.source_fingerprint(e["kernel"]))]
     if not keep:
         print("nothing to export: no current entries for this GPU in the cache", file=sys.stderr)
         return 1
-    n = cache.save_entries(path, keep)
+    n = tuning_store.save_entries(path, keep)
     print(f"exported {len(keep)} entries to {path} ({n} in the file)")
     return 0
 
 
 def do_dry_run(a, o: Options) -> int:
-    from .device import DeviceProps
+    from ..device import DeviceProps
 
     if a.props:
         props = DeviceProps.from_json(a.props)
@@ -153,19 +146,20 @@ def do_dry_run(a, o: Options) -> int:
           f"{props.register_budget} registers per block")
     for k in o.kernels:
         for d in o.head_dims:
-            sp = space.build_space(k, d, props)
+            sp = space.build_space(families.get(k), d, props)
             print(f"\n{k} d{d}: {sp.size} configs, {len(sp.candidates)} pass the static checks, default "
                   f"{space.config_label(sp.default) if sp.default else 'none fits'}")
             for c, why in sp.pruned.items():
                 print(f"  pruned  {space.config_label(c):<18} {why}")
             for dt in (o.dtypes if a.compile_check else ()):
-                if cache.kernel_fingerprint(k) is None:
+                if _compile.kernel_fingerprint(families.get(k)) is None:
                     print(f"  ({k} has no sources: compile check skipped)")
                     break
-                valid, pruned = search.prune(sp.candidates, space.offline_check(dt, props, o.allow_local_bytes))
+                check = space.offline_check(Features(DTYPES.get(dt, dt), d), props, o.allow_local_bytes)
+                valid, pruned = search.prune(sp.candidates, check)
                 for c, why in pruned.items():
                     print(f"  {DTYPES[dt] if dt in DTYPES else dt} compile-pruned {space.config_label(c):<18} {why}")
-                print(f"  {dt}: {len(valid)} valid after an offline {props.arch} compile: "
+                print(f"  {dt}: {len(valid)} valid after an offline {families.get(k).nvrtc_arch(props)} compile: "
                       + ", ".join(space.config_label(c) for c in valid))
             if not a.compile_check:
                 print("  candidates: " + ", ".join(space.config_label(c) for c in sp.candidates))
@@ -217,8 +211,8 @@ class _Progress:
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.clear:
-        had = cache.clear()
-        print(f"{'removed' if had else 'no cache at'} {cache.cache_path()}")
+        had = tuning_store.clear()
+        print(f"{'removed' if had else 'no cache at'} {tuning_store.cache_path()}")
         return 0
     o = options_from_args(a)
     if a.dry_run:
@@ -244,8 +238,8 @@ def main(argv=None) -> int:
 
     shapes = tuner.plan_shapes(o)
     print(f"{props.name} (cc {props.cc_str}, {props.sm_count} SMs, driver {props.driver_version}, "
-          f"NVRTC {cache.nvrtc_str(props.nvrtc_version)}): {len(shapes)} studies, mode {o.mode}, "
-          f"kernels {' '.join(o.kernels)}; cache {cache.cache_path() if o.write_cache else '(not written)'}",
+          f"NVRTC {tuning_store.nvrtc_str(props.nvrtc_version)}): {len(shapes)} studies, mode {o.mode}, "
+          f"kernels {' '.join(o.kernels)}; cache {tuning_store.cache_path() if o.write_cache else '(not written)'}",
           flush=True)
     progress = _Progress(len(shapes))
     t0 = datetime.now(timezone.utc)
@@ -262,7 +256,7 @@ def main(argv=None) -> int:
     rc = 0
     if a.json:
         doc = {"env": {**props.to_dict(), "python": platform.python_version(), "started": t0.isoformat(timespec="seconds"),
-                       "sources": {k: cache.kernel_fingerprint(k) for k in o.kernels}},
+                       "sources": {k: tuning_store.source_fingerprint(k) for k in o.kernels}},
                "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(o).items()},
                "studies": [r.to_dict() for r in reports]}
         with open(a.json, "w") as f:

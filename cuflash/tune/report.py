@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pathlib
 
-from . import cache, space
+from .. import families, tuning_store
+from . import space
 from .runner import DTYPE_SHORT
 
 
@@ -45,7 +46,7 @@ def format_summary(reports) -> str:
     ]
     compile_s = {}
     for r in reports:
-        compile_s[(r.shape.kernel, r.shape.dtype, r.shape.head_dim)] = r.compile_s
+        compile_s[(r.shape.kernel, r.shape.perf_class, r.shape.dtype, r.shape.head_dim)] = r.compile_s
     out = [format_table(SUMMARY_COLUMNS, summary_rows(reports)), *notes]
     total_compile = sum(compile_s.values())
     total = sum(r.wall_s for r in reports) + total_compile
@@ -60,7 +61,7 @@ def format_summary(reports) -> str:
     return "\n".join(out)
 
 
-SHOW_COLUMNS = ("table", "gpu", "kernel", "dtype", "d", "causal", "bucket", "config", "tuned ms", "default ms",
+SHOW_COLUMNS = ("table", "gpu", "kernel", "class", "dtype", "d", "causal", "bucket", "config", "tuned ms", "default ms",
                 "gain", "method", "trials/valid", "status")
 
 
@@ -68,25 +69,33 @@ def show_rows(tables: list, dev=None) -> list:
     """tables: [(label, path, shipped)]; dev: DeviceKey of this GPU, or None (no GPU)."""
     rows = []
     for label, path, shipped in tables:
-        entries, problem = cache.read_file(path)
+        entries, problem = tuning_store.read_file(path)
         if problem:
             rows.append((label, f"unusable: {problem}", *[""] * (len(SHOW_COLUMNS) - 2)))
             continue
         for e in entries:
-            if cache.check_entry(e):
+            if tuning_store.check_entry(e):
                 continue
             if dev is not None:
-                status = cache.classify(e, dev, shipped)
+                status = tuning_store.classify(e, dev, shipped)
             else:
-                status = "stale-source" if e["source"] != cache.kernel_fingerprint(e["kernel"]) else "?"
-            c = e["config"]
-            cfg = f"{c.get('block_q')}x{c.get('block_k')} w{c.get('warps')} s{c.get('stages')}"
+                status = "stale-source" if e["source"] != tuning_store.source_fingerprint(e["kernel"]) else "?"
+            cfg = _label(e)
             t, d0 = e.get("time_ms"), e.get("default_ms")
             gain = f"{(d0 / t - 1) * 100:+.1f}%" if t and d0 else "-"
-            rows.append((label, e["gpu"], e["kernel"], DTYPE_SHORT.get(e["dtype"], e["dtype"]), str(e["head_dim"]),
+            rows.append((label, e["gpu"], e["kernel"], e["perf_class"], DTYPE_SHORT.get(e["dtype"], e["dtype"]), str(e["head_dim"]),
                          "yes" if e["causal"] else "no", str(e["seqlen_bucket"]), cfg, _f(t), _f(d0), gain,
                          str(e.get("method", "-")), f"{e.get('trials', '-')}/{e.get('valid', '-')}", status))
     return rows
+
+
+def _label(e: dict) -> str:
+    """The entry's tile as its family labels it; the raw fields for a tile this cuflash cannot read."""
+    fam = families.REGISTRY.get(e["kernel"])
+    try:
+        return space.config_label(fam.tile_from_dict(e["config"]))
+    except (AttributeError, ValueError, TypeError):
+        return " ".join(f"{k}={v}" for k, v in sorted(e["config"].items()) if k != "head_dim")
 
 
 def plot_studies(reports, out_dir) -> list:

@@ -16,6 +16,8 @@ import math
 import os
 import time
 
+from .. import families, tuning_store
+from ..features import Features
 from .search import Outcome
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "bfloat16": "bfloat16", "float16": "float16"}
@@ -23,39 +25,42 @@ DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 # Max |config - default| allowed, relative to max |default|: 4 ulps of the largest value for the
 # 16-bit outputs (configs differ only in summation order), fp32 lse to 1e-4 of its largest value.
 RTOL = {"bfloat16": 2.0**-6, "float16": 2.0**-9, "float32": 1e-4}
-# Outputs that must be bitwise identical between two runs of one config (a race shows up here):
-# the forward's out and lse, and everything but dQ accumulated by atomics in the backward.
-DETERMINISTIC_OUTPUTS = {"fwd": (0, 1), "fwd_v1": (0, 1), "bwd": (1, 2), "bwd_dq": (0, 1, 2)}
+# The dropout perf class is tuned at this rate and seed (the mask's cost does not depend on either).
+TUNE_DROPOUT = {"dropout_p": 0.1, "seed": 20261130}
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One tuning problem: the kernel, its compile-time keys and a representative workload."""
+    """One tuning problem: the kernel family, its compile-time keys and a representative workload."""
 
-    kernel: str
+    kernel: str  # a family name (cuflash/families/)
     dtype: str  # "bfloat16" | "float16"
     head_dim: int
     causal: bool
     seqlen: int
     batch: int
     heads: int
+    perf_class: str = "dense"  # Features.perf_class(): "dense" | "dropout"
 
     @property
     def bucket(self) -> int:
-        from .cache import seqlen_bucket
+        return tuning_store.seqlen_bucket(self.seqlen, self.seqlen)
 
-        return seqlen_bucket(self.seqlen, self.seqlen)
+    @property
+    def features(self) -> Features:
+        return Features(self.dtype, self.head_dim, dropout=self.perf_class == "dropout")
 
     @property
     def label(self) -> str:
+        variant = "" if self.perf_class == "dense" else f" {self.perf_class}"
         return (f"{self.kernel} {DTYPE_SHORT.get(self.dtype, self.dtype)} d{self.head_dim} "
-                f"{'causal' if self.causal else 'full'} n{self.seqlen}")
+                f"{'causal' if self.causal else 'full'} n{self.seqlen}{variant}")
 
 
-def make_shape(kernel, dtype, head_dim, causal, seqlen, tokens=16384, hidden=2048) -> Shape:
+def make_shape(kernel, dtype, head_dim, causal, seqlen, tokens=16384, hidden=2048, perf_class="dense") -> Shape:
     """batch = tokens // seqlen, heads = hidden // head_dim (as cuflash.bench), at least 1 each."""
     return Shape(kernel, DTYPES[dtype], int(head_dim), bool(causal), int(seqlen),
-                 max(1, tokens // seqlen), max(1, hidden // head_dim))
+                 max(1, tokens // seqlen), max(1, hidden // head_dim), perf_class)
 
 
 def _xp(a):
@@ -116,19 +121,18 @@ class Bench:
     def __init__(self, shape: Shape, device: int = 0, n_sets: int = 3, seed: int = 0):
         import cupy
 
-        from . import space
-        from .device import query
+        from .. import device as _device
 
         self.shape, self.device = shape, device
-        self.props = query(device)
-        self.spec = space.spec(shape.kernel)
-        self.default = self.spec.default_fn(shape.head_dim, self.props.smem_optin)
+        self.props = _device.query(device)
+        self.family = families.get(shape.kernel)
+        self.default = self.family.default(shape.head_dim, self.props.smem_optin, shape.features)
         with cupy.cuda.Device(device):
             self.sets = [self._make_set(seed + i) for i in range(n_sets)]
             self.reference = self._run(self.default, self.sets[0])
             cupy.cuda.Device().synchronize()
 
-    # --- the kernel-specific part: how to build inputs and call one config
+    # --- inputs and one run; what a run does is the family's (KernelFamily.run)
     def _make_set(self, seed):
         import cupy
         import ml_dtypes
@@ -139,39 +143,25 @@ class Bench:
         rs = cupy.random.RandomState(seed)
         mk = lambda: rs.standard_normal((s.batch, s.seqlen, s.heads, s.head_dim), dtype=cupy.float32).astype(dt)
         q, k, v = mk(), mk(), mk()
-        d = {"q": q, "k": k, "v": v}
-        if s.kernel in ("bwd", "bwd_dq"):
+        d = {"q": q, "k": k, "v": v, "dropout": TUNE_DROPOUT if s.features.dropout else {}}
+        if self.family.pass_ == "backward":
             from .. import _forward
 
-            d["out"], d["lse"] = _forward.forward(q, k, v, causal=s.causal)
+            d["out"], d["lse"] = _forward.forward(q, k, v, causal=s.causal, **d["dropout"])
             d["dout"] = mk()
         return d
 
     def _run(self, cfg, d, poison=False):
         s = self.shape
-        if s.kernel in ("fwd", "fwd_v1"):
-            if s.kernel == "fwd":
-                from .._forward import forward
-            else:
-                from .._forward_v1 import forward_v1 as forward
-            out = lse = None
-            if poison:
-                import cupy
+        out = lse = None
+        if poison and self.family.pass_ == "forward":  # outputs given, pre-filled with NaN
+            import cupy
 
-                out = cupy.full(d["q"].shape, cupy.nan, dtype=cupy.float32).astype(d["q"].dtype)
-                lse = cupy.full((s.batch, s.heads, s.seqlen), cupy.nan, dtype=cupy.float32)
-            return tuple(forward(d["q"], d["k"], d["v"], causal=s.causal, config=cfg, out=out, lse=lse))
-        from .. import _backward, _configs
-
-        if poison:
+            out = cupy.full(d["q"].shape, cupy.nan, dtype=cupy.float32).astype(d["q"].dtype)
+            lse = cupy.full((s.batch, s.heads, s.seqlen), cupy.nan, dtype=cupy.float32)
+        elif poison:  # the backward allocates its outputs: make the pool hand out NaN-filled memory
             self._poison_pool()
-        args = (d["dout"], d["q"], d["k"], d["v"], d["out"], d["lse"])
-        if s.kernel == "bwd":
-            return tuple(_backward.backward(*args, causal=s.causal, config=cfg))
-        if s.kernel == "bwd_dq":  # the dK/dV kernel fixed at its default, so only dQ's config varies
-            main = _configs.default_bwd_config(s.head_dim, self.props.smem_optin)
-            return tuple(_backward.backward(*args, causal=s.causal, deterministic=True, config=main, dq_config=cfg))
-        raise ValueError(f"no runner for kernel {s.kernel!r}")
+        return self.family.run(cfg, d, s.causal, s.features, self.props, out=out, lse=lse)
 
     def _poison_pool(self):
         """Fill and free buffers shaped like the outputs, so that outputs the next call allocates
@@ -184,8 +174,8 @@ class Bench:
         del bufs
 
     # --- requests
-    def check(self, cfg, dtype, allow_local_bytes=0) -> str | None:
-        return check_on_device(cfg, dtype, self.device, allow_local_bytes)
+    def check(self, cfg, features, allow_local_bytes=0) -> str | None:
+        return check_on_device(cfg, features, self.device, allow_local_bytes)
 
     def trial(self, cfg, warmup=5, reps=20, verify=True) -> Outcome:
         """Verify `cfg` against the default's output (twice: races), then time it."""
@@ -199,7 +189,7 @@ class Bench:
                 if verify:
                     a = self._run(cfg, self.sets[0], poison=True)
                     b = self._run(cfg, self.sets[0], poison=True)
-                    det = [(i, (a[i], b[i])) for i in DETERMINISTIC_OUTPUTS.get(self.shape.kernel, ())]
+                    det = [(i, (a[i], b[i])) for i in self.family.deterministic_outputs]
                     ok, diff, why = compare(self.reference, a, det)
                     info["max_abs_diff"] = diff
                     del a, b, det
@@ -214,18 +204,19 @@ class Bench:
         return Outcome("ok", t["median_ms"], "", info)
 
 
-def check_on_device(cfg, dtype, device, allow_local_bytes=0) -> str | None:
-    """Compile and load `cfg` (NVRTC, as cuflash will at run time) and judge its resources."""
+def check_on_device(cfg, features, device, allow_local_bytes=0) -> str | None:
+    """Compile and load the (cfg, features) instance (NVRTC, as cuflash will at run time) and judge
+    its resources."""
     from .. import _compile
+    from .. import device as _device
     from . import space
-    from .device import query
 
-    props = query(device)
-    why = space.static_problem(cfg, props)
+    props = _device.query(device)
+    why = space.static_problem(cfg, props, features)
     if why:
         return why
     try:
-        fn = _compile.get_kernel(cfg, dtype, device)
+        fn = _compile.get_kernel(cfg, features, device)
     except Exception as e:  # noqa: BLE001 - compile error, smem opt-in refused, ...
         return f"compile/load failed: {_short(e)}"
     return space.resource_problem(cfg, space.kernel_resources(fn), props, allow_local_bytes)
@@ -279,8 +270,8 @@ class _Local:
             self.bench = Bench(*args, device=self.device)
             return {"default": self.bench.default}
         if op == "check":
-            cfg, dtype, allow_local_bytes = args
-            return check_on_device(cfg, dtype, self.device, allow_local_bytes)
+            cfg, features, allow_local_bytes = args
+            return check_on_device(cfg, features, self.device, allow_local_bytes)
         if op == "trial":
             if self.bench is None:
                 raise RuntimeError("trial before setup")
@@ -415,8 +406,8 @@ class Worker:
                 return status, f"setting up the shape again failed: {payload}"
         return self._raw(op, args, timeout_s or self.timeout_s)
 
-    def check(self, cfg, dtype, allow_local_bytes=0) -> str | None:
-        status, payload = self.call("check", cfg, dtype, allow_local_bytes)
+    def check(self, cfg, features, allow_local_bytes=0) -> str | None:
+        status, payload = self.call("check", cfg, features, allow_local_bytes)
         if status == "ok":
             return payload
         return f"check {status}: {payload}"

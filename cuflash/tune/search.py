@@ -9,8 +9,8 @@ Nothing here touches a GPU. A study is driven by two callables supplied by the c
 
 so the same loop runs on the GPU (runner.py) and, in the tests, on a deterministic cost function.
 
-`optimize` is an Optuna study (seeded TPE by default) over the four categorical parameters of a
-kernel config, warm-started with the heuristic default (and any configs that won on neighbouring
+`optimize` is an Optuna study (seeded TPE by default) over the categorical parameters of a kernel
+config: the tile class's searched fields (Sm80Tile.axes(): block_q, block_k, warps, stages), warm-started with the heuristic default (and any configs that won on neighbouring
 shapes). Parameter combinations outside the valid set are told to Optuna as PRUNED, so the sampler
 learns to avoid them, and cost nothing. A config is timed at most once per study. `exhaustive` times
 every valid config, for the ground truth the search is judged against.
@@ -23,7 +23,6 @@ import random
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-PARAMS = ("block_q", "block_k", "warps", "stages")
 SAMPLERS = ("tpe", "random", "gp")
 # Asks in a row that propose nothing new (infeasible or already timed) before the loop stops
 # trusting the sampler for one trial and times a random untimed config instead.
@@ -89,7 +88,8 @@ class SearchResult:
 
 
 def params_of(cfg) -> tuple:
-    return tuple(getattr(cfg, p) for p in PARAMS)
+    """The values of the tile's searched fields, in the tile class's order."""
+    return tuple(getattr(cfg, p) for p in type(cfg).axes())
 
 
 def prune(candidates: Iterable, check: Callable | None, on_check: Callable | None = None):
@@ -110,7 +110,7 @@ def default_budget(n_valid: int, fraction: float = 1 / 3, minimum: int = 1) -> i
     """Trials per study when none is given: at most a third of the valid configs (rounded down),
     at least `minimum` (the warm start: the heuristic default is always the first trial).
 
-    Small spaces thus get few trials, and lean on good heuristic defaults (cuflash/_configs.py).
+    Small spaces thus get few trials, and lean on good heuristic defaults (cuflash/families/).
     """
     return min(n_valid, max(minimum, math.floor(fraction * n_valid)))
 
@@ -150,16 +150,17 @@ def optimize(valid: Sequence, evaluate: Callable, *, n_trials: int, warm_start: 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     t0 = time.monotonic()
     valid = list(dict.fromkeys(valid))
-    by_params = {params_of(c): c for c in valid}
-    domains = {p: sorted({getattr(c, p) for c in valid}) for p in PARAMS}
     trials: list = []
     if not valid or n_trials <= 0:
         return SearchResult(f"optuna-{sampler}", trials, len(valid), time.monotonic() - t0)
+    axes = type(valid[0]).axes()  # one family's tiles: one class
+    by_params = {params_of(c): c for c in valid}
+    domains = {p: sorted({getattr(c, p) for c in valid}) for p in axes}
 
     study = optuna.create_study(direction="minimize", sampler=make_sampler(sampler, seed, n_startup))
     for cfg in warm_start:
         if cfg in by_params.values():
-            study.enqueue_trial(dict(zip(PARAMS, params_of(cfg))), skip_if_exists=True)
+            study.enqueue_trial(dict(zip(axes, params_of(cfg))), skip_if_exists=True)
     done: dict = {}  # config -> Outcome
     rng = random.Random(seed)
     asks = idle = 0
@@ -169,7 +170,7 @@ def optimize(valid: Sequence, evaluate: Callable, *, n_trials: int, warm_start: 
             break
         trial = study.ask()
         asks += 1
-        cfg = by_params.get(tuple(trial.suggest_categorical(p, domains[p]) for p in PARAMS))
+        cfg = by_params.get(tuple(trial.suggest_categorical(p, domains[p]) for p in axes))
         if cfg is None or cfg in done:
             prev = done.get(cfg)
             if prev is not None and prev.ok:
@@ -179,7 +180,7 @@ def optimize(valid: Sequence, evaluate: Callable, *, n_trials: int, warm_start: 
             idle += 1
             if idle >= MAX_IDLE_ASKS:
                 fresh = [c for c in valid if c not in done]
-                study.enqueue_trial(dict(zip(PARAMS, params_of(rng.choice(fresh)))))
+                study.enqueue_trial(dict(zip(axes, params_of(rng.choice(fresh)))))
                 idle = 0
             continue
         idle = 0

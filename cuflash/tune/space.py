@@ -12,7 +12,7 @@ A config is pruned before it is ever timed, in two stages:
    dynamic shared memory over the opt-in limit, or a kernel the driver would not launch with this
    many threads.
 
-The domains (Br, Bc, warps, stages) are the kernels' own (cuflash._configs); which of them exist
+The domains are the families' own (cuflash/families/); which of them exist
 on a GPU follows only from its recorded properties, never from its name.
 """
 from __future__ import annotations
@@ -20,81 +20,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .. import _configs
-from .device import DeviceProps
-
-MIN_CC = (8, 0)  # mma.sync m16n8k16 with bf16, ldmatrix, cp.async
-MAX_REGS_PER_THREAD = 255
-REG_ALLOC_UNIT = 8  # registers are allocated per thread in multiples of 8 (256 per warp)
-
-
-def _fwd_acc(c) -> int:  # O (block_q x d) + S (block_q x block_k), fp32, spread over the block's threads
-    return (c.block_q * c.head_dim + c.block_q * c.block_k) // c.threads
-
-
-def _bwd_acc(c) -> int:  # dK + dV (block_k x d each) + S^T (block_k x block_q), fp32
-    return (2 * c.block_k * c.head_dim + c.block_k * c.block_q) // c.threads
-
-
-def _dq_acc(c) -> int:  # dQ (block_q x d) + S (block_q x block_k), fp32
-    return (c.block_q * c.head_dim + c.block_q * c.block_k) // c.threads
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelSpec:
-    name: str
-    config_cls: type
-    space_fn: Callable  # (head_dim, smem_optin_bytes) -> [config]: the kernel's structurally valid domain
-    default_fn: Callable  # (head_dim, smem_optin_bytes) -> config (the heuristic)
-    accumulator_registers: Callable  # config -> fp32 registers per thread its accumulators need
-    api_module: str  # the module that runs it (None of the tuner's business if it is missing)
-    description: str
-
-
-KERNELS = {
-    "fwd": KernelSpec("fwd", _configs.FwdConfig, _configs.fwd_space, _configs.default_fwd_config, _fwd_acc,
-                      "cuflash._forward", "forward (out, lse)"),
-    "bwd": KernelSpec("bwd", _configs.BwdConfig, _configs.bwd_space, _configs.default_bwd_config, _bwd_acc,
-                      "cuflash._backward", "backward dK/dV kernel (dQ by atomics)"),
-    "bwd_dq": KernelSpec("bwd_dq", _configs.DqConfig, _configs.dq_space, _configs.default_dq_config, _dq_acc,
-                         "cuflash._backward", "deterministic backward's dQ kernel"),
-    "fwd_v1": KernelSpec("fwd_v1", _configs.V1Config, _configs.v1_space, _configs.default_v1_config, _fwd_acc,
-                         "cuflash._forward_v1", "forward, v1 algorithm (FlashAttention-1)"),
-}
-DEFAULT_KERNELS = ("fwd", "bwd", "bwd_dq")  # what `python -m cuflash.tune` tunes unless told otherwise
+from .. import families
+from ..device import DeviceProps
+from ..families import REG_ALLOC_UNIT, KernelFamily
 
 _UNLIMITED = 1 << 40
 
 
-def spec(kernel: str) -> KernelSpec:
-    try:
-        return KERNELS[kernel]
-    except KeyError:
-        raise ValueError(f"unknown kernel {kernel!r}; known: {', '.join(KERNELS)}") from None
+def family(kernel: str) -> KernelFamily:
+    """The family named `kernel` (the CLI's and the tables' name for it)."""
+    return families.get(kernel)
 
 
-def register_cap(threads: int, props: DeviceProps) -> int:
-    """Most registers per thread ptxas can give a block of `threads` threads (launch bounds)."""
-    per_thread = props.register_budget // threads
-    return min(MAX_REGS_PER_THREAD, per_thread // REG_ALLOC_UNIT * REG_ALLOC_UNIT)
+def default_kernels() -> tuple:
+    """What `python -m cuflash.tune` tunes unless told otherwise."""
+    return tuple(name for name, f in families.REGISTRY.items() if f.tuned_by_default)
 
 
-def static_problem(cfg, props: DeviceProps) -> str | None:
+def static_problem(cfg, props: DeviceProps, features=None) -> str | None:
     """Why `cfg` cannot run on a device with these properties, decided without compiling, or None."""
-    if tuple(props.cc) < MIN_CC:
-        return f"compute capability {props.cc_str} < {MIN_CC[0]}.{MIN_CC[1]} (needs mma.sync bf16 and cp.async)"
-    why = cfg.structural_problem()
-    if why:
-        return why
-    if cfg.threads > props.max_threads_per_block:
-        return f"{cfg.threads} threads > {props.max_threads_per_block} per block"
-    if cfg.smem_bytes > props.smem_optin:
-        return f"shared memory {cfg.smem_bytes} B > opt-in limit {props.smem_optin} B"
-    need = KERNELS[cfg.KERNEL].accumulator_registers(cfg) if cfg.KERNEL in KERNELS else 0
-    cap = register_cap(cfg.threads, props)
-    if need > cap:
-        return f"accumulators alone need {need} registers per thread > {cap} available (would spill)"
-    return None
+    return families.of(cfg).can_implement(cfg, props, features)
 
 
 @dataclasses.dataclass
@@ -111,30 +56,20 @@ class Space:
         return len(self.candidates) + len(self.pruned)
 
 
-def build_space(kernel: str, head_dim: int, props: DeviceProps) -> Space:
-    """Every config of `kernel` for `head_dim`, split into static candidates and pruned (with reasons)."""
-    s = spec(kernel)
+def build_space(fam: KernelFamily, head_dim: int, props: DeviceProps, features=None) -> Space:
+    """Every tile of `fam` for `head_dim`, split into static candidates and pruned (with reasons)."""
     candidates, pruned = [], {}
-    for cfg in s.space_fn(head_dim, _UNLIMITED):
-        why = static_problem(cfg, props)
+    for cfg in fam.space(head_dim, _UNLIMITED):
+        why = fam.can_implement(cfg, props, features)
         if why:
             pruned[cfg] = why
         else:
             candidates.append(cfg)
     try:
-        default = s.default_fn(head_dim, props.smem_optin)
+        default = fam.default(head_dim, props.smem_optin, features)
     except (RuntimeError, KeyError):
         default = None
-    return Space(kernel, head_dim, props, candidates, pruned, default)
-
-
-def config_from_dict(kernel: str, d: dict):
-    """A config of `kernel` from its JSON fields; ValueError if the fields are wrong."""
-    cls = spec(kernel).config_cls
-    names = [f.name for f in dataclasses.fields(cls)]
-    if not isinstance(d, dict) or set(d) != set(names) or not all(type(d[n]) is int for n in names):
-        raise ValueError(f"not a {kernel} config: {d!r}")
-    return cls(**d)
+    return Space(fam.name, head_dim, props, candidates, pruned, default)
 
 
 def config_to_dict(cfg) -> dict:
@@ -142,7 +77,7 @@ def config_to_dict(cfg) -> dict:
 
 
 def config_label(cfg) -> str:
-    return f"{cfg.block_q}x{cfg.block_k} w{cfg.warps} s{cfg.stages}"
+    return cfg.label()
 
 
 # ----------------------------------------------------------------------------- after the compile
@@ -189,13 +124,14 @@ def resource_problem(cfg, resources: dict, props: DeviceProps, allow_local_bytes
     return None
 
 
-def offline_check(dtype: str, props: DeviceProps, allow_local_bytes: int = 0) -> Callable:
-    """check(cfg) by an offline NVRTC compile for the device's arch (no GPU needed)."""
+def offline_check(features, props: DeviceProps, allow_local_bytes: int = 0) -> Callable:
+    """check(cfg) by an offline NVRTC compile of the (cfg, features) instance for the device's arch
+    as its family targets it (no GPU needed)."""
     from .. import _compile
 
     def check(cfg):
         try:
-            rep = _compile.compile_report(_compile.kernel_source(cfg, dtype), props.arch)
+            rep = _compile.compile_report(_compile.kernel_source(cfg, features), families.of(cfg).nvrtc_arch(props))
         except Exception as e:  # noqa: BLE001 - any compile failure prunes the config
             return f"NVRTC compile failed: {str(e).strip().splitlines()[0][:200]}"
         return resource_problem(cfg, rep, props, allow_local_bytes)

@@ -22,7 +22,8 @@ import statistics
 import time
 from typing import Callable
 
-from . import cache, search, space
+from .. import _compile, families, tuning_store
+from . import search, space
 from .runner import Shape, make_shape
 
 MODES = ("search", "exhaustive", "compare")
@@ -31,6 +32,7 @@ MODES = ("search", "exhaustive", "compare")
 @dataclasses.dataclass
 class Options:
     kernels: tuple = ("fwd",)
+    perf_classes: tuple = ("dense",)  # Features.perf_class() values to tune
     head_dims: tuple = (64, 128)
     dtypes: tuple = ("bfloat16",)
     seqlens: tuple = (1024, 4096, 16384)
@@ -54,9 +56,9 @@ class Options:
 
 
 def plan_shapes(o: Options) -> list:
-    """Shapes grouped by (kernel, dtype, head_dim), so each group's compile check runs once."""
-    return [make_shape(k, dt, d, c, n, o.tokens, o.hidden)
-            for k in o.kernels for dt in o.dtypes for d in o.head_dims
+    """Shapes grouped by (kernel, perf class, dtype, head_dim), so each group's compile check runs once."""
+    return [make_shape(k, dt, d, c, n, o.tokens, o.hidden, pc)
+            for k in o.kernels for pc in o.perf_classes for dt in o.dtypes for d in o.head_dims
             for c in o.causal for n in o.seqlens]
 
 
@@ -136,7 +138,7 @@ class StudyReport:
 
         s = self.shape
         return {
-            "kernel": s.kernel, "dtype": s.dtype, "head_dim": s.head_dim, "causal": s.causal, "seqlen": s.seqlen,
+            "kernel": s.kernel, "perf_class": s.perf_class, "dtype": s.dtype, "head_dim": s.head_dim, "causal": s.causal, "seqlen": s.seqlen,
             "batch": s.batch, "heads": s.heads, "seqlen_bucket": s.bucket,
             "error": self.error, "default": cfgd(self.default), "default_ms": self.default_ms,
             "winner": cfgd(self.winner), "winner_ms": self.winner_ms, "speedup": self.speedup,
@@ -166,7 +168,8 @@ def warm_start(shape: Shape, default, done: dict, cached) -> list:
     if cached is not None:
         rows = []
         for causal in (False, True):
-            for b, cfg in cached.by_shape.get((shape.kernel, shape.dtype, shape.head_dim, causal), {}).items():
+            key = tuning_store.shape_key(shape.kernel, shape.dtype, shape.head_dim, shape.perf_class, causal)
+            for b, cfg in cached.by_shape.get(key, {}).items():
                 rows.append((_closeness(shape, causal, b), cfg))
         out += [cfg for _, cfg in sorted(rows, key=lambda r: r[0])]
     return list(dict.fromkeys(out))
@@ -201,9 +204,9 @@ def _entry(rep: StudyReport, props, o: Options) -> dict | None:
     method = "+".join(r.method for r in (rep.search, rep.exhaustive) if r is not None)
     from .. import __version__
 
-    return cache.make_entry(
-        cache.DeviceKey.of(props), s.kernel, cache.kernel_fingerprint(s.kernel), s.dtype, s.head_dim, s.causal,
-        s.bucket, space.config_to_dict(rep.winner),
+    return tuning_store.make_entry(
+        tuning_store.DeviceKey.of(props), s.kernel, tuning_store.source_fingerprint(s.kernel), s.dtype, s.head_dim,
+        s.perf_class, s.causal, s.bucket, space.config_to_dict(rep.winner),
         time_ms=rep.winner_ms, default_config=space.config_to_dict(rep.default) if rep.default else None,
         default_ms=rep.default_ms, method=method, trials=rep.trials_used, valid=rep.n_valid,
         shape={"batch": s.batch, "seqlen": s.seqlen, "heads": s.heads},
@@ -220,17 +223,18 @@ def tune(o: Options, worker, props, *, on_event: Callable | None = None, cache_p
     shapes = plan_shapes(o)
     cached = None
     try:
-        cached = cache.load_tables(props, user_path=cache_path, warn=False).user
+        cached = tuning_store.load_tables(props, user_path=cache_path, warn=False).user
     except Exception:  # noqa: BLE001 - warm starts are a nicety
         pass
     reports, groups = [], {}
     for sh in shapes:
-        groups.setdefault((sh.kernel, sh.dtype, sh.head_dim), []).append(sh)
-    for (kernel, dtype, d), group in groups.items():
-        sp = space.build_space(kernel, d, props)
+        groups.setdefault((sh.kernel, sh.perf_class, sh.dtype, sh.head_dim), []).append(sh)
+    for (kernel, _, dtype, d), group in groups.items():
+        fam, features = families.get(kernel), group[0].features
+        sp = space.build_space(fam, d, props, features)
         base = dict(default=sp.default, n_space=sp.size, static_pruned=sp.pruned)
         problem = None
-        if cache.kernel_fingerprint(kernel) is None:
+        if _compile.kernel_fingerprint(fam) is None:
             problem = f"kernel {kernel!r} has no sources in this cuflash (not implemented yet?)"
         elif sp.default is None or not sp.candidates:
             problem = f"no {kernel} config for head_dim {d} fits this device"
@@ -241,7 +245,7 @@ def tune(o: Options, worker, props, *, on_event: Callable | None = None, cache_p
             continue
         t0 = time.monotonic()
         ev("compile_start", kernel=kernel, dtype=dtype, head_dim=d, n=len(sp.candidates))
-        valid, pruned = search.prune(sp.candidates, lambda c: worker.check(c, dtype, o.allow_local_bytes),
+        valid, pruned = search.prune(sp.candidates, lambda c: worker.check(c, features, o.allow_local_bytes),
                                      lambda c, why: ev("checked", config=c, reason=why))
         compile_s = time.monotonic() - t0
         done: dict = {}  # (causal, bucket) -> winner, for warm starts
@@ -257,7 +261,7 @@ def tune(o: Options, worker, props, *, on_event: Callable | None = None, cache_p
                 done[(sh.causal, sh.bucket)] = rep.winner
                 entry = _entry(rep, props, o)
                 if entry is not None and o.write_cache:
-                    cache.save_entries(cache_path or cache.cache_path(), [entry])
+                    tuning_store.save_entries(cache_path or tuning_store.cache_path(), [entry])
             ev("study_done", report=rep)
     return reports
 

@@ -23,17 +23,19 @@ DTYPES = ("bfloat16", "float16")
 
 def instances():
     """[(label, source, kernel name)] for every instance the package may select without tuning."""
-    from cuflash import _compile, _configs
+    from cuflash import _compile, families
+    from cuflash.features import Features
 
     out = []
-    cfgs = (_configs.selectable_fwd_configs() + _configs.selectable_bwd_configs()
-            + _configs.selectable_v1_configs())
+    cfgs = (families.FWD.selectable() + sorted(families.BWD.selectable() + families.BWD_DQ.selectable(),
+                                               key=lambda c: (families.of(c).name, c))
+            + families.FWD_V1.selectable())
     for cfg in cfgs:
         for dtype in DTYPES:
             for drop in (False, True):
-                label = (f"{cfg.KERNEL}/{dtype}/d{cfg.head_dim}_q{cfg.block_q}_k{cfg.block_k}_w{cfg.warps}"
+                label = (f"{families.of(cfg).name}/{dtype}/d{cfg.head_dim}_q{cfg.block_q}_k{cfg.block_k}_w{cfg.warps}"
                          f"_s{cfg.stages}/{'drop' if drop else 'plain'}")
-                out.append((label, _compile.kernel_source(cfg, dtype, drop), _compile.kernel_name(cfg, dtype, drop)))
+                out.append((label, _compile.kernel_source(cfg, Features(dtype, cfg.head_dim, drop)), _compile.kernel_name(cfg, Features(dtype, cfg.head_dim, drop))))
     for name in ("bwd_prep", "bwd_dq_convert"):
         for dtype in DTYPES:
             for d in (64, 128):

@@ -27,19 +27,15 @@ class Api:
     """What the cases need from the library: config lists and entry points with an explicit config."""
 
     def __init__(self):
-        from cuflash import _backward, _configs, _forward, _forward_v1
+        from cuflash import _backward, _forward, _forward_v1, families
 
-        self.c, self.f, self.f1, self.b = _configs, _forward, _forward_v1, _backward
+        self.fam, self.f, self.f1, self.b = families, _forward, _forward_v1, _backward
 
     def configs(self, kind: str, d: int):
-        sel = {"fwd": self.c.selectable_fwd_configs, "fwd_v1": self.c.selectable_v1_configs,
-               "bwd": lambda: [c for c in self.c.selectable_bwd_configs() if c.KERNEL == "bwd"],
-               "bwd_dq": lambda: [c for c in self.c.selectable_bwd_configs() if c.KERNEL == "bwd_dq"]}[kind]()
-        return [c for c in sel if c.head_dim == d]
+        return [c for c in self.fam.get(kind).selectable() if c.head_dim == d]
 
     def default(self, kind: str, d: int):
-        return {"fwd": self.c.default_fwd_config, "bwd": self.c.default_bwd_config,
-                "bwd_dq": self.c.default_dq_config}[kind](d)
+        return self.fam.get(kind).default(d)
 
     @staticmethod
     def label(cfg) -> str:

@@ -6,8 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.gpu._oracle import dtype_of, random_qkv
-from tests.gpu._oracle_bwd import fa_rule_grads
+from cuflash.testing import dtype_of, fa_rule_grads, random_qkv
 from tests.gpu.test_forward_gpu import SEQLEN_PAIRS
 
 pytestmark = pytest.mark.gpu
@@ -48,17 +47,17 @@ def test_backward_matches_reference(nq, nk, causal, d, dtype, deterministic):
 
 @pytest.mark.parametrize("d", [64, 128])
 def test_every_backward_config(d):
-    from cuflash import _configs, _device
+    from cuflash import device, families
 
-    smem = _device.smem_optin(0)
+    smem = device.query(0).smem_optin
     rng = np.random.default_rng(d + 1)
     for nq, nk, causal in ((200, 333, True), (129, 70, True), (257, 190, False)):
         q, k, v = random_qkv(rng, 1, nq, nk, 2, d, dtype_of("bfloat16"))
         dout, _, _ = random_qkv(rng, 1, nq, 1, 2, d, dtype_of("bfloat16"))
-        for cfg in _configs.bwd_space(d, smem):
+        for cfg in families.BWD.space(d, smem):
             _, _, grads = _fwd_bwd(q, k, v, dout, causal, config=cfg)
             _check(grads, q, k, v, dout, causal, f" {cfg} {(nq, nk, causal)}")
-        for cfg in _configs.dq_space(d, smem):
+        for cfg in families.BWD_DQ.space(d, smem):
             _, _, grads = _fwd_bwd(q, k, v, dout, causal, deterministic=True, dq_config=cfg)
             _check(grads, q, k, v, dout, causal, f" {cfg} {(nq, nk, causal)}")
 

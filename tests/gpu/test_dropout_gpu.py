@@ -14,8 +14,7 @@ import pytest
 
 from cuflash.philox import dropout_keep_mask, dropout_scale, dropout_threshold
 from cuflash.reference import causal_mask
-from tests.gpu._oracle import dtype_of, fa_rule, naive, random_qkv
-from tests.gpu._oracle_bwd import fa_rule_grads
+from cuflash.testing import dtype_of, fa_rule, fa_rule_grads, naive, random_qkv
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.gpu._oracle import dtype_of, fa_rule, naive, random_qkv
+from cuflash.testing import dtype_of, fa_rule, naive, random_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -71,10 +71,10 @@ def test_reference_on_gpu_matches_numpy_oracle():
 @pytest.mark.parametrize("d", [64, 128])
 def test_every_config_in_space(d):
     """Every config the tuner may pick is correct, not only the default (ragged and causal shapes)."""
-    from cuflash import _configs, _device, _forward
+    from cuflash import _forward, device, families
 
     rng = np.random.default_rng(d)
-    for cfg in _configs.fwd_space(d, _device.smem_optin(0)):
+    for cfg in families.FWD.space(d, device.query(0).smem_optin):
         for nq, nk, causal in ((200, 333, True), (129, 70, True), (257, 257, False)):
             q, k, v = random_qkv(rng, 1, nq, nk, 2, d, dtype_of("bfloat16"))
             out, _ = _forward.forward(q, k, v, causal=causal, config=cfg)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.gpu._oracle import dtype_of, fa_rule, naive, random_qkv
+from cuflash.testing import dtype_of, fa_rule, naive, random_qkv
 from tests.gpu.test_forward_gpu import SEQLEN_PAIRS
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ def _poisoned_v1(q, k, v, causal, config=None, softmax_scale=None):
 
 def _v2_twin(v1_cfg):
     """The v2 config with v1's tiles: same S tiles and running maxima, so P is bit-identical."""
-    from cuflash._configs import FwdConfig
+    from cuflash.tiles import FwdConfig
 
     cfg = FwdConfig(v1_cfg.head_dim, v1_cfg.block_q, v1_cfg.block_k, v1_cfg.warps, 2)
     assert cfg.structural_problem() is None
@@ -33,7 +33,7 @@ def _v2_twin(v1_cfg):
 
 
 def _ulps_at_magnitude(x, n=2):
-    """n ulps of x's dtype at the largest |x| (the atol floor of tests/gpu/_oracle.fa_rule)."""
+    """n ulps of x's dtype at the largest |x| (the atol floor of cuflash.testing.fa_rule)."""
     import cupy
 
     r = x.astype(cupy.float64)
@@ -72,12 +72,12 @@ def test_v1_matches_reference(nq, nk, causal, d, dtype):
 def test_v1_agrees_with_v2(nq, nk, causal, d, dtype):
     """Same tiles: S and P are bit-identical, only the O accumulation differs (fp32 rounding)."""
     import cupy
-    from cuflash import _configs, _device, _forward
+    from cuflash import _forward, device, families
     from cuflash._forward_v1 import forward_v1
 
     rng = np.random.default_rng(hash(("v1v2", nq, nk, causal, d, dtype)) % 2**32)
     q, k, v = random_qkv(rng, 2, nq, nk, 3, d, dtype_of(dtype))
-    cfg1 = _configs.default_v1_config(d, _device.smem_optin(0))
+    cfg1 = families.FWD_V1.default(d, device.query(0).smem_optin)
     o1, l1 = forward_v1(q, k, v, causal=causal)
     o2, l2 = _forward.forward(q, k, v, causal=causal, config=_v2_twin(cfg1))
     diff = cupy.abs(o1.astype(cupy.float32) - o2.astype(cupy.float32))
@@ -94,10 +94,10 @@ def test_v1_agrees_with_v2(nq, nk, causal, d, dtype):
 @pytest.mark.parametrize("d", [64, 128])
 def test_every_v1_config_in_space(d):
     """Every v1 config, not only the default (ragged and causal shapes, several K/V tiles)."""
-    from cuflash import _configs, _device
+    from cuflash import device, families
 
     rng = np.random.default_rng(d)
-    for cfg in _configs.v1_space(d, _device.smem_optin(0)):
+    for cfg in families.FWD_V1.space(d, device.query(0).smem_optin):
         for nq, nk, causal in ((200, 333, True), (129, 70, True), (257, 257, False), (70, 129, False)):
             q, k, v = random_qkv(rng, 1, nq, nk, 2, d, dtype_of("bfloat16"))
             out, _ = _poisoned_v1(q, k, v, causal, config=cfg)
@@ -170,12 +170,12 @@ def test_v1_deterministic():
 
 
 def test_v1_refuses_a_v2_config():
-    from cuflash import _configs
+    from cuflash import families
     from cuflash._forward_v1 import forward_v1
 
     rng = np.random.default_rng(1)
     q, k, v = random_qkv(rng, 1, 64, 64, 1, 64, dtype_of("bfloat16"))
     with pytest.raises(TypeError, match="V1Config"):
-        forward_v1(q, k, v, config=_configs.default_fwd_config(64))
+        forward_v1(q, k, v, config=families.FWD.default(64))
     with pytest.raises(ValueError, match="head_dim"):
-        forward_v1(q, k, v, config=_configs.default_v1_config(128))
+        forward_v1(q, k, v, config=families.FWD_V1.default(128))

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from tests.gpu._oracle import fa_rule, fa_rule_grads
+from cuflash.testing import fa_rule, fa_rule_grads
 
 torch = pytest.importorskip("torch", reason="torch not installed: PyTorch integration not tested")
 
@@ -152,8 +152,8 @@ def test_autograd_equals_functional_backward_and_reference(causal, nq, nk):
                                         deterministic=True)
     for a, c in zip((q.grad, k.grad, v.grad), cgrads):
         assert _same_bits(a, torch.from_dlpack(c))
-    for name, err, pt_err, allowed in fa_rule_grads(cgrads, _cupy(g), _cupy(qd), _cupy(kd), _cupy(vd), causal,
-                                                     1 / math.sqrt(d)):
+    for name, (err, pt_err, allowed) in fa_rule_grads(cgrads, _cupy(qd), _cupy(kd), _cupy(vd), _cupy(g), causal,
+                                                       1 / math.sqrt(d)).items():
         assert err <= allowed, f"{name}: max err {err:.3e} > allowed {allowed:.3e} (same-dtype err {pt_err:.3e})"
 
 
@@ -188,7 +188,7 @@ def test_v1_forward_is_differentiable():
     out.sum().backward()
     ones = _cupy(torch.ones_like(out))
     grads = [_cupy(t.grad) for t in (q, k, v)]
-    for name, err, pt_err, allowed in fa_rule_grads(grads, ones, _cupy(q), _cupy(k), _cupy(v), True, scale):
+    for name, (err, pt_err, allowed) in fa_rule_grads(grads, _cupy(q), _cupy(k), _cupy(v), ones, True, scale).items():
         assert err <= allowed, f"{name}: max err {err:.3e} > allowed {allowed:.3e}"
 
 
@@ -196,7 +196,7 @@ def test_opcheck():
     """torch.library.opcheck on real tensors: schema, fake vs real (shapes, strides), autograd, AOT."""
     import cuflash
 
-    cuflash._load_torch()  # registers the ops
+    cuflash.api._load_torch()  # registers the ops
     q, k, v = _qkv(50, 2, 64, 80, 2, 64, requires_grad=True)
     torch.library.opcheck(torch.ops.cuflash.attention_fwd.default, (q, k, v, True, None, "v2", True, 0.0, 0))
     # with dropout (seed as the op's signed int: 2^63 + 5 travels as -(2^63) + 5)

@@ -17,10 +17,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def tmp_cache(tmp_path, monkeypatch):
-    from cuflash import _tuned
-    from cuflash.tune import cache
+    from cuflash import _tuned, tuning_store
 
-    monkeypatch.setenv(cache.ENV_CACHE_DIR, str(tmp_path))  # the worker process inherits it
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))  # the worker process inherits it
     _tuned.reload()
     yield tmp_path
     _tuned.reload()
@@ -40,9 +39,9 @@ def _interleaved_ms(fns, sets, rounds=5, reps=20):
 def test_short_fwd_study_then_a_second_process_uses_the_cache(d, tmp_cache):
     from cuflash import _forward
     from cuflash.tune import tuner
-    from cuflash.tune.device import query
+    from cuflash.device import query
     from cuflash.tune.runner import Worker
-    from tests.gpu._oracle import dtype_of, random_qkv
+    from cuflash.testing import dtype_of, random_qkv
 
     n = 4096
     o = tuner.Options(kernels=("fwd",), head_dims=(d,), dtypes=("bfloat16",), seqlens=(n,), causal=(False,),
@@ -71,16 +70,19 @@ def test_short_fwd_study_then_a_second_process_uses_the_cache(d, tmp_cache):
     # a second process: the tuned config is selected from the cache, with no tuning and no Optuna
     code = f"""
 import json, sys, time, cupy, ml_dtypes, cuflash
-from cuflash import _compile, _forward, _tuned
+from cuflash import _compile, _forward, _tuned, device, families, tiles
+from cuflash.features import Features
 q = cupy.random.standard_normal(({b}, {n}, {h}, {d}), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
 cuflash.attention(q, q, q)
 cupy.cuda.Device().synchronize()
-prob = type("P", (), dict(seqlen_q={n}, seqlen_k={n}, head_dim={d}, dtype="bfloat16", device=0, causal=False))()
+prob = type("P", (), dict(seqlen_q={n}, seqlen_k={n}, head_dim={d}, dtype="bfloat16", device=0, causal=False,
+                          features=Features("bfloat16", {d})))()
+props = device.query(0)
 t0 = time.perf_counter()
 for _ in range(1000):
-    cfg = _tuned.lookup("fwd", prob)
+    cfg = _tuned.lookup(families.FWD, prob, props)
 dt = (time.perf_counter() - t0) / 1000
-print(json.dumps({{"loaded": [k[1].__dict__ for k in _compile._loaded if k[0] == "fwd"],
+print(json.dumps({{"loaded": [k[0].__dict__ for k in _compile._loaded if type(k[0]) is tiles.FwdConfig],
                   "looked_up": cfg.__dict__ if cfg is not None else None,
                   "optuna": "optuna" in sys.modules, "lookup_us": dt * 1e6}}))
 """
@@ -95,7 +97,7 @@ print(json.dumps({{"loaded": [k[1].__dict__ for k in _compile._loaded if k[0] ==
 
 
 def test_worker_survives_an_illegal_address_and_sets_up_again(tmp_cache):
-    from cuflash import _configs
+    from cuflash import families
     from cuflash.tune.runner import Worker, make_shape
 
     shape = make_shape("fwd", "bf16", 64, False, 1024)
@@ -103,18 +105,19 @@ def test_worker_survives_an_illegal_address_and_sets_up_again(tmp_cache):
         assert w.setup(shape)[0] == "ok"
         status, why = w.call("inject", "illegal_address")
         assert status == "crashed" and ("illegal" in why.lower() or "context" in why), why
-        out = w.trial(_configs.default_fwd_config(64), 2, 5, True)  # a fresh worker, the shape set up again
+        out = w.trial(families.FWD.default(64), 2, 5, True)  # a fresh worker, the shape set up again
         assert out.status == "ok", out.reason
         assert w.restarts == 1
 
 
 @pytest.mark.parametrize("kernel", ["bwd", "bwd_dq"])
 def test_short_backward_studies_run_cleanly(kernel, tmp_cache):
-    from cuflash.tune import cache, tuner
-    from cuflash.tune.device import query
+    from cuflash import _compile, families
+    from cuflash.device import query
+    from cuflash.tune import tuner
     from cuflash.tune.runner import Worker
 
-    if cache.kernel_fingerprint(kernel) is None:
+    if _compile.kernel_fingerprint(families.get(kernel)) is None:
         pytest.skip(f"{kernel} kernel sources absent")
     o = tuner.Options(kernels=(kernel,), head_dims=(128,), dtypes=("bfloat16",), seqlens=(2048,), causal=(True,),
                       trials=3, reps=5, confirm_rounds=2)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.gpu._oracle import dtype_of, random_qkv
+from cuflash.testing import dtype_of, random_qkv
 
 pytestmark = pytest.mark.gpu
 

@@ -1,13 +1,17 @@
 """The tuned-config store: file format, keys, atomic and concurrent-safe writes, loading for lookup.
 
-One JSON format serves the user's cache (written by `python -m cuflash.tune`), the tables shipped
-in the wheel (tuning/*.json, made with `--export`), and `--export` itself:
+The library reads it (cuflash/_tuned.py, on the first call per device); the tuner writes it
+(`python -m cuflash.tune`). One JSON format serves the user's cache, the tables shipped in the
+wheel (tuning/*.json, made with `--export`), and `--export` itself:
 
-    {"format": "cuflash-tuning", "version": 1, "entries": [ENTRY, ...]}
+    {"format": "cuflash-tuning", "version": 2, "entries": [ENTRY, ...]}
 
 ENTRY holds the key fields (gpu, cc, sm_count, driver, nvrtc, kernel, source, dtype, head_dim,
-causal, seqlen_bucket), the winning "config", and what was measured (time_ms, default_config,
-default_ms, method, trials, valid, per-config "timings", ...).
+perf_class, causal, seqlen_bucket), the winning "config", and what was measured (time_ms,
+default_config, default_ms, method, trials, valid, per-config "timings", ...). `kernel` names a
+kernel family (cuflash/families/); `perf_class` the feature class the entry was tuned for
+(Features.perf_class(): "dense", "dropout"). Version-1 tables predate perf_class: they were tuned
+without dropout, so their entries are read as "dense".
 
 Matching an entry against the running process:
   * gpu, cc and sm_count must equal the device's, or the entry belongs to another GPU (skipped
@@ -24,23 +28,25 @@ never see a partial file, and a writer killed mid-write leaves the old content i
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
-import re
 import tempfile
 import warnings
 
+from . import _compile, families
+from .features import Features
+
 FORMAT = "cuflash-tuning"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)  # version 1: no perf_class, every entry "dense"
 FILE_NAME = "tuned.json"
 ENV_CACHE_DIR = "CUFLASH_CACHE_DIR"
 # A missing bucket borrows the nearest tuned one within this many powers of two.
 MAX_BUCKET_DISTANCE = 2
 
-KEY_FIELDS = ("gpu", "cc", "sm_count", "driver", "nvrtc", "kernel", "source", "dtype", "head_dim", "causal",
-              "seqlen_bucket")
+KEY_FIELDS = ("gpu", "cc", "sm_count", "driver", "nvrtc", "kernel", "source", "dtype", "head_dim", "perf_class",
+              "causal", "seqlen_bucket")
 
 
 class TuningCacheWarning(UserWarning):
@@ -76,7 +82,7 @@ def shipped_dir() -> pathlib.Path | None:
 
     Plain paths, not importlib.resources: cuflash/tuning has no __init__.py, and for such a
     namespace package files() returns a MultiplexedPath whose str() is not a path."""
-    pkg = pathlib.Path(__file__).resolve().parent.parent
+    pkg = pathlib.Path(__file__).resolve().parent
     for d in (pkg / "tuning", pkg.parent / "tuning"):
         if d.is_dir():
             return d
@@ -95,39 +101,20 @@ def seqlen_bucket(seqlen_q: int, seqlen_k: int) -> int:
     return 1 << (max(int(seqlen_q), int(seqlen_k), 1) - 1).bit_length()
 
 
-def _includes(text: str):
-    return re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, flags=re.M)
+def shape_key(kernel: str, dtype: str, head_dim: int, perf_class: str, causal: bool) -> tuple:
+    """What an Index is keyed by, besides the seqlen bucket."""
+    return (kernel, dtype, head_dim, perf_class, bool(causal))
 
 
-_fingerprints: dict = {}
+def _features(e: dict) -> Features:
+    """The features an entry was tuned for (enough to judge its tile: its perf class's spills)."""
+    return Features(e["dtype"], e["head_dim"], dropout=e["perf_class"] == "dropout")
 
 
-def kernel_fingerprint(kernel: str) -> str | None:
-    """Hash of what decides a kernel's binary: its header and every local header it includes
-    (transitively), the template it instantiates, and the NVRTC options. None when the kernel's
-    sources are absent. Editing another kernel's header does not change it."""
-    if kernel in _fingerprints:
-        return _fingerprints[kernel]
-    from .. import _compile
-
-    fp = None
-    row = _compile._KERNELS.get(kernel)
-    kdir = _compile.kernel_dir()
-    if row is not None and (kdir / row[0]).is_file():
-        todo, seen = [row[0]], set()
-        while todo:  # the header and the local headers it includes, transitively
-            name = todo.pop()
-            if name not in seen and (kdir / name).is_file():
-                seen.add(name)
-                todo.extend(_includes((kdir / name).read_text("utf-8", "replace")))
-        h = hashlib.sha256(repr(row).encode())
-        h.update(repr([o for o in _compile.nvrtc_options() if not o.startswith("-I")]).encode())
-        for name in sorted(seen):
-            h.update(name.encode())
-            h.update((kdir / name).read_bytes())
-        fp = h.hexdigest()[:16]
-    _fingerprints[kernel] = fp
-    return fp
+def source_fingerprint(kernel: str) -> str | None:
+    """The current source fingerprint of the family named `kernel` (None: unknown or no sources)."""
+    fam = families.REGISTRY.get(kernel)
+    return _compile.kernel_fingerprint(fam) if fam is not None else None
 
 
 def nvrtc_str(v) -> str | None:
@@ -155,17 +142,18 @@ def key_string(e: dict) -> str:
     return "|".join(str(e[f]) for f in KEY_FIELDS)
 
 
-def make_entry(dev: DeviceKey, kernel: str, source: str, dtype: str, head_dim: int, causal: bool,
+def make_entry(dev: DeviceKey, kernel: str, source: str, dtype: str, head_dim: int, perf_class: str, causal: bool,
                bucket: int, config: dict, **measured) -> dict:
     e = {"gpu": dev.gpu, "cc": dev.cc, "sm_count": dev.sm_count, "driver": dev.driver, "nvrtc": dev.nvrtc,
-         "kernel": kernel, "source": source, "dtype": dtype, "head_dim": int(head_dim), "causal": bool(causal),
-         "seqlen_bucket": int(bucket), "config": dict(config)}
+         "kernel": kernel, "source": source, "dtype": dtype, "head_dim": int(head_dim), "perf_class": perf_class,
+         "causal": bool(causal), "seqlen_bucket": int(bucket), "config": dict(config)}
     e.update(measured)
     return e
 
 
 _TYPES = {"gpu": str, "cc": str, "sm_count": int, "driver": (int, type(None)), "nvrtc": (str, type(None)),
-          "kernel": str, "source": str, "dtype": str, "head_dim": int, "causal": bool, "seqlen_bucket": int}
+          "kernel": str, "source": str, "dtype": str, "head_dim": int, "perf_class": str, "causal": bool,
+          "seqlen_bucket": int}
 
 
 def check_entry(e) -> str | None:
@@ -203,11 +191,13 @@ def read_file(path) -> tuple[list, str | None]:
         return [], f"not valid JSON ({type(e).__name__}: {str(e)[:120]})"
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         return [], f"not a cuflash tuning table (no \"format\": \"{FORMAT}\")"
-    if doc.get("version") != VERSION:
+    if doc.get("version") not in READABLE_VERSIONS:
         return [], f"table version {doc.get('version')!r}, this cuflash reads version {VERSION}"
     entries = doc.get("entries")
     if not isinstance(entries, list):
         return [], "\"entries\" is not a list"
+    if doc["version"] == 1:
+        entries = [{**e, "perf_class": "dense"} if isinstance(e, dict) else e for e in entries]
     return entries, None
 
 
@@ -276,7 +266,7 @@ def classify(e: dict, dev: DeviceKey, shipped: bool) -> str:
     """'match', 'other-device', 'stale-source' or 'stale-toolchain' (for a well-formed entry)."""
     if (e["gpu"], e["cc"], e["sm_count"]) != dev.gpu_id:
         return "other-device"
-    if e["source"] != kernel_fingerprint(e["kernel"]):
+    if e["source"] != source_fingerprint(e["kernel"]):
         return "stale-source"
     if not shipped and (e["driver"], e["nvrtc"]) != (dev.driver, dev.nvrtc):
         return "stale-toolchain"
@@ -285,16 +275,16 @@ def classify(e: dict, dev: DeviceKey, shipped: bool) -> str:
 
 @dataclasses.dataclass
 class Index:
-    """Tuned configs of one table for one device: (kernel, dtype, head_dim, causal) -> {bucket: config}."""
+    """Tuned configs of one table for one device: (kernel, dtype, head_dim, perf_class, causal) -> {bucket: config}."""
 
     by_shape: dict = dataclasses.field(default_factory=dict)
     entries: dict = dataclasses.field(default_factory=dict)  # key tuple + bucket -> entry (for --show)
 
-    def exact(self, kernel, dtype, head_dim, causal, bucket):
-        return self.by_shape.get((kernel, dtype, head_dim, causal), {}).get(bucket)
+    def exact(self, shape: tuple, bucket):
+        return self.by_shape.get(shape, {}).get(bucket)
 
-    def nearest(self, kernel, dtype, head_dim, causal, bucket, max_distance=MAX_BUCKET_DISTANCE):
-        table = self.by_shape.get((kernel, dtype, head_dim, causal))
+    def nearest(self, shape: tuple, bucket, max_distance=MAX_BUCKET_DISTANCE):
+        table = self.by_shape.get(shape)
         if not table:
             return None
         e = bucket.bit_length()
@@ -305,7 +295,6 @@ class Index:
 def load_index(path, dev: DeviceKey, props, shipped: bool, warn: bool = True) -> Index:
     """Read one table and keep the entries that apply to this device and these kernel sources, and
     whose config fits the device. Problems are warned about (once per call) and never raised."""
-    from . import space
 
     idx = Index()
     entries, problem = read_file(path)
@@ -317,7 +306,7 @@ def load_index(path, dev: DeviceKey, props, shipped: bool, warn: bool = True) ->
     bad, stale, unfit = [], {"stale-source": 0, "stale-toolchain": 0}, []
     for e in entries:
         why = check_entry(e)
-        if why is None and e["kernel"] not in space.KERNELS:
+        if why is None and e["kernel"] not in families.REGISTRY:
             why = f"unknown kernel {e['kernel']!r}"
         if why:
             bad.append(why)
@@ -328,18 +317,19 @@ def load_index(path, dev: DeviceKey, props, shipped: bool, warn: bool = True) ->
             continue
         if c != "match":
             continue
+        fam = families.get(e["kernel"])
         try:
-            cfg = space.config_from_dict(e["kernel"], e["config"])
+            cfg = fam.tile_from_dict(e["config"])
         except ValueError as err:
             bad.append(str(err))
             continue
-        why = space.static_problem(cfg, props) if props is not None else cfg.structural_problem()
+        why = fam.can_implement(cfg, props, _features(e)) if props is not None else cfg.structural_problem()
         if why is None and cfg.head_dim != e["head_dim"]:
             why = f"config head_dim {cfg.head_dim} != entry head_dim {e['head_dim']}"
         if why:
             unfit.append(f"{e['kernel']} {cfg}: {why}")
             continue
-        shape = (e["kernel"], e["dtype"], e["head_dim"], e["causal"])
+        shape = shape_key(e["kernel"], e["dtype"], e["head_dim"], e["perf_class"], e["causal"])
         idx.by_shape.setdefault(shape, {})[e["seqlen_bucket"]] = cfg
         idx.entries[shape + (e["seqlen_bucket"],)] = e
     if warn:
@@ -364,14 +354,15 @@ class Tables:
     user: Index
     shipped: Index
 
-    def find(self, kernel, dtype, head_dim, causal, bucket):
-        """(config, source) or (None, None): exact bucket (user, shipped), then nearest bucket (user, shipped)."""
+    def find(self, shape: tuple, bucket):
+        """(config, source) or (None, None) for a shape_key(): exact bucket (user, shipped), then
+        nearest bucket (user, shipped)."""
         for name, idx in (("user", self.user), ("shipped", self.shipped)):
-            c = idx.exact(kernel, dtype, head_dim, causal, bucket)
+            c = idx.exact(shape, bucket)
             if c is not None:
                 return c, name
         for name, idx in (("user", self.user), ("shipped", self.shipped)):
-            c = idx.nearest(kernel, dtype, head_dim, causal, bucket)
+            c = idx.nearest(shape, bucket)
             if c is not None:
                 return c, name
         return None, None

@@ -1,10 +1,11 @@
-"""What the tuner needs to know about a GPU, as one record that can be read from CuPy or from JSON.
+"""Facts about the CUDA devices, asked once per process: is there a GPU, and what are its limits.
 
-Everything the search space is derived from comes from here (shared memory a block may opt into,
-registers per block and per SM, threads per block, compute capability), so the space for a GPU
-that is not at hand can be built from its recorded properties (tests/fixtures/devices/*.json).
-The identity fields (name, compute capability, SM count, driver and NVRTC versions) are part of
-every tuning-cache key.
+One record (`DeviceProps`) serves the library (config selection, tuned-table lookup) and the tuner
+(search spaces), read from CuPy or from recorded JSON, so the space for a GPU that is not at hand
+can be built from its recorded properties (tests/fixtures/devices/*.json). Everything a kernel
+config is judged by comes from here (shared memory a block may opt into, registers per block and
+per SM, threads per block, compute capability); the identity fields (name, compute capability, SM
+count, driver and NVRTC versions) are part of every tuning-table key.
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ class DeviceProps:
         return f"sm_{self.cc[0]}{self.cc[1]}"
 
     @property
+    def arch_specific(self) -> str:
+        """NVRTC target with this GPU's architecture-specific instructions: sm_90a on cc 9.0 (wgmma,
+        setmaxnreg need it), the plain target elsewhere. For families that opt into such code."""
+        return f"{self.arch}a" if self.cc == (9, 0) else self.arch
+
+    @property
     def cc_str(self) -> str:
         return f"{self.cc[0]}.{self.cc[1]}"
 
@@ -64,6 +71,27 @@ class DeviceProps:
     @classmethod
     def from_json(cls, path) -> "DeviceProps":
         return cls.from_dict(json.loads(pathlib.Path(path).read_text()))
+
+
+def cuda_device_count() -> tuple[int, str]:
+    """(number of CUDA devices, why none) -- any CuPy/driver failure counts as no GPU."""
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+        return n, "" if n else "getDeviceCount() returned 0"
+    except Exception as e:  # ImportError, CUDARuntimeError (no driver, insufficient driver, ...)
+        return 0, f"{type(e).__name__}: {e}"
+
+
+def cuda_torch():
+    """torch if importable and it sees a CUDA device, else None (torch is optional: the benchmarks
+    compare against it when it is there)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
 
 
 def _str(x) -> str:

@@ -1,0 +1,158 @@
+"""The public entry points and their dispatch: CuPy fast path, torch custom ops, other DLPack arrays.
+
+cuflash/__init__.py re-exports `attention` and `attention_backward`; their docstrings are the
+user documentation.
+"""
+from __future__ import annotations
+
+# Filled by the first call with CuPy arrays, so that later CuPy calls cost three `is` tests on top
+# of the forward itself (its plan cache keeps the rest of the host overhead flat).
+_ndarray = None  # cupy.ndarray
+_fwd = None  # cuflash._forward.forward
+_tmod = None  # the cuflash._torch module (registers the torch ops), once a torch tensor was seen
+
+
+def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
+              algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None):
+    """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
+
+    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads, head_dim); float16 or
+    bfloat16, on one CUDA device, contiguous in the last dimension (other strides are free, e.g.
+    slices of a packed qkv array; used without copies). head_dim 64 or 128. Accepted arrays:
+
+    - CuPy arrays (bf16 as ml_dtypes.bfloat16): results are CuPy arrays; runs on CuPy's current
+      stream.
+    - torch.Tensor: runs as the custom op `torch.ops.cuflash.attention_fwd` on torch's current
+      stream (no sync); differentiable when q, k or v require grad (the backward is
+      `cuflash::attention_bwd`); works under torch.compile. Results are torch tensors.
+    - jax.Array (eager, not under jax.jit) and other DLPack arrays on a CUDA device: converted
+      zero-copy, results handed back as jax arrays (CuPy arrays for other producers); the call
+      synchronises CuPy's current stream before returning (see cuflash/_interop.py for why).
+
+    causal: mask aligned to the bottom-right when seqlen_q != seqlen_k (FlashAttention >= 2.1);
+        rows that see no key give 0 (and lse -inf).
+    softmax_scale: defaults to 1/sqrt(head_dim).
+    return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
+        With torch autograd, lse is not differentiable.
+    algorithm: "v2" (FlashAttention-2 loop order, the default) or "v1" (FlashAttention-1). The
+        backward is the same for both.
+    deterministic: for torch autograd, run the backward deterministically (bitwise reproducible dq).
+    dropout_p, seed: dropout on the attention probabilities, fused in the kernel (both algorithms):
+        a counter-based Philox mask of `seed` (an int in [0, 2^64)), so the same seed gives the same
+        mask and the backward regenerates it instead of storing it (pass the same dropout_p and seed
+        to attention_backward; torch autograd does it for you, and draws a seed from torch's CPU
+        generator when none is given). p is quantised to 1/65536; kept values are scaled by
+        1/(1 - p). lse is that of the undropped scores.
+
+    Raises TypeError/ValueError naming the argument before any launch on bad input.
+    """
+    t = type(q)
+    if (t is _ndarray and type(k) is t and type(v) is t and algorithm == "v2"
+            and (deterministic is False or deterministic is True)):
+        out, lse = _fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed)
+        return (out, lse) if return_lse else out
+    return _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed)
+
+
+def _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed):
+    from . import _validate
+
+    _validate.check_algorithm(algorithm)
+    deterministic = _validate.check_flag(deterministic, "deterministic")
+    tm = _tmod
+    if tm is not None and isinstance(q, tm.Tensor):
+        return tm.attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed)
+
+    from . import _interop
+
+    fw, dev = _interop.common_framework((q, k, v), ("q", "k", "v"))
+    if fw == _interop.TORCH:
+        return _load_torch().attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic,
+                                       dropout_p, seed)
+    fwd = forward_fn(algorithm)
+    if fw == _interop.CUPY:
+        out, lse = fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed)
+    else:
+        out, lse = _interop.run(lambda *a: fwd(*a, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                                               seed=seed), (q, k, v), fw, dev, ("q", "k", "v"))
+    return (out, lse) if return_lse else out
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
+                       deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None):
+    """Gradients (dq, dk, dv) of attention(q, k, v) for the output gradient `dout`.
+
+    `out` and `lse` are the forward's outputs (attention(..., return_lse=True)) for the same q, k, v,
+    causal and softmax_scale. dout and out: q's shape and dtype, contiguous in the last dimension;
+    lse: float32 (batch, heads, seqlen_q), contiguous. dq, dk, dv have the shapes and dtype of q, k, v.
+    deterministic: bitwise reproducible dq (no floating-point atomics), at some speed cost.
+    dropout_p, seed: those the forward used (the mask is regenerated from the seed).
+
+    Accepts the same frameworks as `attention`, results in the caller's framework (torch: through
+    the op `torch.ops.cuflash.attention_bwd`, which is not itself differentiable). Raises
+    TypeError/ValueError naming the argument before any launch on bad input.
+    """
+    args = (dout, q, k, v, out, lse)
+    t = type(q)
+    if t is _ndarray and all(type(a) is t for a in args) and (deterministic is False or deterministic is True):
+        from ._backward import backward
+
+        return backward(*args, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                        dropout_p=dropout_p, seed=seed)
+    return _attention_backward(args, causal, softmax_scale, deterministic, dropout_p, seed)
+
+
+BWD_NAMES = ("dout", "q", "k", "v", "out", "lse")
+
+
+def _attention_backward(args, causal, softmax_scale, deterministic, dropout_p, seed):
+    from . import _interop, _validate
+
+    deterministic = _validate.check_flag(deterministic, "deterministic")
+    tm = _tmod
+    if tm is not None and isinstance(args[1], tm.Tensor):
+        return tm.attention_backward(*args, causal, softmax_scale, deterministic, dropout_p, seed)
+    fw, dev = _interop.common_framework(args, BWD_NAMES)
+    if fw == _interop.TORCH:
+        return _load_torch().attention_backward(*args, causal, softmax_scale, deterministic, dropout_p, seed)
+    from ._backward import backward
+
+    def run(*a):
+        return backward(*a, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+                        dropout_p=dropout_p, seed=seed)
+
+    if fw == _interop.CUPY:
+        _remember_cupy()
+        return run(*args)
+    return _interop.run(run, args, fw, dev, BWD_NAMES)
+
+
+def forward_fn(algorithm):
+    """The CuPy forward of `algorithm` ("v1" or "v2"; anything else raises the argument's error)."""
+    from . import _validate
+
+    if _validate.check_algorithm(algorithm) == "v1":
+        from ._forward_v1 import forward_v1
+
+        return forward_v1
+    _remember_cupy()
+    return _fwd
+
+
+def _remember_cupy():
+    global _ndarray, _fwd
+    if _fwd is None:
+        import cupy
+
+        from ._forward import forward
+
+        _ndarray, _fwd = cupy.ndarray, forward
+
+
+def _load_torch():
+    global _tmod
+    if _tmod is None:
+        from . import _torch as tm
+
+        _tmod = tm
+    return _tmod

@@ -1,0 +1,122 @@
+"""KernelFamily: everything cuflash knows about one kernel, in one object.
+
+identity   name, pass, the GPUs it runs on (min_cc) and the NVRTC target it is built for, the
+           header and device template the generated shell instantiates, its tile class;
+selection  supports(features), space(head_dim), default(head_dim, smem, features),
+           can_implement(tile, props, features), accumulator_registers(tile);
+execution  run(tile, inputs, causal, features) for the tuner, and which outputs must be bitwise
+           deterministic.
+
+The library (selection, compiler), the tuner and the tests iterate the registry
+(cuflash/families/__init__.py); nobody branches on a family's name.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Mapping
+
+from ..features import SUPPORTED_DTYPES, Features
+from ..tiles import SUPPORTED_HEAD_DIMS
+
+MAX_REGS_PER_THREAD = 255
+REG_ALLOC_UNIT = 8  # registers are allocated per thread in multiples of 8 (256 per warp)
+DEFAULT_SMEM_OPTIN = 227 * 1024  # an H100/H200 block's opt-in shared memory
+
+
+def register_cap(threads: int, props) -> int:
+    """Most registers per thread ptxas can give a block of `threads` threads (launch bounds)."""
+    per_thread = props.register_budget // threads
+    return min(MAX_REGS_PER_THREAD, per_thread // REG_ALLOC_UNIT * REG_ALLOC_UNIT)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelFamily:
+    # --- identity
+    name: str  # in kernel names and tuned-table keys: cuflash_<name>_...
+    description: str
+    what: str  # in messages: "no <what> config for head_dim ..."
+    pass_: str  # "forward" | "backward": which inputs the tuner prepares
+    tile_cls: type
+    header: str  # under kernels_cu/
+    template: str  # device template, <BF16, *tile.template_args(), DROPOUT>
+    params_macro: str  # the extern "C" shell's parameter list and its forwarding argument list
+    args_macro: str
+    min_cc: tuple
+    min_cc_why: str
+    arch_specific: bool  # built for sm_90a-style targets (props.arch_specific) rather than CuPy's sm_XY
+    # --- selection
+    domain: Callable  # head_dim -> the tiles the kernel's template admits, in search order (before fitting)
+    defaults: Mapping[int, tuple]  # head_dim -> heuristic tiles, in order of preference; the first that fits wins
+    accumulator_registers: Callable  # tile -> fp32 registers per thread its live accumulators need
+    # perf class -> tiles whose instantiation of that class spills registers (ptxas, sm_80 and
+    # sm_90a); tests/test_compile_dropout.py keeps this data honest
+    spilling: Mapping[str, frozenset] = dataclasses.field(default_factory=dict)
+    # --- execution (the tuner)
+    run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
+    deterministic_outputs: tuple = ()  # indices of run()'s outputs that must be bitwise reproducible
+    tuned_by_default: bool = True  # tuned by `python -m cuflash.tune` unless --kernels says otherwise
+
+    def __repr__(self) -> str:
+        return f"<KernelFamily {self.name}>"
+
+    # --- identity
+    def nvrtc_arch(self, props) -> str:
+        return props.arch_specific if self.arch_specific else props.arch
+
+    # --- selection
+    def supports(self, features: Features) -> bool:
+        return features.dtype in SUPPORTED_DTYPES and features.head_dim in SUPPORTED_HEAD_DIMS
+
+    def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
+        """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order."""
+        return [t for t in self.domain(head_dim) if t.fits(smem_optin_bytes)]
+
+    def avoids(self, tile, features: Features | None) -> bool:
+        return features is not None and tile in self.spilling.get(features.perf_class(), ())
+
+    def default(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN, features: Features | None = None):
+        """The heuristic tile: the first default that fits the device and does not spill for `features`."""
+        for t in self.defaults[head_dim]:
+            if t.fits(smem_optin_bytes) and not self.avoids(t, features):
+                return t
+        raise RuntimeError(f"no {self.what} config for head_dim {head_dim} fits in {smem_optin_bytes} bytes "
+                           f"of shared memory")
+
+    def selectable(self) -> list:
+        """Tiles the package may pick at run time without tuning (the CPU compile tests cover these)."""
+        return sorted({t for cands in self.defaults.values() for t in cands})
+
+    def can_implement(self, tile, props, features: Features | None = None) -> str | None:
+        """Why `tile` cannot run on a device with these properties (decided without compiling), or None."""
+        if not isinstance(tile, self.tile_cls):
+            return f"a {self.name} config must be a {self.tile_cls.__name__}, got {type(tile).__name__}"
+        if tuple(props.cc) < self.min_cc:
+            return f"compute capability {props.cc_str} < {self.min_cc[0]}.{self.min_cc[1]} ({self.min_cc_why})"
+        why = tile.structural_problem()
+        if why:
+            return why
+        if tile.threads > props.max_threads_per_block:
+            return f"{tile.threads} threads > {props.max_threads_per_block} per block"
+        if tile.smem_bytes > props.smem_optin:
+            return f"shared memory {tile.smem_bytes} B > opt-in limit {props.smem_optin} B"
+        need, cap = self.accumulator_registers(tile), register_cap(tile.threads, props)
+        if need > cap:
+            return f"accumulators alone need {need} registers per thread > {cap} available (would spill)"
+        if self.avoids(tile, features):
+            return f"its {features.perf_class()} instantiation spills registers"
+        return None
+
+    def check_explicit(self, tile, features: Features) -> None:
+        """Raise if a caller-given tile cannot serve `features`: the wrong family's tile (TypeError)
+        or another head_dim (ValueError). Selection never produces either; the tuner and tests can."""
+        if not isinstance(tile, self.tile_cls):
+            raise TypeError(f"config must be a {self.tile_cls.__name__}, got {type(tile).__name__}")
+        if tile.head_dim != features.head_dim:
+            raise ValueError(f"config {tile} is for head_dim {tile.head_dim}, the problem has {features.head_dim}")
+
+    def tile_from_dict(self, d: dict):
+        """A tile from its JSON fields; ValueError if the fields are wrong."""
+        names = [f.name for f in dataclasses.fields(self.tile_cls)]
+        if not isinstance(d, dict) or set(d) != set(names) or not all(type(d[n]) is int for n in names):
+            raise ValueError(f"not a {self.name} config: {d!r}")
+        return self.tile_cls(**d)

@@ -1,0 +1,133 @@
+"""The mma.sync (sm_80+) kernel families: v2 forward, v1 forward, backward dK/dV, deterministic dQ.
+
+Defaults are measured on an H200 (docs/perf-notes.md, scripts/sweep_bwd.py and the tuner's
+exhaustive sweep, tuning/nvidia-h200.json, 2026-11-29): the fastest tiles that compile with no
+register spills for sm_80 and sm_90a, in order of preference; later entries serve GPUs with less
+shared memory (A100: 163 KB, L4 / RTX 4090: ~99 KB per block).
+"""
+from __future__ import annotations
+
+import itertools
+
+from ..tiles import BwdConfig, DqConfig, FwdConfig, V1Config
+from .base import KernelFamily
+
+_MIN_CC, _MIN_CC_WHY = (8, 0), "needs mma.sync bf16 and cp.async"
+
+
+def _product(make, *axes) -> list:
+    return [make(*choice) for choice in itertools.product(*axes)]
+
+
+# fp32 accumulator tiles live at once, spread over the block's threads (a lower bound of the
+# registers the kernel needs; the tuner prunes tiles whose bound exceeds the register cap).
+def _fwd_acc(t) -> int:  # O (block_q x d) + S (block_q x block_k)
+    return (t.block_q * t.head_dim + t.block_q * t.block_k) // t.threads
+
+
+def _bwd_acc(t) -> int:  # dK + dV (block_k x d each) + S^T (block_k x block_q)
+    return (2 * t.block_k * t.head_dim + t.block_k * t.block_q) // t.threads
+
+
+def _dq_acc(t) -> int:  # dQ (block_q x d) + S (block_q x block_k)
+    return (t.block_q * t.head_dim + t.block_q * t.block_k) // t.threads
+
+
+# --- how the tuner runs one tile: the public entry points with an explicit config, so it times
+# exactly what users run. Inputs: q, k, v (+ out, lse, dout for the backward; runner.py).
+
+def _run_fwd(tile, d, causal, features, props, out=None, lse=None):
+    from .._forward import forward
+
+    return tuple(forward(d["q"], d["k"], d["v"], causal=causal, config=tile, out=out, lse=lse, **d["dropout"]))
+
+
+def _run_fwd_v1(tile, d, causal, features, props, out=None, lse=None):
+    from .._forward_v1 import forward_v1
+
+    return tuple(forward_v1(d["q"], d["k"], d["v"], causal=causal, config=tile, out=out, lse=lse, **d["dropout"]))
+
+
+def _bwd_args(d):
+    return d["dout"], d["q"], d["k"], d["v"], d["out"], d["lse"]
+
+
+def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
+    from .._backward import backward
+
+    return tuple(backward(*_bwd_args(d), causal=causal, config=tile, **d["dropout"]))
+
+
+def _run_bwd_dq(tile, d, causal, features, props, out=None, lse=None):
+    from .._backward import backward
+
+    # the dK/dV kernel fixed at its default, so only dQ's tile varies
+    main = BWD.default(tile.head_dim, props.smem_optin, features)
+    return tuple(backward(*_bwd_args(d), causal=causal, deterministic=True, config=main, dq_config=tile,
+                          **d["dropout"]))
+
+
+FWD = KernelFamily(
+    name="fwd", description="forward (out, lse)", what="forward", pass_="forward", tile_cls=FwdConfig,
+    header="flash_fwd.cuh", template="cuflash::flash_fwd", params_macro="CUFLASH_FWD_PARAMS",
+    args_macro="CUFLASH_FWD_ARGS", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY, arch_specific=False,
+    domain=lambda d: _product(lambda bq, bk, w, s: FwdConfig(d, bq, bk, w, s),
+                              (64, 128, 192), (32, 48, 64, 96, 128), (4, 8), (2, 3)),
+    defaults={
+        64: (FwdConfig(64, 128, 96, 4, 2), FwdConfig(64, 128, 64, 4, 2), FwdConfig(64, 64, 64, 4, 2)),
+        128: (FwdConfig(128, 128, 128, 8, 3), FwdConfig(128, 128, 128, 8, 2), FwdConfig(128, 128, 64, 8, 2),
+              FwdConfig(128, 64, 64, 4, 2)),
+    },
+    accumulator_registers=_fwd_acc,
+    spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2)})},
+    run=_run_fwd, deterministic_outputs=(0, 1),
+)
+
+# The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of
+# dK, dV) spills on sm_80. No d=128 backward tile fits the ~99 KB of an L4 / RTX 4090 yet.
+BWD = KernelFamily(
+    name="bwd", description="backward dK/dV kernel (dQ by atomics)", what="backward", pass_="backward",
+    tile_cls=BwdConfig, header="flash_bwd.cuh", template="cuflash::flash_bwd_dkdv",
+    params_macro="CUFLASH_BWD_PARAMS", args_macro="CUFLASH_BWD_ARGS", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY,
+    arch_specific=False,
+    domain=lambda d: _product(lambda bq, w, s: BwdConfig(d, bq, 16 * w, w, s), (64, 128), (4, 8), (2, 3)),
+    defaults={
+        64: (BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2), BwdConfig(64, 64, 128, 8, 2)),
+        128: (BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2)),
+    },
+    accumulator_registers=_bwd_acc,
+    run=_run_bwd, deterministic_outputs=(1, 2),  # dK, dV (dQ is summed by atomics)
+)
+
+BWD_DQ = KernelFamily(
+    name="bwd_dq", description="deterministic backward's dQ kernel", what="deterministic dQ", pass_="backward",
+    tile_cls=DqConfig, header="flash_bwd.cuh", template="cuflash::flash_bwd_dq",
+    params_macro="CUFLASH_DQ_PARAMS", args_macro="CUFLASH_DQ_ARGS", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY,
+    arch_specific=False,
+    domain=lambda d: _product(lambda w, bk, s: DqConfig(d, 16 * w, bk, w, s), (4, 8), (32, 64, 128), (2, 3)),
+    defaults={
+        64: (DqConfig(64, 64, 64, 4, 2), DqConfig(64, 128, 64, 8, 2)),
+        128: (DqConfig(128, 64, 64, 4, 2), DqConfig(128, 128, 64, 8, 2)),
+    },
+    accumulator_registers=_dq_acc,
+    run=_run_bwd_dq, deterministic_outputs=(0, 1, 2),
+)
+
+# The v1 kernel exists to be compared with v2, so its defaults use v2's default tile shapes
+# (block_q x block_k). At d=64 it takes 8 warps where v2 takes 4: v1 runs only batch*heads
+# blocks, one per SM, and 4 warps of 32 rows sit at 255 registers. Its dropout instantiations do
+# not spill (tests/test_compile_dropout.py).
+FWD_V1 = KernelFamily(
+    name="fwd_v1", description="forward, v1 algorithm (FlashAttention-1)", what="v1 forward", pass_="forward",
+    tile_cls=V1Config, header="flash_fwd_v1.cuh", template="cuflash::flash_fwd_v1",
+    params_macro="CUFLASH_FWDV1_PARAMS", args_macro="CUFLASH_FWDV1_ARGS", min_cc=_MIN_CC,
+    min_cc_why=_MIN_CC_WHY, arch_specific=False,
+    domain=lambda d: _product(lambda bq, bk, w, s: V1Config(d, bq, bk, w, s),
+                              (64, 128), (32, 64, 96, 128), (4, 8), (2, 3)),
+    defaults={
+        64: (V1Config(64, 128, 96, 8, 2), V1Config(64, 128, 64, 8, 2), V1Config(64, 64, 64, 4, 2)),
+        128: (V1Config(128, 128, 128, 8, 2), V1Config(128, 128, 64, 8, 2), V1Config(128, 64, 64, 4, 2)),
+    },
+    accumulator_registers=_fwd_acc,
+    run=_run_fwd_v1, deterministic_outputs=(0, 1), tuned_by_default=False,
+)

@@ -1,0 +1,141 @@
+"""The shared accuracy oracle: inputs, float64 references on the GPU, and FlashAttention's 2x rule.
+
+Used by the GPU tests, the scripts (sweeps, overhead, sanitizer cases) and anyone checking a kernel
+change. A kernel's error against a float64 reference must stay within `factor` (2) times the error
+of a plain same-dtype attention (PyTorch's math path in bf16/fp16) against the same reference, plus
+2 ulps at the output's magnitude (FA3's data-derived floor). The mask is cuflash.reference's.
+
+CuPy is imported lazily, so importing this module costs nothing on a machine without a GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .reference import causal_mask
+
+
+def bf16():
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def dtype_of(name: str):
+    """The CuPy dtype of "float16" / "bfloat16"."""
+    import cupy
+
+    return cupy.float16 if name == "float16" else bf16()
+
+
+def random_qkv(rng, b, nq, nk, h, d, dtype, scale=1.0):
+    """Fresh random normal q, k, v (never zeros) as CuPy arrays of `dtype`."""
+    import cupy
+
+    mk = lambda n: cupy.asarray((rng.standard_normal((b, n, h, d)) * scale).astype(np.float32)).astype(dtype)
+    return mk(nq), mk(nk), mk(nk)
+
+
+def _rounder(compute_dtype, round_dtype):
+    if round_dtype is None:
+        return lambda x: x
+    return lambda x: x.astype(round_dtype).astype(compute_dtype)
+
+
+def _masked_scores(qf, kf, causal, scale, rnd):
+    import cupy
+
+    s = rnd(cupy.matmul(qf, kf.transpose(0, 1, 3, 2))) * scale
+    if causal:
+        s = cupy.where(cupy.asarray(causal_mask(*s.shape[-2:])), s, -cupy.inf)
+    return s
+
+
+def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=None):
+    """softmax(scale Q K^T) V on the GPU in `compute_dtype`, bottom-right causal.
+
+    With round_dtype set, S, P and O are rounded to it the way a plain same-dtype attention (e.g.
+    PyTorch's math path in bf16) would; this is the "pt" side of the FlashAttention 2x rule.
+    keep_scale: dropout as Z = keep_mask * scale, a (b, h, nq, nk) CuPy array: O = (P o Z) V (the
+    same-dtype side rounds P o Z, as dropout applied to a bf16 P would); lse stays undropped.
+    Returns (out, lse) in compute_dtype; fully masked rows give 0 and -inf.
+    """
+    import cupy
+
+    rnd = _rounder(compute_dtype, round_dtype)
+    qf, kf, vf = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v))  # b h n d
+    s = _masked_scores(qf, kf, causal, scale, rnd)
+    m = s.max(axis=-1, keepdims=True)
+    m_safe = cupy.where(cupy.isfinite(m), m, 0)
+    e = cupy.exp(s - m_safe)
+    l = e.sum(axis=-1, keepdims=True)
+    p = rnd(e / cupy.where(l > 0, l, 1))
+    if keep_scale is not None:
+        p = rnd(p * keep_scale.astype(compute_dtype))
+    o = rnd(cupy.matmul(p, vf))
+    lse = cupy.where(l[..., 0] > 0, cupy.log(cupy.where(l[..., 0] > 0, l[..., 0], 1)) + m_safe[..., 0], -cupy.inf)
+    return o.transpose(0, 2, 1, 3), lse
+
+
+def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, keep_scale=None):
+    """(dq, dk, dv) of softmax(scale Q K^T) V for upstream dout, bottom-right causal, on the GPU.
+
+    With round_dtype set, every matmul result and P are rounded to it as a plain same-dtype
+    autograd would (the "pt" side of the 2x rule). Rows that see no key get zero gradient.
+    keep_scale: dropout as Z = keep_mask * scale, a (b, h, nq, nk) CuPy array: O = (P o Z) V,
+    dV = (P o Z)^T dO, dS = P o (dP o Z - D) with dP = dO V^T and D = rowsum(dO o O).
+    """
+    import cupy
+
+    rnd = _rounder(compute_dtype, round_dtype)
+    qf, kf, vf, dof = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v, dout))  # b h n d
+    s = _masked_scores(qf, kf, causal, scale, rnd)
+    m = s.max(axis=-1, keepdims=True)
+    e = cupy.exp(s - cupy.where(cupy.isfinite(m), m, 0))
+    l = e.sum(axis=-1, keepdims=True)
+    p = rnd(e / cupy.where(l > 0, l, 1))
+    z = None if keep_scale is None else keep_scale.astype(compute_dtype)
+    pz = p if z is None else rnd(p * z)
+    o = rnd(cupy.matmul(pz, vf))
+    dv = rnd(cupy.matmul(pz.transpose(0, 1, 3, 2), dof))
+    dp = rnd(cupy.matmul(dof, vf.transpose(0, 1, 3, 2)))
+    if z is not None:
+        dp = rnd(dp * z)
+    delta = (dof * o).sum(axis=-1, keepdims=True)
+    ds = rnd(p * (dp - delta))
+    dq = rnd(cupy.matmul(ds, kf)) * scale
+    dk = rnd(cupy.matmul(ds.transpose(0, 1, 3, 2), qf)) * scale
+    back = lambda x: x.transpose(0, 2, 1, 3)
+    return back(dq), back(dk), back(dv)
+
+
+def _allowed(got, ref, pt, factor):
+    """(kernel error, same-dtype error, allowed) of `got` against the float64 `ref`."""
+    import cupy
+
+    err = float(cupy.abs(got.astype(cupy.float64) - ref).max())
+    pt_err = float(cupy.abs(pt.astype(cupy.float64) - ref).max())
+    r = ref.astype(got.dtype).astype(cupy.float64)
+    atol = 2 * float(cupy.abs((r + 0.3).astype(got.dtype).astype(cupy.float64) - 0.3 - r).max())
+    return err, pt_err, factor * pt_err + atol
+
+
+def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None):
+    """(kernel error, same-dtype error, allowed) by FlashAttention's rule against a float64 reference.
+
+    keep_scale: dropout's Z = keep_mask * scale (b, h, nq, nk), applied on both sides (see naive).
+    """
+    import cupy
+
+    ref, _ = naive(q, k, v, causal, scale, cupy.float64, keep_scale=keep_scale)
+    pt, _ = naive(q, k, v, causal, scale, cupy.float32, round_dtype=out.dtype, keep_scale=keep_scale)
+    return _allowed(out, ref, pt, factor)
+
+
+def fa_rule_grads(grads, q, k, v, dout, causal, scale, factor=2.0, keep_scale=None):
+    """Per gradient name ("dq", "dk", "dv"): (kernel error, same-dtype error, allowed), as fa_rule
+    does for the output. keep_scale: dropout's Z, applied on both sides (see naive_grads)."""
+    import cupy
+
+    ref = naive_grads(q, k, v, dout, causal, scale, cupy.float64, keep_scale=keep_scale)
+    pt = naive_grads(q, k, v, dout, causal, scale, cupy.float32, round_dtype=q.dtype, keep_scale=keep_scale)
+    return {name: _allowed(g, r, p, factor) for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, pt)}

@@ -1,0 +1,177 @@
+"""Tile configs: the tunable compile-time constants of one kernel instance, one class per family.
+
+A tile is a frozen dataclass whose fields, in order, are the kernel template's integer arguments
+<D, BR, BC, WARPS, STAGES> (head_dim first). The tuner searches the fields after head_dim, so a
+family with other axes (a Hopper tile) declares other fields and nothing in the tuner changes.
+Each class mirrors its kernel's shared-memory formula and static_asserts (smem_bytes,
+structural_problem). Which tiles exist and which one runs by default is the family's business
+(cuflash/families/).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def _axis(tag: str, doc: str):
+    """A tile field: `tag` is its short name in kernel names (br128), `doc` what it means."""
+    return dataclasses.field(metadata={"tag": tag, "doc": doc})
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Sm80Tile:
+    """The tile of the mma.sync kernels: <D, BR, BC, WARPS, STAGES>.
+
+    Subclasses say what the tiles mean for their kernel (smem_bytes, structural_problem).
+    """
+
+    head_dim: int = _axis("d", "head dimension (not searched: it is the problem's)")
+    block_q: int = _axis("br", "query rows per tile (BR)")
+    block_k: int = _axis("bc", "key rows per tile (BC)")
+    warps: int = _axis("w", "warps per thread block")
+    stages: int = _axis("s", "depth of the kernel's cp.async ring")
+
+    @classmethod
+    def axes(cls) -> tuple:
+        """The searched fields: every field but head_dim, in template order."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "head_dim")
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    def tag(self) -> str:
+        """The tile's part of a kernel name: d128_br128_bc128_w8_s3."""
+        return "_".join(f"{f.metadata['tag']}{getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def label(self) -> str:
+        """Short human label of the searched fields: 128x128 w8 s3."""
+        return f"{self.block_q}x{self.block_k} w{self.warps} s{self.stages}"
+
+    def template_args(self) -> tuple:
+        """The template's integer arguments, in field order."""
+        return dataclasses.astuple(self)
+
+    @property
+    def smem_bytes(self) -> int:
+        raise NotImplementedError
+
+    def structural_problem(self) -> str | None:
+        """Why this tile can never compile (mirrors the kernel's static_asserts), or None."""
+        raise NotImplementedError
+
+    def _common_problem(self) -> str | None:
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.stages < 2:
+            return "stages must be >= 2 (the single-barrier pipeline)"
+        return None
+
+    def fits(self, smem_optin_bytes: int) -> bool:
+        return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
+
+
+def _copy_problem(threads: int, head_dim: int, *tiles: int) -> str | None:
+    step = threads // (head_dim // 8)  # rows one pass of a tile copy covers
+    if step % 8 or any(t % step for t in tiles):
+        return f"tiles of {'/'.join(map(str, tiles))} rows do not split into copy passes of {step} rows"
+    return None
+
+
+def _rows_problem(tile) -> str | None:
+    """The forward-style rule: warps split block_q rows, K/V tiles of block_k rows (v2, v1)."""
+    if problem := tile._common_problem():
+        return problem
+    if tile.block_q % (16 * tile.warps):
+        return f"block_q {tile.block_q} is not a multiple of 16*warps ({16 * tile.warps})"
+    if tile.block_k % 16:
+        return f"block_k {tile.block_k} is not a multiple of 16"
+    return _copy_problem(tile.threads, tile.head_dim, tile.block_q, tile.block_k)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class FwdConfig(Sm80Tile):
+    """Tile of the v2 forward kernel (kernels_cu/flash_fwd.cuh).
+
+    block_q: query rows per thread block, block_q / warps per warp; block_k: key rows per K/V
+    tile; stages: depth of the cp.async K/V ring.
+    """
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q tile + STAGES x (K tile + V tile), 16-bit elements (mirrors FwdShape::SMEM_BYTES).
+        return 2 * self.head_dim * (self.block_q + 2 * self.stages * self.block_k)
+
+    def structural_problem(self) -> str | None:
+        return _rows_problem(self)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class BwdConfig(Sm80Tile):
+    """Tile of the backward main kernel (kernels_cu/flash_bwd.cuh, flash_bwd_dkdv).
+
+    One thread block owns block_k keys (16 per warp) and keeps their dK, dV in registers while it
+    walks the query tiles of block_q rows through a cp.async ring of `stages` Q / dO slots.
+    """
+
+    @property
+    def smem_bytes(self) -> int:
+        # K, V tiles + STAGES x (Q, dO tiles) + 2 x dS^T tile (16-bit, double-buffered)
+        # + STAGES x (lse, delta) rows (fp32)  (mirrors BwdShape::SMEM_BYTES)
+        d, br, bc, s = self.head_dim, self.block_q, self.block_k, self.stages
+        return 2 * d * (2 * bc + 2 * s * br) + 2 * 2 * bc * br + 2 * s * br * 4
+
+    def structural_problem(self) -> str | None:
+        if problem := self._common_problem():
+            return problem
+        if self.block_k != 16 * self.warps:
+            return f"block_k must be 16*warps ({16 * self.warps}), got {self.block_k}"
+        if self.block_q % 64:
+            return f"block_q {self.block_q} is not a multiple of 64"
+        wm = min(self.warps, self.block_q // 16)  # dQ = dS K split over warps: wm x wn
+        wn = self.warps // wm
+        if self.warps % wm or (self.head_dim // wn) % 16:
+            return f"dQ tile {self.block_q}x{self.head_dim} does not split over {self.warps} warps"
+        return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class DqConfig(Sm80Tile):
+    """Tile of the deterministic dQ kernel (kernels_cu/flash_bwd.cuh, flash_bwd_dq).
+
+    Laid out like the forward: warps own query rows (16 each), K/V tiles of block_k rows stream
+    through a cp.async ring of `stages` slots.
+    """
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q, dO tiles + STAGES x (K, V tiles) (mirrors DqShape::SMEM_BYTES)
+        return 2 * self.head_dim * (2 * self.block_q + 2 * self.stages * self.block_k)
+
+    def structural_problem(self) -> str | None:
+        if problem := self._common_problem():
+            return problem
+        if self.block_q != 16 * self.warps:
+            return f"block_q must be 16*warps ({16 * self.warps}), got {self.block_q}"
+        if self.block_k % 16:
+            return f"block_k {self.block_k} is not a multiple of 16"
+        return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class V1Config(Sm80Tile):
+    """Tile of the v1 forward kernel (kernels_cu/flash_fwd_v1.cuh).
+
+    FlashAttention-1's Algorithm 1: one thread block per (batch, head); K/V tiles of block_k rows
+    in the outer loop (single-buffered in shared memory), Q tiles of block_q rows in the inner
+    loop through a cp.async ring of `stages` slots; O, m, l in an fp32 workspace in device memory.
+    """
+
+    @property
+    def smem_bytes(self) -> int:
+        # K tile + V tile + STAGES Q tiles, 16-bit elements (mirrors FwdV1Shape::SMEM_BYTES)
+        return 2 * self.head_dim * (2 * self.block_k + self.stages * self.block_q)
+
+    def structural_problem(self) -> str | None:
+        return _rows_problem(self)
