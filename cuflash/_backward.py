@@ -5,107 +5,99 @@ Launch sequence (kernels_cu/flash_bwd.cuh):
     flash_bwd_dkdv  dK, dV per key tile; dQ added to the fp32 dq_acc with atomics
     bwd_dq_convert  dq = softmax_scale * dq_acc, to the input dtype
 With deterministic=True the atomics are off and flash_bwd_dq computes dQ in registers instead
-(bitwise reproducible, three extra GEMMs).
+(bitwise reproducible, three extra GEMMs); there is no dq_acc then, and the kernels that take it
+get a null pointer.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from . import _compile, _dropout, _launch, _validate, families
+from . import _compile, families, problem
 from . import _plans as plan_cache
-from ._launch import LOG2E
+from .launch import LOG2E, Buffer, Launch, Plan, check_grid, contiguous_strides, int64s
+from .problem import AttnProblem
+from .signature import BWD_ARRAYS
 from .tiles import BwdConfig, DqConfig
 
 # lse2 / delta / dq_acc rows are padded to this multiple (>= every block_q) so the kernels copy
 # them with unguarded 16-byte loads.
 _ROW_PAD = 128
 _AUX_THREADS = 256
+OUTPUTS = ("dq", "dk", "dv")
 
 
-class _BwdPlan:
-    __slots__ = ("device", "deterministic", "prep", "prep_grid", "main", "main_grid", "main_block", "main_smem",
-                 "post", "post_grid", "post_block", "post_smem", "shapes", "dtype", "ws_rows", "head_dim",
-                 "prep_tail", "main_tail", "post_tail")
+# --- the scalar tail of each kernel (the parameters after the pointers, dropout's three excepted)
 
-    def __init__(self, p: _validate.FwdProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, q, k, v, dout, out,
-                 deterministic: bool):
-        it = q.dtype.itemsize
-        b, nq, nk, h, d = p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim
-        pad = -(-nq // _ROW_PAD) * _ROW_PAD
-        ch = d // 8
-        i32, i64, f32 = np.int32, np.int64, np.float32
+def _prep_tail(p: AttnProblem, pad: int, ws_rows: int) -> tuple:  # CUFLASH_PREP_PARAMS
+    return (*int64s(p.strides["out"], p.strides["dout"]), np.int32(p.heads), np.int32(p.seqlen_q), np.int32(pad),
+            np.int64(ws_rows))
 
-        def st(a):  # (batch, seqlen, heads) strides in elements
-            return [i64(s // it) for s in a.strides[:3]]
 
-        def fresh(n):  # strides of a fresh contiguous (b, n, h, d) gradient
-            return [i64(n * h * d), i64(h * d), i64(d)]
+def _dkdv_tail(p: AttnProblem, pad: int, n_blocks: int) -> tuple:  # CUFLASH_BWD_PARAMS
+    s, fresh_k = p.strides, contiguous_strides(p.seqlen_k, p.heads, p.head_dim)
+    return (*int64s(s["q"], s["k"], s["v"], s["dout"], fresh_k, fresh_k),  # dk, dv
+            np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(pad), np.int32(n_blocks),
+            np.float32(p.softmax_scale * LOG2E), np.float32(p.softmax_scale), np.int32(p.causal))
 
-        self.device, self.deterministic = p.device, deterministic
-        self.shapes = (tuple(q.shape), tuple(k.shape), tuple(v.shape))
-        self.dtype, self.head_dim = q.dtype, d
-        self.ws_rows = b * h * pad
 
-        self.prep = _compile.get_aux_kernel("bwd_prep", p.features, p.device)
-        self.prep_grid = (-(-self.ws_rows * ch // _AUX_THREADS),)
-        self.prep_tail = (*st(out), *st(dout), i32(h), i32(nq), i32(pad), i64(self.ws_rows))
+def _dq_tail(p: AttnProblem, pad: int, m_blocks: int) -> tuple:  # CUFLASH_DQ_PARAMS
+    s = p.strides
+    return (*int64s(s["q"], s["k"], s["v"], s["dout"], contiguous_strides(p.seqlen_q, p.heads, p.head_dim)),  # dq
+            np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(pad), np.int32(m_blocks),
+            np.float32(p.softmax_scale * LOG2E), np.float32(p.softmax_scale), np.int32(p.causal))
 
-        n_blocks = -(-nk // cfg.block_k)
-        grid = n_blocks * h * b
-        _launch.check_grid(grid)
-        self.main = _compile.get_kernel(cfg, p.features, p.device)
-        self.main_grid, self.main_block, self.main_smem = (grid,), (cfg.threads,), cfg.smem_bytes
-        scale_log2, scale = f32(p.softmax_scale * LOG2E), f32(p.softmax_scale)
-        self.main_tail = (*st(q), *st(k), *st(v), *st(dout), *fresh(nk), *fresh(nk),
-                          i32(h), i32(nq), i32(nk), i32(pad), i32(n_blocks), scale_log2, scale, i32(p.causal))
 
-        if deterministic:
-            m_blocks = -(-nq // dq_cfg.block_q)
-            _launch.check_grid(m_blocks * h * b)
-            self.post = _compile.get_kernel(dq_cfg, p.features, p.device)
-            self.post_grid, self.post_block, self.post_smem = (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes
-            self.post_tail = (*st(q), *st(k), *st(v), *st(dout), *fresh(nq),
-                              i32(h), i32(nq), i32(nk), i32(pad), i32(m_blocks), scale_log2, scale, i32(p.causal))
-        else:
-            self.post = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)
-            n_rows = b * h * nq
-            self.post_grid, self.post_block, self.post_smem = (-(-n_rows * ch // _AUX_THREADS),), (_AUX_THREADS,), 0
-            self.post_tail = (*fresh(nq), i32(h), i32(nq), i32(pad), scale, i64(n_rows))
+def _convert_tail(p: AttnProblem, pad: int, n_rows: int) -> tuple:  # CUFLASH_CONVERT_PARAMS
+    return (*int64s(contiguous_strides(p.seqlen_q, p.heads, p.head_dim)), np.int32(p.heads), np.int32(p.seqlen_q),
+            np.int32(pad), np.float32(p.softmax_scale), np.int64(n_rows))
 
-    def run(self, dout, q, k, v, out, lse, drop=_dropout.OFF):
-        import cupy
 
-        with cupy.cuda.Device(self.device):
-            dq = cupy.empty(self.shapes[0], dtype=self.dtype)
-            dk = cupy.empty(self.shapes[1], dtype=self.dtype)
-            dv = cupy.empty(self.shapes[2], dtype=self.dtype)
-            delta = cupy.empty(self.ws_rows, dtype=cupy.float32)
-            lse2 = cupy.empty(self.ws_rows, dtype=cupy.float32)
-            dq_acc = None if self.deterministic else cupy.empty(self.ws_rows * self.head_dim, dtype=cupy.float32)
-            null = dq_acc if dq_acc is not None else np.uint64(0)
-            self.prep(self.prep_grid, (_AUX_THREADS,), (out, dout, lse, delta, lse2, null, *self.prep_tail))
-            self.main(self.main_grid, self.main_block, (q, k, v, dout, lse2, delta, null, dk, dv, *self.main_tail, *drop),
-                      shared_mem=self.main_smem)
-            if self.deterministic:
-                self.post(self.post_grid, self.post_block, (q, k, v, dout, lse2, delta, dq, *self.post_tail, *drop),
-                          shared_mem=self.post_smem)
-            else:
-                self.post(self.post_grid, self.post_block, (dq_acc, dq, *self.post_tail))
-        return dq, dk, dv
+def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Plan:
+    b, nq, nk, h, d = p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim
+    pad = -(-nq // _ROW_PAD) * _ROW_PAD
+    ws_rows = b * h * pad
+    chunks = d // 8  # the aux kernels' threads each take 8 elements of a row
+
+    prep = _compile.get_aux_kernel("bwd_prep", p.features, p.device)
+    launches = [Launch(prep, (-(-ws_rows * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
+                       pointers=("out", "dout", "lse", "delta", "lse2", "dq_acc"), tail=_prep_tail(p, pad, ws_rows),
+                       dropout=False)]
+
+    n_blocks = -(-nk // cfg.block_k)
+    check_grid(n_blocks * h * b)
+    main = _compile.get_kernel(cfg, p.features, p.device)
+    launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes,
+                           pointers=("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv"),
+                           tail=_dkdv_tail(p, pad, n_blocks), dropout=True))
+
+    if p.deterministic:
+        m_blocks = -(-nq // dq_cfg.block_q)
+        check_grid(m_blocks * h * b)
+        dq_kernel = _compile.get_kernel(dq_cfg, p.features, p.device)
+        launches.append(Launch(dq_kernel, (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes,
+                               pointers=("q", "k", "v", "dout", "lse2", "delta", "dq"),
+                               tail=_dq_tail(p, pad, m_blocks), dropout=True))
+    else:
+        convert = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)
+        n_rows = b * h * nq
+        launches.append(Launch(convert, (-(-n_rows * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
+                               pointers=("dq_acc", "dq"), tail=_convert_tail(p, pad, n_rows), dropout=False))
+
+    buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, h, d), dtype),
+               Buffer("dv", (b, nk, h, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
+               Buffer("dq_acc", None if p.deterministic else (ws_rows * d,)))
+    return Plan(p.device, BWD_ARRAYS, buffers, tuple(launches), OUTPUTS)
 
 
 _plans = plan_cache.PlanCache()
 
 
-def _build_plan(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, config, dq_config,
-                dropout=False) -> _BwdPlan:
-    infos = [_validate.describe(x, n) for x, n in
-             ((dout, "dout"), (q, "q"), (k, "k"), (v, "v"), (out, "out"), (lse, "lse"))]
-    p = _validate.check_backward(*infos, causal, softmax_scale, dropout)
-    deterministic = _validate.check_flag(deterministic, "deterministic")
+def _build_plan(arrays, causal, softmax_scale, deterministic, dropout, config, dq_config) -> Plan:
+    infos = [problem.describe(x, n) for x, n in zip(arrays, BWD_ARRAYS)]
+    p = problem.resolve_backward(*infos, causal, softmax_scale, deterministic, dropout)
     cfg = _tile(families.BWD, config, p)
-    dq_cfg = _tile(families.BWD_DQ, dq_config, p) if deterministic else None
-    return _BwdPlan(p, cfg, dq_cfg, q, k, v, dout, out, bool(deterministic))
+    dq_cfg = _tile(families.BWD_DQ, dq_config, p) if p.deterministic else None
+    return _plan(p, cfg, dq_cfg, arrays[1].dtype)
 
 
 def _tile(family, config, p):
@@ -127,11 +119,11 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deter
     import cupy
 
     arrays = (dout, q, k, v, out, lse)
-    drop = _dropout.kernel_args(dropout_p, seed)
-    dropout = drop is not None
+    dropout = problem.resolve_dropout(dropout_p, seed)
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
-        plan = _plans.get(lambda: (*plan_cache.array_key(arrays), causal, softmax_scale, deterministic, dropout),
-                          lambda: _build_plan(*arrays, causal, softmax_scale, deterministic, None, None, dropout))
+        plan = _plans.get(lambda: (*plan_cache.array_key(arrays), causal, softmax_scale, deterministic,
+                                   dropout is not None),
+                          lambda: _build_plan(arrays, causal, softmax_scale, deterministic, dropout, None, None))
     else:
-        plan = _build_plan(*arrays, causal, softmax_scale, deterministic, config, dq_config, dropout)
-    return plan.run(dout, q, k, v, out, lse, drop or _dropout.OFF)
+        plan = _build_plan(arrays, causal, softmax_scale, deterministic, dropout, config, dq_config)
+    return plan.run(arrays, problem.NO_DROPOUT_ARGS if dropout is None else dropout.kernel_args)

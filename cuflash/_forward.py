@@ -1,42 +1,96 @@
-"""Forward pass (v2 algorithm): validate, pick a config, allocate outputs, launch on CuPy's current stream."""
+"""Forward pass (v2 algorithm): validate, pick a config, allocate outputs, launch on CuPy's current stream.
+
+Also the body the v1 forward shares (run_forward) and the two forwards' common scalar tail.
+"""
 from __future__ import annotations
 
-from . import _compile, _dropout, _launch, _validate, families
+import numpy as np
+
+from . import _compile, families, problem
 from . import _plans as plan_cache
+from .launch import LOG2E, Buffer, Launch, Plan, check_grid, contiguous_strides, int64s
+from .problem import AttnProblem
 from .tiles import FwdConfig
 
+INPUTS = ("q", "k", "v", "out", "lse")  # Plan.run's arguments; out and lse may be None (allocated)
+OUTPUTS = ("out", "lse")
 
-class _FwdPlan:
-    """Everything about a launch that depends only on shapes, strides, dtype, device and options.
 
-    Built once (full validation included) and cached, so a repeated call costs a dict lookup, two
-    allocations and the launch.
+def scalar_tail(p: AttnProblem, m_blocks: int) -> tuple:
+    """The kernel arguments after the pointers (CUFLASH_FWD_PARAMS and CUFLASH_FWDV1_PARAMS), dropout's
+    three excepted: per tensor (batch, seqlen, heads) strides in elements, then the sizes."""
+    s = p.strides
+    return (*int64s(s["q"], s["k"], s["v"], contiguous_strides(p.seqlen_q, p.heads, p.head_dim)),  # fresh out
+            np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
+            np.float32(p.softmax_scale * LOG2E), np.int32(p.causal))
+
+
+def output_buffers(p: AttnProblem, dtype) -> tuple:
+    """out (like q) and lse (float32 (batch, heads, seqlen_q)), when the caller gives none."""
+    return (Buffer("out", (p.batch, p.seqlen_q, p.heads, p.head_dim), dtype),
+            Buffer("lse", (p.batch, p.heads, p.seqlen_q), np.float32))
+
+
+def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
+    # blockIdx.x = m_block + m_blocks * (head + heads * batch)
+    m_blocks = -(-p.seqlen_q // cfg.block_q)
+    n_blocks = m_blocks * p.heads * p.batch
+    check_grid(n_blocks)
+    kernel = _compile.get_kernel(cfg, p.features, p.device)
+    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=INPUTS,
+                    tail=scalar_tail(p, m_blocks), dropout=True)
+    return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS)
+
+
+def run_forward(family: families.KernelFamily, build_plan, plans: plan_cache.PlanCache, q, k, v, *, causal,
+                softmax_scale, dropout_p, seed, config, out, lse):
+    """The body the v2 and v1 forwards share: the call's dropout, the cached (or, with an explicit
+    config, fresh) launch plan, optional output buffers, the launch.
+
+    build_plan(problem, tile, dtype) builds a plan; the tile is `config` when given (checked
+    against the family and the problem), else families.select(family, problem).
     """
+    import cupy
 
-    __slots__ = ("device", "kernel", "grid", "block", "smem", "out_shape", "dtype", "lse_shape", "tail")
+    dropout = problem.resolve_dropout(dropout_p, seed)
 
-    def __init__(self, p: _validate.FwdProblem, cfg: FwdConfig, q, k, v):
-        # blockIdx.x = m_block + m_blocks * (head + heads * batch)
-        m_blocks = -(-p.seqlen_q // cfg.block_q)
-        n_blocks = m_blocks * p.heads * p.batch
-        _launch.check_grid(n_blocks)
-        self.device = p.device
-        self.kernel = _compile.get_kernel(cfg, p.features, p.device)
-        self.grid, self.block, self.smem = (n_blocks,), (cfg.threads,), cfg.smem_bytes
-        self.out_shape, self.dtype = tuple(q.shape), q.dtype
-        self.lse_shape = (p.batch, p.heads, p.seqlen_q)
-        self.tail = _launch.scalar_args(p, q, k, v, m_blocks)
+    def build(cfg):
+        infos = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        p = problem.resolve_forward(*infos, causal, softmax_scale, dropout)
+        if cfg is None:
+            cfg = families.select(family, p)
+        else:
+            family.check_explicit(cfg, p.features)
+        return build_plan(p, cfg, q.dtype)
 
-    def run(self, q, k, v, out=None, lse=None, drop=_dropout.OFF):
-        import cupy
+    if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
+        plan = plans.get(lambda: (*plan_cache.array_key((q, k, v)), causal, softmax_scale, dropout is not None),
+                         lambda: build(None))
+    else:
+        plan = build(config)
+    if out is not None:
+        out = _checked_out(out, q)
+    if lse is not None:
+        lse = _checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
+    return plan.run((q, k, v, out, lse), problem.NO_DROPOUT_ARGS if dropout is None else dropout.kernel_args)
 
-        with cupy.cuda.Device(self.device):
-            if out is None:
-                out = cupy.empty(self.out_shape, dtype=self.dtype)
-            if lse is None:
-                lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
-            self.kernel(self.grid, self.block, (q, k, v, out, lse, *self.tail, *drop), shared_mem=self.smem)
-        return out, lse
+
+def _checked_out(out, q):
+    info = problem.describe(out, "out")
+    if info.shape != tuple(q.shape) or info.dtype != q.dtype.name or info.device != q.device.id:
+        raise ValueError(f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype.name}, device {q.device.id}), "
+                         f"got shape {info.shape}, dtype {info.dtype}, device {info.device}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    return out
+
+
+def _checked_lse(lse, shape):
+    import cupy
+
+    if not isinstance(lse, cupy.ndarray) or lse.shape != shape or lse.dtype != cupy.float32 or not lse.flags.c_contiguous:
+        raise ValueError(f"lse must be a contiguous float32 CuPy array of shape {shape}")
+    return lse
 
 
 _plans = plan_cache.PlanCache()
@@ -51,5 +105,5 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=No
     `out` and `lse` may be given (internal: tests poison them, the backward reuses them); otherwise
     fresh contiguous arrays are allocated. `config` overrides the selected kernel config.
     """
-    return _launch.run_forward(families.FWD, _FwdPlan, _plans, q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse)
+    return run_forward(families.FWD, _plan, _plans, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                       dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse)

@@ -7,9 +7,13 @@ in device memory, allocated per call from CuPy's memory pool on the current stre
 """
 from __future__ import annotations
 
+import numpy as np
 
-from . import _compile, _dropout, _launch, _validate, families
+from . import _compile, families
 from . import _plans as plan_cache
+from ._forward import INPUTS, OUTPUTS, output_buffers, run_forward, scalar_tail
+from .launch import Buffer, Launch, Plan, check_grid
+from .problem import AttnProblem
 from .tiles import V1Config
 
 
@@ -21,38 +25,18 @@ def workspace_elements(batch: int, heads: int, seqlen_q: int, seqlen_k: int, cfg
     return rows * cfg.head_dim, rows * 2
 
 
-class _V1Plan:
-    """Everything about a launch that depends only on shapes, strides, dtype, device and options."""
-
-    __slots__ = ("device", "kernel", "grid", "block", "smem", "out_shape", "dtype", "lse_shape", "ws", "tail")
-
-    def __init__(self, p: _validate.FwdProblem, cfg: V1Config, q, k, v):
-        n_blocks = p.batch * p.heads  # one block per (batch, head): blockIdx.x = head + heads * batch
-        _launch.check_grid(n_blocks)
-        m_blocks = -(-p.seqlen_q // cfg.block_q)
-        self.device = p.device
-        self.kernel = _compile.get_kernel(cfg, p.features, p.device)
-        self.grid, self.block, self.smem = (n_blocks,), (cfg.threads,), cfg.smem_bytes
-        self.out_shape, self.dtype = tuple(q.shape), q.dtype
-        self.lse_shape = (p.batch, p.heads, p.seqlen_q)
-        self.ws = workspace_elements(p.batch, p.heads, p.seqlen_q, p.seqlen_k, cfg)
-        self.tail = _launch.scalar_args(p, q, k, v, m_blocks)  # same parameter list as v2's
-
-    def run(self, q, k, v, out=None, lse=None, drop=_dropout.OFF):
-        import cupy
-
-        with cupy.cuda.Device(self.device):
-            if out is None:
-                out = cupy.empty(self.out_shape, dtype=self.dtype)
-            if lse is None:
-                lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
-            # Workspace from the pool, uninitialised: the kernel writes every element before reading it.
-            ws_o = cupy.empty(self.ws[0], dtype=cupy.float32)
-            ws_ml = cupy.empty(self.ws[1], dtype=cupy.float32)
-            self.kernel(self.grid, self.block, (q, k, v, out, lse, ws_o, ws_ml, *self.tail, *drop), shared_mem=self.smem)
-        # ws_o / ws_ml go back to the pool when they die here; the pool reuses a block only for work
-        # queued later on the same stream, so the running kernel keeps it.
-        return out, lse
+def _plan(p: AttnProblem, cfg: V1Config, dtype) -> Plan:
+    n_blocks = p.batch * p.heads  # one block per (batch, head): blockIdx.x = head + heads * batch
+    check_grid(n_blocks)
+    m_blocks = -(-p.seqlen_q // cfg.block_q)
+    kernel = _compile.get_kernel(cfg, p.features, p.device)
+    # The workspace is uninitialised: the kernel writes every element before reading it.
+    ws_o, ws_ml = workspace_elements(p.batch, p.heads, p.seqlen_q, p.seqlen_k, cfg)
+    buffers = (*output_buffers(p, dtype), Buffer("ws_o", (ws_o,), np.float32),
+               Buffer("ws_ml", (ws_ml,), np.float32))
+    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=(*INPUTS, "ws_o", "ws_ml"),
+                    tail=scalar_tail(p, m_blocks), dropout=True)  # same parameter list as v2's after the pointers
+    return Plan(p.device, INPUTS, buffers, (launch,), OUTPUTS)
 
 
 _plans = plan_cache.PlanCache(1024)
@@ -68,6 +52,5 @@ def forward_v1(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed
     rows that see no key. `out`/`lse` may be given (internal: tests poison them); `config`
     overrides the selected kernel config. Runs on CuPy's current stream.
     """
-    return _launch.run_forward(families.FWD_V1, _V1Plan, _plans, q, k, v, causal=causal,
-                               softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed, config=config, out=out,
-                               lse=lse)
+    return run_forward(families.FWD_V1, _plan, _plans, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                       dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import _validate
+from .problem import ALIGN_BYTES
 
 
 def array_key(arrays) -> tuple:
@@ -17,7 +17,7 @@ def array_key(arrays) -> tuple:
     ptr_bits = 0
     for a in arrays:
         ptr_bits |= a.data.ptr
-    return (tuple((a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays), ptr_bits % _validate.ALIGN_BYTES)
+    return (tuple((a.shape, a.strides, a.dtype, a.data.device_id) for a in arrays), ptr_bits % ALIGN_BYTES)
 
 
 class PlanCache:

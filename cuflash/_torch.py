@@ -1,7 +1,8 @@
 """PyTorch integration: cuflash's forward and backward as torch custom ops, with autograd.
 
-    torch.ops.cuflash.attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic) -> (out, lse)
-    torch.ops.cuflash.attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+    torch.ops.cuflash.attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed)
+        -> (out, lse)
+    torch.ops.cuflash.attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed)
         -> (dq, dk, dv)
 
 `cuflash.attention` on torch tensors calls attention_fwd; its registered autograd formula calls
@@ -12,20 +13,17 @@ implementations, so torch.compile traces around them (they stay opaque calls in 
 The kernels run on torch's current stream of the tensors' device (no synchronisation added), on
 zero-copy CuPy views of the tensors; results are CuPy allocations handed to torch by DLPack.
 The lse output is not differentiable (marked so): gradients flow through `out` only.
+Schemas and autograd's option plumbing come from the argument lists in cuflash/signature.py;
+argument checks are cuflash/problem.py's, which the ops' real and fake implementations share.
 
 This module imports torch, so cuflash imports it only when the first torch tensor arrives; the
 ops are registered then, once per process. Needs torch >= 2.4 (torch.library.custom_op).
 """
 import torch
 
-from . import _interop, _validate
-from .api import BWD_NAMES, forward_fn
-
-# seed travels as a signed 64-bit int (torch's `int`); _seed_in/_seed_out map [0, 2^64) onto it.
-FWD_SCHEMA = ("(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, str algorithm, "
-              "bool deterministic, float dropout_p, int seed) -> (Tensor, Tensor)")
-BWD_SCHEMA = ("(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-              "float? softmax_scale, bool deterministic, float dropout_p, int seed) -> (Tensor, Tensor, Tensor)")
+from . import _interop, problem
+from .api import forward_fn
+from .signature import BWD_ARRAYS, BWD_SCHEMA, FWD_ARRAYS, FWD_SCHEMA, OPTION_GRADS, backward_options
 
 Tensor = torch.Tensor
 
@@ -40,9 +38,6 @@ def _custom_op(name, schema):
 
     kw = {"tags": _TAGS} if _TAGS and "tags" in inspect.signature(torch.library.custom_op).parameters else {}
     return torch.library.custom_op(name, mutates_args=(), schema=schema, **kw)
-
-
-_QKV = ("q", "k", "v")
 
 
 def _device(tensors, names) -> int:
@@ -62,32 +57,25 @@ def _device(tensors, names) -> int:
     return d0.index  # a tensor's CUDA device always has an index
 
 
-def _scale_arg(softmax_scale):
-    """None stays None (the op's default, 1/sqrt(head_dim)); anything else a checked float."""
-    return None if softmax_scale is None else _validate.check_softmax_scale(softmax_scale, 1)
-
-
+# seed travels as a signed 64-bit int (torch's `int`); _seed_in/_seed_out map [0, 2^64) onto it.
 def _seed_in(seed: int) -> int:
     return seed - (1 << 64) if seed >= (1 << 63) else seed
 
 
-def _seed_out(seed: int):
-    return seed & ((1 << 64) - 1)
+def _seed_out(dropout_p, seed: int):
+    """The CuPy entry points' seed for the ops' (dropout_p, seed): None without dropout."""
+    return seed & ((1 << 64) - 1) if dropout_p > 0 else None
 
 
-def _dropout_args(dropout_p, seed):
-    """(dropout_p, seed) for the ops: validated; a missing seed with dropout is drawn from torch's
-    CPU generator (so torch.manual_seed makes runs repeatable), and autograd reuses it."""
+def _dropout_options(dropout_p, seed):
+    """(dropout_p, seed) for the ops, checked; a missing seed with dropout is drawn from torch's CPU
+    generator (so torch.manual_seed makes runs repeatable), and autograd reuses it."""
     if dropout_p is None or (not isinstance(dropout_p, bool) and dropout_p == 0.0 and seed is None):
-        from . import _dropout
-
-        _dropout.kernel_args(dropout_p, seed)  # raises for None
+        problem.resolve_dropout(dropout_p, seed)  # raises for None
         return 0.0, 0
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())
-    from . import _dropout
-
-    _dropout.kernel_args(dropout_p, seed)  # validates both
+    problem.resolve_dropout(dropout_p, seed)  # checks both
     return float(dropout_p), _seed_in(int(seed))
 
 
@@ -96,32 +84,35 @@ def _dropout_args(dropout_p, seed):
 @_custom_op("cuflash::attention_fwd", FWD_SCHEMA)
 def attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed):
     fwd = forward_fn(algorithm)
-    dev = _device((q, k, v), _QKV)
-    seed = _seed_out(seed) if dropout_p > 0 else None
+    dev = _device((q, k, v), FWD_ARRAYS)
+    seed = _seed_out(dropout_p, seed)
 
     def run(cq, ck, cv):
         return fwd(cq, ck, cv, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed)
 
-    out, lse = _interop.run(run, (q, k, v), _interop.TORCH, dev, _QKV)
+    out, lse = _interop.run(run, (q, k, v), _interop.TORCH, dev, FWD_ARRAYS)
     return out.contiguous(), lse.contiguous()  # as the fake promises (no-ops: fresh arrays)
 
 
 @_custom_op("cuflash::attention_bwd", BWD_SCHEMA)
 def attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed):
-    dev = _device((dout, q, k, v, out, lse), BWD_NAMES)
+    dev = _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
-    seed = _seed_out(seed) if dropout_p > 0 else None
+    seed = _seed_out(dropout_p, seed)
     from . import _backward
 
     def run(*arrays):
         return _backward.backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
                                   dropout_p=dropout_p, seed=seed)
 
-    dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, BWD_NAMES)
+    dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, BWD_ARRAYS)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()  # the fake's layout, whatever the kernel's
 
 
 # ----------------------------------------------------------------------------- fake (meta) versions
+# They check what the real ops check (problem.resolve_*), from tensor metadata. Not dropout: under
+# torch.compile dropout_p may be symbolic; the public entry point checked it before tracing, and the
+# real op checks it again when it runs.
 
 def _info(t, name, contiguous=False):
     """ArrayInfo from tensor metadata (no data access: works on fake tensors); None if symbolic."""
@@ -135,44 +126,42 @@ def _info(t, name, contiguous=False):
             strides.insert(0, acc)
             acc *= n
     dtype = str(t.dtype).rpartition(".")[2]
-    return _validate.ArrayInfo(shape, dtype, it, tuple(s * it for s in strides), 0, t.device.index or 0)
+    return problem.ArrayInfo(shape, dtype, it, tuple(s * it for s in strides), 0, t.device.index or 0)
 
 
 @attention_fwd.register_fake
 def _attention_fwd_fake(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed):
-    _validate.check_algorithm(algorithm)
-    infos = [_info(t, n) for t, n in zip((q, k, v), _QKV)]
+    problem.check_algorithm(algorithm)
+    infos = [_info(t, n) for t, n in zip((q, k, v), FWD_ARRAYS)]
     if None not in infos:
-        _validate.check_forward(*infos, causal, softmax_scale)
+        problem.resolve_forward(*infos, causal, softmax_scale)
     b, nq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, nq), dtype=torch.float32)
 
 
 @attention_bwd.register_fake
 def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed):
-    infos = [_info(t, n, contiguous=(n == "dout")) for t, n in zip((dout, q, k, v, out, lse), BWD_NAMES)]
+    infos = [_info(t, n, contiguous=(n == "dout")) for t, n in zip((dout, q, k, v, out, lse), BWD_ARRAYS)]
     if None not in infos:
-        _validate.check_backward(*infos, causal, softmax_scale)
+        problem.resolve_backward(*infos, causal, softmax_scale, deterministic)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 # ------------------------------------------------------------------------------------------ autograd
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed = inputs
+    q, k, v = inputs[:len(FWD_ARRAYS)]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-    ctx.dropout_p, ctx.seed = dropout_p, seed  # the backward regenerates the same mask
+    ctx.options = backward_options(inputs)  # dropout's p and seed included: the backward regenerates the mask
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     # dlse is ignored: lse is marked non-differentiable (autograd hands zeros or None here).
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic,
-                               ctx.dropout_p, ctx.seed)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = attention_bwd(dout, q, k, v, out, lse, *ctx.options)
+    return (dq, dk, dv, *OPTION_GRADS)
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -182,21 +171,24 @@ _bwd_op = torch.ops.cuflash.attention_bwd.default
 
 
 # ------------------------------------------------------------------------------ public entry points
+# The options are checked here, once, because the ops' schema types cannot carry a wrong one to
+# the checks below them (a str for `causal` would fail in the dispatcher, not with our message).
 
 def attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p=0.0, seed=None):
     """cuflash.attention for torch tensors (differentiable). Arguments checked by the caller:
     algorithm and deterministic; checked here: types, devices, causal, softmax_scale, dropout."""
-    _device((q, k, v), _QKV)
-    out, lse = _fwd_op(q, k, v, _validate.check_flag(causal, "causal"), _scale_arg(softmax_scale), algorithm,
-                       bool(deterministic), *_dropout_args(dropout_p, seed))
+    _device((q, k, v), FWD_ARRAYS)
+    out, lse = _fwd_op(q, k, v, problem.check_flag(causal, "causal"), problem.check_softmax_scale(softmax_scale),
+                       algorithm, bool(deterministic), *_dropout_options(dropout_p, seed))
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p=0.0, seed=None):
     """cuflash.attention_backward for torch tensors: (dq, dk, dv), not itself differentiable."""
-    _device((dout, q, k, v, out, lse), BWD_NAMES)
+    _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     if dropout_p and seed is None:
         raise ValueError("seed is required with dropout_p > 0: pass the seed the forward used")
     with torch.no_grad():
-        return _bwd_op(dout, q, k, v, out, lse, _validate.check_flag(causal, "causal"), _scale_arg(softmax_scale),
-                       bool(deterministic), *_dropout_args(dropout_p, seed))
+        return _bwd_op(dout, q, k, v, out, lse, problem.check_flag(causal, "causal"),
+                       problem.check_softmax_scale(softmax_scale), bool(deterministic),
+                       *_dropout_options(dropout_p, seed))

@@ -5,6 +5,8 @@ user documentation.
 """
 from __future__ import annotations
 
+from .signature import BWD_ARRAYS
+
 # Filled by the first call with CuPy arrays, so that later CuPy calls cost three `is` tests on top
 # of the forward itself (its plan cache keeps the rest of the host overhead flat).
 _ndarray = None  # cupy.ndarray
@@ -55,10 +57,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
 
 def _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed):
-    from . import _validate
+    from . import problem
 
-    _validate.check_algorithm(algorithm)
-    deterministic = _validate.check_flag(deterministic, "deterministic")
+    problem.check_algorithm(algorithm)
+    deterministic = problem.check_flag(deterministic, "deterministic")
     tm = _tmod
     if tm is not None and isinstance(q, tm.Tensor):
         return tm.attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed)
@@ -102,17 +104,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     return _attention_backward(args, causal, softmax_scale, deterministic, dropout_p, seed)
 
 
-BWD_NAMES = ("dout", "q", "k", "v", "out", "lse")
-
-
 def _attention_backward(args, causal, softmax_scale, deterministic, dropout_p, seed):
-    from . import _interop, _validate
+    from . import _interop, problem
 
-    deterministic = _validate.check_flag(deterministic, "deterministic")
+    deterministic = problem.check_flag(deterministic, "deterministic")
     tm = _tmod
     if tm is not None and isinstance(args[1], tm.Tensor):
         return tm.attention_backward(*args, causal, softmax_scale, deterministic, dropout_p, seed)
-    fw, dev = _interop.common_framework(args, BWD_NAMES)
+    fw, dev = _interop.common_framework(args, BWD_ARRAYS)
     if fw == _interop.TORCH:
         return _load_torch().attention_backward(*args, causal, softmax_scale, deterministic, dropout_p, seed)
     from ._backward import backward
@@ -124,19 +123,21 @@ def _attention_backward(args, causal, softmax_scale, deterministic, dropout_p, s
     if fw == _interop.CUPY:
         _remember_cupy()
         return run(*args)
-    return _interop.run(run, args, fw, dev, BWD_NAMES)
+    return _interop.run(run, args, fw, dev, BWD_ARRAYS)
 
 
 def forward_fn(algorithm):
     """The CuPy forward of `algorithm` ("v1" or "v2"; anything else raises the argument's error)."""
-    from . import _validate
+    from . import problem
 
-    if _validate.check_algorithm(algorithm) == "v1":
+    if problem.check_algorithm(algorithm) == "v1":
         from ._forward_v1 import forward_v1
 
         return forward_v1
     _remember_cupy()
-    return _fwd
+    from . import _forward
+
+    return _forward.forward  # the module attribute, so a patched forward (tests/gpu/test_torch_gpu.py) runs
 
 
 def _remember_cupy():

@@ -62,7 +62,7 @@ FakeTracer = type("DynamicJaxprTracer", (_Tracer,), {"__module__": "jax._src.int
 # ---------------------------------------------------------------------------------------- detection
 
 def test_import_does_not_import_frameworks():
-    code = ("import sys, numpy, cuflash, cuflash._interop, cuflash._validate\n"
+    code = ("import sys, numpy, cuflash, cuflash._interop, cuflash.problem\n"
             "try:\n    cuflash.attention(numpy.zeros((1, 8, 1, 64)), 1, 2)\nexcept TypeError:\n    pass\n"
             "print(sorted(m for m in ('torch', 'jax', 'jaxlib', 'cupy') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -22,16 +22,30 @@ def _meta(b, n, h, d, dtype=torch.bfloat16, requires_grad=False):
 def test_schemas(ops):
     fwd, bwd = ops
     assert str(fwd._schema).startswith("cuflash::attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, "
-                                       "float? softmax_scale, str algorithm, bool deterministic)")
+                                       "float? softmax_scale, str algorithm, bool deterministic, float dropout_p, "
+                                       "int seed)")
     assert str(bwd._schema).startswith("cuflash::attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, "
-                                       "Tensor out, Tensor lse, bool causal")
+                                       "Tensor out, Tensor lse, bool causal, float? softmax_scale, "
+                                       "bool deterministic, float dropout_p, int seed)")
+
+
+def test_op_signatures_follow_the_argument_lists(ops):
+    import inspect
+
+    from cuflash import _torch, signature
+
+    for op, fake, names in ((_torch.attention_fwd, _torch._attention_fwd_fake, signature.FWD_ARGS),
+                            (_torch.attention_bwd, _torch._attention_bwd_fake, signature.BWD_ARGS)):
+        real = getattr(op, "_init_fn", fake)  # (the wrapped function's attribute name is torch's private)
+        for fn in (real, fake):
+            assert tuple(inspect.signature(fn).parameters) == names, fn
 
 
 def test_fake_shapes_and_autograd_wiring(ops):
     fwd, _ = ops
     q, k, v = _meta(2, 64, 4, 64, requires_grad=True), _meta(2, 80, 4, 64, requires_grad=True), \
         _meta(2, 80, 4, 64, requires_grad=True)
-    out, lse = fwd(q, k, v, True, None, "v2", True)
+    out, lse = fwd(q, k, v, True, None, "v2", True, 0.0, 0)
     assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
     assert lse.shape == (2, 4, 64) and lse.dtype == torch.float32
     assert out.requires_grad and not lse.requires_grad  # lse is marked non-differentiable
@@ -50,17 +64,17 @@ def test_fake_validates(ops, args, exc, words):
     d, dt = args.get("d", 64), args.get("dtype", torch.bfloat16)
     q = _meta(1, 16, 2, d, dt)
     with pytest.raises(exc, match=words):
-        fwd(q, q, q, False, args.get("scale"), args.get("algorithm", "v2"), False)
+        fwd(q, q, q, False, args.get("scale"), args.get("algorithm", "v2"), False, 0.0, 0)
 
 
 def test_opcheck_on_meta(ops):
     fwd, bwd = ops
     q, k, v = _meta(2, 64, 4, 64, requires_grad=True), _meta(2, 80, 4, 64, requires_grad=True), \
         _meta(2, 80, 4, 64, requires_grad=True)
-    torch.library.opcheck(fwd, (q, k, v, True, None, "v2", False))
+    torch.library.opcheck(fwd, (q, k, v, True, None, "v2", False, 0.0, 0))
     d = _meta(2, 64, 4, 64)
     lse = torch.empty(2, 4, 64, device="meta", dtype=torch.float32)
-    torch.library.opcheck(bwd, (d, q.detach(), k.detach(), v.detach(), d, lse, True, 0.2, True))
+    torch.library.opcheck(bwd, (d, q.detach(), k.detach(), v.detach(), d, lse, True, 0.2, True, 0.0, 0))
 
 
 @pytest.mark.parametrize("registered", [False, True])

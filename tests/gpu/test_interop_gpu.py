@@ -76,7 +76,7 @@ def test_backward_bad_arguments_before_launch():
     rng = np.random.default_rng(2)
     q, k, v = random_qkv(rng, 1, 64, 64, 2, 64, dtype_of("bfloat16"))
     out, lse = cuflash.attention(q, k, v, return_lse=True)
-    bad = [  # the message names the argument (exact wording: cuflash._validate.check_backward)
+    bad = [  # the message names the argument (exact wording: cuflash.problem.resolve_backward)
         ((out.astype(cupy.float16), q, k, v, out, lse), "dout must"),
         ((out[:, :32], q, k, v, out, lse), "dout must"),
         ((out, q, k, v, out[:, :, :1], lse), "out must"),

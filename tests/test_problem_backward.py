@@ -1,9 +1,9 @@
-"""The backward's argument checks (check_backward) on ArrayInfo records: no GPU needed."""
+"""The backward's argument checks (resolve_backward) on ArrayInfo records: no GPU needed."""
 import math
 
 import pytest
 
-from cuflash._validate import ArrayInfo, check_backward
+from cuflash.problem import UNBOUNDED, ArrayInfo, resolve_backward
 
 B, NQ, NK, H, D = 2, 64, 80, 4, 128
 
@@ -36,9 +36,10 @@ def args(**over):
     return a
 
 
-def call(causal=False, softmax_scale=None, **over):
+def call(causal=False, softmax_scale=None, deterministic=False, **over):
     a = args(**over)
-    return check_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], causal, softmax_scale)
+    return resolve_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], causal, softmax_scale,
+                            deterministic)
 
 
 def test_valid_problem():
@@ -81,7 +82,7 @@ def test_lse_size_one_dims_any_stride():
     (dict(lse=lse_info(strides=(H * NQ * 8, NQ * 8, 8))), ValueError, "lse must be C-contiguous"),
     (dict(lse=lse_info(ptr=(1 << 21) + 2)), ValueError, "lse's data pointer is not 4-byte aligned"),
     (dict(lse=lse_info(device=1)), ValueError, "lse must be on q's device 0, got device 1"),
-    # q, k, v themselves: check_forward's rules apply
+    # q, k, v themselves: resolve_forward's rules apply
     (dict(k=info((B, NK, H, 64)), v=info((B, NK, H, 64))), ValueError, "head_dim differs"),
     (dict(q=info((B, NQ, H, D), dtype="float32")), TypeError, "q has dtype float32"),
 ])
@@ -97,3 +98,18 @@ def test_bad_options():
         call(softmax_scale=-1.0)
     with pytest.raises(TypeError, match="softmax_scale"):
         call(softmax_scale="big")
+
+
+def test_problem_fields():
+    p = call(causal=True, deterministic=1)
+    assert p.deterministic is True
+    assert (p.window_left, p.window_right, p.offset) == (UNBOUNDED, 0, NK - NQ)
+    s = (NQ * H * D, H * D, D)
+    assert p.strides == {"q": s, "k": (NK * H * D, H * D, D), "v": (NK * H * D, H * D, D), "dout": s, "out": s}
+
+
+def test_deterministic_checked_last():
+    with pytest.raises(TypeError, match="deterministic must be a bool, got 'yes'"):
+        call(deterministic="yes")
+    with pytest.raises(ValueError, match="dout must have q's shape"):  # array errors first, as before
+        call(deterministic="yes", dout=info((B, NQ + 1, H, D)))

@@ -1,0 +1,254 @@
+"""One description of an attention call (`AttnProblem`) and the one pass that validates its arguments.
+
+    p = resolve_forward(q, k, v, causal, softmax_scale, dropout)          # q, k, v: ArrayInfo
+    p = resolve_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout)
+
+The CuPy entry points (on plan build), the torch ops and their fakes all call these, so every rule
+and message lives here once. Checks run on `ArrayInfo` records (shape, dtype, strides, pointer,
+device), not on arrays, so that every rule is testable without a GPU. Messages name the argument,
+what it got and what is expected, in the style of FlashAttention's and PyTorch's own checks.
+
+Dropout's (p, seed) are the exception to "once per plan": they change from call to call without
+changing the plan, so `resolve_dropout` runs per call and its result is handed to resolve_*.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from .features import SUPPORTED_DTYPES, Features
+from .tiles import SUPPORTED_HEAD_DIMS
+
+# cp.async moves 16 bytes at a time: base pointers and row strides must be 16-byte aligned.
+ALIGN_BYTES = 16
+LSE_DTYPE = "float32"
+# A window side that reaches every key: larger than any seqlen, small enough that i + offset +/- it
+# stays in a 32-bit int for seqlens below 2^30. The kernels will use the same value.
+UNBOUNDED = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayInfo:
+    shape: tuple
+    dtype: str  # numpy-style name, e.g. "bfloat16"
+    itemsize: int
+    strides: tuple  # in bytes, as NumPy/CuPy report them
+    ptr: int
+    device: int  # CUDA device ordinal
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropout:
+    """Fused dropout of one call: the mask is Philox of `seed` (cuflash/philox.py), p quantised to 1/65536."""
+
+    p: float
+    seed: int
+    kernel_args: tuple  # (seed, threshold, scale) as the kernels' uint64, uint32, float32 scalars
+
+
+# What kernels get when dropout is off (their DROPOUT=false instantiation ignores it anyway).
+NO_DROPOUT_ARGS = (np.uint64(0), np.uint32(0), np.float32(1.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttnProblem:
+    """Everything about a call but its data pointers: shapes, layout, options and the canonical mask.
+
+    Mask: query row i sees key k iff i + offset - window_left <= k <= i + offset + window_right
+    (and k < seqlen_k). Bottom-right causal is (UNBOUNDED, 0, seqlen_k - seqlen_q), no mask is
+    (UNBOUNDED, UNBOUNDED, seqlen_k - seqlen_q).
+    """
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    heads: int
+    head_dim: int
+    dtype: str
+    device: int
+    # (batch, seqlen, heads) strides in elements of each given tensor ("q", "k", "v"; the backward
+    # adds "dout" and "out"); head_dim's stride is 1
+    strides: dict = dataclasses.field(hash=False)
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    offset: int
+    dropout: Dropout | None = None
+    deterministic: bool = False  # the backward's dQ without atomics
+
+    @property
+    def features(self) -> Features:
+        return Features(self.dtype, self.head_dim, self.dropout is not None)
+
+    @property
+    def causal(self) -> bool:
+        """The mask is bottom-right causal (today's kernels and tuned tables take the mask as this flag)."""
+        return self.window_left == UNBOUNDED and self.window_right == 0
+
+
+def describe(x, name: str) -> ArrayInfo:
+    """ArrayInfo for a CuPy array; TypeError naming `name` for anything else."""
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - cupy is a hard requirement at run time
+        raise ImportError("cuflash needs CuPy: pip install 'cuflash[cuda13]' (or [cuda12])") from e
+    if not isinstance(x, cupy.ndarray):
+        kind = f"{type(x).__module__}.{type(x).__name__}"
+        raise TypeError(f"{name} must be a CuPy array on a CUDA device, got {kind}")
+    return ArrayInfo(tuple(x.shape), x.dtype.name, x.dtype.itemsize, tuple(x.strides), x.data.ptr, x.device.id)
+
+
+# ----------------------------------------------------------------------------------- options
+
+def check_flag(value, name: str) -> bool:
+    """A bool option (0 and 1 are accepted as bools)."""
+    if not isinstance(value, (bool, int)) or value not in (0, 1, True, False):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def check_softmax_scale(softmax_scale) -> float | None:
+    """A positive finite float, or None (the default, 1/sqrt(head_dim), is resolved with the arrays)."""
+    if softmax_scale is None:
+        return None
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}") from None
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
+    return scale
+
+
+def check_algorithm(algorithm) -> str:
+    if algorithm != "v2" and algorithm != "v1":
+        raise ValueError(f"algorithm must be 'v1' or 'v2', got {algorithm!r}")
+    return algorithm
+
+
+def resolve_dropout(dropout_p, seed) -> Dropout | None:
+    """The call's dropout, or None when nothing is dropped (p == 0, or p below the 1/65536 quantum).
+
+    Raises TypeError/ValueError naming the argument (dropout_p in [0, 1); seed required when
+    dropout_p > 0, an int in [0, 2^64)). Runs per call: the no-dropout case costs two compares.
+    """
+    if seed is None and (dropout_p == 0.0 or dropout_p is None):  # the common case, no import
+        if dropout_p is None:
+            raise TypeError("dropout_p must be a float in [0, 1), got None")
+        return None
+    from .philox import check_dropout, dropout_scale, dropout_threshold
+
+    check_dropout(dropout_p, seed)
+    p = float(dropout_p)
+    threshold = dropout_threshold(p)
+    if threshold == 0:
+        return None
+    return Dropout(p, int(seed), (np.uint64(int(seed)), np.uint32(threshold), np.float32(dropout_scale(p))))
+
+
+# ------------------------------------------------------------------------------------ arrays
+
+def _check_layout(a: ArrayInfo, name: str) -> None:
+    if len(a.shape) != 4:
+        raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {a.shape}")
+    if a.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {a.dtype}; supported dtypes are float16 and bfloat16")
+    if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
+        raise ValueError(
+            f"{name} must be contiguous in its last dimension (head_dim), got strides {a.strides} bytes; "
+            f"call .copy() or ascontiguousarray first")
+    if a.ptr % ALIGN_BYTES:
+        raise ValueError(f"{name}'s data pointer is not {ALIGN_BYTES}-byte aligned (offset view?); copy it first")
+    for dim, s in zip(("batch", "seqlen", "heads"), a.strides[:3]):
+        if s % ALIGN_BYTES:
+            raise ValueError(
+                f"{name}'s {dim} stride ({s} bytes) is not a multiple of {ALIGN_BYTES} bytes; copy it first")
+
+
+def _element_strides(a: ArrayInfo) -> tuple:
+    return tuple(s // a.itemsize for s in a.strides[:3])
+
+
+def _canonical_mask(causal: bool, seqlen_q: int, seqlen_k: int) -> tuple:
+    """(window_left, window_right, offset) of today's masks; causal is aligned bottom-right."""
+    return UNBOUNDED, (0 if causal else UNBOUNDED), seqlen_k - seqlen_q
+
+
+def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, causal, softmax_scale,
+                    dropout: Dropout | None = None) -> AttnProblem:
+    """The forward's problem; raises TypeError/ValueError naming the first bad argument.
+
+    `dropout` is resolve_dropout's result for the call.
+    """
+    for a, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_layout(a, name)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got devices {q.device}, {k.device}, {v.device}")
+    b, nq, h, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    bk, nk, hk, dk = k.shape
+    if bk != b:
+        raise ValueError(f"batch size differs: q has {b}, k and v have {bk}")
+    if hk != h:
+        raise ValueError(f"number of heads differs: q has {h}, k and v have {hk}")
+    if dk != d:
+        raise ValueError(f"head_dim differs: q has {d}, k and v have {dk}")
+    if d not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {d} is not supported; supported head dims: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    if b < 1:
+        raise ValueError(f"batch size must be >= 1, got {b}")
+    if h < 1:
+        raise ValueError(f"number of heads must be >= 1, got {h}")
+    if nq < 1:
+        raise ValueError(f"seqlen of q must be >= 1, got {nq}")
+    if nk < 1:
+        raise ValueError(f"seqlen of k and v must be >= 1, got {nk}")
+    causal = check_flag(causal, "causal")
+    scale = check_softmax_scale(softmax_scale)
+    left, right, offset = _canonical_mask(causal, nq, nk)
+    return AttnProblem(
+        batch=b, seqlen_q=nq, seqlen_k=nk, heads=h, head_dim=d, dtype=q.dtype, device=q.device,
+        strides={"q": _element_strides(q), "k": _element_strides(k), "v": _element_strides(v)},
+        softmax_scale=1.0 / math.sqrt(d) if scale is None else scale,
+        window_left=left, window_right=right, offset=offset, dropout=dropout)
+
+
+def resolve_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
+                     causal, softmax_scale, deterministic=False, dropout: Dropout | None = None) -> AttnProblem:
+    """The backward's problem; raises TypeError/ValueError naming the first bad argument.
+
+    q, k, v, causal and softmax_scale follow resolve_forward. `out` (the forward's output) and `dout`
+    (the gradient of the loss with respect to it) must have q's shape, dtype and device, and the
+    layout rules of q (contiguous last dimension, 16-byte aligned pointer and strides). `lse` is the
+    forward's float32 (batch, heads, seqlen_q) log-sum-exp, C-contiguous, on q's device.
+    """
+    p = resolve_forward(q, k, v, causal, softmax_scale, dropout)
+    for a, name in ((out, "out"), (dout, "dout")):
+        if a.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")
+        if a.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape {q.shape}, got shape {a.shape}")
+        _check_layout(a, name)
+        if a.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got device {a.device}")
+    want = (p.batch, p.heads, p.seqlen_q)
+    if lse.dtype != LSE_DTYPE:
+        raise TypeError(f"lse must be float32 (the forward's log-sum-exp), got dtype {lse.dtype}")
+    if tuple(lse.shape) != want:
+        raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {want}, got shape {lse.shape}")
+    contiguous = (p.heads * p.seqlen_q * lse.itemsize, p.seqlen_q * lse.itemsize, lse.itemsize)
+    if any(n > 1 and s != c for n, s, c in zip(lse.shape, lse.strides, contiguous)):
+        raise ValueError(f"lse must be C-contiguous (strides {contiguous} bytes), got strides {lse.strides}; "
+                         f"pass the lse the forward returned, or a contiguous copy of it")
+    if lse.ptr % lse.itemsize:
+        raise ValueError(f"lse's data pointer is not {lse.itemsize}-byte aligned; copy it first")
+    if lse.device != q.device:
+        raise ValueError(f"lse must be on q's device {q.device}, got device {lse.device}")
+    return dataclasses.replace(
+        p, strides={**p.strides, "dout": _element_strides(dout), "out": _element_strides(out)},
+        deterministic=check_flag(deterministic, "deterministic"))

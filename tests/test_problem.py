@@ -1,0 +1,149 @@
+"""resolve_forward and resolve_dropout on ArrayInfo records: every argument rule, the canonical mask,
+features; no GPU needed (R1). The backward's rules: test_problem_backward.py."""
+import math
+
+import numpy as np
+import pytest
+
+from cuflash.features import Features
+from cuflash.problem import UNBOUNDED, ArrayInfo, Dropout, resolve_dropout, resolve_forward
+
+
+def info(shape=(2, 64, 4, 128), dtype="bfloat16", strides=None, ptr=1 << 20, device=0):
+    if strides is None:  # contiguous, in bytes
+        strides, acc = [], 2
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+    return ArrayInfo(tuple(shape), dtype, 2 if dtype in ("bfloat16", "float16") else 4, tuple(strides), ptr, device)
+
+
+def ok(**kw):
+    return resolve_forward(info(), info(), info(), kw.get("causal", False), kw.get("softmax_scale"))
+
+
+def test_valid_problem_and_default_scale():
+    p = ok()
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim) == (2, 64, 64, 4, 128)
+    assert math.isclose(p.softmax_scale, 1 / math.sqrt(128))
+    p = resolve_forward(info((2, 5, 4, 64)), info((2, 9, 4, 64)), info((2, 9, 4, 64)), True, 0.5)
+    assert (p.seqlen_q, p.seqlen_k, p.causal, p.softmax_scale) == (5, 9, True, 0.5)
+
+
+@pytest.mark.parametrize("q,k,v,exc,words", [
+    (info(dtype="float32"), info(), info(), TypeError, "q has dtype float32"),
+    (info(), info(dtype="float16"), info(), TypeError, "one dtype"),
+    (info((64, 4, 128)), info(), info(), ValueError, "q must have 4 dimensions"),
+    (info((2, 64, 4, 128, 1)), info(), info(), ValueError, "4 dimensions"),
+    (info(), info((3, 64, 4, 128)), info((3, 64, 4, 128)), ValueError, "batch size differs"),
+    (info(), info((2, 64, 2, 128)), info((2, 64, 2, 128)), ValueError, "number of heads differs"),
+    (info(), info((2, 64, 4, 64)), info((2, 64, 4, 64)), ValueError, "head_dim differs"),
+    (info((2, 64, 4, 96)), info((2, 64, 4, 96)), info((2, 64, 4, 96)), ValueError, "head_dim 96 is not supported; supported head dims: 64, 128"),
+    (info(), info(), info((2, 65, 4, 128)), ValueError, "k and v must have the same shape"),
+    (info(strides=(2 * 64 * 4 * 128 * 2, 4 * 128 * 2, 128 * 2 * 2, 4)), info(), info(), ValueError, "contiguous in its last dimension"),
+    (info(ptr=(1 << 20) + 2), info(), info(), ValueError, "16-byte aligned"),
+    (info(), info(strides=(64 * 4 * 136 * 2, 4 * 136 * 2 + 2, 136 * 2, 2)), info(), ValueError, "seqlen stride"),
+    (info((2, 0, 4, 128)), info(), info(), ValueError, "seqlen of q must be >= 1"),
+    (info(), info((2, 0, 4, 128)), info((2, 0, 4, 128)), ValueError, "seqlen of k and v must be >= 1"),
+    (info((0, 64, 4, 128)), info((0, 64, 4, 128)), info((0, 64, 4, 128)), ValueError, "batch size must be >= 1"),
+    (info(), info(device=1), info(), ValueError, "one device"),
+])
+def test_bad_arguments(q, k, v, exc, words):
+    with pytest.raises(exc, match=words):
+        resolve_forward(q, k, v, False, None)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
+def test_bad_scale(scale):
+    with pytest.raises(ValueError, match="softmax_scale"):
+        ok(softmax_scale=scale)
+
+
+def test_bad_scale_type_and_causal():
+    with pytest.raises(TypeError, match="softmax_scale"):
+        ok(softmax_scale="big")
+    with pytest.raises(TypeError, match="causal"):
+        ok(causal="yes")
+
+
+def test_non_cupy_input_named():
+    pytest.importorskip("cupy")
+    from cuflash.problem import describe
+
+    with pytest.raises(TypeError, match="k must be a CuPy array"):
+        describe(np.zeros((1, 1, 1, 64)), "k")
+
+
+# ---------------------------------------------------------------------------- canonical mask
+
+@pytest.mark.parametrize("nq,nk", [(5, 9), (9, 5), (64, 64)])
+def test_canonical_mask(nq, nk):
+    q, kv = info((1, nq, 1, 64)), info((1, nk, 1, 64))
+    causal = resolve_forward(q, kv, kv, True, None)
+    assert (causal.window_left, causal.window_right, causal.offset) == (UNBOUNDED, 0, nk - nq)
+    assert causal.causal is True
+    full = resolve_forward(q, kv, kv, False, None)
+    assert (full.window_left, full.window_right, full.offset) == (UNBOUNDED, UNBOUNDED, nk - nq)
+    assert full.causal is False
+
+
+def _visible(p):
+    """The 0/1 mask the canonical (window_left, window_right, offset) describes."""
+    return [[int(i + p.offset - p.window_left <= j <= i + p.offset + p.window_right and j < p.seqlen_k)
+             for j in range(p.seqlen_k)] for i in range(p.seqlen_q)]
+
+
+def test_canonical_mask_is_bottom_right_causal():
+    q, kv = info((1, 3, 1, 64)), info((1, 5, 1, 64))
+    assert _visible(resolve_forward(q, kv, kv, True, None)) == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert _visible(resolve_forward(kv, q, q, True, None)) == [[0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert _visible(resolve_forward(q, kv, kv, False, None)) == [[1] * 5] * 3
+    assert UNBOUNDED == 1 << 30  # the value the kernels will share (2^31 - 1 would overflow i + offset + it)
+
+
+# ------------------------------------------------------------------------- layout and features
+
+def test_strides_in_elements():
+    # q a slice of a packed (B, N, 3, H, D) qkv array: element strides, head_dim's left out
+    packed = (64 * 3 * 4 * 128 * 2, 3 * 4 * 128 * 2, 128 * 2, 2)
+    p = resolve_forward(info(strides=packed), info(), info(), False, None)
+    assert p.strides == {"q": (64 * 3 * 4 * 128, 3 * 4 * 128, 128), "k": (64 * 4 * 128, 4 * 128, 128),
+                         "v": (64 * 4 * 128, 4 * 128, 128)}
+    assert (p.dtype, p.device, p.deterministic, p.dropout) == ("bfloat16", 0, False, None)
+
+
+def test_features_and_perf_class():
+    p = ok()
+    assert p.features == Features("bfloat16", 128, False)
+    assert (p.features.tag(), p.features.perf_class()) == ("", "dense")
+    drop = resolve_dropout(0.1, 7)
+    p = resolve_forward(info(dtype="float16"), info(dtype="float16"), info(dtype="float16"), True, None, drop)
+    assert p.features == Features("float16", 128, True) and p.dropout is drop
+    assert (p.features.tag(), p.features.perf_class()) == ("_drop", "dropout")
+
+
+# ------------------------------------------------------------------------------------ dropout
+
+def test_dropout_resolution():
+    assert resolve_dropout(0.0, None) is None
+    assert resolve_dropout(0, 5) is None  # a seed without dropout is checked, then unused
+    assert resolve_dropout(1e-6, 3) is None  # below the 1/65536 quantum: nothing is dropped
+    d = resolve_dropout(0.25, 2**64 - 1)
+    assert isinstance(d, Dropout) and (d.p, d.seed) == (0.25, 2**64 - 1)
+    seed, threshold, scale = d.kernel_args
+    assert (seed.dtype, threshold.dtype, scale.dtype) == (np.uint64, np.uint32, np.float32)
+    assert (int(seed), int(threshold), scale) == (2**64 - 1, 16384, np.float32(65536 / (65536 - 16384)))
+
+
+@pytest.mark.parametrize("p,seed,exc,words", [
+    (None, None, TypeError, r"dropout_p must be a float in \[0, 1\), got None"),
+    (True, 1, TypeError, "dropout_p must be a float"),
+    (1.0, 1, ValueError, "dropout_p must be a float"),
+    (float("nan"), 1, ValueError, "dropout_p must be a float"),
+    (0.1, None, ValueError, "seed is required when dropout_p > 0"),
+    (0.1, -1, ValueError, "seed must be an int"),
+    (0.1, 1.5, TypeError, "seed must be an int"),
+])
+def test_bad_dropout(p, seed, exc, words):
+    with pytest.raises(exc, match=words):
+        resolve_dropout(p, seed)
