@@ -34,9 +34,10 @@ def kernel_dir() -> pathlib.Path:
 @functools.lru_cache(maxsize=None)
 def source_fingerprint() -> str:
     h = hashlib.sha256()
-    for p in sorted(kernel_dir().glob("*.cu*")):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
+    root = kernel_dir()
+    for rel in sorted(p.relative_to(root).as_posix() for p in root.rglob("*.cu*")):
+        h.update(rel.encode())
+        h.update((root / rel).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -150,7 +151,7 @@ get_fwd_kernel = get_kernel
 
 
 def aux_source(name: str, dtype: str, head_dim: int) -> tuple[str, str]:
-    """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`)."""
+    """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`; aux/)."""
     tag, bf16 = _DTYPE_TAG[dtype]
     fn = f"cuflash_{name}_{tag}_d{head_dim}"
     params = {"bwd_prep": "CUFLASH_PREP_PARAMS", "bwd_dq_convert": "CUFLASH_CONVERT_PARAMS"}[name]
