@@ -81,6 +81,26 @@ struct Dropout {
 
     // Keep bit of register e of n8 tile nt, from the bits of its 16x16 block.
     __device__ __forceinline__ static bool kept(u32 bits, int nt, int e) { return (bits >> keep_bit_of_frag(nt, e)) & 1u; }
+
+    // The transposed view (the dK/dV kernel's S^T, core/frag.cuh Transposed): thread (g, t) holds,
+    // in the 16x16 block (query block R, key block C), keys 16C + g + 8h and queries
+    // 16R + 8s + 2t + e (n8 tile s, row half h). Returns their keep bits as bit 4s + 2h + e, the
+    // order of the A fragment registers r = 2s + h, half e, of that tile (sm80/warp_gemm.cuh,
+    // tile_mma_ab). In the forward's grouping element (q, k) belongs to thread
+    // (q % 8, (k % 8) / 2) = (2t + e, g / 2): two Philox calls (e = 0, 1), four bits from each.
+    __device__ __forceinline__ u32 bits8_transposed(int R, int C, int g, int t) const {
+        u32 out = 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const u32 bits = bits8(R, C, 2 * t + e, g / 2);
+#pragma unroll
+            for (int s = 0; s < 2; ++s)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)  // keep_bit_index(8s + 2t + e, g + 8h) = 4s + 2h + g % 2
+                    out |= ((bits >> keep_bit_index(8 * s, 8 * h + (g & 1))) & 1u) << (4 * s + 2 * h + e);
+        }
+        return out;
+    }
 };
 
 }  // namespace cuflash

@@ -82,6 +82,14 @@ struct OnlineSoftmax {
             }
     }
 
+    // FA1 (v1) form: l is kept quad-reduced per row and O normalised, so the step is
+    // l_new = corr l + rowsum P and O~ is rescaled by corr l (returned) instead of corr.
+    __device__ __forceinline__ float update_sum_reduced(int mt, int half, float corr, float sum) {
+        const float l = row_sum[mt][half];
+        row_sum[mt][half] = corr * l + warp_sum4(sum);
+        return corr * l;
+    }
+
     // Final row sum (quad-reduced) of row (mt, half).
     __device__ __forceinline__ float final_sum(int mt, int half) const { return warp_sum4(row_sum[mt][half]); }
 

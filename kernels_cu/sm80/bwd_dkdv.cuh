@@ -13,9 +13,12 @@
 // DROPOUT regenerates the forward's Philox mask: dV uses P o mask, and dS = P o (dP o Z - delta)
 // with Z = mask / (1 - p).
 #pragma once
+#include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
 #include "attn/epilogue.cuh"
+#include "attn/mask.cuh"
 #include "attn/params.cuh"
+#include "attn/scheduler.cuh"
 #include "sm80/tile_copy.cuh"
 #include "sm80/traits.cuh"
 #include "sm80/warp_gemm.cuh"
@@ -87,12 +90,11 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
 
-    // Block -> (key block, head, batch); key blocks fastest. Under a causal mask the early key
-    // blocks see the most query tiles, so the heaviest blocks start first.
-    const int bid = blockIdx.x;
-    const int bh = bid / n_blocks;
-    const int nb = bid - bh * n_blocks;
-    const int b = bh / n_heads, h = bh - b * n_heads;
+    // Block -> (key block, head, batch); key blocks fastest, in natural order: under a causal
+    // mask the early key blocks see the most query tiles, so the heaviest blocks start first.
+    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const BlockCoord blk = schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
+    const int bh = blk.bh, b = blk.batch, h = blk.head, nb = blk.block;
     const int c0 = nb * BC;
 
     const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
@@ -102,16 +104,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
     const float* lse2g = lse2 + (long long)bh * seqlen_q_pad;
     const float* deltag = delta + (long long)bh * seqlen_q_pad;
 
-    // Query tiles that see any of this block's keys, and from which on no mask is needed.
-    const int off = seqlen_k - seqlen_q;
+    // Query tiles that see any of this block's keys, and which of them need the mask.
     const int m_blocks = (seqlen_q + BR - 1) / BR;
-    int m_begin = 0;
-    if (causal) {
-        int first_row = c0 - off;  // first query that sees key c0
-        m_begin = first_row <= 0 ? 0 : min(m_blocks, first_row / BR);
-    }
-    const bool key_tail = c0 + BC > seqlen_k;
-    const int n_iter = m_blocks - m_begin;
+    const BlockRange range = query_blocks<BR, BC>(geo, nb, m_blocks);
+    const Mask mask{geo};
+    const Dropout drop{drop_seed, drop_threshold, bh};
+    const int m_begin = range.begin, n_iter = range.size();
 
     auto load_q_tile = [&](int it) {
         const int slot = it % STAGES;
@@ -161,7 +159,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
         cp_async_commit();
         const int slot = it % STAGES;
         const u32 sQs = sQ + slot * S_::kQTileBytes, sdOs = sdO + slot * S_::kQTileBytes;
-        const int q0 = (m_begin + it) * BR;
+        const int m = m_begin + it;  // query block of this step
+        const int q0 = m * BR;
         const u32 sdS_it = sdS + (it % 2) * S_::kDsBytes;
         // dQ of the previous query tile: its dS^T is complete now that every warp passed the
         // barrier above. Deferring it by one tile saves the second barrier per tile.
@@ -169,36 +168,24 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
             bwd_dq_product<BF16, S_>(sdS + ((it - 1) % 2) * S_::kDsBytes, sK,
                                      dq_acc + ((long long)bh * seqlen_q_pad + q0 - BR) * D, warp, lane);
 
-        // ---- dropout keep bits (first, while few registers are live): keep[kq] bit s*4 + h*2 + e is key g + 8h, query 16kq + 8s + 2t + e.
-        // In the mask's own (query-major) grouping these 8 elements come from two Philox calls,
-        // each giving 4 of them (see dropout_bits8). ----
-        // Packed 4 query blocks to a register (8 bits each): registers are the scarce resource here.
+        // ---- dropout keep bits (first, while few registers are live), in S^T's A-fragment order
+        // (Dropout::bits8_transposed): byte kq % 4 of keep[kq / 4], bit 4s + 2h + e, is key g + 8h,
+        // query 16kq + 8s + 2t + e. Packed 4 query blocks to a register: registers are the scarce
+        // resource here. ----
         u32 keep[DROPOUT ? (KQ + 3) / 4 : 1];
         if constexpr (DROPOUT) {
 #pragma unroll
             for (int w = 0; w < (KQ + 3) / 4; ++w) keep[w] = 0;
 #pragma unroll
-            for (int kq = 0; kq < KQ; ++kq) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const u32 bits = dropout_bits8(q0 / 16 + kq, key_w / 16, 2 * t + e, g / 2, bh, drop_seed,
-                                                   drop_threshold);
-#pragma unroll
-                    for (int s = 0; s < 2; ++s)
-#pragma unroll
-                        for (int h = 0; h < 2; ++h)
-                            keep[kq / 4] |= ((bits >> (s * 4 + h * 2 + (g & 1))) & 1u) << ((kq % 4) * 8 + s * 4 + h * 2 + e);
-                }
-            }
+            for (int kq = 0; kq < KQ; ++kq) keep[kq / 4] |= drop.bits8_transposed(q0 / 16 + kq, key_w / 16, g, t) << ((kq % 4) * 8);
         }
         // Phases are ordered so that at most one 16 x BR fp32 tile is live next to dK, dV:
         // S^T -> P^T (packed) -> dV; then dP^T -> dS^T (packed) -> dK.
-        const bool need_mask = key_tail || (causal && q0 + off < c0 + BC - 1);
         const float* sLf = reinterpret_cast<const float*>(smem + (sL - sK) + slot * S_::kStatBytes);
         const float* sDf = reinterpret_cast<const float*>(smem + (sDelta - sK) + slot * S_::kStatBytes);
         u32 frag[KQ][4];  // P^T, then dS^T, as A fragments (k = queries)
 
-        // ---- S^T = K_w Q^T; P^T = exp2(S^T c - lse2), masked ----
+        // ---- S^T = K_w Q^T; P^T = exp2(S^T c - lse2), 0 where masked ----
         {
             float acc[SN][4];
             tile_mma_abt<BF16, CH, KD, SN, S_::kHeadUnroll>(acc, sK, a_off, sQs, bn_off);
@@ -206,16 +193,10 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
             for (int nt = 0; nt < SN; ++nt) {
                 const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float p = fast_exp2(fmaf(acc[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
-                    if (need_mask) {
-                        int key = key_w + g + 8 * (e / 2);
-                        int qi = q0 + nt * 8 + 2 * t + (e & 1);
-                        if (key >= seqlen_k || (causal && key > qi + off)) p = 0.f;
-                    }
-                    acc[nt][e] = p;
-                }
+                for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
             }
+            // in query order the masked head is the right edge + seqlen_k tail, the tail the left edge
+            if (range.needs_mask(m)) mask.apply_transposed(acc, q0, key_w, lane, 0.f, range.masked_tail(m), range.masked_head(m));
             c_to_a_frags<BF16, KQ>(frag, acc);
         }
         // ---- dV += (P o mask)^T dO (the 1/(1-p) scale is applied to dV once, at the end) ----

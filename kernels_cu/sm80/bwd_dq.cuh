@@ -3,9 +3,12 @@
 // stream through a ring), recomputes S and dP and accumulates dQ = dS K in registers; no atomics,
 // so bitwise reproducible. Costs 3 more GEMMs than the atomic dQ of the dK/dV kernel.
 #pragma once
+#include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
 #include "attn/epilogue.cuh"
+#include "attn/mask.cuh"
 #include "attn/params.cuh"
+#include "attn/scheduler.cuh"
 #include "sm80/tile_copy.cuh"
 #include "sm80/traits.cuh"
 #include "sm80/warp_gemm.cuh"
@@ -26,27 +29,20 @@ __device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    const int bid = blockIdx.x;
-    const int bh = bid / m_blocks;
-    int mb = bid - bh * m_blocks;
-    if (causal) mb = m_blocks - 1 - mb;  // heaviest query tiles first
-    const int b = bh / n_heads, h = bh - b * n_heads;
-    const int r0 = mb * BR;
+    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
+    const int bh = blk.bh, b = blk.batch, h = blk.head;
+    const int r0 = blk.block * BR;
 
     const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
     const elem_t* kg = k + (long long)b * k_sb + (long long)h * k_sh;
     const elem_t* vg = v + (long long)b * v_sb + (long long)h * v_sh;
     const elem_t* dog = dout + (long long)b * do_sb + (long long)h * do_sh;
 
-    const int off = seqlen_k - seqlen_q;
-    int n_end = (seqlen_k + BC - 1) / BC;
-    int n_full = seqlen_k / BC;
-    if (causal) {
-        int last_key = r0 + BR - 1 + off;
-        n_end = min(n_end, last_key < 0 ? 0 : last_key / BC + 1);
-        int first_row_keys = r0 + off + 1;
-        n_full = min(n_full, first_row_keys < 0 ? 0 : first_row_keys / BC);
-    }
+    const BlockRange range = key_blocks<BR, BC>(geo, r0);  // the forward's key blocks and masks
+    const Mask mask{geo};
+    const Dropout drop{drop_seed, drop_threshold, bh};
+    const int n_begin = range.begin, n_iter = range.size();
 
     // This thread's two query rows: their lse2 and delta (padded buffers, no guard needed).
     const int row_a = r0 + warp * 16 + g;
@@ -57,15 +53,15 @@ __device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
 #pragma unroll
     for (int i = 0; i < DN; ++i) acc_q[i][0] = acc_q[i][1] = acc_q[i][2] = acc_q[i][3] = 0.f;
 
-    if (n_end > 0) {
+    if (n_iter > 0) {
+        // Prologue (ring contract, sm80/tile_copy.cuh): Q and dO join the first K/V group.
         load_tile<BR, CH, THREADS>(sQ, qg, q_sn, r0, seqlen_q, tid);
         load_tile<BR, CH, THREADS>(sdO, dog, do_sn, r0, seqlen_q, tid);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < n_end) {
-                load_tile<BC, CH, THREADS>(sK + s * S_::kKVBytes, kg, k_sn, s * BC, seqlen_k, tid);
-                load_tile<BC, CH, THREADS>(sV + s * S_::kKVBytes, vg, v_sn, s * BC, seqlen_k, tid);
-            }
+            if (s < n_iter)
+                load_kv_tile<BC, CH, THREADS>(sK + s * S_::kKVBytes, sV + s * S_::kKVBytes, kg, k_sn, vg, v_sn, n_begin + s,
+                                              seqlen_k, tid);
             cp_async_commit();
         }
     }
@@ -76,21 +72,22 @@ __device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
     const u32 bt_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
     constexpr u32 ROW16 = 16 * CH * 16;
     u32 q_frag[KD][4];
-    for (int j = 0; j < n_end; ++j) {
+    for (int it = 0; it < n_iter; ++it) {
+        const int j = n_begin + it;  // key block of this step
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         {
-            int jn = j + STAGES - 1;
-            if (jn < n_end) {
-                int slot = jn % STAGES;
-                load_tile<BC, CH, THREADS>(sK + slot * S_::kKVBytes, kg, k_sn, jn * BC, seqlen_k, tid);
-                load_tile<BC, CH, THREADS>(sV + slot * S_::kKVBytes, vg, v_sn, jn * BC, seqlen_k, tid);
+            int in = it + STAGES - 1;
+            if (in < n_iter) {
+                int slot = in % STAGES;
+                load_kv_tile<BC, CH, THREADS>(sK + slot * S_::kKVBytes, sV + slot * S_::kKVBytes, kg, k_sn, vg, v_sn,
+                                              n_begin + in, seqlen_k, tid);
             }
             cp_async_commit();
         }
-        const int slot = j % STAGES;
+        const int slot = it % STAGES;
         const u32 sKj = sK + slot * S_::kKVBytes, sVj = sV + slot * S_::kKVBytes;
-        if (j == 0) {
+        if (it == 0) {
 #pragma unroll
             for (int kd = 0; kd < KD; ++kd)
                 ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + (a_off ^ (32 * kd)));
@@ -120,28 +117,23 @@ __device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
         }
 
         // ---- P, dS (rows = queries, cols = keys); dropout bits as in the forward ----
-        const bool need_mask = j >= n_full;
         u32 dbits[DROPOUT ? KB : 1];
         if constexpr (DROPOUT) {
 #pragma unroll
-            for (int kb = 0; kb < KB; ++kb)
-                dbits[kb] = dropout_bits8((r0 + warp * 16) / 16, (j * BC) / 16 + kb, g, t, bh, drop_seed, drop_threshold);
+            for (int kb = 0; kb < KB; ++kb) dbits[kb] = drop.bits8((r0 + warp * 16) / 16, (j * BC) / 16 + kb, g, t);
         }
+        // mask S (-inf, so P = exp2(-inf) = 0 there; c > 0), then P = exp2(S c - lse2) and
+        // dS = P o (dP o Z - delta), Z = dropout keep / (1 - p)
+        if (range.masked_tail(j)) mask.apply_tile<false, true>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
+        if (range.masked_head(j)) mask.apply_tile<true, false>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
 #pragma unroll
         for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const bool lo = e < 2;
-                float p = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -(lo ? L0 : L1)));
-                if (need_mask) {
-                    int key = j * BC + nt * 8 + 2 * t + (e & 1);
-                    int row = row_a + (lo ? 0 : 8);
-                    if (key >= seqlen_k || (causal && key > row + off)) p = 0.f;
-                }
+                const float p = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -(e < 2 ? L0 : L1)));
                 float dp = acc_dp[nt][e];
-                if constexpr (DROPOUT)  // dP o Z; bit half*4 + s*2 + e of the forward's grouping
-                    dp = ((dbits[nt / 2] >> ((e / 2) * 4 + (nt % 2) * 2 + (e % 2))) & 1u) ? dp * drop_scale : 0.f;
-                acc_dp[nt][e] = p * (dp - (lo ? D0 : D1));
+                if constexpr (DROPOUT) dp = Dropout::kept(dbits[nt / 2], nt, e) ? dp * drop_scale : 0.f;
+                acc_dp[nt][e] = p * (dp - (e < 2 ? D0 : D1));
             }
 
         // ---- dQ += dS K ----

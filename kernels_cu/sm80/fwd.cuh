@@ -40,7 +40,8 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // MMA fragment row group / column pair
 
-    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, causal);
+    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
     const int bh = blk.bh, b = blk.batch, h = blk.head;
     const int r0 = blk.block * BR;
 
@@ -48,10 +49,10 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
     const elem_t* kg = k + (long long)b * k_sb + (long long)h * k_sh;
     const elem_t* vg = v + (long long)b * v_sb + (long long)h * v_sh;
 
-    const BlockRange range = key_blocks_of<BR, BC>(r0, seqlen_q, seqlen_k, causal);
-    const Mask mask{seqlen_k, seqlen_k - seqlen_q, causal};
+    const BlockRange range = key_blocks<BR, BC>(geo, r0);  // may start past key block 0 (window)
+    const Mask mask{geo};
     const Dropout drop{drop_seed, drop_threshold, bh};
-    const int n_end = range.n_end;
+    const int n_begin = range.begin, n_iter = range.size();
 
     float acc_o[kRowTiles][kOutTiles][4];
 #pragma unroll
@@ -61,14 +62,14 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
     OnlineSoftmax<kRowTiles> softmax;
     softmax.init();
 
-    if (n_end > 0) {
-        // Prologue: Q joins the first K/V group; tiles 0..STAGES-2 in flight.
+    if (n_iter > 0) {
+        // Prologue: Q joins the first K/V group; steps 0..STAGES-2 (key blocks n_begin..) in flight.
         load_tile<BR, kRowChunks, kNumThreads>(sQ, qg, q_sn, r0, seqlen_q, tid);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < n_end)
+            if (s < n_iter)
                 load_kv_tile<BC, kRowChunks, kNumThreads>(sK + s * Tr::kKVTileBytes, sV + s * Tr::kKVTileBytes, kg, k_sn,
-                                                          vg, v_sn, s, seqlen_k, tid);
+                                                          vg, v_sn, n_begin + s, seqlen_k, tid);
             cp_async_commit();  // empty groups keep the wait count uniform
         }
     }
@@ -79,26 +80,27 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
     const u32 q_frag_off = Ld::a_operand(warp_row0, lane);
     const u32 k_frag_off = Ld::b_operand(lane);
     const u32 v_frag_off = Ld::b_trans(lane);
-    for (int j = 0; j < n_end; ++j) {
-        // Tile j has landed once at most STAGES-2 younger groups are pending. The barrier also
-        // tells every warp that all others finished tile j-1, whose slot is refilled next.
+    for (int it = 0; it < n_iter; ++it) {
+        const int j = n_begin + it;  // key block of this step
+        // Step it has landed once at most STAGES-2 younger groups are pending. The barrier also
+        // tells every warp that all others finished step it-1, whose slot is refilled next.
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         {
-            int jn = j + STAGES - 1;
-            if (jn < n_end) {
-                int slot = jn % STAGES;
+            int in = it + STAGES - 1;
+            if (in < n_iter) {
+                int slot = in % STAGES;
                 load_kv_tile<BC, kRowChunks, kNumThreads>(sK + slot * Tr::kKVTileBytes, sV + slot * Tr::kKVTileBytes, kg,
-                                                          k_sn, vg, v_sn, jn, seqlen_k, tid);
+                                                          k_sn, vg, v_sn, n_begin + in, seqlen_k, tid);
             }
             cp_async_commit();
         }
-        const int slot = j % STAGES;
+        const int slot = it % STAGES;
         const u32 sKj = sK + slot * Tr::kKVTileBytes;
         const u32 sVj = sV + slot * Tr::kKVTileBytes;
 
         if constexpr (Tr::kQInRegs) {
-            if (j == 0) {  // Q landed with tile 0's group
+            if (it == 0) {  // Q landed with the first step's group
 #pragma unroll
                 for (int kd = 0; kd < kHeadSteps; ++kd)
                     ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + (q_frag_off ^ (32 * kd)));
@@ -110,8 +112,9 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
         warp_mma_abt<BF16, kRowChunks, kHeadSteps, kRowTiles, kScoreTiles, Tr::kQInRegs>(acc_s, q_frag, sQ, q_frag_off,
                                                                                        sKj, k_frag_off);
 
-        // ---- mask (only tiles that cross the seqlen_k tail or the causal diagonal) ----
-        if (range.needs_mask(j)) mask.apply(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
+        // ---- mask (only tiles that cross the seqlen_k tail or a window edge, at either end) ----
+        if (range.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
+        if (range.masked_head(j)) mask.apply<true, false>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
 
         // ---- online softmax: new max, rescale O~ and l by exp2((m_old - m_new) c), P in place ----
         softmax.step(acc_s, acc_o, scale_log2);

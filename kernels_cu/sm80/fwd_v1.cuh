@@ -44,10 +44,14 @@
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
+#include "attn/mask.cuh"
 #include "attn/params.cuh"
+#include "attn/scheduler.cuh"
+#include "attn/softmax.cuh"
 #include "core/convert.cuh"
 #include "sm80/tile_copy.cuh"
 #include "sm80/traits.cuh"
+#include "sm80/warp_gemm.cuh"
 
 namespace cuflash {
 
@@ -68,8 +72,8 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
     const int quad0 = lane & ~3;           // lane t == 0 of this lane's quad
 
     // One block per (batch, head): FlashAttention-1's parallelisation.
-    const int bh = blockIdx.x;
-    const int b = bh / n_heads, h = bh - b * n_heads;
+    const BlockCoord blk = schedule_heads(blockIdx.x, n_heads);
+    const int bh = blk.bh, b = blk.batch, h = blk.head;
 
     const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
     const elem_t* kg = k + (long long)b * k_sb + (long long)h * k_sh;
@@ -79,31 +83,38 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
     float* wo = ws_o + (long long)bh * seqlen_q * D;  // this block's rows only
     float* wml = ws_ml + (long long)bh * seqlen_q * 2;
 
-    const int off = seqlen_k - seqlen_q;  // bottom-right alignment offset
+    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const Mask mask{geo};
+    const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_kv = (seqlen_k + BC - 1) / BC;
 
-    // ---- Q tiles that see no key at all (causal, Nq > Nk): no step ever visits them -> out 0, lse -inf ----
+    // ---- Q tiles that see no key at all (outside live_query_blocks): no step ever visits them
+    // -> out 0, lse -inf. They are a head (causal, Nq > Nk) and/or a tail (bounded left edge). ----
     {
-        const int dead_rows = min(seqlen_q, first_query_block<BR, BC>(0, off, causal) * BR);
+        const BlockRange live = live_query_blocks<BR, BC>(geo, m_blocks);
+        const int head_rows = min(seqlen_q, live.begin * BR), tail_row = min(seqlen_q, live.end * BR);
+        const int dead_rows = head_rows + (seqlen_q - tail_row);
         for (int idx = tid; idx < dead_rows * CH; idx += THREADS) {
-            const int row = idx / CH, c = idx % CH;
+            const int r = idx / CH, c = idx % CH;
+            const int row = r < head_rows ? r : tail_row + (r - head_rows);
             *reinterpret_cast<uint4*>(og + (long long)row * o_sn + c * 8) = make_uint4(0u, 0u, 0u, 0u);
         }
-        for (int row = tid; row < dead_rows; row += THREADS) lse_row[row] = NEG_INF;
+        for (int r = tid; r < dead_rows; r += THREADS) lse_row[r < head_rows ? r : tail_row + (r - head_rows)] = NEG_INF;
     }
 
     const int warp_row0 = warp * S_::kRowsPerWarp;
     // ldmatrix per-lane offsets at k-chunk 0; chunk c is (offset) ^ (16 c), as in v2.
-    const int lane_row = lane % 8;
-    const u32 q_frag_off = swz<CH>(warp_row0 + lane_row + ((lane / 8) % 2) * 8, lane / 16);
-    const u32 k_frag_off = swz<CH>(lane_row + (lane / 16) * 8, (lane / 8) % 2);
-    const u32 v_frag_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
-    constexpr u32 ROW16 = 16 * CH * 16;  // bytes of 16 tile rows
+    using Ld = LdmatrixOffsets<CH>;
+    const u32 q_frag_off = Ld::a_operand(warp_row0, lane);
+    const u32 k_frag_off = Ld::b_operand(lane);
+    const u32 v_frag_off = Ld::b_trans(lane);
+    const u32 no_q_regs[1][4] = {};  // Q comes from shared memory (warp_mma_abt)
 
     for (int j = 0; j < n_kv; ++j) {  // ======== OUTER loop: K/V tiles ========
-        // Q tiles [i0, m_blocks) see tile j. n_i >= 1: the last Q tile sees every K/V tile.
-        const int i0 = first_query_block<BR, BC>(j, off, causal);
-        const int n_i = m_blocks - i0;
+        // Q tiles [i0, i0 + n_i) see tile j (the same pairs key_blocks gives from the Q side).
+        const BlockRange qr = query_blocks<BR, BC>(geo, j, m_blocks);
+        if (qr.size() == 0) continue;  // uniform over the block; nothing was issued for this tile
+        const int i0 = qr.begin, n_i = qr.size();
         // Every warp has finished the previous outer step: K/V and all Q slots may be refilled.
         __syncthreads();
         // Prologue: K_j, V_j join the first Q tile's group; Q tiles i0 .. i0+STAGES-2 in flight.
@@ -114,7 +125,6 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
             if (s < n_i) load_tile<BR, CH, THREADS>(sQ + s * S_::kQTileBytes, qg, q_sn, (i0 + s) * BR, seqlen_q, tid);
             cp_async_commit();  // empty groups keep the wait count uniform
         }
-        const bool kv_full = (j + 1) * BC <= seqlen_k;  // no seqlen_k tail in this tile
 
         for (int ii = 0; ii < n_i; ++ii) {  // ======== INNER loop: Q tiles ========
             // Q tile ii has landed once at most STAGES-2 younger groups are pending; the barrier
@@ -130,26 +140,24 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
             }
             const int r0 = (i0 + ii) * BR;
             const u32 sQi = sQ + (ii % STAGES) * S_::kQTileBytes;
-            // Last K/V tile this Q tile sees (r0 + BR - 1 + off >= j*BC >= 0 here).
-            const int j_last = causal ? min(n_kv - 1, (r0 + BR - 1 + off) / BC) : n_kv - 1;
-            const bool last = (j == j_last);
-            // The tile needs no mask if every row sees every key of it: no seqlen_k tail and the
-            // tile's first row sees the tile's last key.
-            const bool full = kv_full && (!causal || (j + 1) * BC - 1 <= r0 + off);
+            // This Q tile's key blocks: j is its first step (state starts at 0, -inf, 0), its last
+            // (writes the final O and lse), and may need the mask at either end.
+            const BlockRange kr = key_blocks<BR, BC>(geo, r0);
+            const bool first = (j == kr.begin), last = (j == kr.end - 1);
 
-            // ---- read O_i, m_i, l_i from the workspace (none at j == 0: initial 0, -inf, 0) ----
+            // ---- read O_i, m_i, l_i from the workspace (none at the first step: initial 0, -inf, 0) ----
             float acc_o[MT][ON][4];
-            float row_m[MT][2], row_l[MT][2];
+            OnlineSoftmax<MT> sm;  // row_sum holds the quad-reduced l here (FA1 keeps l per row)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int row = r0 + warp_row0 + mt * 16 + g + 8 * half;
-                    const bool stored = j > 0 && row < seqlen_q;
+                    const bool stored = !first && row < seqlen_q;
                     float2 ml = make_float2(NEG_INF, 0.f);
                     if (stored && t == 0) ml = *reinterpret_cast<const float2*>(wml + 2 * (long long)row);
-                    row_m[mt][half] = __shfl_sync(0xffffffffu, ml.x, quad0);
-                    row_l[mt][half] = __shfl_sync(0xffffffffu, ml.y, quad0);
+                    sm.row_max[mt][half] = __shfl_sync(0xffffffffu, ml.x, quad0);
+                    sm.row_sum[mt][half] = __shfl_sync(0xffffffffu, ml.y, quad0);
                     const float* src = wo + (long long)row * D + 2 * t;
 #pragma unroll
                     for (int n = 0; n < ON; ++n) {
@@ -162,124 +170,42 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
 
             // ---- S = Q_i K_j^T (raw, unscaled) ----
             float acc_s[MT][SN][4];
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int n = 0; n < SN; ++n) acc_s[mt][n][0] = acc_s[mt][n][1] = acc_s[mt][n][2] = acc_s[mt][n][3] = 0.f;
-#pragma unroll
-            for (int kd = 0; kd < KD; ++kd) {
-                u32 a[MT][4];
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-                    ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3], sQi + mt * ROW16 + (q_frag_off ^ (32 * kd)));
-#pragma unroll
-                for (int np = 0; np < SN / 2; ++np) {
-                    u32 b0, b1, b2, b3;
-                    ldmatrix_x4(b0, b1, b2, b3, sK + np * ROW16 + (k_frag_off ^ (32 * kd)));
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        mma_16816<BF16>(acc_s[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
-                        mma_16816<BF16>(acc_s[mt][2 * np + 1], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b2, b3);
-                    }
-                }
-            }
+            warp_mma_abt<BF16, CH, KD, MT, SN, false>(acc_s, no_q_regs, sQi, q_frag_off, sK, k_frag_off);
 
-            // ---- mask (seqlen_k tail, causal diagonal) ----
-            if (!full) {
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        const int row = r0 + warp_row0 + mt * 16 + g + 8 * half;
-                        const int key_limit = causal ? min(seqlen_k, row + off + 1) : seqlen_k;
-#pragma unroll
-                        for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                const int key = j * BC + nt * 8 + 2 * t + e;
-                                if (key >= key_limit) acc_s[mt][nt][2 * half + e] = NEG_INF;
-                            }
-                    }
-            }
+            // ---- mask (seqlen_k tail / right window edge; left window edge) ----
+            if (kr.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, NEG_INF);
+            if (kr.masked_head(j)) mask.apply<true, false>(acc_s, r0 + warp_row0, j * BC, lane, NEG_INF);
 
-            // ---- softmax against the new max; rescale the stored (normalised) O_i by l_i e^{m_i - m_new} ----
+            // ---- softmax against the new max; rescale the stored (normalised) O_i by l_i e^{m_i - m_new}
+            // (attn/softmax.cuh: the v2 pieces, with FA1's per-row l: update_sum_reduced) ----
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    float mx = row_m[mt][half];
-#pragma unroll
-                    for (int nt = 0; nt < SN; ++nt)
-                        mx = fmaxf(mx, fmaxf(acc_s[mt][nt][2 * half], acc_s[mt][nt][2 * half + 1]));
-                    mx = warp_max4(mx);  // m_new
-                    // A row that has seen only masked keys keeps max -inf: subtract 0 instead so
-                    // exp2 gives 0 rather than NaN from (-inf) - (-inf).
-                    const float m_scaled = (mx == NEG_INF) ? 0.f : mx * scale_log2;
-                    const float alpha = fast_exp2(row_m[mt][half] * scale_log2 - m_scaled);
-                    float sum = 0.f;
-#pragma unroll
-                    for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const float p = fast_exp2(fmaf(acc_s[mt][nt][2 * half + e], scale_log2, -m_scaled));
-                            acc_s[mt][nt][2 * half + e] = p;
-                            sum += p;
-                        }
-                    // l is stored per row, so it is quad-reduced at every step (v2: once, at the end).
-                    const float l_new = alpha * row_l[mt][half] + warp_sum4(sum);
-                    const float so = alpha * row_l[mt][half];  // O~_i = l_i O_i, rescaled to m_new
-#pragma unroll
-                    for (int n = 0; n < ON; ++n) {
-                        acc_o[mt][n][2 * half] *= so;
-                        acc_o[mt][n][2 * half + 1] *= so;
-                    }
-                    row_m[mt][half] = mx;
-                    row_l[mt][half] = l_new;
+                    float alpha;
+                    const float m_scaled = sm.max_get_scale(acc_s[mt], mt, half, scale_log2, alpha);
+                    const float sum = OnlineSoftmax<MT>::exp_and_sum(acc_s[mt], half, scale_log2, m_scaled);
+                    OnlineSoftmax<MT>::rescale_o(acc_o[mt], half, sm.update_sum_reduced(mt, half, alpha, sum));
                 }
 
             // ---- dropout (Algorithm 2 of the FlashAttention paper): P~ o mask enters P~ V only;
             // l stays the undropped sum and the 1/(1-p) scale is applied once, at the last step.
-            // Same Philox mask as v2 (common.cuh, dropout_bits8). ----
+            // Same Philox mask as v2 (attn/dropout.cuh). ----
             if constexpr (DROPOUT) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int kb = 0; kb < KB; ++kb) {
-                        const u32 bits = dropout_bits8((r0 + warp_row0) / 16 + mt, (j * BC) / 16 + kb, g, t, bh,
-                                                       drop_seed, drop_threshold);
-#pragma unroll
-                        for (int idx = 0; idx < 8; ++idx)  // idx = half*4 + s*2 + e
-                            if (!((bits >> idx) & 1u)) acc_s[mt][2 * kb + (idx / 2) % 2][2 * (idx / 4) + idx % 2] = 0.f;
-                    }
+                    for (int kb = 0; kb < KB; ++kb)
+                        Dropout::zero_dropped(acc_s[mt], kb, drop.bits8((r0 + warp_row0) / 16 + mt, (j * BC) / 16 + kb, g, t));
             }
 
             // ---- P to 16-bit A fragments (C layout of two n8 tiles = A layout of one k16 step) ----
             u32 p_frag[MT][KB][4];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int kb = 0; kb < KB; ++kb) {
-                    p_frag[mt][kb][0] = pack2<BF16>(acc_s[mt][2 * kb][0], acc_s[mt][2 * kb][1]);
-                    p_frag[mt][kb][1] = pack2<BF16>(acc_s[mt][2 * kb][2], acc_s[mt][2 * kb][3]);
-                    p_frag[mt][kb][2] = pack2<BF16>(acc_s[mt][2 * kb + 1][0], acc_s[mt][2 * kb + 1][1]);
-                    p_frag[mt][kb][3] = pack2<BF16>(acc_s[mt][2 * kb + 1][2], acc_s[mt][2 * kb + 1][3]);
-                }
+            for (int mt = 0; mt < MT; ++mt) c_to_a_frags<BF16, KB>(p_frag[mt], acc_s[mt]);
 
             // ---- O~ += P~ V_j ----
-#pragma unroll
-            for (int kb = 0; kb < KB; ++kb) {
-#pragma unroll
-                for (int dp = 0; dp < ON / 2; ++dp) {
-                    u32 b0, b1, b2, b3;
-                    ldmatrix_x4_trans(b0, b1, b2, b3, sV + kb * ROW16 + (v_frag_off ^ (32 * dp)));
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt) {
-                        const u32* a = p_frag[mt][kb];
-                        mma_16816<BF16>(acc_o[mt][2 * dp], a[0], a[1], a[2], a[3], b0, b1);
-                        mma_16816<BF16>(acc_o[mt][2 * dp + 1], a[0], a[1], a[2], a[3], b2, b3);
-                    }
-                }
-            }
+            warp_mma_ab<BF16, CH, KB, MT, ON>(acc_o, p_frag, sV, v_frag_off);
 
             if (!last) {
                 // ---- O_i <- O~ / l_new, written back with m_new, l_new (fp32 round trip per step) ----
@@ -288,7 +214,7 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const int row = r0 + warp_row0 + mt * 16 + g + 8 * half;
-                        const float l = row_l[mt][half];
+                        const float l = sm.row_sum[mt][half];
                         const float inv = l > 0.f ? 1.f / l : 0.f;
                         if (row < seqlen_q) {
                             float* dst = wo + (long long)row * D + 2 * t;
@@ -297,7 +223,7 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
                                 *reinterpret_cast<float2*>(dst + 8 * n) =
                                     make_float2(acc_o[mt][n][2 * half] * inv, acc_o[mt][n][2 * half + 1] * inv);
                             if (t == 0)
-                                *reinterpret_cast<float2*>(wml + 2 * (long long)row) = make_float2(row_m[mt][half], l);
+                                *reinterpret_cast<float2*>(wml + 2 * (long long)row) = make_float2(sm.row_max[mt][half], l);
                         }
                     }
             } else {
@@ -309,12 +235,12 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
-                        const float l = row_l[mt][half];
+                        const float l = sm.row_sum[mt][half];
                         const float inv = l > 0.f ? (DROPOUT ? drop_scale : 1.f) / l : 0.f;
                         const int tile_row = warp_row0 + mt * 16 + g + 8 * half;
                         const int row = r0 + tile_row;
                         if (t == 0 && row < seqlen_q)
-                            lse_row[row] = l > 0.f ? (row_m[mt][half] * scale_log2 + __log2f(l)) * 0.69314718055994531f
+                            lse_row[row] = l > 0.f ? (sm.row_max[mt][half] * scale_log2 + __log2f(l)) * 0.69314718055994531f
                                                    : NEG_INF;
 #pragma unroll
                         for (int n = 0; n < ON; ++n) {
