@@ -34,9 +34,10 @@ def kernel_dir() -> pathlib.Path:
 @functools.lru_cache(maxsize=None)
 def source_fingerprint() -> str:
     h = hashlib.sha256()
-    for p in sorted(kernel_dir().glob("*.cu*")):
-        h.update(p.name.encode())
-        h.update(p.read_bytes())
+    root = kernel_dir()
+    for rel in sorted(p.relative_to(root).as_posix() for p in root.rglob("*.cu*")):
+        h.update(rel.encode())
+        h.update((root / rel).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -178,7 +179,7 @@ def get_kernel(tile, features, device_id: int):
 
 
 def aux_source(name: str, dtype: str, head_dim: int) -> tuple[str, str]:
-    """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`)."""
+    """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`; aux/)."""
     f = Features(dtype, head_dim)
     bf16 = f.bf16
     fn = f"cuflash_{name}_{f.dtype_tag}_d{head_dim}"

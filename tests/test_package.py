@@ -21,6 +21,10 @@ def test_wheel_ships_kernel_sources(tmp_path):
     assert r.returncode == 0, r.stderr
     (whl,) = tmp_path.glob("cuflash-*.whl")
     names = zipfile.ZipFile(whl).namelist()
+    # every kernel source, subdirectories included (core/, attn/, sm80/, aux/)
+    kroot = _compile.kernel_dir()
+    for p in sorted(kroot.rglob("*.cu*")):
+        assert f"cuflash/kernels_cu/{p.relative_to(kroot).as_posix()}" in names, p
     for f in ("cuflash/kernels_cu/common.cuh", "cuflash/kernels_cu/flash_fwd.cuh", "cuflash/__init__.py",
               "cuflash/_tuned.py", "cuflash/tune/__main__.py", "cuflash/tuning_store.py", "cuflash/tuning/README.md"):
         assert f in names

@@ -1,0 +1,110 @@
+// cuflash/kernels_cu/attn/mask.cuh
+// Which (query, key) pairs are visible, in the canonical window form, and the mask applied to
+// boundary tiles in fragment coordinates (core/frag.cuh). Block ranges (attn/block_range.cuh)
+// are derived from the same MaskGeometry, so a tile is masked exactly when it needs to be.
+//
+// Canonical form (design/architecture.md §8.1 item 2): query row q sees key k iff
+//     q + offset - window_left <= k <= q + offset + window_right   and   k < seqlen_k
+// with kUnbounded for "no limit" on a side. Every mask is one of these:
+//     no mask              (kUnbounded, kUnbounded, any offset)
+//     bottom-right causal  (kUnbounded, 0, seqlen_k - seqlen_q)      <- today's `causal`
+//     top-left causal      (kUnbounded, 0, 0)
+//     sliding window       (left, right, seqlen_k - seqlen_q)
+// Integer range: every expression here and in block_range.cuh is one row or key index, plus the
+// offset, plus one window side, plus at most a tile size. With seqlen_q, seqlen_k, |offset| <
+// 2^28 and window sides <= kUnbounded = 2^30 that stays inside int (|.| < 2^30 + 2^29 + 2^16),
+// so the sentinel needs no special case anywhere. Windows must not be empty: window_left +
+// window_right >= 0 (the host canonicalises an empty mask away).
+#pragma once
+#include "core/frag.cuh"
+
+namespace cuflash {
+
+constexpr int kUnbounded = 1 << 30;  // window side without a limit
+
+struct MaskGeometry {
+    int window_left, window_right, offset;
+    int seqlen_q, seqlen_k;
+
+    // THE one place today's runtime arguments become a geometry (a later step fills it from a
+    // parameter struct built on the host instead): bottom-right causal or no mask.
+    __device__ __forceinline__ static MaskGeometry from_causal(int causal, int seqlen_q, int seqlen_k) {
+        MaskGeometry m;
+        m.window_left = kUnbounded;
+        m.window_right = causal ? 0 : kUnbounded;
+        m.offset = seqlen_k - seqlen_q;
+        m.seqlen_q = seqlen_q;
+        m.seqlen_k = seqlen_k;
+        return m;
+    }
+
+    // Query q sees the keys [key_begin(q), key_end(q)) (key_begin may be negative: from key 0).
+    __device__ __forceinline__ int key_begin(int q) const { return q + offset - window_left; }
+    __device__ __forceinline__ int key_end(int q) const { return min(seqlen_k, q + offset + window_right + 1); }
+    // Key k is seen by the queries [query_first(k), query_last(k)] (k < seqlen_k; no seqlen_q clip).
+    __device__ __forceinline__ int query_first(int k) const { return k - offset - window_right; }
+    __device__ __forceinline__ int query_last(int k) const { return k - offset + window_left; }
+    // Under a bounded right edge and no left edge, later query rows see more keys (scheduling hint).
+    __device__ __forceinline__ bool later_rows_heavier() const { return window_right < kUnbounded && window_left >= kUnbounded; }
+};
+
+// The mask of one call: sets the invisible elements of a warp's score (or probability) tile to
+// `fill` (-inf before the softmax, 0 after an exp). Runs only on tiles BlockRange marks, one edge
+// at a time: LEFT checks the window's left edge (k >= key_begin(q)), RIGHT the right edge and the
+// seqlen_k tail (k < key_end(q)). A tile in the masked head of a range needs LEFT, one in the
+// masked tail RIGHT, one in both (a narrow window) both; splitting them keeps the common case
+// (causal: tail only) at one compare per element.
+struct Mask {
+    MaskGeometry geo;
+
+    // One m16 tile acc[NT][4] whose rows are queries q0 + 0..15 and columns keys k0 + 0..8 NT-1
+    // (core/frag.cuh, Direct view): the forward and the dQ kernel.
+    template <bool LEFT, bool RIGHT, int NT>
+    __device__ __forceinline__ void apply_tile(float (&acc)[NT][4], int q0, int k0, int lane, float fill) const {
+        using F = FragSm80<1, NT>;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int q = q0 + F::row_of_half(lane, 0, half);
+            const int kb = geo.key_begin(q), ke = geo.key_end(q);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int k = k0 + F::col(lane, nt, e);
+                    if ((LEFT && k < kb) || (RIGHT && k >= ke)) acc[nt][2 * half + e] = fill;
+                }
+        }
+    }
+
+    // A warp tile acc[MT][NT][4] (rows = queries from q0, cols = keys from k0).
+    template <bool LEFT, bool RIGHT, int MT, int NT>
+    __device__ __forceinline__ void apply(float (&acc)[MT][NT][4], int q0, int k0, int lane, float fill) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) apply_tile<LEFT, RIGHT>(acc[mt], q0 + 16 * mt, k0, lane, fill);
+    }
+
+    // The transposed tile of the dK/dV kernel, S^T: one m16 tile acc[NT][4] whose rows are keys
+    // k0 + 0..15 and columns queries q0 + 0..8 NT-1 (Transposed<FragSm80<1, NT>>). Query q sees
+    // key k iff query_first(k) <= q <= query_last(k) and k < seqlen_k: in query terms the
+    // window's right edge gives the lower bound (with the tail: RIGHT) and the left edge the
+    // upper bound (LEFT).
+    template <int NT>
+    __device__ __forceinline__ void apply_transposed(float (&acc)[NT][4], int q0, int k0, int lane, float fill, bool left,
+                                                     bool right) const {
+        using V = Transposed<FragSm80<1, NT>>;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int k = k0 + V::key(lane, 0, 0, 2 * half);
+            const int qf = (k >= geo.seqlen_k ? kUnbounded : geo.query_first(k)), ql = geo.query_last(k);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int q = q0 + V::query(lane, 0, nt, e);
+                    if ((right && q < qf) || (left && q > ql)) acc[nt][2 * half + e] = fill;
+                }
+        }
+    }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,102 @@
+// cuflash/kernels_cu/attn/softmax.cuh
+// Online softmax over a warp's rows (FA2 Algorithm 1, lines 8-10), in fragment coordinates:
+// row_max[mt][half] / row_sum[mt][half] belong to row 16 mt + g + 8 half (core/frag.cuh).
+//
+//   max_get_scale : m_new = max(m_old, rowmax S); m_scaled = m_new * c (0 for a row with no
+//                   visible key yet: exp2 then gives 0, not NaN from -inf - -inf);
+//                   corr = exp2(m_old * c - m_scaled)
+//   exp_and_sum   : P = exp2(S * c - m_scaled) in place (one FFMA + MUFU.EX2), thread-partial
+//                   row sums (each thread holds 2 * NT of a row's columns)
+//   rescale_o     : O~ *= corr per row
+//   update_sum    : l = l * corr + sum (thread-partial; quad-reduced once in finalize)
+//   finalize      : l = quad-sum; lse = (m c + log2 l) ln 2, -inf for rows with l = 0
+// with c = softmax_scale * log2(e) (scale_log2). S stays raw Q K^T: the scale is folded into
+// the exp2 argument.
+#pragma once
+#include "core/convert.cuh"
+
+namespace cuflash {
+
+template <int MT>
+struct OnlineSoftmax {
+    float row_max[MT][2], row_sum[MT][2];
+
+    __device__ __forceinline__ void init() {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            row_max[mt][0] = row_max[mt][1] = neg_inf();
+            row_sum[mt][0] = row_sum[mt][1] = 0.f;
+        }
+    }
+
+    // One row (mt, half): new max over this step's scores; returns m_scaled, writes corr.
+    template <int NT>
+    __device__ __forceinline__ float max_get_scale(const float (&s)[NT][4], int mt, int half, float scale_log2,
+                                                   float& corr) {
+        float mx = row_max[mt][half];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
+        mx = warp_max4(mx);
+        const float m_scaled = (mx == neg_inf()) ? 0.f : mx * scale_log2;
+        corr = fast_exp2(row_max[mt][half] * scale_log2 - m_scaled);
+        row_max[mt][half] = mx;
+        return m_scaled;
+    }
+
+    // P = exp2(S c - m_scaled) in place for row (mt, half); returns the thread-partial sum.
+    template <int NT>
+    __device__ __forceinline__ static float exp_and_sum(float (&s)[NT][4], int half, float scale_log2, float m_scaled) {
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float p = fast_exp2(fmaf(s[nt][2 * half + e], scale_log2, -m_scaled));
+                s[nt][2 * half + e] = p;
+                sum += p;
+            }
+        return sum;
+    }
+
+    template <int ON>
+    __device__ __forceinline__ static void rescale_o(float (&o)[ON][4], int half, float corr) {
+#pragma unroll
+        for (int i = 0; i < ON; ++i) {
+            o[i][2 * half] *= corr;
+            o[i][2 * half + 1] *= corr;
+        }
+    }
+
+    // The whole FA2 step for every row of the warp: max, rescale O~ and l, P in place.
+    template <int NT, int ON>
+    __device__ __forceinline__ void step(float (&s)[MT][NT][4], float (&o)[MT][ON][4], float scale_log2) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float corr;
+                const float m_scaled = max_get_scale(s[mt], mt, half, scale_log2, corr);
+                const float sum = exp_and_sum(s[mt], half, scale_log2, m_scaled);
+                row_sum[mt][half] = row_sum[mt][half] * corr + sum;  // thread-partial; quad-reduced at the end
+                rescale_o(o[mt], half, corr);
+            }
+    }
+
+    // FA1 (v1) form: l is kept quad-reduced per row and O normalised, so the step is
+    // l_new = corr l + rowsum P and O~ is rescaled by corr l (returned) instead of corr.
+    __device__ __forceinline__ float update_sum_reduced(int mt, int half, float corr, float sum) {
+        const float l = row_sum[mt][half];
+        row_sum[mt][half] = corr * l + warp_sum4(sum);
+        return corr * l;
+    }
+
+    // Final row sum (quad-reduced) of row (mt, half).
+    __device__ __forceinline__ float final_sum(int mt, int half) const { return warp_sum4(row_sum[mt][half]); }
+
+    // Natural-log lse of a row from its max (raw units) and final sum; -inf where l = 0.
+    __device__ __forceinline__ static float lse(float m, float l, float scale_log2) {
+        return l > 0.f ? (m * scale_log2 + __log2f(l)) * kLn2 : neg_inf();
+    }
+};
+
+}  // namespace cuflash

@@ -1,0 +1,28 @@
+// cuflash/kernels_cu/aux/bwd_post.cuh
+// Backward postprocessing: dQ = dq_acc * softmax_scale -> 16-bit, in the caller's strides.
+#pragma once
+#include "attn/params.cuh"
+#include "core/convert.cuh"
+
+namespace cuflash {
+
+template <bool BF16, int D>
+__device__ __forceinline__ void bwd_dq_convert(CUFLASH_CONVERT_PARAMS) {
+    constexpr int CH = D / 8;
+    const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long r = gt / CH;  // unpadded row index over (batch*heads) x seqlen_q
+    if (r >= n_rows) return;
+    const int c = (int)(gt % CH);
+    const int bh = (int)(r / seqlen_q), i = (int)(r - (long long)bh * seqlen_q);
+    const int b = bh / n_heads, h = bh - b * n_heads;
+    const float4* src = reinterpret_cast<const float4*>(dq_acc + ((long long)bh * seqlen_q_pad + i) * D + c * 8);
+    float4 a = src[0], bb = src[1];
+    uint4 out;
+    out.x = pack2<BF16>(a.x * scale, a.y * scale);
+    out.y = pack2<BF16>(a.z * scale, a.w * scale);
+    out.z = pack2<BF16>(bb.x * scale, bb.y * scale);
+    out.w = pack2<BF16>(bb.z * scale, bb.w * scale);
+    *reinterpret_cast<uint4*>(dq + b * dq_sb + i * dq_sn + h * dq_sh + c * 8) = out;
+}
+
+}  // namespace cuflash

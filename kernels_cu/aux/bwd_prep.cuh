@@ -1,0 +1,53 @@
+// cuflash/kernels_cu/aux/bwd_prep.cuh
+// Backward preprocessing, per query row: delta = rowsum(dO * O); lse2 = lse * log2(e) with rows
+// that see no key (lse = -inf) and padding rows mapped to +inf (so P = 0 there); zeroes the fp32
+// dQ accumulator. Buffers are padded to a multiple of 128 rows so the main kernels copy them with
+// unguarded 16-byte cp.async.
+#pragma once
+#include "attn/params.cuh"
+#include "core/convert.cuh"
+
+namespace cuflash {
+
+template <bool BF16, int D>
+__device__ __forceinline__ void bwd_prep(CUFLASH_PREP_PARAMS) {
+    constexpr int CH = D / 8;  // threads per row, one 16-byte chunk each
+    static_assert(32 % CH == 0, "a row's threads must sit in one warp");
+    const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long r = gt / CH;  // padded row index over (batch*heads) x seqlen_q_pad
+    const int c = (int)(gt % CH);
+    const bool in_range = r < n_rows;
+    const int bh = in_range ? (int)(r / seqlen_q_pad) : 0;
+    const int i = in_range ? (int)(r - (long long)bh * seqlen_q_pad) : seqlen_q;
+    float dot = 0.f;
+    if (i < seqlen_q) {
+        const int b = bh / n_heads, h = bh - b * n_heads;
+        uint4 x = *reinterpret_cast<const uint4*>(o + b * o_sb + i * o_sn + h * o_sh + c * 8);
+        uint4 y = *reinterpret_cast<const uint4*>(dout + b * do_sb + i * do_sn + h * do_sh + c * 8);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float a0, a1, b0, b1;
+            unpack2<BF16>(xs[e], a0, a1);
+            unpack2<BF16>(ys[e], b0, b1);
+            dot = fmaf(a0, b0, fmaf(a1, b1, dot));
+        }
+    }
+#pragma unroll
+    for (int s = 1; s < CH; s *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, s);
+    if (!in_range) return;
+    if (c == 0) {
+        const float POS_INF = __int_as_float(0x7f800000);
+        float l = i < seqlen_q ? lse[(long long)bh * seqlen_q + i] : POS_INF;
+        delta[r] = dot;
+        lse2[r] = (l == -POS_INF) ? POS_INF : l * kLog2e;
+    }
+    if (dq_acc != nullptr) {
+        float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+        float4* p = reinterpret_cast<float4*>(dq_acc + r * D + c * 8);
+        p[0] = z;
+        p[1] = z;
+    }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,257 @@
+// cuflash/kernels_cu/sm80/bwd_dkdv.cuh
+// FlashAttention-2 backward, dK/dV kernel (+ dQ by fp32 atomics), sm80 mainloop. One block per
+// (key tile of BC rows, head, batch); warp w owns keys [16w, 16w+16) and keeps their dK, dV in
+// registers while the block walks the query tiles (BR rows) through a cp.async ring. Per query
+// tile, per warp:
+//   S^T  = K_w Q^T          P^T = exp2(S^T c - lse2)   (recomputed, never stored)
+//   dP^T = V_w dO^T         dS^T = P^T o (dP^T - delta)
+//   dV  += P^T dO           dK += dS^T Q
+// Warps owning keys means S^T's C fragments are already the A fragments of the dV and dK
+// products: no shared-memory round trip for P or dS there. With dq_acc != null the block also adds
+// dQ += dS K for the tile into the fp32 accumulator with atomics (dS^T goes through shared memory
+// once). The policies see S^T through a transposed fragment view (core/frag.cuh, Transposed).
+// DROPOUT regenerates the forward's Philox mask: dV uses P o mask, and dS = P o (dP o Z - delta)
+// with Z = mask / (1 - p).
+#pragma once
+#include "attn/block_range.cuh"
+#include "attn/dropout.cuh"
+#include "attn/epilogue.cuh"
+#include "attn/mask.cuh"
+#include "attn/params.cuh"
+#include "attn/scheduler.cuh"
+#include "sm80/tile_copy.cuh"
+#include "sm80/traits.cuh"
+#include "sm80/warp_gemm.cuh"
+
+namespace cuflash {
+
+// dQ rows [q0, q0+BR) += dS K over this block's BC keys, into the fp32 accumulator (atomics).
+// A = dS (rows = queries, k = keys) is read transposed out of dS^T (rows = keys); warps split
+// the BR x D product as a WM x WN grid.
+template <bool BF16, class S_>
+__device__ __forceinline__ void bwd_dq_product(u32 sdS_buf, u32 sK, float* dq_rows, int warp, int lane) {
+    constexpr int QM = S_::kDqRowTiles, QN = S_::kDqColTiles, KK = S_::kKeySteps, SCH = S_::kDsRowChunks, CH = S_::kRowChunks, D = S_::kRowChunks * 8;
+    constexpr u32 ROW16 = 16 * CH * 16;
+    const int g = lane / 4, t = lane % 4, lane_row = lane % 8;
+    const int wm = warp % S_::kDqWarpsM, wn = warp / S_::kDqWarpsM;
+    const u32 bt_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
+    // matrices (q 0-7 | 8-15) x (keys 0-7 | 8-15) in a0..a3 order
+    const u32 ds_off = swz<SCH>(lane_row + (lane / 16) * 8, (wm * S_::kDqRowsPerWarp) / 8 + (lane / 8) % 2);
+    float acc_q[QM][QN][4];
+#pragma unroll
+    for (int mi = 0; mi < QM; ++mi)
+#pragma unroll
+        for (int i = 0; i < QN; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_q[mi][i][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+        u32 a[QM][4];
+#pragma unroll
+        for (int mi = 0; mi < QM; ++mi)
+            ldmatrix_x4_trans(a[mi][0], a[mi][1], a[mi][2], a[mi][3], sdS_buf + kk * 16 * SCH * 16 + (ds_off ^ (32 * mi)));
+#pragma unroll
+        for (int dp = 0; dp < QN / 2; ++dp) {
+            u32 b0, b1, b2, b3;
+            ldmatrix_x4_trans(b0, b1, b2, b3, sK + kk * ROW16 + (bt_off ^ (16 * (wn * S_::kDqColsPerWarp / 8) + 32 * dp)));
+#pragma unroll
+            for (int mi = 0; mi < QM; ++mi) {
+                mma_16816<BF16>(acc_q[mi][2 * dp], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b0, b1);
+                mma_16816<BF16>(acc_q[mi][2 * dp + 1], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b2, b3);
+            }
+        }
+    }
+    float* dqg = dq_rows + wm * S_::kDqRowsPerWarp * D + wn * S_::kDqColsPerWarp;
+#pragma unroll
+    for (int mi = 0; mi < QM; ++mi)
+#pragma unroll
+        for (int i = 0; i < QN; ++i)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                red_add2(dqg + (mi * 16 + g + 8 * half) * D + i * 8 + 2 * t, acc_q[mi][i][2 * half],
+                         acc_q[mi][i][2 * half + 1]);
+}
+
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
+__device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
+    using S_ = Sm80BwdTraits<D, BR, BC, WARPS, STAGES, DROPOUT>;
+    constexpr int CH = S_::kRowChunks, SCH = S_::kDsRowChunks, KD = S_::kHeadSteps, SN = S_::kQueryTiles, KQ = S_::kQuerySteps, DN = S_::kOutTiles;
+    constexpr int THREADS = S_::kNumThreads;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 sK = smem_u32(smem);
+    const u32 sV = sK + S_::kKVBytes;
+    const u32 sQ = sV + S_::kKVBytes;
+    const u32 sdO = sQ + STAGES * S_::kQTileBytes;
+    const u32 sdS = sdO + STAGES * S_::kQTileBytes;
+    const u32 sL = sdS + 2 * S_::kDsBytes;       // (dS^T is double-buffered) STAGES x BR floats of lse2
+    const u32 sDelta = sL + STAGES * S_::kStatBytes;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+
+    // Block -> (key block, head, batch); key blocks fastest, in natural order: under a causal
+    // mask the early key blocks see the most query tiles, so the heaviest blocks start first.
+    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const BlockCoord blk = schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
+    const int bh = blk.bh, b = blk.batch, h = blk.head, nb = blk.block;
+    const int c0 = nb * BC;
+
+    const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
+    const elem_t* kg = k + (long long)b * k_sb + (long long)h * k_sh;
+    const elem_t* vg = v + (long long)b * v_sb + (long long)h * v_sh;
+    const elem_t* dog = dout + (long long)b * do_sb + (long long)h * do_sh;
+    const float* lse2g = lse2 + (long long)bh * seqlen_q_pad;
+    const float* deltag = delta + (long long)bh * seqlen_q_pad;
+
+    // Query tiles that see any of this block's keys, and which of them need the mask.
+    const int m_blocks = (seqlen_q + BR - 1) / BR;
+    const BlockRange range = query_blocks<BR, BC>(geo, nb, m_blocks);
+    const Mask mask{geo};
+    const Dropout drop{drop_seed, drop_threshold, bh};
+    const int m_begin = range.begin, n_iter = range.size();
+
+    auto load_q_tile = [&](int it) {
+        const int slot = it % STAGES;
+        const int r0 = (m_begin + it) * BR;
+        load_tile<BR, CH, THREADS>(sQ + slot * S_::kQTileBytes, qg, q_sn, r0, seqlen_q, tid);
+        load_tile<BR, CH, THREADS>(sdO + slot * S_::kQTileBytes, dog, do_sn, r0, seqlen_q, tid);
+        // lse2 and delta: BR/4 chunks each, from buffers padded past seqlen_q (no guard needed)
+        constexpr int SC = BR / 4;
+        static_assert(2 * SC <= THREADS, "one thread per stats chunk");
+        if (tid < SC) {
+            cp_async_16(sL + slot * S_::kStatBytes + tid * 16, lse2g + r0 + tid * 4, true);
+        } else if (tid < 2 * SC) {
+            cp_async_16(sDelta + slot * S_::kStatBytes + (tid - SC) * 16, deltag + r0 + (tid - SC) * 4, true);
+        }
+    };
+
+    float acc_dk[DN][4], acc_dv[DN][4];
+#pragma unroll
+    for (int i = 0; i < DN; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
+
+    if (n_iter > 0) {
+        load_tile<BC, CH, THREADS>(sK, kg, k_sn, c0, seqlen_k, tid);
+        load_tile<BC, CH, THREADS>(sV, vg, v_sn, c0, seqlen_k, tid);
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < n_iter) load_q_tile(s);
+            cp_async_commit();
+        }
+    }
+
+    // ldmatrix lane offsets (see flash_fwd.cuh): A operand rows of this warp's keys; B operand
+    // non-transposed (rows = n, as Q and dO in S^T, dP^T); B operand transposed (rows = k, as
+    // Q and dO in dK, dV); and for the dQ product A = dS read transposed out of dS^T.
+    const int lane_row = lane % 8;
+    const u32 a_off = swz<CH>(warp * 16 + lane_row + ((lane / 8) % 2) * 8, lane / 16);
+    const u32 bn_off = swz<CH>(lane_row + (lane / 16) * 8, (lane / 8) % 2);
+    const u32 bt_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
+    constexpr u32 ROW16 = 16 * CH * 16;
+    const int key_w = c0 + warp * 16;  // first key of this warp
+
+    for (int it = 0; it < n_iter; ++it) {
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (it + STAGES - 1 < n_iter) load_q_tile(it + STAGES - 1);
+        cp_async_commit();
+        const int slot = it % STAGES;
+        const u32 sQs = sQ + slot * S_::kQTileBytes, sdOs = sdO + slot * S_::kQTileBytes;
+        const int m = m_begin + it;  // query block of this step
+        const int q0 = m * BR;
+        const u32 sdS_it = sdS + (it % 2) * S_::kDsBytes;
+        // dQ of the previous query tile: its dS^T is complete now that every warp passed the
+        // barrier above. Deferring it by one tile saves the second barrier per tile.
+        if (dq_acc != nullptr && it > 0)
+            bwd_dq_product<BF16, S_>(sdS + ((it - 1) % 2) * S_::kDsBytes, sK,
+                                     dq_acc + ((long long)bh * seqlen_q_pad + q0 - BR) * D, warp, lane);
+
+        // ---- dropout keep bits (first, while few registers are live), in S^T's A-fragment order
+        // (Dropout::bits8_transposed): byte kq % 4 of keep[kq / 4], bit 4s + 2h + e, is key g + 8h,
+        // query 16kq + 8s + 2t + e. Packed 4 query blocks to a register: registers are the scarce
+        // resource here. ----
+        u32 keep[DROPOUT ? (KQ + 3) / 4 : 1];
+        if constexpr (DROPOUT) {
+#pragma unroll
+            for (int w = 0; w < (KQ + 3) / 4; ++w) keep[w] = 0;
+#pragma unroll
+            for (int kq = 0; kq < KQ; ++kq) keep[kq / 4] |= drop.bits8_transposed(q0 / 16 + kq, key_w / 16, g, t) << ((kq % 4) * 8);
+        }
+        // Phases are ordered so that at most one 16 x BR fp32 tile is live next to dK, dV:
+        // S^T -> P^T (packed) -> dV; then dP^T -> dS^T (packed) -> dK.
+        const float* sLf = reinterpret_cast<const float*>(smem + (sL - sK) + slot * S_::kStatBytes);
+        const float* sDf = reinterpret_cast<const float*>(smem + (sDelta - sK) + slot * S_::kStatBytes);
+        u32 frag[KQ][4];  // P^T, then dS^T, as A fragments (k = queries)
+
+        // ---- S^T = K_w Q^T; P^T = exp2(S^T c - lse2), 0 where masked ----
+        {
+            float acc[SN][4];
+            tile_mma_abt<BF16, CH, KD, SN, S_::kHeadUnroll>(acc, sK, a_off, sQs, bn_off);
+#pragma unroll
+            for (int nt = 0; nt < SN; ++nt) {
+                const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
+            }
+            // in query order the masked head is the right edge + seqlen_k tail, the tail the left edge
+            if (range.needs_mask(m)) mask.apply_transposed(acc, q0, key_w, lane, 0.f, range.masked_tail(m), range.masked_head(m));
+            c_to_a_frags<BF16, KQ>(frag, acc);
+        }
+        // ---- dV += (P o mask)^T dO (the 1/(1-p) scale is applied to dV once, at the end) ----
+        tile_mma_ab<BF16, CH, KQ, DN, DROPOUT>(acc_dv, frag, sdOs, bt_off, keep);
+
+        // ---- dP^T = V_w dO^T; dS^T = P^T (dP^T - delta), P^T recomputed from S^T ----
+        {
+            float acc[SN][4];
+            tile_mma_abt<BF16, CH, KD, SN, S_::kHeadUnroll>(acc, sV, a_off, sdOs, bn_off);
+#pragma unroll
+            for (int nt = 0; nt < SN; ++nt) {
+                const float2 Dl = *reinterpret_cast<const float2*>(sDf + nt * 8 + 2 * t);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    // P^T from its packed 16-bit copy: the same rounding the dV product used.
+                    float dp = acc[nt][e];
+                    if constexpr (DROPOUT)  // dP o Z, Z = mask / (1 - p)
+                        dp = ((keep[nt / 8] >> (((nt / 2) % 4) * 8 + (nt % 2) * 4 + e)) & 1u) ? dp * drop_scale : 0.f;
+                    acc[nt][e] = a_frag_elem<BF16, KQ>(frag, nt, e) * (dp - ((e & 1) ? Dl.y : Dl.x));
+                }
+            }
+            c_to_a_frags<BF16, KQ>(frag, acc);
+        }
+
+        // ---- dS^T to shared memory for the dQ product (rows = keys, 4-byte pairs of queries) ----
+        if (dq_acc != nullptr) {
+#pragma unroll
+            for (int kq = 0; kq < KQ; ++kq)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    // frag[kq][j]: key row g + 8*(j%2), query cols (2kq + j/2)*8 + 2t
+                    u32 addr = sdS_it + swz<SCH>(warp * 16 + g + 8 * (j % 2), 2 * kq + j / 2) + 4 * t;
+                    asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr), "r"(frag[kq][j]) : "memory");
+                }
+        }
+        // ---- dK += dS^T Q ----
+        tile_mma_ab<BF16, CH, KQ, DN>(acc_dk, frag, sQs, bt_off);
+
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the last dS^T is complete
+    if (dq_acc != nullptr && n_iter > 0) {
+        bwd_dq_product<BF16, S_>(sdS + ((n_iter - 1) % 2) * S_::kDsBytes, sK,
+                                 dq_acc + ((long long)bh * seqlen_q_pad + (m_begin + n_iter - 1) * BR) * D, warp, lane);
+        __syncthreads();  // every warp is done reading K: its rows take dK for the store
+    }
+
+    // ---- epilogue: dK = scale * dK~, dV; through this warp's own K/V rows ----
+    stash_c_tile<BF16, CH, DN>(sK, warp * 16, acc_dk, scale, lane);
+    stash_c_tile<BF16, CH, DN>(sV, warp * 16, acc_dv, DROPOUT ? drop_scale : 1.f, lane);
+    __syncwarp();
+    elem_t* dkg = dk + (long long)b * dk_sb + (long long)h * dk_sh;
+    elem_t* dvg = dv + (long long)b * dv_sb + (long long)h * dv_sh;
+    store_rows_warp<CH, 16>(sK, warp * 16, dkg, dk_sn, key_w, seqlen_k, lane);
+    store_rows_warp<CH, 16>(sV, warp * 16, dvg, dv_sn, key_w, seqlen_k, lane);
+}
+
+}  // namespace cuflash

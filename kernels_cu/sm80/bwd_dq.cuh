@@ -1,0 +1,165 @@
+// cuflash/kernels_cu/sm80/bwd_dq.cuh
+// The deterministic dQ kernel: laid out like the forward (warps own 16 query rows each, K/V
+// stream through a ring), recomputes S and dP and accumulates dQ = dS K in registers; no atomics,
+// so bitwise reproducible. Costs 3 more GEMMs than the atomic dQ of the dK/dV kernel.
+#pragma once
+#include "attn/block_range.cuh"
+#include "attn/dropout.cuh"
+#include "attn/epilogue.cuh"
+#include "attn/mask.cuh"
+#include "attn/params.cuh"
+#include "attn/scheduler.cuh"
+#include "sm80/tile_copy.cuh"
+#include "sm80/traits.cuh"
+#include "sm80/warp_gemm.cuh"
+
+namespace cuflash {
+
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
+__device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
+    using S_ = Sm80DqTraits<D, BR, BC, WARPS, STAGES>;
+    constexpr int CH = S_::kRowChunks, KD = S_::kHeadSteps, SN = S_::kScoreTiles, KB = S_::kKeySteps, DN = S_::kOutTiles;
+    constexpr int THREADS = S_::kNumThreads;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 sQ = smem_u32(smem);
+    const u32 sdO = sQ + S_::kQTileBytes;
+    const u32 sK = sdO + S_::kQTileBytes;
+    const u32 sV = sK + STAGES * S_::kKVBytes;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
+    const int bh = blk.bh, b = blk.batch, h = blk.head;
+    const int r0 = blk.block * BR;
+
+    const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
+    const elem_t* kg = k + (long long)b * k_sb + (long long)h * k_sh;
+    const elem_t* vg = v + (long long)b * v_sb + (long long)h * v_sh;
+    const elem_t* dog = dout + (long long)b * do_sb + (long long)h * do_sh;
+
+    const BlockRange range = key_blocks<BR, BC>(geo, r0);  // the forward's key blocks and masks
+    const Mask mask{geo};
+    const Dropout drop{drop_seed, drop_threshold, bh};
+    const int n_begin = range.begin, n_iter = range.size();
+
+    // This thread's two query rows: their lse2 and delta (padded buffers, no guard needed).
+    const int row_a = r0 + warp * 16 + g;
+    const float L0 = lse2[(long long)bh * seqlen_q_pad + row_a], L1 = lse2[(long long)bh * seqlen_q_pad + row_a + 8];
+    const float D0 = delta[(long long)bh * seqlen_q_pad + row_a], D1 = delta[(long long)bh * seqlen_q_pad + row_a + 8];
+
+    float acc_q[DN][4];
+#pragma unroll
+    for (int i = 0; i < DN; ++i) acc_q[i][0] = acc_q[i][1] = acc_q[i][2] = acc_q[i][3] = 0.f;
+
+    if (n_iter > 0) {
+        // Prologue (ring contract, sm80/tile_copy.cuh): Q and dO join the first K/V group.
+        load_tile<BR, CH, THREADS>(sQ, qg, q_sn, r0, seqlen_q, tid);
+        load_tile<BR, CH, THREADS>(sdO, dog, do_sn, r0, seqlen_q, tid);
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < n_iter)
+                load_kv_tile<BC, CH, THREADS>(sK + s * S_::kKVBytes, sV + s * S_::kKVBytes, kg, k_sn, vg, v_sn, n_begin + s,
+                                              seqlen_k, tid);
+            cp_async_commit();
+        }
+    }
+
+    const int lane_row = lane % 8;
+    const u32 a_off = swz<CH>(warp * 16 + lane_row + ((lane / 8) % 2) * 8, lane / 16);
+    const u32 bn_off = swz<CH>(lane_row + (lane / 16) * 8, (lane / 8) % 2);
+    const u32 bt_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
+    constexpr u32 ROW16 = 16 * CH * 16;
+    u32 q_frag[KD][4];
+    for (int it = 0; it < n_iter; ++it) {
+        const int j = n_begin + it;  // key block of this step
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+            int in = it + STAGES - 1;
+            if (in < n_iter) {
+                int slot = in % STAGES;
+                load_kv_tile<BC, CH, THREADS>(sK + slot * S_::kKVBytes, sV + slot * S_::kKVBytes, kg, k_sn, vg, v_sn,
+                                              n_begin + in, seqlen_k, tid);
+            }
+            cp_async_commit();
+        }
+        const int slot = it % STAGES;
+        const u32 sKj = sK + slot * S_::kKVBytes, sVj = sV + slot * S_::kKVBytes;
+        if (it == 0) {
+#pragma unroll
+            for (int kd = 0; kd < KD; ++kd)
+                ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + (a_off ^ (32 * kd)));
+        }
+
+        // ---- S = Q K^T, dP = dO V^T ----
+        float acc_s[SN][4], acc_dp[SN][4];
+#pragma unroll
+        for (int i = 0; i < SN; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc_s[i][e] = acc_dp[i][e] = 0.f;
+#pragma unroll
+        for (int kd = 0; kd < KD; ++kd) {
+            u32 d0, d1, d2, d3;
+            ldmatrix_x4(d0, d1, d2, d3, sdO + (a_off ^ (32 * kd)));
+#pragma unroll
+            for (int np = 0; np < SN / 2; ++np) {
+                u32 b0, b1, b2, b3;
+                ldmatrix_x4(b0, b1, b2, b3, sKj + np * ROW16 + (bn_off ^ (32 * kd)));
+                const u32* a = q_frag[kd];
+                mma_16816<BF16>(acc_s[2 * np], a[0], a[1], a[2], a[3], b0, b1);
+                mma_16816<BF16>(acc_s[2 * np + 1], a[0], a[1], a[2], a[3], b2, b3);
+                ldmatrix_x4(b0, b1, b2, b3, sVj + np * ROW16 + (bn_off ^ (32 * kd)));
+                mma_16816<BF16>(acc_dp[2 * np], d0, d1, d2, d3, b0, b1);
+                mma_16816<BF16>(acc_dp[2 * np + 1], d0, d1, d2, d3, b2, b3);
+            }
+        }
+
+        // ---- P, dS (rows = queries, cols = keys); dropout bits as in the forward ----
+        u32 dbits[DROPOUT ? KB : 1];
+        if constexpr (DROPOUT) {
+#pragma unroll
+            for (int kb = 0; kb < KB; ++kb) dbits[kb] = drop.bits8((r0 + warp * 16) / 16, (j * BC) / 16 + kb, g, t);
+        }
+        // mask S (-inf, so P = exp2(-inf) = 0 there; c > 0), then P = exp2(S c - lse2) and
+        // dS = P o (dP o Z - delta), Z = dropout keep / (1 - p)
+        if (range.masked_tail(j)) mask.apply_tile<false, true>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
+        if (range.masked_head(j)) mask.apply_tile<true, false>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
+#pragma unroll
+        for (int nt = 0; nt < SN; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -(e < 2 ? L0 : L1)));
+                float dp = acc_dp[nt][e];
+                if constexpr (DROPOUT) dp = Dropout::kept(dbits[nt / 2], nt, e) ? dp * drop_scale : 0.f;
+                acc_dp[nt][e] = p * (dp - (e < 2 ? D0 : D1));
+            }
+
+        // ---- dQ += dS K ----
+#pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+            u32 a0 = pack2<BF16>(acc_dp[2 * kb][0], acc_dp[2 * kb][1]);
+            u32 a1 = pack2<BF16>(acc_dp[2 * kb][2], acc_dp[2 * kb][3]);
+            u32 a2 = pack2<BF16>(acc_dp[2 * kb + 1][0], acc_dp[2 * kb + 1][1]);
+            u32 a3 = pack2<BF16>(acc_dp[2 * kb + 1][2], acc_dp[2 * kb + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < DN / 2; ++dp) {
+                u32 b0, b1, b2, b3;
+                ldmatrix_x4_trans(b0, b1, b2, b3, sKj + kb * ROW16 + (bt_off ^ (32 * dp)));
+                mma_16816<BF16>(acc_q[2 * dp], a0, a1, a2, a3, b0, b1);
+                mma_16816<BF16>(acc_q[2 * dp + 1], a0, a1, a2, a3, b2, b3);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // ---- epilogue: dQ = scale * dQ~, through this warp's own Q rows ----
+    __syncwarp();
+    stash_c_tile<BF16, CH, DN>(sQ, warp * 16, acc_q, scale, lane);
+    __syncwarp();
+    elem_t* dqg = dq + (long long)b * dq_sb + (long long)h * dq_sh;
+    store_rows_warp<CH, 16>(sQ, warp * 16, dqg, dq_sn, r0 + warp * 16, seqlen_q, lane);
+}
+
+}  // namespace cuflash

@@ -1,0 +1,183 @@
+// cuflash/kernels_cu/sm80/fwd.cuh
+// FlashAttention-2 forward ("v2"), sm80 mainloop on mma.sync m16n8k16. Composition only: the
+// attention math is in attn/ (scheduler, block_range, mask, softmax, dropout, epilogue), the
+// data movement and products in sm80/ (tile_copy, warp_gemm).
+//
+//   grid : one thread block per (Q tile of BR rows, head, batch) (attn/scheduler.cuh)
+//   block: WARPS warps; warp w owns Q rows [w*BR/WARPS, (w+1)*BR/WARPS) of the tile, so the
+//          softmax statistics of a row live in one warp and need no shared-memory reduction
+//   loop : over the K/V tiles of BlockRange, STAGES-deep cp.async ring (sm80/tile_copy.cuh)
+//   step : S = Q K^T (raw) -> mask (boundary tiles only) -> online softmax (P = exp2(S c - m c),
+//          O~ and l rescaled) -> dropout (P o mask, P V only) -> P to A fragments -> O~ += P V
+//   end  : O = O~ / l (x 1/(1-p) with dropout), lse = (m c + log2 l) ln 2 (attn/epilogue.cuh)
+// Rows that see no key get O = 0 and lse = -inf.
+#pragma once
+#include "attn/block_range.cuh"
+#include "attn/dropout.cuh"
+#include "attn/epilogue.cuh"
+#include "attn/mask.cuh"
+#include "attn/params.cuh"
+#include "attn/scheduler.cuh"
+#include "attn/softmax.cuh"
+#include "sm80/tile_copy.cuh"
+#include "sm80/traits.cuh"
+#include "sm80/warp_gemm.cuh"
+
+namespace cuflash {
+
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
+__device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
+    using Tr = Sm80FwdTraits<D, BR, BC, WARPS, STAGES>;
+    constexpr int kRowTiles = Tr::kRowTiles, kScoreTiles = Tr::kScoreTiles, kOutTiles = Tr::kOutTiles;
+    constexpr int kHeadSteps = Tr::kHeadSteps, kKeySteps = Tr::kKeySteps, kRowChunks = Tr::kRowChunks;
+    constexpr int kNumThreads = Tr::kNumThreads;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 sQ = smem_u32(smem);
+    const u32 sK = sQ + Tr::kQBytes;
+    const u32 sV = sK + STAGES * Tr::kKVTileBytes;
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;  // MMA fragment row group / column pair
+
+    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
+    const int bh = blk.bh, b = blk.batch, h = blk.head;
+    const int r0 = blk.block * BR;
+
+    const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
+    const elem_t* kg = k + (long long)b * k_sb + (long long)h * k_sh;
+    const elem_t* vg = v + (long long)b * v_sb + (long long)h * v_sh;
+
+    const BlockRange range = key_blocks<BR, BC>(geo, r0);  // may start past key block 0 (window)
+    const Mask mask{geo};
+    const Dropout drop{drop_seed, drop_threshold, bh};
+    const int n_begin = range.begin, n_iter = range.size();
+
+    float acc_o[kRowTiles][kOutTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+        for (int i = 0; i < kOutTiles; ++i) acc_o[mt][i][0] = acc_o[mt][i][1] = acc_o[mt][i][2] = acc_o[mt][i][3] = 0.f;
+    OnlineSoftmax<kRowTiles> softmax;
+    softmax.init();
+
+    if (n_iter > 0) {
+        // Prologue: Q joins the first K/V group; steps 0..STAGES-2 (key blocks n_begin..) in flight.
+        load_tile<BR, kRowChunks, kNumThreads>(sQ, qg, q_sn, r0, seqlen_q, tid);
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < n_iter)
+                load_kv_tile<BC, kRowChunks, kNumThreads>(sK + s * Tr::kKVTileBytes, sV + s * Tr::kKVTileBytes, kg, k_sn,
+                                                          vg, v_sn, n_begin + s, seqlen_k, tid);
+            cp_async_commit();  // empty groups keep the wait count uniform
+        }
+    }
+
+    const int warp_row0 = warp * Tr::kRowsPerWarp;
+    u32 q_frag[Tr::kQInRegs ? kHeadSteps : 1][4];
+    using Ld = LdmatrixOffsets<kRowChunks>;
+    const u32 q_frag_off = Ld::a_operand(warp_row0, lane);
+    const u32 k_frag_off = Ld::b_operand(lane);
+    const u32 v_frag_off = Ld::b_trans(lane);
+    for (int it = 0; it < n_iter; ++it) {
+        const int j = n_begin + it;  // key block of this step
+        // Step it has landed once at most STAGES-2 younger groups are pending. The barrier also
+        // tells every warp that all others finished step it-1, whose slot is refilled next.
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+            int in = it + STAGES - 1;
+            if (in < n_iter) {
+                int slot = in % STAGES;
+                load_kv_tile<BC, kRowChunks, kNumThreads>(sK + slot * Tr::kKVTileBytes, sV + slot * Tr::kKVTileBytes, kg,
+                                                          k_sn, vg, v_sn, n_begin + in, seqlen_k, tid);
+            }
+            cp_async_commit();
+        }
+        const int slot = it % STAGES;
+        const u32 sKj = sK + slot * Tr::kKVTileBytes;
+        const u32 sVj = sV + slot * Tr::kKVTileBytes;
+
+        if constexpr (Tr::kQInRegs) {
+            if (it == 0) {  // Q landed with the first step's group
+#pragma unroll
+                for (int kd = 0; kd < kHeadSteps; ++kd)
+                    ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + (q_frag_off ^ (32 * kd)));
+            }
+        }
+
+        // ---- S = Q K_j^T (raw, unscaled) ----
+        float acc_s[kRowTiles][kScoreTiles][4];
+        warp_mma_abt<BF16, kRowChunks, kHeadSteps, kRowTiles, kScoreTiles, Tr::kQInRegs>(acc_s, q_frag, sQ, q_frag_off,
+                                                                                       sKj, k_frag_off);
+
+        // ---- mask (only tiles that cross the seqlen_k tail or a window edge, at either end) ----
+        if (range.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
+        if (range.masked_head(j)) mask.apply<true, false>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
+
+        // ---- online softmax: new max, rescale O~ and l by exp2((m_old - m_new) c), P in place ----
+        softmax.step(acc_s, acc_o, scale_log2);
+
+        // ---- dropout: zero the dropped P entries for P V only (l keeps the undropped sum, the
+        // 1/(1-p) scale joins the final 1/l) ----
+        if constexpr (DROPOUT) {
+#pragma unroll
+            for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+                for (int kb = 0; kb < kKeySteps; ++kb)
+                    Dropout::zero_dropped(acc_s[mt], kb, drop.bits8((r0 + warp_row0) / 16 + mt, (j * BC) / 16 + kb, g, t));
+        }
+
+        // ---- P to 16-bit A fragments now, so the fp32 S accumulators die before P V ----
+        u32 p_frag[kRowTiles][kKeySteps][4];
+#pragma unroll
+        for (int mt = 0; mt < kRowTiles; ++mt) c_to_a_frags<BF16, kKeySteps>(p_frag[mt], acc_s[mt]);
+
+        // ---- O~ += P V_j ----
+        warp_mma_ab<BF16, kRowChunks, kKeySteps, kRowTiles, kOutTiles>(acc_o, p_frag, sVj, v_frag_off);
+    }
+    cp_async_wait<0>();
+
+    // ---- epilogue: O = O~ / l, lse; stage O through this warp's own Q rows in smem so the
+    // global stores are 16-byte and row-contiguous ----
+    __syncwarp();
+    float* lse_row = lse + (long long)bh * seqlen_q;
+#pragma unroll
+    for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float l = warp_sum4(softmax.row_sum[mt][half]);
+            float inv = l > 0.f ? (DROPOUT ? drop_scale : 1.f) / l : 0.f;
+            int tile_row = warp_row0 + mt * 16 + g + 8 * half;
+            int row = r0 + tile_row;
+            if (t == 0 && row < seqlen_q)
+                lse_row[row] = l > 0.f ? (softmax.row_max[mt][half] * scale_log2 + __log2f(l)) * 0.69314718055994531f
+                                       : neg_inf();
+#pragma unroll
+            for (int i = 0; i < kOutTiles; ++i) {
+                u32 packed = pack2<BF16>(acc_o[mt][i][2 * half] * inv, acc_o[mt][i][2 * half + 1] * inv);
+                u32 addr = sQ + swz<kRowChunks>(tile_row, i) + 4 * t;
+                asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr), "r"(packed) : "memory");
+            }
+        }
+    __syncwarp();
+    elem_t* og = o + (long long)b * o_sb + (long long)h * o_sh;
+    constexpr int WARP_CHUNKS = Tr::kRowsPerWarp * kRowChunks;
+#pragma unroll
+    for (int it = 0; it < (WARP_CHUNKS + 31) / 32; ++it) {
+        int idx = it * 32 + lane;
+        if (idx < WARP_CHUNKS) {
+            int tr = warp_row0 + idx / kRowChunks, c = idx % kRowChunks;
+            int row = r0 + tr;
+            if (row < seqlen_q) {
+                uint4 val;
+                asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(sQ + swz<kRowChunks>(tr, c)));
+                *reinterpret_cast<uint4*>(og + (long long)row * o_sn + c * 8) = val;
+            }
+        }
+    }
+}
+
+}  // namespace cuflash

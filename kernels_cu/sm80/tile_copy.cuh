@@ -1,0 +1,57 @@
+// cuflash/kernels_cu/sm80/tile_copy.cuh
+// Global -> shared tile copies with cp.async, and the per-lane ldmatrix offsets.
+//
+// Ring contract (fwd, dq: K/V; v1, dK/dV: Q): tile i lives in slot i % STAGES. The prologue
+// issues tiles 0 .. STAGES-2, one commit group each (empty groups when there are fewer tiles,
+// so the wait count stays uniform). Step i: cp_async_wait<STAGES-2>() + __syncthreads() (tile i
+// has landed, and every warp has finished step i-1), then issue tile i+STAGES-1 into the slot
+// step i-1 used, commit, compute on slot i % STAGES. One barrier per step.
+#pragma once
+#include "core/ptx_sm80.cuh"
+#include "core/swizzle.cuh"
+
+namespace cuflash {
+
+// Copy rows [row0, row0+ROWS) of one (batch, head) slice into a swizzled shared tile; rows
+// at or past `n_rows` are zero-filled. Thread t copies chunk t % CH of rows t / CH + i*STEP:
+// STEP is a multiple of 8, so every row a thread touches has the same swizzle and one pointer
+// plus one 64-bit stride serve all of them.
+template <int ROWS, int CH, int THREADS>
+__device__ __forceinline__ void load_tile(u32 s_base, const elem_t* g, long long row_stride,
+                                          int row0, int n_rows, int tid) {
+    constexpr int STEP = THREADS / CH;
+    static_assert(THREADS % CH == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "tile copy layout");
+    const int r = tid / CH, c = tid % CH;
+    const elem_t* src = g + (long long)(row0 + r) * row_stride + c * 8;
+    const long long src_step = (long long)STEP * row_stride;
+    const u32 dst = s_base + swz<CH>(r, c);
+#pragma unroll
+    for (int i = 0; i < ROWS / STEP; ++i) {
+        bool ok = row0 + r + i * STEP < n_rows;
+        cp_async_16(dst + i * STEP * CH * 16, ok ? src + i * src_step : g, ok);
+    }
+}
+
+// K and V tiles of one ring slot (the forward's and the dQ kernel's stage).
+template <int BC, int CH, int THREADS>
+__device__ __forceinline__ void load_kv_tile(u32 sK_slot, u32 sV_slot, const elem_t* kg, long long k_sn,
+                                             const elem_t* vg, long long v_sn, int n_block, int seqlen_k, int tid) {
+    load_tile<BC, CH, THREADS>(sK_slot, kg, k_sn, n_block * BC, seqlen_k, tid);
+    load_tile<BC, CH, THREADS>(sV_slot, vg, v_sn, n_block * BC, seqlen_k, tid);
+}
+
+// Per-lane byte offsets of the ldmatrix rows at k-chunk 0 (chunk c is offset ^ (16 c), see
+// core/swizzle.cuh). For a warp tile of 16 rows from row0:
+//   a_operand  : A fragment (rows = m, row-major tile), matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15)
+//   b_operand  : B fragment of two n8 tiles from a row-major (n x k) tile, as K in Q K^T
+//   b_trans    : B fragment read with .trans from a row-major (k x n) tile, as V in P V
+template <int CH>
+struct LdmatrixOffsets {
+    __device__ __forceinline__ static u32 a_operand(int row0, int lane) {
+        return swz<CH>(row0 + lane % 8 + ((lane / 8) % 2) * 8, lane / 16);
+    }
+    __device__ __forceinline__ static u32 b_operand(int lane) { return swz<CH>(lane % 8 + (lane / 16) * 8, (lane / 8) % 2); }
+    __device__ __forceinline__ static u32 b_trans(int lane) { return swz<CH>(lane % 8 + ((lane / 8) % 2) * 8, lane / 16); }
+};
+
+}  // namespace cuflash
