@@ -179,7 +179,7 @@ def get_kernel(tile, features, device_id: int):
 
 
 def aux_source(name: str, dtype: str, head_dim: int) -> tuple[str, str]:
-    """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`; aux/)."""
+    """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`; rowwise/)."""
     f = Features(dtype, head_dim)
     bf16 = f.bf16
     fn = f"cuflash_{name}_{f.dtype_tag}_d{head_dim}"

@@ -7,7 +7,7 @@
 #pragma once
 #include "common.cuh"
 #include "attn/params.cuh"
-#include "aux/bwd_prep.cuh"
-#include "aux/bwd_post.cuh"
+#include "rowwise/bwd_prep.cuh"
+#include "rowwise/bwd_post.cuh"
 #include "sm80/bwd_dkdv.cuh"
 #include "sm80/bwd_dq.cuh"

@@ -21,7 +21,7 @@ def test_wheel_ships_kernel_sources(tmp_path):
     assert r.returncode == 0, r.stderr
     (whl,) = tmp_path.glob("cuflash-*.whl")
     names = zipfile.ZipFile(whl).namelist()
-    # every kernel source, subdirectories included (core/, attn/, sm80/, aux/)
+    # every kernel source, subdirectories included (core/, attn/, sm80/, rowwise/)
     kroot = _compile.kernel_dir()
     for p in sorted(kroot.rglob("*.cu*")):
         assert f"cuflash/kernels_cu/{p.relative_to(kroot).as_posix()}" in names, p

@@ -1,4 +1,4 @@
-// cuflash/kernels_cu/aux/bwd_post.cuh
+// cuflash/kernels_cu/rowwise/bwd_post.cuh
 // Backward postprocessing: dQ = dq_acc * softmax_scale -> 16-bit, in the caller's strides.
 #pragma once
 #include "attn/params.cuh"

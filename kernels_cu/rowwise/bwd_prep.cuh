@@ -1,4 +1,4 @@
-// cuflash/kernels_cu/aux/bwd_prep.cuh
+// cuflash/kernels_cu/rowwise/bwd_prep.cuh
 // Backward preprocessing, per query row: delta = rowsum(dO * O); lse2 = lse * log2(e) with rows
 // that see no key (lse = -inf) and padding rows mapped to +inf (so P = 0 there); zeroes the fp32
 // dQ accumulator. Buffers are padded to a multiple of 128 rows so the main kernels copy them with
