@@ -14,7 +14,8 @@ import numpy as np
 
 from . import _compile, families, problem
 from . import _plans as plan_cache
-from .launch import LOG2E, Buffer, Launch, Plan, check_grid, contiguous_strides, int64s
+from .launch import Buffer, Launch, Plan, check_grid
+from .params import pack_bwd
 from .problem import AttnProblem
 from .signature import BWD_ARRAYS
 from .tiles import BwdConfig, DqConfig
@@ -26,30 +27,12 @@ _AUX_THREADS = 256
 OUTPUTS = ("dq", "dk", "dv")
 
 
-# --- the scalar tail of each kernel (the parameters after the pointers, dropout's three excepted)
-
-def _prep_tail(p: AttnProblem, pad: int, ws_rows: int) -> tuple:  # CUFLASH_PREP_PARAMS
-    return (*int64s(p.strides["out"], p.strides["dout"]), np.int32(p.heads), np.int32(p.seqlen_q), np.int32(pad),
-            np.int64(ws_rows))
+def _pointers(family) -> tuple:
+    return tuple(name for _, name in family.pointers)
 
 
-def _dkdv_tail(p: AttnProblem, pad: int, n_blocks: int) -> tuple:  # CUFLASH_BWD_PARAMS
-    s, fresh_k = p.strides, contiguous_strides(p.seqlen_k, p.heads, p.head_dim)
-    return (*int64s(s["q"], s["k"], s["v"], s["dout"], fresh_k, fresh_k),  # dk, dv
-            np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(pad), np.int32(n_blocks),
-            np.float32(p.softmax_scale * LOG2E), np.float32(p.softmax_scale), np.int32(p.causal))
-
-
-def _dq_tail(p: AttnProblem, pad: int, m_blocks: int) -> tuple:  # CUFLASH_DQ_PARAMS
-    s = p.strides
-    return (*int64s(s["q"], s["k"], s["v"], s["dout"], contiguous_strides(p.seqlen_q, p.heads, p.head_dim)),  # dq
-            np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(pad), np.int32(m_blocks),
-            np.float32(p.softmax_scale * LOG2E), np.float32(p.softmax_scale), np.int32(p.causal))
-
-
-def _convert_tail(p: AttnProblem, pad: int, n_rows: int) -> tuple:  # CUFLASH_CONVERT_PARAMS
-    return (*int64s(contiguous_strides(p.seqlen_q, p.heads, p.head_dim)), np.int32(p.heads), np.int32(p.seqlen_q),
-            np.int32(pad), np.float32(p.softmax_scale), np.int64(n_rows))
+def _aux_pointers(name: str) -> tuple:
+    return tuple(n for _, n in _compile.AUX_KERNELS[name][0])
 
 
 def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Plan:
@@ -60,33 +43,31 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
 
     prep = _compile.get_aux_kernel("bwd_prep", p.features, p.device)
     launches = [Launch(prep, (-(-ws_rows * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
-                       pointers=("out", "dout", "lse", "delta", "lse2", "dq_acc"), tail=_prep_tail(p, pad, ws_rows),
-                       dropout=False)]
+                       pointers=_aux_pointers("bwd_prep"))]
 
     n_blocks = -(-nk // cfg.block_k)
     check_grid(n_blocks * h * b)
     main = _compile.get_kernel(cfg, p.features, p.device)
     launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes,
-                           pointers=("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv"),
-                           tail=_dkdv_tail(p, pad, n_blocks), dropout=True))
+                           pointers=_pointers(families.BWD)))
 
+    m_blocks = 0  # BwdParams.m_blocks: the dQ kernel's, when it runs
     if p.deterministic:
         m_blocks = -(-nq // dq_cfg.block_q)
         check_grid(m_blocks * h * b)
         dq_kernel = _compile.get_kernel(dq_cfg, p.features, p.device)
         launches.append(Launch(dq_kernel, (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes,
-                               pointers=("q", "k", "v", "dout", "lse2", "delta", "dq"),
-                               tail=_dq_tail(p, pad, m_blocks), dropout=True))
+                               pointers=_pointers(families.BWD_DQ)))
     else:
         convert = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)
         n_rows = b * h * nq
         launches.append(Launch(convert, (-(-n_rows * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
-                               pointers=("dq_acc", "dq"), tail=_convert_tail(p, pad, n_rows), dropout=False))
+                               pointers=_aux_pointers("bwd_dq_convert")))
 
     buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, h, d), dtype),
                Buffer("dv", (b, nk, h, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if p.deterministic else (ws_rows * d,)))
-    return Plan(p.device, BWD_ARRAYS, buffers, tuple(launches), OUTPUTS)
+    return Plan(p.device, BWD_ARRAYS, buffers, tuple(launches), OUTPUTS, pack_bwd(p, pad, n_blocks, m_blocks))
 
 
 _plans = plan_cache.PlanCache()
@@ -126,4 +107,4 @@ def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deter
                           lambda: _build_plan(arrays, causal, softmax_scale, deterministic, dropout, None, None))
     else:
         plan = _build_plan(arrays, causal, softmax_scale, deterministic, dropout, config, dq_config)
-    return plan.run(arrays, problem.NO_DROPOUT_ARGS if dropout is None else dropout.kernel_args)
+    return plan.run(arrays, None if dropout is None else dropout.kernel_args)

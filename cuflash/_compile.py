@@ -12,7 +12,8 @@ import hashlib
 import pathlib
 import re
 
-from . import families
+from . import families, params
+from .families.base import F32, F32_IN, IN, OUT
 from .features import Features
 
 
@@ -46,6 +47,22 @@ def kernel_name(tile, features) -> str:
     return f"cuflash_{families.of(tile).name}_{features.dtype_tag}_{tile.tag()}{features.tag()}"
 
 
+def _shell(header: str, name: str, launch_bounds: str, pointers: tuple, struct: str, call: str) -> str:
+    """An extern "C" kernel `name`: the pointers, then the pass's parameter struct by value
+    (`const __grid_constant__`, read in place from the parameter space), forwarded to `call`;
+    with the static_asserts that check the struct against its NumPy mirror (cuflash/params.py)."""
+    decls = ", ".join(f"{decl} {n}" for decl, n in pointers)
+    names = ", ".join(n for _, n in pointers)
+    return (
+        f"// cuflash generated shell; kernels_cu sources {source_fingerprint()}\n"
+        f'#include "{header}"\n'
+        f"{params.static_asserts(struct)}"
+        f'extern "C" __global__ void {launch_bounds}{name}({decls}, const __grid_constant__ cuflash::{struct} p) {{\n'
+        f"    {call}({names}, p);\n"
+        f"}}\n"
+    )
+
+
 def kernel_source(tile, features) -> str:
     """The generated extern "C" shell for one (tile, features) instance of the tile's family.
 
@@ -59,14 +76,8 @@ def kernel_source(tile, features) -> str:
     if tile.head_dim != features.head_dim:
         raise ValueError(f"config {tile} is for head_dim {tile.head_dim}, the problem has {features.head_dim}")
     targs = ", ".join(map(str, tile.template_args()))
-    return (
-        f"// cuflash generated shell; kernels_cu sources {source_fingerprint()}\n"
-        f'#include "{fam.header}"\n'
-        f'extern "C" __global__ void __launch_bounds__({tile.threads}) {kernel_name(tile, features)}'
-        f"({fam.params_macro}) {{\n"
-        f"    {fam.template}<{features.bf16}, {targs}, {'true' if features.dropout else 'false'}>({fam.args_macro});\n"
-        f"}}\n"
-    )
+    return _shell(fam.header, kernel_name(tile, features), f"__launch_bounds__({tile.threads}) ", fam.pointers,
+                  fam.params, f"{fam.template}<{features.bf16}, {targs}, {'true' if features.dropout else 'false'}>")
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', flags=re.M)
@@ -101,7 +112,7 @@ def kernel_fingerprint(family) -> str | None:
     fp = None
     kdir = kernel_dir()
     if (kdir / family.header).is_file():
-        row = (family.header, family.template, family.params_macro, family.args_macro)
+        row = (family.header, family.template, family.pointers, family.params)
         h = hashlib.sha256(repr(row).encode())
         h.update(repr([o for o in nvrtc_options() if not o.startswith("-I")]).encode())
         for name in sorted(_local_headers(kdir, family.header)):
@@ -178,19 +189,21 @@ def get_kernel(tile, features, device_id: int):
     return fn
 
 
+# The small config-free kernels of flash_bwd.cuh (rowwise/): their pointer parameters (named after
+# the backward plan's array slots) and parameter struct.
+AUX_KERNELS = {
+    "bwd_prep": (((IN, "out"), (IN, "dout"), (F32_IN, "lse"), (F32, "delta"), (F32, "lse2"), (F32, "dq_acc")),
+                 "BwdParams"),
+    "bwd_dq_convert": (((F32_IN, "dq_acc"), (OUT, "dq")), "BwdParams"),
+}
+
+
 def aux_source(name: str, dtype: str, head_dim: int) -> tuple[str, str]:
     """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`; rowwise/)."""
     f = Features(dtype, head_dim)
-    bf16 = f.bf16
     fn = f"cuflash_{name}_{f.dtype_tag}_d{head_dim}"
-    params = {"bwd_prep": "CUFLASH_PREP_PARAMS", "bwd_dq_convert": "CUFLASH_CONVERT_PARAMS"}[name]
-    return (
-        f"// cuflash generated shell; kernels_cu sources {source_fingerprint()}\n"
-        f'#include "flash_bwd.cuh"\n'
-        f'extern "C" __global__ void {fn}({params}) {{\n'
-        f"    cuflash::{name}<{bf16}, {head_dim}>({params.replace('PARAMS', 'ARGS')});\n"
-        f"}}\n"
-    ), fn
+    pointers, struct = AUX_KERNELS[name]
+    return _shell("flash_bwd.cuh", fn, "", pointers, struct, f"cuflash::{name}<{f.bf16}, {head_dim}>"), fn
 
 
 def get_aux_kernel(name: str, features, device_id: int):

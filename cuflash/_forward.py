@@ -1,6 +1,7 @@
 """Forward pass (v2 algorithm): validate, pick a config, allocate outputs, launch on CuPy's current stream.
 
-Also the body the v1 forward shares (run_forward) and the two forwards' common scalar tail.
+Also the body the v1 forward shares (run_forward). Both forwards' kernels take FwdParams
+(cuflash/params.py), packed once per plan.
 """
 from __future__ import annotations
 
@@ -8,21 +9,13 @@ import numpy as np
 
 from . import _compile, families, problem
 from . import _plans as plan_cache
-from .launch import LOG2E, Buffer, Launch, Plan, check_grid, contiguous_strides, int64s
+from .launch import Buffer, Launch, Plan, check_grid
+from .params import pack_fwd
 from .problem import AttnProblem
 from .tiles import FwdConfig
 
 INPUTS = ("q", "k", "v", "out", "lse")  # Plan.run's arguments; out and lse may be None (allocated)
 OUTPUTS = ("out", "lse")
-
-
-def scalar_tail(p: AttnProblem, m_blocks: int) -> tuple:
-    """The kernel arguments after the pointers (CUFLASH_FWD_PARAMS and CUFLASH_FWDV1_PARAMS), dropout's
-    three excepted: per tensor (batch, seqlen, heads) strides in elements, then the sizes."""
-    s = p.strides
-    return (*int64s(s["q"], s["k"], s["v"], contiguous_strides(p.seqlen_q, p.heads, p.head_dim)),  # fresh out
-            np.int32(p.heads), np.int32(p.seqlen_q), np.int32(p.seqlen_k), np.int32(m_blocks),
-            np.float32(p.softmax_scale * LOG2E), np.int32(p.causal))
 
 
 def output_buffers(p: AttnProblem, dtype) -> tuple:
@@ -37,9 +30,8 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     n_blocks = m_blocks * p.heads * p.batch
     check_grid(n_blocks)
     kernel = _compile.get_kernel(cfg, p.features, p.device)
-    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=INPUTS,
-                    tail=scalar_tail(p, m_blocks), dropout=True)
-    return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS)
+    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=INPUTS)
+    return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
 
 
 def run_forward(family: families.KernelFamily, build_plan, plans: plan_cache.PlanCache, q, k, v, *, causal,
@@ -72,7 +64,7 @@ def run_forward(family: families.KernelFamily, build_plan, plans: plan_cache.Pla
         out = _checked_out(out, q)
     if lse is not None:
         lse = _checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
-    return plan.run((q, k, v, out, lse), problem.NO_DROPOUT_ARGS if dropout is None else dropout.kernel_args)
+    return plan.run((q, k, v, out, lse), None if dropout is None else dropout.kernel_args)
 
 
 def _checked_out(out, q):

@@ -11,8 +11,9 @@ import numpy as np
 
 from . import _compile, families
 from . import _plans as plan_cache
-from ._forward import INPUTS, OUTPUTS, output_buffers, run_forward, scalar_tail
+from ._forward import INPUTS, OUTPUTS, output_buffers, run_forward
 from .launch import Buffer, Launch, Plan, check_grid
+from .params import pack_fwd
 from .problem import AttnProblem
 from .tiles import V1Config
 
@@ -34,9 +35,8 @@ def _plan(p: AttnProblem, cfg: V1Config, dtype) -> Plan:
     ws_o, ws_ml = workspace_elements(p.batch, p.heads, p.seqlen_q, p.seqlen_k, cfg)
     buffers = (*output_buffers(p, dtype), Buffer("ws_o", (ws_o,), np.float32),
                Buffer("ws_ml", (ws_ml,), np.float32))
-    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=(*INPUTS, "ws_o", "ws_ml"),
-                    tail=scalar_tail(p, m_blocks), dropout=True)  # same parameter list as v2's after the pointers
-    return Plan(p.device, INPUTS, buffers, (launch,), OUTPUTS)
+    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=(*INPUTS, "ws_o", "ws_ml"))
+    return Plan(p.device, INPUTS, buffers, (launch,), OUTPUTS, pack_fwd(p, m_blocks))  # v2's FwdParams
 
 
 _plans = plan_cache.PlanCache(1024)

@@ -3,12 +3,15 @@
 A `Plan` is built from an AttnProblem and tiles (cuflash/_forward.py, _forward_v1.py, _backward.py),
 cached (cuflash/_plans.py), and run per call with the caller's arrays:
 
-    plan.run((q, k, v, None, None), dropout_args) -> (out, lse)
+    plan.run((q, k, v, None, None), dropout_args) -> (out, lse)   # dropout_args: None (off) or
+                                                                  # Dropout.kernel_args
 
 Arrays are named: first the caller's (a None asks the plan to allocate it), then the plan's own
-buffers. Each `Launch` names the arrays its kernel takes as leading pointers, in parameter order;
-the scalars after them (the tail) are precomputed from the problem; kernels that take dropout's
-(seed, threshold, scale) get them last, per call (dropout's p and seed are not part of a plan).
+buffers. Each `Launch` names the arrays its kernel takes as leading pointers, in parameter order
+(its family's `pointers`); after them every kernel of the plan takes the pass's parameter struct
+(cuflash/params.py), packed once when the plan is built. Dropout's (seed, threshold, scale) are
+not part of a plan: with dropout on, a run passes a copy of the struct with those three fields
+set; with dropout off, the plan's own struct as is.
 The names resolve to indices at build, so a run costs one list, the allocations and the launches.
 """
 from __future__ import annotations
@@ -18,7 +21,8 @@ from operator import itemgetter
 
 import numpy as np
 
-LOG2E = 1.4426950408889634  # the kernels use exp2: scores are scaled by softmax_scale * log2(e)
+from .params import KernelParams
+
 # Grids are 1-D; blockIdx.x's limit is 2^31 - 1.
 MAX_GRID_X = 2**31 - 1
 NULL = np.uint64(0)  # a null pointer argument
@@ -27,11 +31,6 @@ NULL = np.uint64(0)  # a null pointer argument
 def check_grid(n_blocks: int) -> None:
     if n_blocks > MAX_GRID_X:
         raise ValueError(f"problem too large: {n_blocks} thread blocks exceed the grid limit {MAX_GRID_X}")
-
-
-def contiguous_strides(seqlen: int, heads: int, head_dim: int) -> tuple:
-    """(batch, seqlen, heads) strides in elements of a fresh C-contiguous (batch, seqlen, heads, head_dim) array."""
-    return seqlen * heads * head_dim, heads * head_dim, head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +49,7 @@ class Launch:
     grid: tuple
     block: tuple
     smem: int  # dynamic shared memory, bytes
-    pointers: tuple  # slot names, in the kernel's parameter order
-    tail: tuple  # the scalars after the pointers (numpy scalars of the kernel's parameter types)
-    dropout: bool  # the kernel takes dropout's three scalars after the tail
+    pointers: tuple  # slot names, in the kernel's parameter order; the plan's parameter struct follows
 
 
 def _getter(indices):
@@ -64,43 +61,42 @@ def _getter(indices):
 
 
 class Plan:
-    """Launches in order on CuPy's current stream of `device`; run() returns the `outputs` arrays."""
+    """Launches in order on CuPy's current stream of `device`; run() returns the `outputs` arrays.
+    `params`: the pass's packed parameter struct (params.pack_fwd / pack_bwd), every launch's last argument."""
 
-    __slots__ = ("device", "_blank", "_alloc", "_launches", "_outputs")
+    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_outputs")
 
-    def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple):
+    def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
+                 params: np.ndarray):
         own = [b for b in buffers if b.name not in inputs]
         names = [*inputs, *(b.name for b in own)]
         index = {n: i for i, n in enumerate(names)}
         self.device = device
+        self.params = KernelParams(params)
         self._blank = [NULL if b.shape is None else None for b in own]  # the plan's slots before allocation
         self._alloc = tuple((index[b.name], b.shape, b.dtype) for b in buffers if b.shape is not None)
         # take None: the kernel's pointers are all the slots, in order (the forwards), which spares
         # the per-call gather on the path whose host overhead matters most
         self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem,
-                                None if list(ln.pointers) == names else _getter([index[n] for n in ln.pointers]),
-                                ln.tail, ln.dropout) for ln in launches)
+                                None if list(ln.pointers) == names else _getter([index[n] for n in ln.pointers]))
+                               for ln in launches)
         self._outputs = _getter([index[n] for n in outputs])
 
-    def run(self, args: tuple, dropout_args: tuple) -> tuple:
-        """args: the caller's arrays, in `inputs` order (None: allocate); dropout_args: the kernels'
-        (seed, threshold, scale), passed to the launches that take them."""
+    def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
+        """args: the caller's arrays, in `inputs` order (None: allocate); dropout_args: None without
+        dropout, else the kernels' (seed, threshold, scale) (problem.Dropout.kernel_args), set in a
+        per-call copy of the parameter struct."""
         import cupy
 
+        params = self.params.arg if dropout_args is None else self.params.with_dropout(dropout_args)
         slots = [*args, *self._blank]
         with cupy.cuda.Device(self.device):
             for i, shape, dtype in self._alloc:
                 if slots[i] is None:
                     slots[i] = cupy.empty(shape, dtype=dtype)
-            for kernel, grid, block, smem, take, tail, dropout in self._launches:
-                pointers = slots if take is None else take(slots)
-                kernel(grid, block, (*pointers, *tail, *dropout_args) if dropout else (*pointers, *tail),
-                       shared_mem=smem)
+            for kernel, grid, block, smem, take in self._launches:
+                kernel(grid, block, (*(slots if take is None else take(slots)), params), shared_mem=smem)
         # Buffers that are not outputs go back to the pool when `slots` dies here; the pool reuses a
         # block only for work queued later on the same stream, so the running kernels keep them.
+        # CuPy copies `params` into the launch (cuLaunchKernel reads it before returning).
         return self._outputs(slots)
-
-
-def int64s(*stride_triples) -> tuple:
-    """Strides as the kernels' `long long` parameters, in order."""
-    return tuple(np.int64(s) for triple in stride_triples for s in triple)

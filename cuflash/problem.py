@@ -25,8 +25,10 @@ from .tiles import SUPPORTED_HEAD_DIMS
 ALIGN_BYTES = 16
 LSE_DTYPE = "float32"
 # A window side that reaches every key: larger than any seqlen, small enough that i + offset +/- it
-# stays in a 32-bit int for seqlens below 2^30. The kernels will use the same value.
+# stays in a 32-bit int. The kernels use the same value (kernels_cu/attn/mask.cuh, kUnbounded).
 UNBOUNDED = 1 << 30
+# mask.cuh's integer range: every geometry value is UNBOUNDED or below this in magnitude.
+GEOMETRY_LIMIT = 1 << 28
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +49,6 @@ class Dropout:
     seed: int
     kernel_args: tuple  # (seed, threshold, scale) as the kernels' uint64, uint32, float32 scalars
 
-
-# What kernels get when dropout is off (their DROPOUT=false instantiation ignores it anyway).
-NO_DROPOUT_ARGS = (np.uint64(0), np.uint32(0), np.float32(1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +76,9 @@ class AttnProblem:
     offset: int
     dropout: Dropout | None = None
     deterministic: bool = False  # the backward's dQ without atomics
+
+    def __post_init__(self):
+        check_geometry(self.window_left, self.window_right, self.offset)
 
     @property
     def features(self) -> Features:
@@ -169,6 +171,19 @@ def _check_layout(a: ArrayInfo, name: str) -> None:
 
 def _element_strides(a: ArrayInfo) -> tuple:
     return tuple(s // a.itemsize for s in a.strides[:3])
+
+
+def check_geometry(window_left: int, window_right: int, offset: int) -> None:
+    """The preconditions kernels_cu/attn/mask.cuh states for a MaskGeometry, which the kernels take
+    as is from their parameter struct: each value UNBOUNDED or of magnitude < 2^28 (so that every
+    index expression stays in a 32-bit int), and a non-empty window (left + right >= 0).
+    Bottom-right causal and no mask satisfy them whenever |seqlen_k - seqlen_q| < 2^28."""
+    for name, v in (("window_left", window_left), ("window_right", window_right), ("offset", offset)):
+        if not (v == UNBOUNDED and name != "offset" or -GEOMETRY_LIMIT < v < GEOMETRY_LIMIT):
+            raise ValueError(f"mask geometry out of the kernels' range: {name} = {v} (must be UNBOUNDED = 2^30 or of "
+                             f"magnitude < 2^28; offset = seqlen_k - seqlen_q for a bottom-right mask)")
+    if window_left + window_right < 0:
+        raise ValueError(f"empty attention window: window_left + window_right = {window_left} + {window_right} < 0")
 
 
 def _canonical_mask(causal: bool, seqlen_q: int, seqlen_k: int) -> tuple:

@@ -62,8 +62,8 @@ def test_smem_formula_matches_the_kernel():
 
 def test_registered_and_named():
     fam = families.FWD_V1
-    assert (fam.header, fam.template, fam.params_macro, fam.args_macro) == (
-        "flash_fwd_v1.cuh", "cuflash::flash_fwd_v1", "CUFLASH_FWDV1_PARAMS", "CUFLASH_FWDV1_ARGS")
+    assert (fam.header, fam.template, fam.params) == ("flash_fwd_v1.cuh", "cuflash::flash_fwd_v1", "FwdParams")
+    assert [n for _, n in fam.pointers] == ["q", "k", "v", "out", "lse", "ws_o", "ws_ml"]
     assert (_compile.kernel_dir() / "flash_fwd_v1.cuh").is_file()
     cfg = families.FWD_V1.default(128)
     src = _compile.kernel_source(cfg, Features("bfloat16", cfg.head_dim))

@@ -1,11 +1,12 @@
-"""Launch plans on CPU: the kernels' argument lists (order and NumPy types), allocations and the
-launch sequence of each pass, with CuPy's allocation and the kernels replaced by recorders."""
+"""Launch plans on CPU: the kernels' argument lists (the pointers in order, then the pass's parameter
+struct as one size-1 raw-bytes NumPy array), the struct's fields, allocations and the launch sequence
+of each pass, with CuPy's allocation and the kernels replaced by recorders."""
 import contextlib
 
 import numpy as np
 import pytest
 
-from cuflash import _backward, _compile, _forward, _forward_v1, problem
+from cuflash import _backward, _compile, _forward, _forward_v1, families, params, problem
 from cuflash.tiles import BwdConfig, DqConfig, FwdConfig, V1Config
 
 B, NQ, NK, H, D = 2, 100, 300, 3, 64
@@ -43,35 +44,49 @@ def fwd_problem(causal=True, dropout=None):
     return problem.resolve_forward(info((B, NQ, H, D)), info((B, NK, H, D)), info((B, NK, H, D)), causal, 0.5, dropout)
 
 
-def kinds(args):
-    return [a if isinstance(a, str) else type(a).__name__ for a in args]
+def struct_arg(a, name):
+    """The last kernel argument: the packed struct, passed by value (a size-1 void array of its size)."""
+    assert isinstance(a, np.ndarray) and a.shape == (1,) and a.dtype == np.dtype((np.void, params.STRUCTS[name].itemsize))
+    return params.unpack(a, name)
 
 
 def test_forward_arguments(calls):
     drop = problem.resolve_dropout(0.1, 5)
-    out, lse = _forward._plan(fwd_problem(), FwdConfig(64, 128, 64, 4, 2), np.float16).run(
-        ("q", "k", "v", None, None), drop.kernel_args)
+    plan = _forward._plan(fwd_problem(), FwdConfig(64, 128, 64, 4, 2), np.float16)
+    out, lse = plan.run(("q", "k", "v", None, None), drop.kernel_args)
     assert out == ("alloc", (B, NQ, H, D), "float16") and lse == ("alloc", (B, H, NQ), "float32")
     [(name, grid, block, args, smem)] = calls
     assert (name, grid, block, smem) == ("FwdConfig", (1 * H * B,), (128,), FwdConfig(64, 128, 64, 4, 2).smem_bytes)
-    assert args[:5] == ("q", "k", "v", out, lse)
-    assert kinds(args[5:]) == ["int64"] * 12 + ["int32"] * 4 + ["float32", "int32", "uint64", "uint32", "float32"]
-    assert [int(x) for x in args[5:17]] == [NQ * H * D, H * D, D] + [NK * H * D, H * D, D] * 2 + [NQ * H * D, H * D, D]
-    assert [int(x) for x in args[17:21]] == [H, NQ, NK, 1]
-    assert args[21] == np.float32(0.5 * 1.4426950408889634) and int(args[22]) == 1
-    assert args[23:] == drop.kernel_args
+    assert len(args) == 6 and args[:5] == ("q", "k", "v", out, lse)
+    assert args[:5] == tuple(n if n in "qkv" else {"out": out, "lse": lse}[n] for _, n in families.FWD.pointers)
+    f = struct_arg(args[5], "FwdParams")
+    assert [int(f[n]) for n in params.FWD.names[:12]] == [NQ * H * D, H * D, D] + [NK * H * D, H * D, D] * 2 + [
+        NQ * H * D, H * D, D]
+    assert [int(f[n]) for n in ("heads", "seqlen_q", "seqlen_k", "m_blocks")] == [H, NQ, NK, 1]
+    assert f["scale_log2"] == np.float32(0.5 * 1.4426950408889634)
+    assert (int(f["window_left"]), int(f["window_right"]), int(f["offset"])) == (problem.UNBOUNDED, 0, NK - NQ)
+    assert (f["drop_seed"], f["drop_threshold"], f["drop_scale"]) == drop.kernel_args
+    # the plan's own struct is untouched by a dropout call, and passed as is without dropout
+    assert (plan.params.packed["drop_seed"][0], plan.params.packed["drop_threshold"][0]) == (0, 0)
+    assert plan.params.packed["drop_scale"][0] == np.float32(1.0)
+    calls.clear()
+    plan.run(("q", "k", "v", None, None))
+    assert calls[0][3][5] is plan.params.arg
 
 
 def test_forward_v1_workspaces_per_call(calls):
     cfg = V1Config(64, 64, 64, 4, 2)
     plan = _forward_v1._plan(fwd_problem(causal=False), cfg, np.float16)
-    plan.run(("q", "k", "v", "out", "lse"), problem.NO_DROPOUT_ARGS)
+    plan.run(("q", "k", "v", "out", "lse"))
     [(name, grid, _, args, _)] = calls
     rows = B * H * NQ
     assert name == "V1Config" and grid == (B * H,)
     assert args[:7] == ("q", "k", "v", "out", "lse", ("alloc", (rows * D,), "float32"), ("alloc", (rows * 2,), "float32"))
-    assert int(args[7 + 12 + 4 + 1]) == 0  # not causal
-    assert args[-3:] == problem.NO_DROPOUT_ARGS
+    assert len(args) == len(families.FWD_V1.pointers) + 1
+    f = struct_arg(args[7], "FwdParams")
+    assert (int(f["window_left"]), int(f["window_right"]), int(f["offset"])) == (problem.UNBOUNDED,) * 2 + (NK - NQ,)
+    assert int(f["m_blocks"]) == -(-NQ // 64)
+    assert (f["drop_seed"], f["drop_threshold"], f["drop_scale"]) == (0, 0, np.float32(1.0))
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -82,19 +97,31 @@ def test_backward_launch_sequence(calls, deterministic):
     p = problem.resolve_backward(arrays["dout"], arrays["q"], arrays["k"], arrays["v"], arrays["out"], lse, True,
                                  None, deterministic)
     dq_cfg = DqConfig(64, 64, 64, 4, 2) if deterministic else None
+    drop = problem.resolve_dropout(0.25, 7)
     dq, dk, dv = _backward._plan(p, BwdConfig(64, 64, 64, 4, 2), dq_cfg, np.float16).run(
-        ("dout", "q", "k", "v", "out", "lse"), problem.NO_DROPOUT_ARGS)
+        ("dout", "q", "k", "v", "out", "lse"), drop.kernel_args)
     pad = 128  # seqlen_q rounded up to _ROW_PAD
     delta = lse2 = ("alloc", (B * H * pad,), "float32")
     dq_acc = np.uint64(0) if deterministic else ("alloc", (B * H * pad * D,), "float32")
     names = [c[0] for c in calls]
     assert names == ["bwd_prep", "BwdConfig", "DqConfig" if deterministic else "bwd_dq_convert"]
     prep, main, post = (c[3] for c in calls)
-    assert prep[:6] == ("out", "dout", "lse", delta, lse2, dq_acc) and len(prep) == 6 + 10
-    assert main[:9] == ("q", "k", "v", "dout", lse2, delta, dq_acc, dk, dv)
-    assert kinds(main[9:]) == ["int64"] * 18 + ["int32"] * 5 + ["float32", "float32", "int32"] + [
-        "uint64", "uint32", "float32"]
+    assert prep[:6] == ("out", "dout", "lse", delta, lse2, dq_acc) and len(prep) == 6 + 1
+    assert main[:9] == ("q", "k", "v", "dout", lse2, delta, dq_acc, dk, dv) and len(main) == 9 + 1
     if deterministic:
-        assert post[:7] == ("q", "k", "v", "dout", lse2, delta, dq) and len(post) == 7 + 15 + 5 + 3 + 3
+        assert post[:7] == ("q", "k", "v", "dout", lse2, delta, dq) and len(post) == 7 + 1
     else:
-        assert post[:2] == (dq_acc, dq) and kinds(post[2:]) == ["int64"] * 3 + ["int32"] * 3 + ["float32", "int64"]
+        assert post[:2] == (dq_acc, dq) and len(post) == 2 + 1
+    # one BwdParams for the pass: every kernel gets the same (per-call, dropout) copy
+    assert prep[-1] is main[-1] is post[-1]
+    f = struct_arg(main[-1], "BwdParams")
+    fresh_q, fresh_k = [NQ * H * D, H * D, D], [NK * H * D, H * D, D]
+    strides = {t: [int(f[f"{t}_s{x}"]) for x in "bnh"] for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")}
+    assert strides == {"q": fresh_q, "k": fresh_k, "v": fresh_k, "o": fresh_q, "do": fresh_q, "dq": fresh_q,
+                       "dk": fresh_k, "dv": fresh_k}
+    assert [int(f[n]) for n in ("heads", "seqlen_q", "seqlen_k", "seqlen_q_pad", "ws_rows", "q_rows")] == [
+        H, NQ, NK, pad, B * H * pad, B * H * NQ]
+    assert int(f["n_blocks"]) == -(-NK // 64) and int(f["m_blocks"]) == (-(-NQ // 64) if deterministic else 0)
+    assert (int(f["window_left"]), int(f["window_right"]), int(f["offset"])) == (problem.UNBOUNDED, 0, NK - NQ)
+    assert f["scale"] == np.float32(D ** -0.5) and f["scale_log2"] == np.float32(D ** -0.5 * 1.4426950408889634)
+    assert (f["drop_seed"], f["drop_threshold"], f["drop_scale"]) == drop.kernel_args

@@ -1,7 +1,8 @@
 """KernelFamily: everything cuflash knows about one kernel, in one object.
 
 identity   name, pass, the GPUs it runs on (min_cc) and the NVRTC target it is built for, the
-           header and device template the generated shell instantiates, its tile class;
+           header and device template the generated shell instantiates, the kernel's pointer
+           parameters and parameter struct, its tile class;
 selection  supports(features), space(head_dim), default(head_dim, smem, features),
            can_implement(tile, props, features), accumulator_registers(tile);
 execution  run(tile, inputs, causal, features) for the tuner, and which outputs must be bitwise
@@ -22,6 +23,13 @@ MAX_REGS_PER_THREAD = 255
 REG_ALLOC_UNIT = 8  # registers are allocated per thread in multiples of 8 (256 per warp)
 DEFAULT_SMEM_OPTIN = 227 * 1024  # an H100/H200 block's opt-in shared memory
 
+# C declarations of the kernels' pointer parameters (KernelFamily.pointers)
+IN = "const cuflash::elem_t* __restrict__"  # a 16-bit input tensor
+OUT = "cuflash::elem_t* __restrict__"  # a 16-bit output tensor
+F32_IN = "const float* __restrict__"
+F32 = "float* __restrict__"
+F32_WS = "float*"  # a workspace the kernel reads back (v1's O, m, l): not __restrict__
+
 
 def register_cap(threads: int, props) -> int:
     """Most registers per thread ptxas can give a block of `threads` threads (launch bounds)."""
@@ -39,8 +47,11 @@ class KernelFamily:
     tile_cls: type
     header: str  # under kernels_cu/
     template: str  # device template, <BF16, *tile.template_args(), DROPOUT>
-    params_macro: str  # the extern "C" shell's parameter list and its forwarding argument list
-    args_macro: str
+    # the kernel's parameters: its data pointers ((C declaration, name), in order; the names are
+    # the launch plan's array slots), then the pass's parameter struct by value (attn/params.cuh,
+    # mirrored in cuflash/params.py)
+    pointers: tuple
+    params: str
     min_cc: tuple
     min_cc_why: str
     arch_specific: bool  # built for sm_90a-style targets (props.arch_specific) rather than CuPy's sm_XY

@@ -10,9 +10,13 @@ from __future__ import annotations
 import itertools
 
 from ..tiles import BwdConfig, DqConfig, FwdConfig, V1Config
-from .base import KernelFamily
+from .base import F32, F32_IN, F32_WS, IN, OUT, KernelFamily
 
 _MIN_CC, _MIN_CC_WHY = (8, 0), "needs mma.sync bf16 and cp.async"
+
+# The kernels' pointer parameters, named after the launch plans' array slots.
+_FWD_POINTERS = ((IN, "q"), (IN, "k"), (IN, "v"), (OUT, "out"), (F32, "lse"))
+_BWD_INPUTS = ((IN, "q"), (IN, "k"), (IN, "v"), (IN, "dout"), (F32_IN, "lse2"), (F32_IN, "delta"))
 
 
 def _product(make, *axes) -> list:
@@ -69,8 +73,8 @@ def _run_bwd_dq(tile, d, causal, features, props, out=None, lse=None):
 
 FWD = KernelFamily(
     name="fwd", description="forward (out, lse)", what="forward", pass_="forward", tile_cls=FwdConfig,
-    header="flash_fwd.cuh", template="cuflash::flash_fwd", params_macro="CUFLASH_FWD_PARAMS",
-    args_macro="CUFLASH_FWD_ARGS", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY, arch_specific=False,
+    header="flash_fwd.cuh", template="cuflash::flash_fwd", pointers=_FWD_POINTERS,
+    params="FwdParams", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY, arch_specific=False,
     domain=lambda d: _product(lambda bq, bk, w, s: FwdConfig(d, bq, bk, w, s),
                               (64, 128, 192), (32, 48, 64, 96, 128), (4, 8), (2, 3)),
     defaults={
@@ -88,8 +92,8 @@ FWD = KernelFamily(
 BWD = KernelFamily(
     name="bwd", description="backward dK/dV kernel (dQ by atomics)", what="backward", pass_="backward",
     tile_cls=BwdConfig, header="flash_bwd.cuh", template="cuflash::flash_bwd_dkdv",
-    params_macro="CUFLASH_BWD_PARAMS", args_macro="CUFLASH_BWD_ARGS", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY,
-    arch_specific=False,
+    pointers=(*_BWD_INPUTS, (F32, "dq_acc"), (OUT, "dk"), (OUT, "dv")), params="BwdParams", min_cc=_MIN_CC,
+    min_cc_why=_MIN_CC_WHY, arch_specific=False,
     domain=lambda d: _product(lambda bq, w, s: BwdConfig(d, bq, 16 * w, w, s), (64, 128), (4, 8), (2, 3)),
     defaults={
         64: (BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2), BwdConfig(64, 64, 128, 8, 2)),
@@ -102,7 +106,7 @@ BWD = KernelFamily(
 BWD_DQ = KernelFamily(
     name="bwd_dq", description="deterministic backward's dQ kernel", what="deterministic dQ", pass_="backward",
     tile_cls=DqConfig, header="flash_bwd.cuh", template="cuflash::flash_bwd_dq",
-    params_macro="CUFLASH_DQ_PARAMS", args_macro="CUFLASH_DQ_ARGS", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY,
+    pointers=(*_BWD_INPUTS, (OUT, "dq")), params="BwdParams", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY,
     arch_specific=False,
     domain=lambda d: _product(lambda w, bk, s: DqConfig(d, 16 * w, bk, w, s), (4, 8), (32, 64, 128), (2, 3)),
     defaults={
@@ -120,7 +124,7 @@ BWD_DQ = KernelFamily(
 FWD_V1 = KernelFamily(
     name="fwd_v1", description="forward, v1 algorithm (FlashAttention-1)", what="v1 forward", pass_="forward",
     tile_cls=V1Config, header="flash_fwd_v1.cuh", template="cuflash::flash_fwd_v1",
-    params_macro="CUFLASH_FWDV1_PARAMS", args_macro="CUFLASH_FWDV1_ARGS", min_cc=_MIN_CC,
+    pointers=(*_FWD_POINTERS, (F32_WS, "ws_o"), (F32_WS, "ws_ml")), params="FwdParams", min_cc=_MIN_CC,
     min_cc_why=_MIN_CC_WHY, arch_specific=False,
     domain=lambda d: _product(lambda bq, bk, w, s: V1Config(d, bq, bk, w, s),
                               (64, 128), (32, 64, 96, 128), (4, 8), (2, 3)),

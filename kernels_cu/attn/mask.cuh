@@ -7,7 +7,7 @@
 //     q + offset - window_left <= k <= q + offset + window_right   and   k < seqlen_k
 // with kUnbounded for "no limit" on a side. Every mask is one of these:
 //     no mask              (kUnbounded, kUnbounded, any offset)
-//     bottom-right causal  (kUnbounded, 0, seqlen_k - seqlen_q)      <- today's `causal`
+//     bottom-right causal  (kUnbounded, 0, seqlen_k - seqlen_q)      <- the API's `causal`
 //     top-left causal      (kUnbounded, 0, 0)
 //     sliding window       (left, right, seqlen_k - seqlen_q)
 // Integer range: every expression here and in block_range.cuh is one row or key index, plus the
@@ -26,15 +26,21 @@ struct MaskGeometry {
     int window_left, window_right, offset;
     int seqlen_q, seqlen_k;
 
-    // THE one place today's runtime arguments become a geometry (a later step fills it from a
-    // parameter struct built on the host instead): bottom-right causal or no mask.
-    __device__ __forceinline__ static MaskGeometry from_causal(int causal, int seqlen_q, int seqlen_k) {
+    // The geometry of a pass's parameter struct (attn/params.cuh: FwdParams, BwdParams), whose
+    // window and offset the host computed (cuflash/problem.py checks the preconditions above).
+    // The sm80 kernels are built for an unbounded left edge (no sliding window yet): window_left
+    // is the constant kUnbounded, not the struct's field, which the host guarantees equal
+    // (cuflash/params.py refuses anything else). As a runtime value it costs up to +46 registers
+    // and new spills on today's tiles (the left-edge mask and block-range code stays live); a
+    // bounded left edge wants a compile-time kernel variant (like DROPOUT), which reads it here.
+    template <class Params>
+    __device__ __forceinline__ static MaskGeometry of(const Params& p) {
         MaskGeometry m;
         m.window_left = kUnbounded;
-        m.window_right = causal ? 0 : kUnbounded;
-        m.offset = seqlen_k - seqlen_q;
-        m.seqlen_q = seqlen_q;
-        m.seqlen_k = seqlen_k;
+        m.window_right = p.window_right;
+        m.offset = p.offset;
+        m.seqlen_q = p.seqlen_q;
+        m.seqlen_k = p.seqlen_k;
         return m;
     }
 

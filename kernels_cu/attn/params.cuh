@@ -1,102 +1,89 @@
 // cuflash/kernels_cu/attn/params.cuh
-// Kernel parameter lists: the ABI between the generated extern "C" shells (cuflash/_compile.py)
-// and the launch code (cuflash/_forward.py, _forward_v1.py, _backward.py). Order matters: the host
-// passes arguments positionally. Strides are in elements and 64-bit, so batch*seqlen*heads*head_dim
-// may pass 2^31. (Target: one __grid_constant__ struct per pass, mirrored in Python.)
+// The runtime parameter structs, one per pass, passed by value as the last kernel parameter
+// (`const __grid_constant__ cuflash::FwdParams p`): the ABI between the generated extern "C"
+// shells (cuflash/_compile.py) and the launch plans (cuflash/launch.py). The data pointers stay
+// separate leading parameters (they change per call); everything else a kernel needs is here,
+// built once per plan on the host.
 //
-// v1 workspace: ws_o fp32 (batch*heads, seqlen_q, D) contiguous; ws_ml fp32 (batch*heads,
-// seqlen_q, 2) = (m, l), m in raw (unscaled) score units. Neither needs initialising.
+// Host mirror: cuflash/params.py (NumPy structured dtypes, C layout). Every generated shell
+// static_asserts sizeof and the offset and type of EVERY field against that mirror, so a change
+// on one side only fails the compile. Layout rules: 8-byte fields first, then 4-byte fields; the
+// dropout trio (drop_seed, drop_threshold, drop_scale) is contiguous (16 bytes, the only fields
+// that change per call: the host patches them into a copy when dropout is on).
+//
+// Strides are in elements and 64-bit, per tensor (batch, seqlen, head); head_dim's stride is 1.
+// Mask geometry: the canonical (window_left, window_right, offset) of attn/mask.cuh, computed on
+// the host (cuflash/problem.py, which enforces mask.cuh's integer-range preconditions).
+//
+// v1 workspace (pointers, not here): ws_o fp32 (batch*heads, seqlen_q, D) contiguous; ws_ml fp32
+// (batch*heads, seqlen_q, 2) = (m, l), m in raw (unscaled) score units. Neither needs initialising.
 #pragma once
 #include "core/types.cuh"
 
-#define CUFLASH_FWD_PARAMS                                                              \
-    const cuflash::elem_t* __restrict__ q, const cuflash::elem_t* __restrict__ k,       \
-    const cuflash::elem_t* __restrict__ v, cuflash::elem_t* __restrict__ o,             \
-    float* __restrict__ lse,                                                            \
-    long long q_sb, long long q_sn, long long q_sh,                                     \
-    long long k_sb, long long k_sn, long long k_sh,                                     \
-    long long v_sb, long long v_sn, long long v_sh,                                     \
-    long long o_sb, long long o_sn, long long o_sh,                                     \
-    int n_heads, int seqlen_q, int seqlen_k, int m_blocks, float scale_log2, int causal, \
-    unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
+namespace cuflash {
 
-#define CUFLASH_FWD_ARGS                                                                \
-    q, k, v, o, lse, q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh,              \
-    o_sb, o_sn, o_sh, n_heads, seqlen_q, seqlen_k, m_blocks, scale_log2, causal,        \
-    drop_seed, drop_threshold, drop_scale
+// The forward pass: flash_fwd (v2) and flash_fwd_v1. o is the output.
+struct FwdParams {
+    long long q_sb, q_sn, q_sh;
+    long long k_sb, k_sn, k_sh;
+    long long v_sb, v_sn, v_sh;
+    long long o_sb, o_sn, o_sh;
+    unsigned long long drop_seed;  // dropout: Philox key, keep threshold (of 2^16), 1/(1-p)
+    unsigned int drop_threshold;
+    float drop_scale;
+    int heads, seqlen_q, seqlen_k;
+    int m_blocks;  // query blocks of BR rows per (batch, head): ceil(seqlen_q / BR) of the launched tile
+    int window_left, window_right, offset;
+    float scale_log2;  // softmax_scale * log2(e)
+};
 
-#define CUFLASH_FWDV1_PARAMS                                                            \
-    const cuflash::elem_t* __restrict__ q, const cuflash::elem_t* __restrict__ k,       \
-    const cuflash::elem_t* __restrict__ v, cuflash::elem_t* __restrict__ o,             \
-    float* __restrict__ lse, float* ws_o, float* ws_ml,                                 \
-    long long q_sb, long long q_sn, long long q_sh,                                     \
-    long long k_sb, long long k_sn, long long k_sh,                                     \
-    long long v_sb, long long v_sn, long long v_sh,                                     \
-    long long o_sb, long long o_sn, long long o_sh,                                     \
-    int n_heads, int seqlen_q, int seqlen_k, int m_blocks, float scale_log2, int causal, \
-    unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
+// The backward pass, one struct for its four kernels; each reads what it needs:
+//   bwd_prep        o, do strides, heads, seqlen_q, seqlen_q_pad, ws_rows
+//   flash_bwd_dkdv  q, k, v, do, dk, dv strides, sizes, n_blocks, geometry, scales, dropout
+//   flash_bwd_dq    q, k, v, do, dq strides, sizes, m_blocks, geometry, scales, dropout
+//   bwd_dq_convert  dq strides, heads, seqlen_q, seqlen_q_pad, scale, q_rows
+// lse2 / delta / dq_acc are padded to seqlen_q_pad rows per (batch, head).
+struct BwdParams {
+    long long q_sb, q_sn, q_sh;
+    long long k_sb, k_sn, k_sh;
+    long long v_sb, v_sn, v_sh;
+    long long o_sb, o_sn, o_sh;     // the forward's output (bwd_prep)
+    long long do_sb, do_sn, do_sh;  // its gradient
+    long long dq_sb, dq_sn, dq_sh;
+    long long dk_sb, dk_sn, dk_sh;
+    long long dv_sb, dv_sn, dv_sh;
+    long long ws_rows;  // batch * heads * seqlen_q_pad: the padded rows bwd_prep covers
+    long long q_rows;   // batch * heads * seqlen_q: the dQ rows bwd_dq_convert covers
+    unsigned long long drop_seed;
+    unsigned int drop_threshold;
+    float drop_scale;
+    int heads, seqlen_q, seqlen_k, seqlen_q_pad;
+    int n_blocks;  // key blocks of the dK/dV tile (BC keys) per (batch, head)
+    int m_blocks;  // query blocks of the dQ tile (BR rows) per (batch, head); 0 when flash_bwd_dq does not run
+    int window_left, window_right, offset;
+    float scale_log2, scale;  // softmax_scale * log2(e), softmax_scale
+    int reserved;             // explicit tail padding (alignment 8): no byte of the struct is implicit
+};
 
-#define CUFLASH_FWDV1_ARGS                                                              \
-    q, k, v, o, lse, ws_o, ws_ml, q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, \
-    o_sb, o_sn, o_sh, n_heads, seqlen_q, seqlen_k, m_blocks, scale_log2, causal,        \
-    drop_seed, drop_threshold, drop_scale
+// A kernel parameter of alignment 8 is placed at an 8-byte offset after the pointers by the
+// ABI; the host copies the struct's bytes (CuPy passes a size-1 NumPy array by value).
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 144, "FwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 272, "BwdParams layout changed: update cuflash/params.py");
+static_assert(__builtin_offsetof(FwdParams, drop_threshold) == __builtin_offsetof(FwdParams, drop_seed) + 8 &&
+                  __builtin_offsetof(FwdParams, drop_scale) == __builtin_offsetof(FwdParams, drop_seed) + 12,
+              "the dropout trio must stay contiguous");
+static_assert(__builtin_offsetof(BwdParams, drop_threshold) == __builtin_offsetof(BwdParams, drop_seed) + 8 &&
+                  __builtin_offsetof(BwdParams, drop_scale) == __builtin_offsetof(BwdParams, drop_seed) + 12,
+              "the dropout trio must stay contiguous");
 
-#define CUFLASH_PREP_PARAMS                                                               \
-    const cuflash::elem_t* __restrict__ o, const cuflash::elem_t* __restrict__ dout,      \
-    const float* __restrict__ lse, float* __restrict__ delta, float* __restrict__ lse2,   \
-    float* __restrict__ dq_acc,                                                           \
-    long long o_sb, long long o_sn, long long o_sh,                                       \
-    long long do_sb, long long do_sn, long long do_sh,                                    \
-    int n_heads, int seqlen_q, int seqlen_q_pad, long long n_rows
+// For the generated shells' field-type checks (NVRTC has no <type_traits>).
+template <class A, class B>
+struct same_type {
+    static constexpr bool value = false;
+};
+template <class A>
+struct same_type<A, A> {
+    static constexpr bool value = true;
+};
 
-#define CUFLASH_PREP_ARGS                                                                 \
-    o, dout, lse, delta, lse2, dq_acc, o_sb, o_sn, o_sh, do_sb, do_sn, do_sh, n_heads,    \
-    seqlen_q, seqlen_q_pad, n_rows
-
-#define CUFLASH_CONVERT_PARAMS                                                            \
-    const float* __restrict__ dq_acc, cuflash::elem_t* __restrict__ dq,                   \
-    long long dq_sb, long long dq_sn, long long dq_sh,                                    \
-    int n_heads, int seqlen_q, int seqlen_q_pad, float scale, long long n_rows
-
-#define CUFLASH_CONVERT_ARGS dq_acc, dq, dq_sb, dq_sn, dq_sh, n_heads, seqlen_q, seqlen_q_pad, scale, n_rows
-
-#define CUFLASH_BWD_PARAMS                                                                \
-    const cuflash::elem_t* __restrict__ q, const cuflash::elem_t* __restrict__ k,         \
-    const cuflash::elem_t* __restrict__ v, const cuflash::elem_t* __restrict__ dout,      \
-    const float* __restrict__ lse2, const float* __restrict__ delta,                      \
-    float* __restrict__ dq_acc, cuflash::elem_t* __restrict__ dk,                         \
-    cuflash::elem_t* __restrict__ dv,                                                     \
-    long long q_sb, long long q_sn, long long q_sh,                                       \
-    long long k_sb, long long k_sn, long long k_sh,                                       \
-    long long v_sb, long long v_sn, long long v_sh,                                       \
-    long long do_sb, long long do_sn, long long do_sh,                                    \
-    long long dk_sb, long long dk_sn, long long dk_sh,                                    \
-    long long dv_sb, long long dv_sn, long long dv_sh,                                    \
-    int n_heads, int seqlen_q, int seqlen_k, int seqlen_q_pad, int n_blocks,              \
-    float scale_log2, float scale, int causal,                                            \
-    unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
-
-#define CUFLASH_BWD_ARGS                                                                  \
-    q, k, v, dout, lse2, delta, dq_acc, dk, dv, q_sb, q_sn, q_sh, k_sb, k_sn, k_sh,       \
-    v_sb, v_sn, v_sh, do_sb, do_sn, do_sh, dk_sb, dk_sn, dk_sh, dv_sb, dv_sn, dv_sh,      \
-    n_heads, seqlen_q, seqlen_k, seqlen_q_pad, n_blocks, scale_log2, scale, causal,       \
-    drop_seed, drop_threshold, drop_scale
-
-#define CUFLASH_DQ_PARAMS                                                                 \
-    const cuflash::elem_t* __restrict__ q, const cuflash::elem_t* __restrict__ k,         \
-    const cuflash::elem_t* __restrict__ v, const cuflash::elem_t* __restrict__ dout,      \
-    const float* __restrict__ lse2, const float* __restrict__ delta,                      \
-    cuflash::elem_t* __restrict__ dq,                                                     \
-    long long q_sb, long long q_sn, long long q_sh,                                       \
-    long long k_sb, long long k_sn, long long k_sh,                                       \
-    long long v_sb, long long v_sn, long long v_sh,                                       \
-    long long do_sb, long long do_sn, long long do_sh,                                    \
-    long long dq_sb, long long dq_sn, long long dq_sh,                                    \
-    int n_heads, int seqlen_q, int seqlen_k, int seqlen_q_pad, int m_blocks,              \
-    float scale_log2, float scale, int causal,                                            \
-    unsigned long long drop_seed, unsigned int drop_threshold, float drop_scale
-
-#define CUFLASH_DQ_ARGS                                                                   \
-    q, k, v, dout, lse2, delta, dq, q_sb, q_sn, q_sh, k_sb, k_sn, k_sh, v_sb, v_sn, v_sh, \
-    do_sb, do_sn, do_sh, dq_sb, dq_sn, dq_sh, n_heads, seqlen_q, seqlen_k, seqlen_q_pad,  \
-    m_blocks, scale_log2, scale, causal, drop_seed, drop_threshold, drop_scale
+}  // namespace cuflash

@@ -7,7 +7,12 @@
 namespace cuflash {
 
 template <bool BF16, int D>
-__device__ __forceinline__ void bwd_dq_convert(CUFLASH_CONVERT_PARAMS) {
+__device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ dq_acc, elem_t* __restrict__ dq,
+                                               const BwdParams& params) {
+    const long long dq_sb = params.dq_sb, dq_sn = params.dq_sn, dq_sh = params.dq_sh;
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_q_pad = params.seqlen_q_pad;
+    const float scale = params.scale;
+    const long long n_rows = params.q_rows;  // dQ rows over (batch*heads)
     constexpr int CH = D / 8;
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long r = gt / CH;  // unpadded row index over (batch*heads) x seqlen_q

@@ -10,7 +10,12 @@
 namespace cuflash {
 
 template <bool BF16, int D>
-__device__ __forceinline__ void bwd_prep(CUFLASH_PREP_PARAMS) {
+__device__ __forceinline__ void bwd_prep(const elem_t* __restrict__ o, const elem_t* __restrict__ dout,
+                                         const float* __restrict__ lse, float* __restrict__ delta,
+                                         float* __restrict__ lse2, float* __restrict__ dq_acc, const BwdParams& params) {
+    const long long o_sb = params.o_sb, o_sn = params.o_sn, o_sh = params.o_sh, do_sb = params.do_sb, do_sn = params.do_sn, do_sh = params.do_sh;
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_q_pad = params.seqlen_q_pad;
+    const long long n_rows = params.ws_rows;  // padded rows over (batch*heads)
     constexpr int CH = D / 8;  // threads per row, one 16-byte chunk each
     static_assert(32 % CH == 0, "a row's threads must sit in one warp");
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;

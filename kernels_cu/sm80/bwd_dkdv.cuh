@@ -73,7 +73,19 @@ __device__ __forceinline__ void bwd_dq_product(u32 sdS_buf, u32 sK, float* dq_ro
 }
 
 template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
-__device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
+__device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                               const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
+                                               const float* __restrict__ delta, float* __restrict__ dq_acc, elem_t* __restrict__ dk,
+                                               elem_t* __restrict__ dv, const BwdParams& params) {
+    // The parameters this kernel reads, copied to registers once: a field read where it is used
+    // would be re-read from the parameter space after every asm volatile (memory clobber).
+    const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
+                    v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, do_sb = params.do_sb, do_sn = params.do_sn, do_sh = params.do_sh,
+                    dk_sb = params.dk_sb, dk_sn = params.dk_sn, dk_sh = params.dk_sh, dv_sb = params.dv_sb, dv_sn = params.dv_sn, dv_sh = params.dv_sh;
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, seqlen_q_pad = params.seqlen_q_pad, n_blocks = params.n_blocks;
+    const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
+    const unsigned long long drop_seed = params.drop_seed;
+    const unsigned int drop_threshold = params.drop_threshold;
     using S_ = Sm80BwdTraits<D, BR, BC, WARPS, STAGES, DROPOUT>;
     constexpr int CH = S_::kRowChunks, SCH = S_::kDsRowChunks, KD = S_::kHeadSteps, SN = S_::kQueryTiles, KQ = S_::kQuerySteps, DN = S_::kOutTiles;
     constexpr int THREADS = S_::kNumThreads;
@@ -92,7 +104,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(CUFLASH_BWD_PARAMS) {
 
     // Block -> (key block, head, batch); key blocks fastest, in natural order: under a causal
     // mask the early key blocks see the most query tiles, so the heaviest blocks start first.
-    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const MaskGeometry geo = MaskGeometry::of(params);
     const BlockCoord blk = schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
     const int bh = blk.bh, b = blk.batch, h = blk.head, nb = blk.block;
     const int c0 = nb * BC;

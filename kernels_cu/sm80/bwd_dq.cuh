@@ -16,7 +16,18 @@
 namespace cuflash {
 
 template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
-__device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
+__device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                             const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
+                                             const float* __restrict__ delta, elem_t* __restrict__ dq, const BwdParams& params) {
+    // The parameters this kernel reads, copied to registers once: a field read where it is used
+    // would be re-read from the parameter space after every asm volatile (memory clobber).
+    const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
+                    v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, do_sb = params.do_sb, do_sn = params.do_sn, do_sh = params.do_sh,
+                    dq_sb = params.dq_sb, dq_sn = params.dq_sn, dq_sh = params.dq_sh;
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, seqlen_q_pad = params.seqlen_q_pad, m_blocks = params.m_blocks;
+    const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
+    const unsigned long long drop_seed = params.drop_seed;
+    const unsigned int drop_threshold = params.drop_threshold;
     using S_ = Sm80DqTraits<D, BR, BC, WARPS, STAGES>;
     constexpr int CH = S_::kRowChunks, KD = S_::kHeadSteps, SN = S_::kScoreTiles, KB = S_::kKeySteps, DN = S_::kOutTiles;
     constexpr int THREADS = S_::kNumThreads;
@@ -29,7 +40,7 @@ __device__ __forceinline__ void flash_bwd_dq(CUFLASH_DQ_PARAMS) {
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const MaskGeometry geo = MaskGeometry::of(params);
     const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
     const int bh = blk.bh, b = blk.batch, h = blk.head;
     const int r0 = blk.block * BR;

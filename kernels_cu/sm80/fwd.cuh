@@ -26,7 +26,17 @@
 namespace cuflash {
 
 template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
-__device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
+__device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                          const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
+                                          const FwdParams& params) {
+    // The parameters this kernel reads, copied to registers once: a field read where it is used
+    // would be re-read from the parameter space after every asm volatile (memory clobber).
+    const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
+                    v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, o_sb = params.o_sb, o_sn = params.o_sn, o_sh = params.o_sh;
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, m_blocks = params.m_blocks;
+    const float scale_log2 = params.scale_log2, drop_scale = params.drop_scale;
+    const unsigned long long drop_seed = params.drop_seed;
+    const unsigned int drop_threshold = params.drop_threshold;
     using Tr = Sm80FwdTraits<D, BR, BC, WARPS, STAGES>;
     constexpr int kRowTiles = Tr::kRowTiles, kScoreTiles = Tr::kScoreTiles, kOutTiles = Tr::kOutTiles;
     constexpr int kHeadSteps = Tr::kHeadSteps, kKeySteps = Tr::kKeySteps, kRowChunks = Tr::kRowChunks;
@@ -40,7 +50,7 @@ __device__ __forceinline__ void flash_fwd(CUFLASH_FWD_PARAMS) {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // MMA fragment row group / column pair
 
-    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const MaskGeometry geo = MaskGeometry::of(params);
     const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
     const int bh = blk.bh, b = blk.batch, h = blk.head;
     const int r0 = blk.block * BR;

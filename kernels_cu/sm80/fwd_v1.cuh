@@ -56,7 +56,17 @@
 namespace cuflash {
 
 template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
-__device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
+__device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                             const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
+                                             float* ws_o, float* ws_ml, const FwdParams& params) {
+    // The parameters this kernel reads, copied to registers once: a field read where it is used
+    // would be re-read from the parameter space after every asm volatile (memory clobber).
+    const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
+                    v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, o_sb = params.o_sb, o_sn = params.o_sn, o_sh = params.o_sh;
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, m_blocks = params.m_blocks;
+    const float scale_log2 = params.scale_log2, drop_scale = params.drop_scale;
+    const unsigned long long drop_seed = params.drop_seed;
+    const unsigned int drop_threshold = params.drop_threshold;
     using S_ = Sm80FwdV1Traits<D, BR, BC, WARPS, STAGES>;
     constexpr int MT = S_::kRowTiles, SN = S_::kScoreTiles, ON = S_::kOutTiles, KD = S_::kHeadSteps, KB = S_::kKeySteps, CH = S_::kRowChunks;
     constexpr int THREADS = S_::kNumThreads;
@@ -83,7 +93,7 @@ __device__ __forceinline__ void flash_fwd_v1(CUFLASH_FWDV1_PARAMS) {
     float* wo = ws_o + (long long)bh * seqlen_q * D;  // this block's rows only
     float* wml = ws_ml + (long long)bh * seqlen_q * 2;
 
-    const MaskGeometry geo = MaskGeometry::from_causal(causal, seqlen_q, seqlen_k);
+    const MaskGeometry geo = MaskGeometry::of(params);
     const Mask mask{geo};
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_kv = (seqlen_k + BC - 1) / BC;

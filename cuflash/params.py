@@ -1,0 +1,180 @@
+"""The kernels' runtime parameter structs (kernels_cu/attn/params.cuh), mirrored as NumPy dtypes.
+
+One struct per pass, passed by value as the last kernel parameter after the data pointers:
+
+    FwdParams   flash_fwd (v2) and flash_fwd_v1                    FWD, pack_fwd(problem, m_blocks)
+    BwdParams   bwd_prep, flash_bwd_dkdv, flash_bwd_dq, bwd_dq_convert   BWD, pack_bwd(problem, ...)
+
+A launch plan packs its struct ONCE (a size-1 structured array) and passes it to every launch
+(cuflash/launch.py). CuPy passes a size-1 NumPy array by value: cuLaunchKernel gets the address of
+the array's data and copies sizeof(struct) bytes from it (cupy/cuda/function.pyx, `_pointer` ->
+`CNumpyArray`, `__array_interface__['data'][0]`). The kernels get a raw-bytes view of the array
+(`KernelParams.arg`, dtype V<size>): CuPy reads `__array_interface__` per launch, which for a
+structured dtype rebuilds its field description (~10 us for BwdParams) and for a plain void
+dtype costs ~1 us.
+
+Dropout's (seed, threshold, scale) change per call without changing the plan: with dropout on,
+`KernelParams.with_dropout` copies the packed bytes and patches those 16 contiguous bytes; with
+dropout off the plan's array is passed as is.
+
+The mirror is checked at every compile: `static_asserts(name)` is C++ that the generated shells
+(cuflash/_compile.py) carry, asserting sizeof, alignof and the offset and type of EVERY field.
+"""
+from __future__ import annotations
+
+import functools
+import struct
+
+import numpy as np
+
+from .problem import UNBOUNDED, AttnProblem
+
+LOG2E = 1.4426950408889634  # the kernels use exp2: scores are scaled by softmax_scale * log2(e)
+
+_I64, _U64, _I32, _U32, _F32 = "<i8", "<u8", "<i4", "<u4", "<f4"
+# NumPy field type -> the C++ type params.cuh declares it with
+C_TYPES = {_I64: "long long", _U64: "unsigned long long", _I32: "int", _U32: "unsigned int", _F32: "float"}
+
+
+def _strides(*tensors) -> list:
+    return [(f"{t}_s{d}", _I64) for t in tensors for d in "bnh"]
+
+
+# The dropout trio: contiguous, patched per call (see KernelParams.with_dropout).
+DROPOUT_FIELDS = [("drop_seed", _U64), ("drop_threshold", _U32), ("drop_scale", _F32)]
+_DROPOUT = struct.Struct("<QIf")
+GEOMETRY_FIELDS = [("window_left", _I32), ("window_right", _I32), ("offset", _I32)]
+
+FWD_FIELDS = [
+    *_strides("q", "k", "v", "o"),
+    *DROPOUT_FIELDS,
+    ("heads", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("m_blocks", _I32),
+    *GEOMETRY_FIELDS,
+    ("scale_log2", _F32),
+]
+
+BWD_FIELDS = [
+    *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
+    ("ws_rows", _I64), ("q_rows", _I64),
+    *DROPOUT_FIELDS,
+    ("heads", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("seqlen_q_pad", _I32),
+    ("n_blocks", _I32), ("m_blocks", _I32),
+    *GEOMETRY_FIELDS,
+    ("scale_log2", _F32), ("scale", _F32),
+    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
+]
+
+FWD = np.dtype(FWD_FIELDS, align=True)
+BWD = np.dtype(BWD_FIELDS, align=True)
+STRUCTS = {"FwdParams": FWD, "BwdParams": BWD}  # C++ name (namespace cuflash) -> mirror
+
+
+def contiguous_strides(seqlen: int, heads: int, head_dim: int) -> tuple:
+    """(batch, seqlen, heads) strides in elements of a fresh C-contiguous (batch, seqlen, heads, head_dim) array."""
+    return seqlen * heads * head_dim, heads * head_dim, head_dim
+
+
+def _set_strides(a, tensor: str, strides) -> None:
+    for d, s in zip("bnh", strides):
+        a[f"{tensor}_s{d}"] = s
+
+
+def _set_common(a, p: AttnProblem) -> None:
+    if p.window_left != UNBOUNDED:  # kernels_cu/attn/mask.cuh, MaskGeometry::of
+        raise NotImplementedError(f"the kernels support no bounded left window edge yet (window_left = {p.window_left})")
+    a["heads"], a["seqlen_q"], a["seqlen_k"] = p.heads, p.seqlen_q, p.seqlen_k
+    a["window_left"], a["window_right"], a["offset"] = p.window_left, p.window_right, p.offset
+    a["scale_log2"] = np.float32(p.softmax_scale * LOG2E)
+    # no dropout: what the DROPOUT=false instantiations would ignore anyway
+    a["drop_seed"], a["drop_threshold"], a["drop_scale"] = 0, 0, np.float32(1.0)
+
+
+def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
+    """FwdParams of a forward plan: q, k, v strides from the problem, o's of a fresh (C-contiguous)
+    output; m_blocks = ceil(seqlen_q / block_q) of the launched tile."""
+    a = np.zeros(1, FWD)
+    for t in ("q", "k", "v"):
+        _set_strides(a, t, p.strides[t])
+    _set_strides(a, "o", contiguous_strides(p.seqlen_q, p.heads, p.head_dim))
+    _set_common(a, p)
+    a["m_blocks"] = m_blocks
+    return a
+
+
+def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0) -> np.ndarray:
+    """BwdParams of a backward plan: q, k, v, out, dout strides from the problem, dq, dk, dv's of
+    fresh (C-contiguous) gradients; lse2 / delta / dq_acc rows padded to seqlen_q_pad; n_blocks
+    key blocks of the dK/dV tile, m_blocks query blocks of the dQ tile (0: no dQ kernel)."""
+    a = np.zeros(1, BWD)
+    for t, name in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"), ("do", "dout")):
+        _set_strides(a, t, p.strides[name])
+    _set_strides(a, "dq", contiguous_strides(p.seqlen_q, p.heads, p.head_dim))
+    for t in ("dk", "dv"):
+        _set_strides(a, t, contiguous_strides(p.seqlen_k, p.heads, p.head_dim))
+    rows = p.batch * p.heads
+    a["ws_rows"], a["q_rows"] = rows * seqlen_q_pad, rows * p.seqlen_q
+    _set_common(a, p)
+    a["seqlen_q_pad"], a["n_blocks"], a["m_blocks"] = seqlen_q_pad, n_blocks, m_blocks
+    a["scale"] = np.float32(p.softmax_scale)
+    return a
+
+
+class KernelParams:
+    """A packed struct as the kernels take it: `arg` (the plan's, passed as is) or `with_dropout(...)`
+    (a per-call copy with dropout's three fields set)."""
+
+    __slots__ = ("packed", "arg", "_bytes", "_void", "_drop_at")
+
+    def __init__(self, packed: np.ndarray):
+        if packed.shape != (1,) or packed.dtype not in STRUCTS.values():
+            raise TypeError(f"not a packed parameter struct: {packed.dtype} {packed.shape}")
+        self.packed = packed  # the structured view (tests, debugging)
+        self._void = np.dtype((np.void, packed.dtype.itemsize))
+        self.arg = packed.view(self._void)
+        self._bytes = packed.tobytes()
+        self._drop_at = packed.dtype.fields["drop_seed"][1]
+
+    def with_dropout(self, kernel_args) -> np.ndarray:
+        """A copy with (drop_seed, drop_threshold, drop_scale) = kernel_args (problem.Dropout.kernel_args)."""
+        buf = bytearray(self._bytes)
+        _DROPOUT.pack_into(buf, self._drop_at, *kernel_args)
+        return np.frombuffer(buf, self._void)
+
+
+def unpack(arg: np.ndarray, name: str) -> np.void:
+    """The fields of a kernel argument (a raw V<size> view or a packed array) as one record."""
+    return np.asarray(arg).view(STRUCTS[name])[0]
+
+
+@functools.lru_cache(maxsize=None)
+def static_asserts(name: str) -> str:
+    """C++ static_asserts that cuflash::<name> has exactly the mirror's layout: sizeof, alignof, and
+    per field its offset and type. NVRTC has no <cstddef>: __builtin_offsetof."""
+    dt = STRUCTS[name]
+    cpp = f"cuflash::{name}"
+    lines = [f'static_assert(sizeof({cpp}) == {dt.itemsize} && alignof({cpp}) == {dt.alignment}, '
+             f'"{name}: size/alignment differ from cuflash/params.py");']
+    for field in dt.names:
+        ftype, off = dt.fields[field][:2]
+        ctype = C_TYPES[ftype.str]
+        lines.append(f"static_assert(__builtin_offsetof({cpp}, {field}) == {off} && "
+                     f"cuflash::same_type<decltype({cpp}::{field}), {ctype}>::value, "
+                     f'"{name}::{field}: offset or type differs from cuflash/params.py ({off}, {ctype})");')
+    return "\n".join(lines) + "\n"
+
+
+def _check_mirror() -> None:
+    """Every byte of each struct is a named field (so the C++ side cannot hide a field in padding),
+    fields in order, 8-byte fields first, the dropout trio contiguous."""
+    for name, dt in STRUCTS.items():
+        end = 0
+        for field in dt.names:
+            ftype, off = dt.fields[field][:2]
+            assert off == end, f"{name}.{field}: implicit padding before it (offset {off}, expected {end})"
+            end = off + ftype.itemsize
+        assert end == dt.itemsize and dt.itemsize % 8 == 0 and dt.alignment == 8, name
+        seed = dt.fields["drop_seed"][1]
+        assert (dt.fields["drop_threshold"][1], dt.fields["drop_scale"][1]) == (seed + 8, seed + 12), name
+
+
+_check_mirror()

@@ -1,0 +1,135 @@
+"""The runtime parameter structs (kernels_cu/attn/params.cuh) and their NumPy mirror (cuflash/params.py),
+on CPU: the generated static_asserts compile with NVRTC (a layout mismatch fails to compile), the
+packing, the per-call dropout copy, and problem.py's geometry preconditions."""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from cuflash import _compile, families, params, problem
+from cuflash.features import Features
+
+from tests.test_compile import _nvrtc_available
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
+
+
+def _compile_ok(source: str, arch: str = "sm_80") -> tuple[bool, str]:
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, "params_check.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(_compile.nvrtc_options((f"--gpu-architecture={arch}",))))
+            return True, ""
+        except nvrtc.NVRTCError:
+            return False, nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _check_source(asserts: str) -> str:
+    return f'#include "attn/params.cuh"\n{asserts}__global__ void k() {{}}\n'
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("name", sorted(params.STRUCTS))
+def test_mirror_matches_the_cpp_struct(name):
+    """Every field's offset and type and the struct's size and alignment, checked by the C++ compiler."""
+    asserts = params.static_asserts(name)
+    assert asserts.count("__builtin_offsetof") == len(params.STRUCTS[name].names)
+    ok, log = _compile_ok(_check_source(asserts))
+    assert ok, log
+
+
+@needs_nvrtc
+def test_a_wrong_mirror_fails_to_compile(monkeypatch):
+    """The check has teeth: swap two fields of different types in the mirror and the asserts fail."""
+    fields = [f for f in params.FWD_FIELDS]
+    i = [n for n, _ in fields].index("seqlen_q")
+    fields[i], fields[i + 1] = fields[i + 1], fields[i]  # (seqlen_q, seqlen_k): same type, wrong offsets
+    monkeypatch.setitem(params.STRUCTS, "FwdParams", np.dtype(fields, align=True))
+    params.static_asserts.cache_clear()
+    try:
+        ok, log = _compile_ok(_check_source(params.static_asserts("FwdParams")))
+        assert not ok and "FwdParams::seqlen_q" in log
+        wrong_type = [(n, "<f4" if n == "heads" else t) for n, t in params.FWD_FIELDS]
+        monkeypatch.setitem(params.STRUCTS, "FwdParams", np.dtype(wrong_type, align=True))
+        params.static_asserts.cache_clear()
+        ok, log = _compile_ok(_check_source(params.static_asserts("FwdParams")))
+        assert not ok and "FwdParams::heads" in log
+    finally:
+        monkeypatch.undo()
+        params.static_asserts.cache_clear()
+
+
+def test_every_shell_carries_the_asserts():
+    for fam in families.REGISTRY.values():
+        cfg = fam.default(64)
+        src = _compile.kernel_source(cfg, Features("bfloat16", 64))
+        assert params.static_asserts(fam.params) in src
+        assert f"const __grid_constant__ cuflash::{fam.params} p)" in src
+    for name, (_, struct_name) in _compile.AUX_KERNELS.items():
+        src, _ = _compile.aux_source(name, "float16", 128)
+        assert params.static_asserts(struct_name) in src
+
+
+def test_layout_has_no_implicit_padding():
+    for name, dt in params.STRUCTS.items():
+        assert dt.isalignedstruct and dt.alignment == 8 and dt.itemsize % 8 == 0
+        assert sum(dt.fields[n][0].itemsize for n in dt.names) == dt.itemsize, name
+        # 8-byte fields first
+        sizes = [dt.fields[n][0].itemsize for n in dt.names]
+        assert sizes == sorted(sizes, reverse=True), name
+    assert (params.FWD.itemsize, params.BWD.itemsize) == (144, 272)
+
+
+def _problem(causal=True, nq=100, nk=300):
+    def info(shape):
+        it = 2
+        strides, acc = [], it
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+        return problem.ArrayInfo(shape, "float16", it, tuple(strides), 1 << 20, 0)
+
+    return problem.resolve_forward(info((2, nq, 3, 64)), info((2, nk, 3, 64)), info((2, nk, 3, 64)), causal, None)
+
+
+def test_with_dropout_patches_only_the_dropout_fields():
+    kp = params.KernelParams(params.pack_fwd(_problem(), 2))
+    drop = problem.resolve_dropout(0.3, 2**64 - 1)
+    arg = kp.with_dropout(drop.kernel_args)
+    assert arg.shape == (1,) and arg.dtype == kp.arg.dtype and arg.flags.writeable
+    assert arg.__array_interface__["data"][0] != kp.arg.__array_interface__["data"][0]
+    got, base = params.unpack(arg, "FwdParams"), kp.packed[0]
+    for n in params.FWD.names:
+        want = dict(zip(("drop_seed", "drop_threshold", "drop_scale"), drop.kernel_args)).get(n, base[n])
+        assert got[n] == want, n
+    assert bytes(kp.arg.tobytes()) == kp.packed.tobytes()  # the plan's copy is untouched
+    assert struct.calcsize("<QIf") == 16
+
+
+def test_pack_geometry_and_scales():
+    p = _problem(causal=False, nq=300, nk=100)
+    f = params.pack_fwd(p, 5)[0]
+    assert (int(f["window_left"]), int(f["window_right"]), int(f["offset"])) == (problem.UNBOUNDED,) * 2 + (-200,)
+    assert f["scale_log2"] == np.float32(p.softmax_scale * params.LOG2E)
+
+
+def test_geometry_preconditions():
+    U = problem.UNBOUNDED
+    for ok in ((U, 0, 5), (U, U, -(2**28 - 1)), (3, -3, 0), (0, 0, 2**28 - 1)):
+        problem.check_geometry(*ok)
+    for bad in ((U, 0, 2**28), (U, 0, U), (2**28, 0, 0), (U + 1, 0, 0), (-(2**28), U, 0)):
+        with pytest.raises(ValueError, match="range"):
+            problem.check_geometry(*bad)
+    with pytest.raises(ValueError, match="empty attention window"):
+        problem.check_geometry(2, -3, 0)
+    # enforced on every AttnProblem, including replace()
+    import dataclasses
+
+    with pytest.raises(ValueError, match="offset"):
+        dataclasses.replace(_problem(), offset=2**28)
