@@ -7,6 +7,9 @@
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# NVRTC 13 caches compiles (~/.nv/ComputeCache) and returns an empty log on a hit, which would hide
+# ptxas' resource report from the compile tests and the tuner's pruning.
+export CUDA_CACHE_DISABLE=1
 stages=${*:-tests sanitize bench}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -17,7 +20,8 @@ for s in $stages; do
   case $s in
     golden) python3 scripts/golden/outputs_golden.py check tests/golden/outputs.json 2>&1 | tee "$OUT/golden.log" | tail -45 ;;
     alltests) python3 -m pytest -q tests -p no:cacheprovider -rfEs --durations=15 2>&1 | tee "$OUT/all-tests.log" | tail -60 ;;
-    tune) python3 -m cuflash.tune --json "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -40 ;;
+    tune) python3 -m cuflash.tune --kernels fwd bwd bwd_dq --dtypes bf16 --seqlens 8192 --perf-classes dense dropout \
+            --json "$OUT/tune.json" --export "$OUT/nvidia-h200.json" 2>&1 | tee "$OUT/tune.log" | tail -45 ;;
     tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE --maxfail=30 2>&1 | tee "$OUT/gpu-tests.log" | tail -40 ;;
     sanitize)
       for tool in memcheck racecheck; do

@@ -20,7 +20,7 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loada
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("cfg", families.FWD_V1.selectable(), ids=str)
+@pytest.mark.parametrize("cfg", families.FWD_V1.spill_free_selectable("dense"), ids=str)
 def test_selectable_v1_configs_compile_without_spills(cfg, dtype, arch, record_property):
     check_spill_free(cfg, dtype, arch, record_property)
 
