@@ -97,10 +97,6 @@ class KernelFamily:
         """Tiles the package may pick at run time without tuning (the CPU compile tests cover these)."""
         return sorted({t for cands in self.defaults.values() for t in cands})
 
-    def spill_free_selectable(self, perf_class: str) -> list:
-        """Selectable tiles whose `perf_class` instantiation is not known to spill (compile tests)."""
-        return [t for t in self.selectable() if t not in self.spilling.get(perf_class, ())]
-
     def can_implement(self, tile, props, features: Features | None = None) -> str | None:
         """Why `tile` cannot run on a device with these properties (decided without compiling), or None."""
         if not isinstance(tile, self.tile_cls):

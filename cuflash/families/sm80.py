@@ -133,8 +133,5 @@ FWD_V1 = KernelFamily(
         128: (V1Config(128, 128, 128, 8, 2), V1Config(128, 128, 64, 8, 2), V1Config(128, 64, 64, 4, 2)),
     },
     accumulator_registers=_fwd_acc,
-    # the plain d=128 128x128 instance spills 40-44 B since the kernels read a by-value params struct
-    # (registers 240-244 -> 255; the dropout one does not): plain calls take the next default
-    spilling={"dense": frozenset({V1Config(128, 128, 128, 8, 2)})},
     run=_run_fwd_v1, deterministic_outputs=(0, 1), tuned_by_default=False,
 )
