@@ -8,10 +8,10 @@ cached (cuflash/_plans.py), and run per call with the caller's arrays:
 
 Arrays are named: first the caller's (a None asks the plan to allocate it), then the plan's own
 buffers. Each `Launch` names the arrays its kernel takes as leading pointers, in parameter order
-(its family's `pointers`); after them every kernel of the plan takes the pass's parameter struct
-(cuflash/params.py), packed once when the plan is built. Dropout's (seed, threshold, scale) are
-not part of a plan: with dropout on, a run passes a copy of the struct with those three fields
-set; with dropout off, the plan's own struct as is.
+(its family's `pointers`); after them every kernel of the plan takes the fields of the pass's
+parameter struct (cuflash/params.py), packed once when the plan is built. Dropout's (seed,
+threshold, scale) are not part of a plan: with dropout on, a run passes the fields with those
+three replaced; with dropout off, the plan's own as they are.
 The names resolve to indices at build, so a run costs one list, the allocations and the launches.
 """
 from __future__ import annotations
@@ -62,7 +62,8 @@ def _getter(indices):
 
 class Plan:
     """Launches in order on CuPy's current stream of `device`; run() returns the `outputs` arrays.
-    `params`: the pass's packed parameter struct (params.pack_fwd / pack_bwd), every launch's last argument."""
+    `params`: the pass's packed parameter struct (params.pack_fwd / pack_bwd); its fields follow
+    every launch's pointers."""
 
     __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_outputs")
 
@@ -85,7 +86,7 @@ class Plan:
     def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
         """args: the caller's arrays, in `inputs` order (None: allocate); dropout_args: None without
         dropout, else the kernels' (seed, threshold, scale) (problem.Dropout.kernel_args), set in a
-        per-call copy of the parameter struct."""
+        per-call copy of the parameter struct's fields."""
         import cupy
 
         params = self.params.arg if dropout_args is None else self.params.with_dropout(dropout_args)
@@ -95,8 +96,7 @@ class Plan:
                 if slots[i] is None:
                     slots[i] = cupy.empty(shape, dtype=dtype)
             for kernel, grid, block, smem, take in self._launches:
-                kernel(grid, block, (*(slots if take is None else take(slots)), params), shared_mem=smem)
+                kernel(grid, block, (*(slots if take is None else take(slots)), *params), shared_mem=smem)
         # Buffers that are not outputs go back to the pool when `slots` dies here; the pool reuses a
         # block only for work queued later on the same stream, so the running kernels keep them.
-        # CuPy copies `params` into the launch (cuLaunchKernel reads it before returning).
         return self._outputs(slots)

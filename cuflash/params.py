@@ -1,21 +1,21 @@
 """The kernels' runtime parameter structs (kernels_cu/attn/params.cuh), mirrored as NumPy dtypes.
 
-One struct per pass, passed by value as the last kernel parameter after the data pointers:
+One struct per pass; the device code takes it as one value after the data pointers:
 
     FwdParams   flash_fwd (v2) and flash_fwd_v1                    FWD, pack_fwd(problem, m_blocks)
     BwdParams   bwd_prep, flash_bwd_dkdv, flash_bwd_dq, bwd_dq_convert   BWD, pack_bwd(problem, ...)
 
-A launch plan packs its struct ONCE (a size-1 structured array) and passes it to every launch
-(cuflash/launch.py). CuPy passes a size-1 NumPy array by value: cuLaunchKernel gets the address of
-the array's data and copies sizeof(struct) bytes from it (cupy/cuda/function.pyx, `_pointer` ->
-`CNumpyArray`, `__array_interface__['data'][0]`). The kernels get a raw-bytes view of the array
-(`KernelParams.arg`, dtype V<size>): CuPy reads `__array_interface__` per launch, which for a
-structured dtype rebuilds its field description (~10 us for BwdParams) and for a plain void
-dtype costs ~1 us.
+A launch plan packs its struct ONCE and passes it to every launch (cuflash/launch.py) as the
+struct's fields, numpy scalars of the mirror's types in the mirror's order (`KernelParams.arg`):
+the generated extern "C" kernels (cuflash/_compile.py) declare exactly these scalar parameters
+and gather them into the struct. Not the struct by value as one aggregate parameter (CuPy can pass
+a size-1 NumPy array so): with an aggregate parameter ptxas holds the fields in registers for the
+whole kernel (up to +32 registers and new spills on today's tiles), where scalar parameters stay
+constant-bank operands.
 
 Dropout's (seed, threshold, scale) change per call without changing the plan: with dropout on,
-`KernelParams.with_dropout` copies the packed bytes and patches those 16 contiguous bytes; with
-dropout off the plan's array is passed as is.
+`KernelParams.with_dropout` returns the fields with those three replaced; with dropout off the
+plan's tuple is passed as is.
 
 The mirror is checked by the compiler: `static_asserts(name)` is C++ asserting sizeof, alignof and
 the offset and type of EVERY field, which the CPU tests compile; the generated shells
@@ -24,7 +24,6 @@ the offset and type of EVERY field, which the CPU tests compile; the generated s
 from __future__ import annotations
 
 import functools
-import struct
 
 import numpy as np
 
@@ -41,9 +40,8 @@ def _strides(*tensors) -> list:
     return [(f"{t}_s{d}", _I64) for t in tensors for d in "bnh"]
 
 
-# The dropout trio: contiguous, patched per call (see KernelParams.with_dropout).
+# The dropout trio: contiguous, replaced per call (see KernelParams.with_dropout).
 DROPOUT_FIELDS = [("drop_seed", _U64), ("drop_threshold", _U32), ("drop_scale", _F32)]
-_DROPOUT = struct.Struct("<QIf")
 GEOMETRY_FIELDS = [("window_left", _I32), ("window_right", _I32), ("offset", _I32)]
 
 FWD_FIELDS = [
@@ -121,30 +119,39 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
 
 
 class KernelParams:
-    """A packed struct as the kernels take it: `arg` (the plan's, passed as is) or `with_dropout(...)`
-    (a per-call copy with dropout's three fields set)."""
+    """A packed struct as the kernels take it: its fields as numpy scalars, in order (the generated
+    kernels' scalar parameters): `arg` (the plan's, passed as is) or `with_dropout(...)` (dropout's
+    three fields replaced, per call)."""
 
-    __slots__ = ("packed", "arg", "_bytes", "_void", "_drop_at")
+    __slots__ = ("packed", "arg", "_drop_at")
 
     def __init__(self, packed: np.ndarray):
         if packed.shape != (1,) or packed.dtype not in STRUCTS.values():
             raise TypeError(f"not a packed parameter struct: {packed.dtype} {packed.shape}")
         self.packed = packed  # the structured view (tests, debugging)
-        self._void = np.dtype((np.void, packed.dtype.itemsize))
-        self.arg = packed.view(self._void)
-        self._bytes = packed.tobytes()
-        self._drop_at = packed.dtype.fields["drop_seed"][1]
+        record = packed[0]
+        self.arg = tuple(record[f] for f in packed.dtype.names)  # numpy scalars of the fields' types
+        self._drop_at = packed.dtype.names.index("drop_seed")
 
-    def with_dropout(self, kernel_args) -> np.ndarray:
-        """A copy with (drop_seed, drop_threshold, drop_scale) = kernel_args (problem.Dropout.kernel_args)."""
-        buf = bytearray(self._bytes)
-        _DROPOUT.pack_into(buf, self._drop_at, *kernel_args)
-        return np.frombuffer(buf, self._void)
+    def with_dropout(self, kernel_args) -> tuple:
+        """`arg` with (drop_seed, drop_threshold, drop_scale) = kernel_args (problem.Dropout.kernel_args)."""
+        i = self._drop_at
+        return (*self.arg[:i], *kernel_args, *self.arg[i + 3:])
 
 
-def unpack(arg: np.ndarray, name: str) -> np.void:
-    """The fields of a kernel argument (a raw V<size> view or a packed array) as one record."""
-    return np.asarray(arg).view(STRUCTS[name])[0]
+def unpack(scalars: tuple, name: str) -> np.void:
+    """The kernel arguments of cuflash::<name> (its fields, in order) as one record (tests, debugging)."""
+    a = np.zeros(1, STRUCTS[name])
+    for f, x in zip(a.dtype.names, scalars, strict=True):
+        a[f] = x
+    return a[0]
+
+
+@functools.lru_cache(maxsize=None)
+def fields(name: str) -> tuple:
+    """((field, C type), ...) of cuflash::<name>, in order: the generated kernels' scalar parameters."""
+    dt = STRUCTS[name]
+    return tuple((f, C_TYPES[dt.fields[f][0].str]) for f in dt.names)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,14 +22,7 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loada
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cfg", families.FWD_V1.selectable(), ids=str)
 def test_selectable_v1_configs_compile_without_spills(cfg, dtype, arch, record_property):
-    check_spill_free(cfg, dtype, arch, record_property, V1_SPILL_ALLOWANCE.get(cfg, 0))
-
-
-# Known exception (issue 9, open): since the kernels read a by-value params struct, the plain
-# d=128 128x128 v1 instance sits at 255 registers and spills 40-44 B (it was 240-244 registers,
-# no spill). It stays the default because v1 exists to be compared with v2 on v2's tile shape
-# (tests/gpu/test_forward_v1_gpu.py::test_v1_agrees_with_v2 relies on it).
-V1_SPILL_ALLOWANCE = {V1Config(128, 128, 128, 8, 2): 64}
+    check_spill_free(cfg, dtype, arch, record_property)
 
 
 @needs_nvrtc

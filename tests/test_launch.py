@@ -44,10 +44,14 @@ def fwd_problem(causal=True, dropout=None):
     return problem.resolve_forward(info((B, NQ, H, D)), info((B, NK, H, D)), info((B, NK, H, D)), causal, 0.5, dropout)
 
 
-def struct_arg(a, name):
-    """The last kernel argument: the packed struct, passed by value (a size-1 void array of its size)."""
-    assert isinstance(a, np.ndarray) and a.shape == (1,) and a.dtype == np.dtype((np.void, params.STRUCTS[name].itemsize))
-    return params.unpack(a, name)
+def struct_arg(args, n_pointers, name):
+    """The kernel arguments after the pointers: the struct's fields as numpy scalars of the mirror's
+    types, in its order (the generated kernels' scalar parameters), as one record."""
+    dt = params.STRUCTS[name]
+    tail = args[n_pointers:]
+    assert len(tail) == len(dt.names)
+    assert all(type(x) is dt.fields[n][0].type for x, n in zip(tail, dt.names)), [type(x) for x in tail]
+    return params.unpack(tail, name)
 
 
 def test_forward_arguments(calls):
@@ -57,9 +61,9 @@ def test_forward_arguments(calls):
     assert out == ("alloc", (B, NQ, H, D), "float16") and lse == ("alloc", (B, H, NQ), "float32")
     [(name, grid, block, args, smem)] = calls
     assert (name, grid, block, smem) == ("FwdConfig", (1 * H * B,), (128,), FwdConfig(64, 128, 64, 4, 2).smem_bytes)
-    assert len(args) == 6 and args[:5] == ("q", "k", "v", out, lse)
+    assert args[:5] == ("q", "k", "v", out, lse)
     assert args[:5] == tuple(n if n in "qkv" else {"out": out, "lse": lse}[n] for _, n in families.FWD.pointers)
-    f = struct_arg(args[5], "FwdParams")
+    f = struct_arg(args, 5, "FwdParams")
     assert [int(f[n]) for n in params.FWD.names[:12]] == [NQ * H * D, H * D, D] + [NK * H * D, H * D, D] * 2 + [
         NQ * H * D, H * D, D]
     assert [int(f[n]) for n in ("heads", "seqlen_q", "seqlen_k", "m_blocks")] == [H, NQ, NK, 1]
@@ -71,7 +75,7 @@ def test_forward_arguments(calls):
     assert plan.params.packed["drop_scale"][0] == np.float32(1.0)
     calls.clear()
     plan.run(("q", "k", "v", None, None))
-    assert calls[0][3][5] is plan.params.arg
+    assert calls[0][3][5:] == plan.params.arg
 
 
 def test_forward_v1_workspaces_per_call(calls):
@@ -82,8 +86,7 @@ def test_forward_v1_workspaces_per_call(calls):
     rows = B * H * NQ
     assert name == "V1Config" and grid == (B * H,)
     assert args[:7] == ("q", "k", "v", "out", "lse", ("alloc", (rows * D,), "float32"), ("alloc", (rows * 2,), "float32"))
-    assert len(args) == len(families.FWD_V1.pointers) + 1
-    f = struct_arg(args[7], "FwdParams")
+    f = struct_arg(args, len(families.FWD_V1.pointers), "FwdParams")
     assert (int(f["window_left"]), int(f["window_right"]), int(f["offset"])) == (problem.UNBOUNDED,) * 2 + (NK - NQ,)
     assert int(f["m_blocks"]) == -(-NQ // 64)
     assert (f["drop_seed"], f["drop_threshold"], f["drop_scale"]) == (0, 0, np.float32(1.0))
@@ -106,15 +109,16 @@ def test_backward_launch_sequence(calls, deterministic):
     names = [c[0] for c in calls]
     assert names == ["bwd_prep", "BwdConfig", "DqConfig" if deterministic else "bwd_dq_convert"]
     prep, main, post = (c[3] for c in calls)
-    assert prep[:6] == ("out", "dout", "lse", delta, lse2, dq_acc) and len(prep) == 6 + 1
-    assert main[:9] == ("q", "k", "v", "dout", lse2, delta, dq_acc, dk, dv) and len(main) == 9 + 1
+    n = len(params.BWD.names)
+    assert prep[:6] == ("out", "dout", "lse", delta, lse2, dq_acc) and len(prep) == 6 + n
+    assert main[:9] == ("q", "k", "v", "dout", lse2, delta, dq_acc, dk, dv) and len(main) == 9 + n
     if deterministic:
-        assert post[:7] == ("q", "k", "v", "dout", lse2, delta, dq) and len(post) == 7 + 1
+        assert post[:7] == ("q", "k", "v", "dout", lse2, delta, dq) and len(post) == 7 + n
     else:
-        assert post[:2] == (dq_acc, dq) and len(post) == 2 + 1
-    # one BwdParams for the pass: every kernel gets the same (per-call, dropout) copy
-    assert prep[-1] is main[-1] is post[-1]
-    f = struct_arg(main[-1], "BwdParams")
+        assert post[:2] == (dq_acc, dq) and len(post) == 2 + n
+    # one BwdParams for the pass: every kernel gets the same (per-call, dropout) fields
+    assert prep[-n:] == main[-n:] == post[-n:]
+    f = struct_arg(main, 9, "BwdParams")
     fresh_q, fresh_k = [NQ * H * D, H * D, D], [NK * H * D, H * D, D]
     strides = {t: [int(f[f"{t}_s{x}"]) for x in "bnh"] for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")}
     assert strides == {"q": fresh_q, "k": fresh_k, "v": fresh_k, "o": fresh_q, "do": fresh_q, "dq": fresh_q,

@@ -48,8 +48,8 @@ class KernelFamily:
     header: str  # under kernels_cu/
     template: str  # device template, <BF16, *tile.template_args(), DROPOUT>
     # the kernel's parameters: its data pointers ((C declaration, name), in order; the names are
-    # the launch plan's array slots), then the pass's parameter struct by value (attn/params.cuh,
-    # mirrored in cuflash/params.py)
+    # the launch plan's array slots), then the pass's parameter struct (attn/params.cuh, mirrored in
+    # cuflash/params.py), whose fields the generated kernel takes as scalar parameters
     pointers: tuple
     params: str
     min_cc: tuple

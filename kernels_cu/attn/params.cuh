@@ -1,15 +1,16 @@
 // cuflash/kernels_cu/attn/params.cuh
-// The runtime parameter structs, one per pass, passed by value as the last kernel parameter
-// (`const __grid_constant__ cuflash::FwdParams p`): the ABI between the generated extern "C"
-// shells (cuflash/_compile.py) and the launch plans (cuflash/launch.py). The data pointers stay
-// separate leading parameters (they change per call); everything else a kernel needs is here,
-// built once per plan on the host.
+// The runtime parameter structs, one per pass: what every mainloop takes after its data pointers
+// (`const FwdParams& params`). The generated extern "C" shells (cuflash/_compile.py) declare the
+// struct's fields as scalar kernel parameters, in the host mirror's order, and gather them into
+// one of these (scalar parameters stay constant-bank operands; one aggregate parameter cost up to
+// +32 registers and spills). The data pointers stay separate leading parameters (they change per
+// call); everything else a kernel needs is here, built once per plan on the host.
 //
-// Host mirror: cuflash/params.py (NumPy structured dtypes, C layout). Every generated shell
-// static_asserts sizeof and the offset and type of EVERY field against that mirror, so a change
-// on one side only fails the compile. Layout rules: 8-byte fields first, then 4-byte fields; the
-// dropout trio (drop_seed, drop_threshold, drop_scale) is contiguous (16 bytes, the only fields
-// that change per call: the host patches them into a copy when dropout is on).
+// Host mirror: cuflash/params.py (NumPy structured dtypes, C layout). The shells assign every
+// field by name (a missing one fails the compile) and assert sizeof; tests/test_params.py checks
+// the offset and type of every field. Layout rules: 8-byte fields first, then 4-byte fields; the
+// dropout trio (drop_seed, drop_threshold, drop_scale) is contiguous (the only fields that change
+// per call: the host replaces them when dropout is on).
 //
 // Strides are in elements and 64-bit, per tensor (batch, seqlen, head); head_dim's stride is 1.
 // Mask geometry: the canonical (window_left, window_right, offset) of attn/mask.cuh, computed on
@@ -65,8 +66,6 @@ struct BwdParams {
     int reserved;             // explicit tail padding (alignment 8): no byte of the struct is implicit
 };
 
-// A kernel parameter of alignment 8 is placed at an 8-byte offset after the pointers by the
-// ABI; the host copies the struct's bytes (CuPy passes a size-1 NumPy array by value).
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 144, "FwdParams layout changed: update cuflash/params.py");
 static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 272, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
