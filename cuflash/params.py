@@ -50,6 +50,8 @@ FWD_FIELDS = [
     ("heads", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("m_blocks", _I32),
     *GEOMETRY_FIELDS,
     ("scale_log2", _F32),
+    ("tiles", _I32),  # work tiles: m_blocks * heads * batch (a persistent grid strides over them)
+    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
 ]
 
 BWD_FIELDS = [
@@ -96,7 +98,7 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
         _set_strides(a, t, p.strides[t])
     _set_strides(a, "o", contiguous_strides(p.seqlen_q, p.heads, p.head_dim))
     _set_common(a, p)
-    a["m_blocks"] = m_blocks
+    a["m_blocks"], a["tiles"] = m_blocks, m_blocks * p.heads * p.batch
     return a
 
 

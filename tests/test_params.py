@@ -84,7 +84,7 @@ def test_layout_has_no_implicit_padding():
         # 8-byte fields first
         sizes = [dt.fields[n][0].itemsize for n in dt.names]
         assert sizes == sorted(sizes, reverse=True), name
-    assert (params.FWD.itemsize, params.BWD.itemsize) == (144, 272)
+    assert (params.FWD.itemsize, params.BWD.itemsize) == (152, 272)
 
 
 def _problem(causal=True, nq=100, nk=300):

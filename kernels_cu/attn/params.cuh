@@ -36,6 +36,8 @@ struct FwdParams {
     int m_blocks;  // query blocks of BR rows per (batch, head): ceil(seqlen_q / BR) of the launched tile
     int window_left, window_right, offset;
     float scale_log2;  // softmax_scale * log2(e)
+    int tiles;         // work tiles m_blocks * heads * batch; a persistent grid (sm90) strides over them
+    int reserved;      // explicit tail padding (alignment 8): no byte of the struct is implicit
 };
 
 // The backward pass, one struct for its four kernels; each reads what it needs:
@@ -66,7 +68,7 @@ struct BwdParams {
     int reserved;             // explicit tail padding (alignment 8): no byte of the struct is implicit
 };
 
-static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 144, "FwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 152, "FwdParams layout changed: update cuflash/params.py");
 static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 272, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)

@@ -37,10 +37,8 @@ struct Sm90FwdTraits {
     static constexpr int kHeadSteps = D / 16;
     static constexpr int kKeySteps = BC / 16;
 
-    // Named barrier ids (0 is __syncthreads): the consumers' issue order (ping-pong), then each
-    // consumer's own epilogue barrier.
-    static constexpr int kBarSchedule = 1;                  // + consumer index
-    static constexpr int kBarEpilogue = 1 + CONSUMERS;      // + consumer index
+    // Named barrier ids (0 is __syncthreads): the consumers' issue order (ping-pong).
+    static constexpr int kBarSchedule = 1;  // + consumer index
 };
 
 }  // namespace cuflash
