@@ -25,7 +25,17 @@ from cuflash._forward import forward as fwd_sm80  # noqa: E402
 TMAP = np.dtype([("opaque", "<u8", (16,))])
 
 
+_maps = {}
+
+
 def encode(x, rows):
+    key = (x.data.ptr, x.shape, x.strides, x.dtype.name, rows)
+    if key not in _maps:
+        _maps[key] = _encode(x, rows)
+    return _maps[key]
+
+
+def _encode(x, rows):
     from cuda.bindings import driver as cu
 
     b, s, h, d = x.shape
@@ -148,17 +158,20 @@ def check():
     print("FAILS", fails)
 
 
-def timeit(f, reps=30):
+def timeit(f, reps=15, inner=8):
+    """ms per call: median over reps of `inner` back-to-back calls between two events (the host
+    queues them faster than the GPU runs them, so host overhead stays out of short kernels)."""
     for _ in range(3):
         f()
     st, en = cupy.cuda.Event(), cupy.cuda.Event()
     ts = []
     for _ in range(reps):
         st.record()
-        f()
+        for _ in range(inner):
+            f()
         en.record()
         en.synchronize()
-        ts.append(cupy.cuda.get_elapsed_time(st, en))
+        ts.append(cupy.cuda.get_elapsed_time(st, en) / inner)
     return float(np.median(ts))
 
 

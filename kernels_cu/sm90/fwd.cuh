@@ -7,9 +7,10 @@
 //   tiles    (query block of 64*CONSUMERS rows, head, batch), params.tiles of them; CTA i runs
 //            tiles i, i + gridDim.x, ... (any grid works: one CTA per tile, or one per SM), the
 //            order of attn/scheduler.cuh (heaviest first under a causal mask)
-//   WG 0     producer: one thread loads each tile's Q, and K_j, V_j per key block, by TMA into a
-//            STAGES-deep ring (full/empty mbarrier pairs, K and V separate). The ring runs on
-//            across tiles, so the next tile's K/V arrive while this one finishes.
+//   WG 0     producer: one thread loads K_j, V_j per key block by TMA into a STAGES-deep ring
+//            (full/empty mbarrier pairs, K and V separate), and each tile's Q after its first K.
+//            The ring runs on across tiles, so the next tile's first K/V arrive while this one
+//            finishes.
 //   WG 1..C  consumers, 64 query rows each (wgmma M = 64), registers raised by setmaxnreg:
 //              S = Q K_j^T   (SS wgmma, N = BC)  -> mask (boundary blocks) -> online softmax
 //              -> dropout -> P to A registers -> O += P V_j (RS wgmma, N = D)
@@ -137,16 +138,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
                 const Tile w(tile, geo, m_blocks, n_heads);
                 if (w.range.size() <= 0) continue;
-                mbar_wait(bars.q_empty(), (local & 1) ^ 1);  // a fresh barrier counts as released
-                mbar_arrive_expect_tx(bars.q_full(), Tr::kQBytes);
-                tma_load_5d(sQ, tq, bars.q_full(), 0, w.r0, 0, w.blk.head, w.blk.batch);
-                ++local;
                 for (int j = w.range.begin; j < w.range.end; ++j, ++kv.count) {
                     const int s = kv.slot();
-                    const u32 free_parity = kv.parity() ^ 1;
+                    const u32 free_parity = kv.parity() ^ 1;  // a fresh barrier counts as released
                     mbar_wait(bars.k_empty(s), free_parity);
                     mbar_arrive_expect_tx(bars.k_full(s), Tr::kKVBytes);
                     tma_load_5d(sK + s * Tr::kKVBytes, tk, bars.k_full(s), 0, j * BC, 0, w.blk.head, w.blk.batch);
+                    if (j == w.range.begin) {
+                        // Q after the tile's first K: that K load waits only for a free slot, so it
+                        // is in flight while the consumers still read the previous tile's Q
+                        mbar_wait(bars.q_empty(), (local & 1) ^ 1);
+                        mbar_arrive_expect_tx(bars.q_full(), Tr::kQBytes);
+                        tma_load_5d(sQ, tq, bars.q_full(), 0, w.r0, 0, w.blk.head, w.blk.batch);
+                        ++local;
+                    }
                     mbar_wait(bars.v_empty(s), free_parity);
                     mbar_arrive_expect_tx(bars.v_full(s), Tr::kKVBytes);
                     tma_load_5d(sV + s * Tr::kKVBytes, tv, bars.v_full(s), 0, j * BC, 0, w.blk.head, w.blk.batch);
