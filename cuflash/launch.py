@@ -13,11 +13,17 @@ parameter struct (cuflash/params.py), packed once when the plan is built. Dropou
 threshold, scale) are not part of a plan: with dropout on, a run passes the fields with those
 three replaced; with dropout off, the plan's own as they are.
 The names resolve to indices at build, so a run costs one list, the allocations and the launches.
+
+A launch whose leading arguments are not the slots themselves (the Hopper forward takes TMA
+descriptors of q, k, v, which embed their data pointers) gives a `bind`: a callable that takes the
+run's slots (the caller's arrays and the allocated buffers) and returns the kernel's leading
+arguments, called once per launch per run.
 """
 from __future__ import annotations
 
 import dataclasses
 from operator import itemgetter
+from typing import Callable
 
 import numpy as np
 
@@ -50,6 +56,9 @@ class Launch:
     block: tuple
     smem: int  # dynamic shared memory, bytes
     pointers: tuple  # slot names, in the kernel's parameter order; the plan's parameter struct follows
+    # slots -> the kernel's leading arguments, per run (None: the `pointers` slots as they are);
+    # with a bind, `pointers` names the slots it reads
+    bind: Callable | None = None
 
 
 def _getter(indices):
@@ -58,6 +67,15 @@ def _getter(indices):
         i = indices[0]
         return lambda s: (s[i],)
     return itemgetter(*indices)
+
+
+def _take(ln: Launch, names: list, index: dict):
+    unknown = [n for n in ln.pointers if n not in index]
+    if unknown:
+        raise ValueError(f"launch reads unknown slots {unknown}; the plan has {names}")
+    if ln.bind is not None:
+        return ln.bind
+    return None if list(ln.pointers) == names else _getter([index[n] for n in ln.pointers])
 
 
 class Plan:
@@ -76,11 +94,9 @@ class Plan:
         self.params = KernelParams(params)
         self._blank = [NULL if b.shape is None else None for b in own]  # the plan's slots before allocation
         self._alloc = tuple((index[b.name], b.shape, b.dtype) for b in buffers if b.shape is not None)
-        # take None: the kernel's pointers are all the slots, in order (the forwards), which spares
-        # the per-call gather on the path whose host overhead matters most
-        self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem,
-                                None if list(ln.pointers) == names else _getter([index[n] for n in ln.pointers]))
-                               for ln in launches)
+        # take None: the kernel's pointers are all the slots, in order (the sm80 forwards), which
+        # spares the per-call gather on the path whose host overhead matters most; a bind is the take
+        self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem, _take(ln, names, index)) for ln in launches)
         self._outputs = _getter([index[n] for n in outputs])
 
     def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
