@@ -87,7 +87,7 @@ def kernel_source(tile, features) -> str:
     if tile.head_dim != features.head_dim:
         raise ValueError(f"config {tile} is for head_dim {tile.head_dim}, the problem has {features.head_dim}")
     targs = ", ".join(map(str, tile.template_args()))
-    return _shell(fam.header, kernel_name(tile, features), f"__launch_bounds__({tile.threads}) ", fam.pointers,
+    return _shell(fam.header, kernel_name(tile, features), f"{tile.launch_bounds()} ", fam.pointers,
                   fam.params, f"{fam.template}<{features.bf16}, {targs}, {'true' if features.dropout else 'false'}>")
 
 
@@ -179,11 +179,15 @@ def parse_ptxas_log(log: str) -> dict:
 _loaded: dict = {}
 
 
-def _load(source: str, name: str, smem_bytes: int, device_id: int):
+def _load(source: str, name: str, smem_bytes: int, device_id: int, arch: str | None = None):
+    """Compile (CuPy's cache) and load; `arch` (e.g. "sm_90a") when the family needs an
+    architecture-specific target: CuPy appends its own -arch=sm_XY after our options, and NVRTC
+    still emits the sm_90a binary when ours comes first (checked with NVRTC 13.0 on an H200)."""
     import cupy
 
+    options = nvrtc_options() if arch is None else nvrtc_options((f"--gpu-architecture={arch}",))
     with cupy.cuda.Device(device_id):
-        mod = cupy.RawModule(code=source, options=nvrtc_options(), backend="nvrtc")
+        mod = cupy.RawModule(code=source, options=options, backend="nvrtc")
         fn = mod.get_function(name)
         if smem_bytes > 48 * 1024:
             fn.max_dynamic_shared_size_bytes = smem_bytes
@@ -195,8 +199,14 @@ def get_kernel(tile, features, device_id: int):
     key = (tile, features, device_id)  # each family has its own tile class
     fn = _loaded.get(key)
     if fn is None:
+        fam = families.of(tile)
+        arch = None
+        if fam.arch_specific:  # the others take CuPy's target for the device, as they always did
+            from . import device
+
+            arch = fam.nvrtc_arch(device.query(device_id))
         fn = _loaded[key] = _load(kernel_source(tile, features), kernel_name(tile, features), tile.smem_bytes,
-                                  device_id)
+                                  device_id, arch)
     return fn
 
 

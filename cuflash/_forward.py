@@ -1,6 +1,9 @@
-"""Forward pass (v2 algorithm): validate, pick a config, allocate outputs, launch on CuPy's current stream.
+"""Forward pass (v2 algorithm): validate, pick a kernel family and config, allocate outputs, launch
+on CuPy's current stream.
 
-Also the body the v1 forward shares (run_forward). Both forwards' kernels take FwdParams
+Also the body the v1 forward shares (run_forward). The v2 forward has two families
+(families.FORWARDS): the Hopper kernel (cuflash/_forward_sm90.py builds its plan) where it can run
+a call, the mma.sync kernel (_plan here) everywhere else. Every forward kernel takes FwdParams
 (cuflash/params.py), packed once per plan.
 """
 from __future__ import annotations
@@ -12,7 +15,7 @@ from . import _plans as plan_cache
 from .launch import Buffer, Launch, Plan, check_grid
 from .params import pack_fwd
 from .problem import AttnProblem
-from .tiles import FwdConfig
+from .tiles import FwdConfig, Sm90FwdConfig
 
 INPUTS = ("q", "k", "v", "out", "lse")  # Plan.run's arguments; out and lse may be None (allocated)
 OUTPUTS = ("out", "lse")
@@ -25,6 +28,7 @@ def output_buffers(p: AttnProblem, dtype) -> tuple:
 
 
 def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
+    """The sm80 forward's plan (families.FWD.plan)."""
     # blockIdx.x = m_block + m_blocks * (head + heads * batch)
     m_blocks = -(-p.seqlen_q // cfg.block_q)
     n_blocks = m_blocks * p.heads * p.batch
@@ -34,13 +38,17 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
 
 
-def run_forward(family: families.KernelFamily, build_plan, plans: plan_cache.PlanCache, q, k, v, *, causal,
-                softmax_scale, dropout_p, seed, config, out, lse):
+def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, causal, softmax_scale, dropout_p,
+                seed, config, out, lse, backend=None):
     """The body the v2 and v1 forwards share: the call's dropout, the cached (or, with an explicit
     config, fresh) launch plan, optional output buffers, the launch.
 
-    build_plan(problem, tile, dtype) builds a plan; the tile is `config` when given (checked
-    against the family and the problem), else families.select(family, problem).
+    candidates: the pass's kernel families in order of preference (families.FORWARDS for v2); the
+    plan's family is families.choose(candidates, problem, backend) and its tile
+    families.select(family, problem), or, with an explicit `config`, the config's family (checked
+    against the candidates, `backend`, the device and the problem). Each family builds its plan
+    (KernelFamily.plan). The backend choice is part of the plan: the plan key holds the `backend`
+    argument, and CUFLASH_BACKEND is read when a plan is built, not per call.
     """
     import cupy
 
@@ -50,13 +58,15 @@ def run_forward(family: families.KernelFamily, build_plan, plans: plan_cache.Pla
         infos = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         p = problem.resolve_forward(*infos, causal, softmax_scale, dropout)
         if cfg is None:
+            family = families.choose(candidates, p, backend)
             cfg = families.select(family, p)
         else:
-            family.check_explicit(cfg, p.features)
-        return build_plan(p, cfg, q.dtype)
+            family = _explicit_family(candidates, cfg, p, backend)
+        return family.plan(p, cfg, q.dtype)
 
     if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
-        plan = plans.get(lambda: (*plan_cache.array_key((q, k, v)), causal, softmax_scale, dropout is not None),
+        plan = plans.get(lambda: (*plan_cache.array_key((q, k, v)), causal, softmax_scale, dropout is not None,
+                                  backend),
                          lambda: build(None))
     else:
         plan = build(config)
@@ -65,6 +75,26 @@ def run_forward(family: families.KernelFamily, build_plan, plans: plan_cache.Pla
     if lse is not None:
         lse = _checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
     return plan.run((q, k, v, out, lse), None if dropout is None else dropout.kernel_args)
+
+
+def _explicit_family(candidates: tuple, cfg, p: AttnProblem, backend):
+    """The family of a caller-given config: one of `candidates`, of `backend` when one is given,
+    able to serve the problem on its device (TypeError / ValueError otherwise)."""
+    from . import device
+
+    families.check_backend(backend)
+    family = next((f for f in candidates if isinstance(cfg, f.tile_cls)), None)
+    if family is None:
+        names = " or ".join(f.tile_cls.__name__ for f in candidates)
+        raise TypeError(f"config must be a {names}, got {type(cfg).__name__}")
+    family.check_explicit(cfg, p.features)
+    if backend is not None and family.backend != backend:
+        raise ValueError(f"config {cfg} is a {family.backend} config, but backend={backend!r}")
+    props = device.query(p.device)
+    why = family.cannot_run(p, props)
+    if why:
+        raise ValueError(f"config {cfg} cannot run this call on {props.name} (cc {props.cc_str}): {why}")
+    return family
 
 
 def _checked_out(out, q):
@@ -89,13 +119,15 @@ _plans = plan_cache.PlanCache()
 
 
 def forward(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None,
-            config: FwdConfig | None = None, out=None, lse=None):
+            config: FwdConfig | Sm90FwdConfig | None = None, out=None, lse=None, backend: str | None = None):
     """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
     dropout_p > 0 drops attention probabilities with the Philox mask of `seed` (an int; the same
     seed must go to the backward); lse is that of the undropped scores.
     `out` and `lse` may be given (internal: tests poison them, the backward reuses them); otherwise
-    fresh contiguous arrays are allocated. `config` overrides the selected kernel config.
+    fresh contiguous arrays are allocated. `config` overrides the selected kernel config (a
+    FwdConfig runs the sm80 kernel, an Sm90FwdConfig the Hopper one). `backend`: None (the Hopper
+    kernel where it can run the call, else sm80; CUFLASH_BACKEND forces one), "sm80" or "sm90".
     """
-    return run_forward(families.FWD, _plan, _plans, q, k, v, causal=causal, softmax_scale=softmax_scale,
-                       dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse)
+    return run_forward(families.FORWARDS, _plans, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                       dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse, backend=backend)

@@ -43,14 +43,15 @@ _plans = plan_cache.PlanCache(1024)
 
 
 def forward_v1(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None,
-               config: V1Config | None = None, out=None, lse=None):
+               config: V1Config | None = None, out=None, lse=None, backend: str | None = None):
     """FlashAttention-1 forward. Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
     Arguments and results are those of the v2 forward (cuflash.attention): q (batch, seqlen_q,
     heads, head_dim), k and v (batch, seqlen_k, heads, head_dim), fp16 or bf16 CuPy arrays with a
     contiguous last dimension; bottom-right causal mask; lse in natural log, -inf (and out 0) for
     rows that see no key. `out`/`lse` may be given (internal: tests poison them); `config`
-    overrides the selected kernel config. Runs on CuPy's current stream.
+    overrides the selected kernel config. Runs on CuPy's current stream. `backend`: None or "sm80"
+    (the v1 kernel is mma.sync only: "sm90" raises ValueError; CUFLASH_BACKEND does not apply).
     """
-    return run_forward(families.FWD_V1, _plan, _plans, q, k, v, causal=causal, softmax_scale=softmax_scale,
-                       dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse)
+    return run_forward((families.FWD_V1,), _plans, q, k, v, causal=causal, softmax_scale=softmax_scale,
+                       dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse, backend=backend)

@@ -1,8 +1,10 @@
 """Tile configs: the tunable compile-time constants of one kernel instance, one class per family.
 
 A tile is a frozen dataclass whose fields, in order, are the kernel template's integer arguments
-<D, BR, BC, WARPS, STAGES> (head_dim first). The tuner searches the fields after head_dim, so a
-family with other axes (a Hopper tile) declares other fields and nothing in the tuner changes.
+(head_dim first): <D, BR, BC, WARPS, STAGES> for the mma.sync kernels (Sm80Tile), <D, BC,
+CONSUMERS, STAGES, PINGPONG, OVERLAP> for the Hopper forward (Sm90FwdConfig). The tuner searches
+the fields after head_dim, so a family with other axes declares other fields and nothing in the
+tuner changes.
 Each class mirrors its kernel's shared-memory formula and static_asserts (smem_bytes,
 structural_problem). Which tiles exist and which one runs by default is the family's business
 (cuflash/families/).
@@ -19,8 +21,46 @@ def _axis(tag: str, doc: str):
     return dataclasses.field(metadata={"tag": tag, "doc": doc})
 
 
+class Tile:
+    """What every tile class shares. A subclass is a frozen dataclass whose fields, in order, are its
+    template's integer arguments (head_dim first) and says what they mean for its kernel: threads,
+    smem_bytes (the dynamic shared memory a launch asks for), structural_problem, label."""
+
+    @classmethod
+    def axes(cls) -> tuple:
+        """The searched fields: every field but head_dim, in template order."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "head_dim")
+
+    def tag(self) -> str:
+        """The tile's part of a kernel name: d128_br128_bc128_w8_s3."""
+        return "_".join(f"{f.metadata['tag']}{getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def template_args(self) -> tuple:
+        """The template's integer arguments, in field order."""
+        return dataclasses.astuple(self)
+
+    def launch_bounds(self) -> str:
+        """The generated kernel's launch bounds (cuflash/_compile.py)."""
+        return f"__launch_bounds__({self.threads})"
+
+    @property
+    def threads(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def smem_bytes(self) -> int:
+        raise NotImplementedError
+
+    def structural_problem(self) -> str | None:
+        """Why this tile can never compile (mirrors the kernel's static_asserts), or None."""
+        raise NotImplementedError
+
+    def fits(self, smem_optin_bytes: int) -> bool:
+        return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
+
+
 @dataclasses.dataclass(frozen=True, order=True)
-class Sm80Tile:
+class Sm80Tile(Tile):
     """The tile of the mma.sync kernels: <D, BR, BC, WARPS, STAGES>.
 
     Subclasses say what the tiles mean for their kernel (smem_bytes, structural_problem).
@@ -32,34 +72,13 @@ class Sm80Tile:
     warps: int = _axis("w", "warps per thread block")
     stages: int = _axis("s", "depth of the kernel's cp.async ring")
 
-    @classmethod
-    def axes(cls) -> tuple:
-        """The searched fields: every field but head_dim, in template order."""
-        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "head_dim")
-
     @property
     def threads(self) -> int:
         return self.warps * 32
 
-    def tag(self) -> str:
-        """The tile's part of a kernel name: d128_br128_bc128_w8_s3."""
-        return "_".join(f"{f.metadata['tag']}{getattr(self, f.name)}" for f in dataclasses.fields(self))
-
     def label(self) -> str:
         """Short human label of the searched fields: 128x128 w8 s3."""
         return f"{self.block_q}x{self.block_k} w{self.warps} s{self.stages}"
-
-    def template_args(self) -> tuple:
-        """The template's integer arguments, in field order."""
-        return dataclasses.astuple(self)
-
-    @property
-    def smem_bytes(self) -> int:
-        raise NotImplementedError
-
-    def structural_problem(self) -> str | None:
-        """Why this tile can never compile (mirrors the kernel's static_asserts), or None."""
-        raise NotImplementedError
 
     def _common_problem(self) -> str | None:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -67,9 +86,6 @@ class Sm80Tile:
         if self.stages < 2:
             return "stages must be >= 2 (the single-barrier pipeline)"
         return None
-
-    def fits(self, smem_optin_bytes: int) -> bool:
-        return self.structural_problem() is None and self.smem_bytes <= smem_optin_bytes
 
 
 def _copy_problem(threads: int, head_dim: int, *tiles: int) -> str | None:
@@ -175,3 +191,71 @@ class V1Config(Sm80Tile):
 
     def structural_problem(self) -> str | None:
         return _rows_problem(self)
+
+
+# ------------------------------------------------------------------------------------- Hopper
+
+SM90_CONSUMER_ROWS = 64  # query rows per consumer warpgroup: wgmma's M
+SM90_MAX_BOX_ROWS = 256  # a TMA box has at most 256 rows (cuTensorMapEncodeTiled's boxDim limit)
+# The kernel rounds its dynamic shared memory base up to 1024 B (the 128B-swizzle TMA images need
+# it), and its mbarriers are static __shared__: one spare KiB for each (tiles.Sm90FwdConfig.smem_bytes).
+SM90_SMEM_SLACK = 1024 + 1024
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Sm90FwdConfig(Tile):
+    """Tile of the Hopper forward kernel (kernels_cu/flash_fwd_sm90.cuh, sm_90a: TMA, wgmma, setmaxnreg).
+
+    <D, BC, CONSUMERS, STAGES, PINGPONG, OVERLAP>: one producer warpgroup issues the TMA loads of Q
+    and of a ring of `stages` K/V tiles of block_k rows; `consumers` warpgroups of 64 query rows each
+    (block_q = 64 * consumers) run S = Q K^T and O += P V on wgmma. pingpong: the consumer
+    warpgroups take turns issuing their GEMMs, so one's softmax overlaps another's GEMMs (needs two
+    consumers and overlap); overlap: each consumer issues the next tile's Q K^T before the current
+    tile's softmax (intra-warpgroup overlap). Mirrors kernels_cu/sm90/traits.cuh (Sm90FwdTraits)
+    and the static_asserts of kernels_cu/sm90/fwd.cuh.
+    """
+
+    head_dim: int = _axis("d", "head dimension (not searched: it is the problem's)")
+    block_k: int = _axis("bc", "key rows per K/V tile (BC, wgmma N of S = Q K^T)")
+    consumers: int = _axis("c", "consumer warpgroups, 64 query rows each (block_q = 64 * consumers)")
+    stages: int = _axis("s", "depth of the TMA K/V ring")
+    pingpong: int = _axis("pp", "1: consumer warpgroups take turns issuing their GEMMs")
+    overlap: int = _axis("ov", "1: the next tile's Q K^T is issued before the current tile's softmax")
+
+    @property
+    def block_q(self) -> int:
+        return SM90_CONSUMER_ROWS * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)  # the producer warpgroup and the consumers
+
+    def launch_bounds(self) -> str:
+        # min blocks 1: ptxas must leave the register file to setmaxnreg's split
+        return f"__launch_bounds__({self.threads}, 1)"
+
+    def label(self) -> str:
+        """Short human label of the searched fields: 128x128 c2 s2 pp1 ov1."""
+        return (f"{self.block_q}x{self.block_k} c{self.consumers} s{self.stages} "
+                f"pp{self.pingpong} ov{self.overlap}")
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q tile + STAGES x (K tile + V tile), 16-bit elements (Sm90FwdTraits::kSmemBytes counts the
+        # first KiB of slack, for the 1024-B alignment of the base), + a KiB for the static barriers
+        return 2 * self.head_dim * (self.block_q + 2 * self.stages * self.block_k) + SM90_SMEM_SLACK
+
+    def structural_problem(self) -> str | None:
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.consumers not in (1, 2, 3):
+            return f"consumers must be 1, 2 or 3 (block_q = 64 * consumers <= 192), got {self.consumers}"
+        if self.block_k % 16 or not 64 <= self.block_k <= SM90_MAX_BOX_ROWS:
+            return f"block_k must be a multiple of 16 in [64, {SM90_MAX_BOX_ROWS}] (TMA box, wgmma N), got {self.block_k}"
+        if self.stages not in (2, 3, 4):
+            return f"stages must be 2, 3 or 4, got {self.stages}"
+        if self.pingpong not in (0, 1) or self.overlap not in (0, 1):
+            return f"pingpong and overlap are 0 or 1, got {self.pingpong}, {self.overlap}"
+        if self.pingpong and (self.consumers < 2 or not self.overlap):
+            return "pingpong needs at least 2 consumer warpgroups and the overlapped loop (overlap 1)"
+        return None

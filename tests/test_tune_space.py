@@ -37,7 +37,7 @@ def test_space_is_split_into_candidates_and_pruned_with_reasons(name, kernel, d)
         assert c.structural_problem() is None
         assert c.smem_bytes <= props.smem_optin
         assert c.threads <= props.max_threads_per_block
-        assert families.get(kernel).accumulator_registers(c) <= families.register_cap(c.threads, props)
+        assert families.get(kernel).accumulator_registers(c) <= families.get(kernel).register_cap(c, props)
     for c, why in sp.pruned.items():
         assert why and space.static_problem(c, props) == why
     if sp.default is not None:  # the heuristic default is always a candidate

@@ -1,22 +1,33 @@
-"""The registry of kernel families, and config selection for a call.
+"""The registry of kernel families, config selection for a call, and the forward's backend choice.
 
-    tile = families.select(families.FWD, problem)   # tuned table first, then the family's heuristic
+    family = families.choose(families.FORWARDS, problem, backend)   # the sm90 forward where it can run
+    tile = families.select(family, problem)   # tuned table first, then the family's heuristic
 
-Families (cuflash/families/sm80.py):
-  fwd     v2 forward             kernels_cu/flash_fwd.cuh     FwdConfig
-  fwd_v1  v1 forward (FA1)       kernels_cu/flash_fwd_v1.cuh  V1Config
-  bwd     backward dK/dV (+ dQ by atomics)  kernels_cu/flash_bwd.cuh  BwdConfig
-  bwd_dq  deterministic dQ       kernels_cu/flash_bwd.cuh     DqConfig
+Families (cuflash/families/sm80.py, sm90.py):
+  fwd       v2 forward (mma.sync)      kernels_cu/flash_fwd.cuh       FwdConfig       cc >= 8.0
+  fwd_sm90  v2 forward (TMA + wgmma)   kernels_cu/flash_fwd_sm90.cuh  Sm90FwdConfig   cc 9.0 (sm_90a)
+  fwd_v1    v1 forward (FA1)           kernels_cu/flash_fwd_v1.cuh    V1Config        cc >= 8.0
+  bwd       backward dK/dV (+ dQ by atomics)  kernels_cu/flash_bwd.cuh  BwdConfig   cc >= 8.0
+  bwd_dq    deterministic dQ           kernels_cu/flash_bwd.cuh       DqConfig        cc >= 8.0
 """
 from __future__ import annotations
 
+import os
+
 from .base import REG_ALLOC_UNIT, KernelFamily, register_cap
 from .sm80 import BWD, BWD_DQ, FWD, FWD_V1
+from .sm90 import FWD_SM90
 
-REGISTRY = {f.name: f for f in (FWD, BWD, BWD_DQ, FWD_V1)}
+REGISTRY = {f.name: f for f in (FWD, FWD_SM90, BWD, BWD_DQ, FWD_V1)}
 _BY_TILE = {f.tile_cls: f for f in REGISTRY.values()}
 
-__all__ = ["KernelFamily", "REGISTRY", "FWD", "FWD_V1", "BWD", "BWD_DQ", "get", "of", "select", "register_cap", "REG_ALLOC_UNIT"]
+# The v2 forward's families, in order of preference: the first that can run a call does.
+FORWARDS = (FWD_SM90, FWD)
+BACKENDS = ("sm80", "sm90")  # values of attention(backend=...) and of CUFLASH_BACKEND
+BACKEND_ENV = "CUFLASH_BACKEND"
+
+__all__ = ["KernelFamily", "REGISTRY", "FWD", "FWD_SM90", "FWD_V1", "BWD", "BWD_DQ", "FORWARDS", "BACKENDS",
+           "BACKEND_ENV", "get", "of", "select", "choose", "check_backend", "register_cap", "REG_ALLOC_UNIT"]
 
 
 def get(name: str) -> KernelFamily:
@@ -44,3 +55,59 @@ def select(family: KernelFamily, problem):
     if tile is not None:
         return tile
     return family.default(problem.head_dim, props.smem_optin, problem.features)
+
+
+# ----------------------------------------------------------------------------- backends
+
+def check_backend(backend) -> str | None:
+    """The `backend` argument: None (automatic), "sm80" or "sm90"; ValueError otherwise."""
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be None, 'sm80' or 'sm90', got {backend!r}")
+    return backend
+
+
+def env_backend() -> str | None:
+    """CUFLASH_BACKEND: "sm80" or "sm90" forces that backend where a call has one; unset, empty or
+    "auto": automatic. Another value raises ValueError naming the variable."""
+    raw = os.environ.get(BACKEND_ENV, "")
+    value = raw.strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV} must be 'sm80', 'sm90' or 'auto' (or unset), got {raw!r}")
+    return value
+
+
+def choose(candidates: tuple, problem, backend: str | None = None, props=None) -> KernelFamily:
+    """The family of `candidates` (in order of preference) that runs `problem` (an AttnProblem).
+
+    backend "sm80"/"sm90" forces that family: ValueError naming the reason when it cannot run the
+    call (or when the candidates have no such backend, e.g. the v1 forward and "sm90"). backend None
+    reads CUFLASH_BACKEND (env_backend; it applies only where a candidate has that backend), else
+    takes the first candidate that can run the call. Runs once per launch plan, never per call.
+    """
+    from .. import device
+
+    check_backend(backend)
+    props = props if props is not None else device.query(problem.device)
+    source = "backend"
+    if backend is None:
+        env = env_backend()
+        if env is not None and any(f.backend == env for f in candidates):
+            backend, source = env, BACKEND_ENV
+    if backend is not None:
+        fam = next((f for f in candidates if f.backend == backend), None)
+        if fam is None:
+            have = ", ".join(repr(f.backend) for f in candidates)
+            raise ValueError(f"backend={backend!r}: {candidates[0].what} has no {backend} kernel (backends: {have})")
+        why = fam.cannot_run(problem, props)
+        if why:
+            raise ValueError(f"{source}={backend!r} cannot run this call on {props.name} (cc {props.cc_str}): {why}")
+        return fam
+    reasons = []
+    for fam in candidates:
+        why = fam.cannot_run(problem, props)
+        if why is None:
+            return fam
+        reasons.append(f"{fam.name}: {why}")
+    raise RuntimeError(f"no kernel can run this call on {props.name} (cc {props.cc_str}): " + "; ".join(reasons))

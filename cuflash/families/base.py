@@ -1,11 +1,14 @@
 """KernelFamily: everything cuflash knows about one kernel, in one object.
 
-identity   name, pass, the GPUs it runs on (min_cc) and the NVRTC target it is built for, the
-           header and device template the generated shell instantiates, the kernel's pointer
-           parameters and parameter struct, its tile class;
+identity   name, pass, backend (the name a caller forces it by), the GPUs it runs on (min_cc,
+           max_cc) and the NVRTC target it is built for, the header and device template the
+           generated shell instantiates, the kernel's pointer parameters and parameter struct, its
+           tile class;
 selection  supports(features), space(head_dim), default(head_dim, smem, features),
-           can_implement(tile, props, features), accumulator_registers(tile);
-execution  run(tile, inputs, causal, features) for the tuner, and which outputs must be bitwise
+           can_implement(tile, props, features), accumulator_registers(tile), register_cap(tile,
+           props), cannot_run(problem, props) (whether it can serve a call at all);
+execution  plan(problem, tile, dtype): the launch plan of a call (cuflash/launch.py);
+           run(tile, inputs, causal, features) for the tuner, and which outputs must be bitwise
            deterministic.
 
 The library (selection, compiler), the tuner and the tests iterate the registry
@@ -37,7 +40,7 @@ def register_cap(threads: int, props) -> int:
     return min(MAX_REGS_PER_THREAD, per_thread // REG_ALLOC_UNIT * REG_ALLOC_UNIT)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)  # keywords only: fields grouped by topic
 class KernelFamily:
     # --- identity
     name: str  # in kernel names and tuned-table keys: cuflash_<name>_...
@@ -55,14 +58,31 @@ class KernelFamily:
     min_cc: tuple
     min_cc_why: str
     arch_specific: bool  # built for sm_90a-style targets (props.arch_specific) rather than CuPy's sm_XY
+    # the newest compute capability it runs on (None: any from min_cc on); sm_90a code runs on 9.0 only
+    max_cc: tuple | None = None
+    max_cc_why: str = ""
+    # the name `cuflash.attention(backend=...)` and CUFLASH_BACKEND force it by, among the families
+    # that serve one pass and algorithm (families.FORWARDS)
+    backend: str = "sm80"
     # --- selection
     domain: Callable  # head_dim -> the tiles the kernel's template admits, in search order (before fitting)
     defaults: Mapping[int, tuple]  # head_dim -> heuristic tiles, in order of preference; the first that fits wins
     accumulator_registers: Callable  # tile -> fp32 registers per thread its live accumulators need
+    # (tile, props) -> registers per thread those accumulators may take; None: ptxas' cap for a
+    # block of tile.threads threads (register_cap). A warp-specialised kernel that moves registers
+    # to its compute warps with setmaxnreg gives its own.
+    register_limit: Callable | None = None
+    # problem -> why this family cannot serve a call that its features allow (e.g. a tensor layout
+    # its TMA descriptors cannot describe, a missing Python package), or None. Decided once per plan.
+    call_problem: Callable | None = None
     # perf class -> tiles whose instantiation of that class spills registers (ptxas, sm_80 and
     # sm_90a); tests/test_compile_dropout.py keeps this data honest
     spilling: Mapping[str, frozenset] = dataclasses.field(default_factory=dict)
-    # --- execution (the tuner)
+    # --- execution
+    # (problem, tile, dtype) -> launch.Plan of one call (the passes' plan builders); None: the pass
+    # builds its plan itself (the backward)
+    plan: Callable | None = None
+    # the tuner:
     run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
     deterministic_outputs: tuple = ()  # indices of run()'s outputs that must be bitwise reproducible
     tuned_by_default: bool = True  # tuned by `python -m cuflash.tune` unless --kernels says otherwise
@@ -97,12 +117,47 @@ class KernelFamily:
         """Tiles the package may pick at run time without tuning (the CPU compile tests cover these)."""
         return sorted({t for cands in self.defaults.values() for t in cands})
 
+    def device_problem(self, props) -> str | None:
+        """Why no tile of this family runs on a device with these properties (its compute capability), or None."""
+        if tuple(props.cc) < self.min_cc:
+            return f"compute capability {props.cc_str} < {self.min_cc[0]}.{self.min_cc[1]} ({self.min_cc_why})"
+        if self.max_cc is not None and tuple(props.cc) > self.max_cc:
+            return f"compute capability {props.cc_str} > {self.max_cc[0]}.{self.max_cc[1]} ({self.max_cc_why})"
+        return None
+
+    def register_cap(self, tile, props) -> int:
+        """Registers per thread the tile's accumulators may take on this device."""
+        if self.register_limit is not None:
+            return self.register_limit(tile, props)
+        return register_cap(tile.threads, props)
+
+    def cannot_run(self, problem, props) -> str | None:
+        """Why this family cannot serve `problem` (an AttnProblem) on a device with `props`, or None:
+        the device, the call's features, the family's own conditions (call_problem), and whether any
+        of its default tiles fits the device."""
+        why = self.device_problem(props)
+        if why:
+            return why
+        f = problem.features
+        if not self.supports(f):
+            return f"{self.what} kernels do not support {f.dtype} with head_dim {f.head_dim}"
+        if self.call_problem is not None:
+            why = self.call_problem(problem)
+            if why:
+                return why
+        try:
+            self.default(problem.head_dim, props.smem_optin, f)
+        except (RuntimeError, KeyError) as e:
+            return str(e) if isinstance(e, RuntimeError) else f"no {self.what} config for head_dim {problem.head_dim}"
+        return None
+
     def can_implement(self, tile, props, features: Features | None = None) -> str | None:
         """Why `tile` cannot run on a device with these properties (decided without compiling), or None."""
         if not isinstance(tile, self.tile_cls):
             return f"a {self.name} config must be a {self.tile_cls.__name__}, got {type(tile).__name__}"
-        if tuple(props.cc) < self.min_cc:
-            return f"compute capability {props.cc_str} < {self.min_cc[0]}.{self.min_cc[1]} ({self.min_cc_why})"
+        why = self.device_problem(props)
+        if why:
+            return why
         why = tile.structural_problem()
         if why:
             return why
@@ -110,7 +165,7 @@ class KernelFamily:
             return f"{tile.threads} threads > {props.max_threads_per_block} per block"
         if tile.smem_bytes > props.smem_optin:
             return f"shared memory {tile.smem_bytes} B > opt-in limit {props.smem_optin} B"
-        need, cap = self.accumulator_registers(tile), register_cap(tile.threads, props)
+        need, cap = self.accumulator_registers(tile), self.register_cap(tile, props)
         if need > cap:
             return f"accumulators alone need {need} registers per thread > {cap} available (would spill)"
         if self.avoids(tile, features):

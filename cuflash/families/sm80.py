@@ -37,6 +37,20 @@ def _dq_acc(t) -> int:  # dQ (block_q x d) + S (block_q x block_k)
     return (t.block_q * t.head_dim + t.block_q * t.block_k) // t.threads
 
 
+# --- the launch plans of the forwards (the backward builds its three-launch plan itself)
+
+def _plan_fwd(p, tile, dtype):
+    from .._forward import _plan
+
+    return _plan(p, tile, dtype)
+
+
+def _plan_fwd_v1(p, tile, dtype):
+    from .._forward_v1 import _plan
+
+    return _plan(p, tile, dtype)
+
+
 # --- how the tuner runs one tile: the public entry points with an explicit config, so it times
 # exactly what users run. Inputs: q, k, v (+ out, lse, dout for the backward; runner.py).
 
@@ -84,7 +98,7 @@ FWD = KernelFamily(
     },
     accumulator_registers=_fwd_acc,
     spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2)})},
-    run=_run_fwd, deterministic_outputs=(0, 1),
+    plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1),
 )
 
 # The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of
@@ -133,5 +147,5 @@ FWD_V1 = KernelFamily(
         128: (V1Config(128, 128, 128, 8, 2), V1Config(128, 128, 64, 8, 2), V1Config(128, 64, 64, 4, 2)),
     },
     accumulator_registers=_fwd_acc,
-    run=_run_fwd_v1, deterministic_outputs=(0, 1), tuned_by_default=False,
+    plan=_plan_fwd_v1, run=_run_fwd_v1, deterministic_outputs=(0, 1), tuned_by_default=False,
 )

@@ -77,9 +77,11 @@ def _causal(arg):
     return {"0": (False,), "1": (True,), "both": (False, True)}[arg]
 
 
-def available_kernels() -> list:
-    """The default kernels whose sources are present in this cuflash."""
-    return [k for k in space.default_kernels() if _compile.kernel_fingerprint(families.get(k)) is not None]
+def available_kernels(props=None) -> list:
+    """The default kernels whose sources are present in this cuflash (and, given a device's
+    properties, that run on it: the sm90 forward only on compute capability 9.0)."""
+    return [k for k in space.default_kernels() if _compile.kernel_fingerprint(families.get(k)) is not None
+            and (props is None or families.get(k).device_problem(props) is None)]
 
 
 def options_from_args(a) -> Options:
@@ -232,6 +234,8 @@ def main(argv=None) -> int:
         print(f"cuflash.tune: no CUDA GPU found ({why}); nothing to tune. (--show, --clear and --dry-run work "
               f"without one.)", file=sys.stderr)
         return 2
+    if a.kernels is None:  # by default, only the kernels this GPU runs (--kernels names any)
+        o.kernels = tuple(available_kernels(props))
 
     from . import tuner
     from .runner import Worker

@@ -66,7 +66,8 @@ def build_space(fam: KernelFamily, head_dim: int, props: DeviceProps, features=N
         else:
             candidates.append(cfg)
     try:
-        default = fam.default(head_dim, props.smem_optin, features)
+        # no default on a device the family does not run on (the sm90 forward off cc 9.0)
+        default = None if fam.device_problem(props) else fam.default(head_dim, props.smem_optin, features)
     except (RuntimeError, KeyError):
         default = None
     return Space(fam.name, head_dim, props, candidates, pruned, default)

@@ -236,6 +236,8 @@ def tune(o: Options, worker, props, *, on_event: Callable | None = None, cache_p
         problem = None
         if _compile.kernel_fingerprint(fam) is None:
             problem = f"kernel {kernel!r} has no sources in this cuflash (not implemented yet?)"
+        elif fam.device_problem(props):
+            problem = f"{kernel} does not run on this device: {fam.device_problem(props)}"
         elif sp.default is None or not sp.candidates:
             problem = f"no {kernel} config for head_dim {d} fits this device"
         if problem:

@@ -1,0 +1,56 @@
+"""The Hopper forward's launch plan (families.FWD_SM90.plan): TMA descriptors of q, k, v per call.
+
+The kernel (kernels_cu/flash_fwd_sm90.cuh) takes
+
+    (const __grid_constant__ TmaMap tq, tk, tv, elem_t* out, float* lse, FwdParams' fields)
+
+on a 1-D grid of m_blocks * heads * batch blocks of (consumers + 1) * 128 threads, with the tile's
+dynamic shared memory. Everything but the three maps is the sm80 forward's (the same FwdParams,
+packed once per plan; out is written with ordinary stores at the strides FwdParams holds). The maps
+embed the data pointers, so the plan's launch binds them per run (launch.Launch.bind): three
+tma.MapCache lookups, which encode a map only for a pointer the plan has not seen lately.
+"""
+from __future__ import annotations
+
+from . import _compile, tma
+from ._forward import INPUTS, OUTPUTS, output_buffers
+from .launch import Launch, Plan, check_grid
+from .params import pack_fwd
+from .problem import AttnProblem
+from .tiles import Sm90FwdConfig
+
+
+def geometries(p: AttnProblem, cfg: Sm90FwdConfig) -> tuple:
+    """The tensor-map geometries of q (boxes of block_q rows), k and v (block_k rows) of a problem."""
+    out = []
+    for name, rows in (("q", cfg.block_q), ("k", cfg.block_k), ("v", cfg.block_k)):
+        shape, strides = tma.tensor_layout(p, name)
+        out.append(tma.map_geometry(shape, strides, p.dtype, rows))
+    return tuple(out)
+
+
+def binder(p: AttnProblem, cfg: Sm90FwdConfig, encoder=None):
+    """slots (q, k, v, out, lse) -> the kernel's leading arguments (map(q), map(k), map(v), out, lse)."""
+    mq, mk, mv = (tma.MapCache(g, encoder=encoder) for g in geometries(p, cfg))
+
+    def bind(slots):
+        q, k, v, out, lse = slots[:5]
+        return mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), out, lse
+
+    bind.caches = (mq, mk, mv)  # tests, debugging
+    return bind
+
+
+def plan(p: AttnProblem, cfg: Sm90FwdConfig, dtype, encoder=None) -> Plan:
+    # families.choose checked this already; say it plainly if a plan is built around the choice
+    why = tma.tensors_problem(p) or (tma.bindings_problem() if encoder is None else None)
+    if why:
+        raise ValueError(f"the sm90 forward cannot take this call: {why}")
+    # blockIdx.x = m_block + m_blocks * (head + heads * batch), as the sm80 forward (attn/scheduler.cuh)
+    m_blocks = -(-p.seqlen_q // cfg.block_q)
+    n_blocks = m_blocks * p.heads * p.batch
+    check_grid(n_blocks)
+    kernel = _compile.get_kernel(cfg, p.features, p.device)
+    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=INPUTS,
+                    bind=binder(p, cfg, encoder))
+    return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))

@@ -1,0 +1,74 @@
+"""The Hopper (sm_90a) kernel family: the warp-specialised forward on TMA and wgmma.
+
+kernels_cu/flash_fwd_sm90.cuh: one producer warpgroup loads Q and a ring of K/V tiles with TMA
+(tensor maps encoded on the host per call: cuflash/tma.py, cuflash/_forward_sm90.py), consumer
+warpgroups of 64 query rows each compute S = Q K^T and O += P V with wgmma, registers moved from the
+producer to the consumers by setmaxnreg. Built for sm_90a, which runs on compute capability 9.0
+only (H100, H200). The forward dispatch (families.choose) prefers it there, and falls back to the
+mma.sync forward for calls it cannot serve (cuflash/tma.py says which).
+
+Defaults are FlashAttention-3's shapes for these head dims (block_q 128, two consumers, ping-pong
+and intra-warpgroup overlap on); not yet measured in cuflash.
+"""
+from __future__ import annotations
+
+import itertools
+
+from ..tiles import Sm90FwdConfig
+from .base import F32, OUT, KernelFamily
+from .sm80 import _run_fwd
+
+# A CUtensorMap by value (kernels_cu/core/ptx_sm90.cuh): const __grid_constant__, so the kernel
+# hands the TMA unit the parameter's own address.
+TMA_MAP = "const __grid_constant__ cuflash::TmaMap"
+
+# Registers per thread of a consumer warpgroup after setmaxnreg (kernels_cu/sm90/traits.cuh,
+# Sm90FwdTraits::kConsumerRegs; one consumer has the file to itself, 255 is ptxas' per-thread limit),
+# and what addresses, softmax statistics, loop state and the mask take besides the accumulators.
+CONSUMER_REGS = {1: 255, 2: 240, 3: 160}
+CONSUMER_OVERHEAD_REGS = 40
+
+
+def _acc(t) -> int:
+    """A consumer thread's live accumulators: S (64 x block_k fp32), P (the same in 16 bits, packed
+    in pairs) and O (64 x head_dim fp32), each spread over the warpgroup's 128 threads."""
+    return t.block_k // 2 + t.block_k // 4 + t.head_dim // 2
+
+
+def _consumer_cap(t, props) -> int:
+    return CONSUMER_REGS.get(t.consumers, 0) - CONSUMER_OVERHEAD_REGS
+
+
+def _call_problem(problem):
+    from .. import tma
+
+    return tma.call_problem(problem)
+
+
+def _plan(problem, tile, dtype):
+    from .._forward_sm90 import plan
+
+    return plan(problem, tile, dtype)
+
+
+def _product(d, block_k, consumers, stages, pingpong=(0, 1), overlap=(0, 1)) -> list:
+    return [Sm90FwdConfig(d, *c) for c in itertools.product(block_k, consumers, stages, pingpong, overlap)]
+
+
+FWD_SM90 = KernelFamily(
+    name="fwd_sm90", description="forward on Hopper: TMA + wgmma, warp-specialised (out, lse)",
+    what="sm90 forward", pass_="forward", tile_cls=Sm90FwdConfig,
+    header="flash_fwd_sm90.cuh", template="cuflash::flash_fwd_sm90",
+    pointers=((TMA_MAP, "tq"), (TMA_MAP, "tk"), (TMA_MAP, "tv"), (OUT, "out"), (F32, "lse")),
+    params="FwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
+    max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
+    arch_specific=True, backend="sm90",
+    domain=lambda d: (_product(d, (64, 96, 128, 160, 176, 192), (2,), (2,)) if d == 128
+                      else _product(d, (64, 128, 160, 192), (2, 3), (2,))),
+    defaults={
+        64: (Sm90FwdConfig(64, 128, 2, 2, 1, 1), Sm90FwdConfig(64, 128, 2, 2, 0, 0)),
+        128: (Sm90FwdConfig(128, 128, 2, 2, 1, 1), Sm90FwdConfig(128, 128, 2, 2, 0, 0)),
+    },
+    accumulator_registers=_acc, register_limit=_consumer_cap, call_problem=_call_problem,
+    plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1),
+)

@@ -1,0 +1,57 @@
+"""Every selectable Hopper forward instance compiles with NVRTC for sm_90a, without a GPU: bf16 and
+fp16, plain and dropout, no register spills, no stack, and no wgmma serialisation (ptxas warns when
+it has to serialise wgmma, e.g. when accumulator registers would cross a wgmma in flight).
+
+Skipped until the kernel's entry header (kernels_cu/flash_fwd_sm90.cuh) exists."""
+from __future__ import annotations
+
+import pytest
+
+from cuflash import _compile, families
+from cuflash.features import Features
+from tests.test_compile import _nvrtc_available
+
+FAMILY = families.FWD_SM90
+HEADER_PRESENT = (_compile.kernel_dir() / FAMILY.header).is_file()
+
+pytestmark = [
+    pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)"),
+    pytest.mark.skipif(not HEADER_PRESENT, reason=f"kernels_cu/{FAMILY.header} not written yet"),
+]
+
+
+def check(cfg, features, record_property):
+    rep = _compile.compile_report(_compile.kernel_source(cfg, features), "sm_90a")
+    record_property("resources", {k: v for k, v in rep.items() if k != "log"} | {"smem_dynamic": cfg.smem_bytes})
+    log = rep["log"]
+    assert rep["registers"] > 0, log
+    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, log
+    assert rep["stack_bytes"] == 0, log
+    assert "serialized" not in log.lower(), log  # "wgmma.mma_async instructions are serialized ..."
+    assert rep["smem_static_bytes"] + cfg.smem_bytes <= 227 * 1024, log
+    return rep
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "dropout"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cfg", FAMILY.selectable(), ids=str)
+def test_selectable_sm90_configs_compile_for_sm90a(cfg, dtype, dropout, record_property):
+    check(cfg, Features(dtype, cfg.head_dim, dropout), record_property)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128])
+def test_whole_sm90_space_compiles(d, record_property):
+    """Every tile the tuner may try on an H200 compiles (spills allowed here: the tuner prunes them)."""
+    from cuflash.device import DeviceProps
+    from tests.test_sm90_host import FIX
+
+    h200 = DeviceProps.from_json(FIX / "h200.json")
+    table = []
+    for cfg in FAMILY.space(d, h200.smem_optin):
+        if FAMILY.can_implement(cfg, h200) is not None:
+            continue
+        rep = _compile.compile_report(_compile.kernel_source(cfg, Features("bfloat16", d)), "sm_90a")
+        table.append((cfg, rep["registers"], rep["spill_stores"]))
+        assert rep["registers"] > 0
+    print("\n".join(f"sm_90a {c}: {r} regs, {s} B spilled" for c, r, s in table))

@@ -1,0 +1,492 @@
+"""The Hopper forward's host side without a GPU: tensor-map geometry and preconditions (cuflash/tma.py),
+the tile (Sm90FwdConfig), the family (families.FWD_SM90), its generated shell, its launch plan with
+per-call descriptors, and the forward's backend dispatch (families.choose) with recorded device
+properties."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import pathlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from cuflash import _compile, _forward, _forward_sm90, families, params, problem, tma
+from cuflash.device import DeviceProps
+from cuflash.features import Features
+from cuflash.tiles import FwdConfig, Sm90FwdConfig, V1Config
+
+FIX = pathlib.Path(__file__).parent / "fixtures" / "devices"
+H200 = DeviceProps.from_json(FIX / "h200.json")
+A100 = DeviceProps.from_json(FIX / "a100-80gb.json")
+B200 = dataclasses.replace(H200, name="NVIDIA B200", cc=(10, 0))  # sm_90a code does not run there
+
+
+def dense(shape, itemsize=2):
+    strides, acc = [], itemsize
+    for n in reversed(shape):
+        strides.insert(0, acc)
+        acc *= n
+    return tuple(strides)
+
+
+def info(shape, strides=None, dtype="bfloat16", ptr=1 << 20):
+    return problem.ArrayInfo(tuple(shape), dtype, 2, strides or dense(shape), ptr, 0)
+
+
+def fwd_problem(q=None, k=None, v=None, dropout=None, d=128, dtype="bfloat16"):
+    q = q or info((2, 100, 3, d), dtype=dtype)
+    k = k or info((2, 300, 3, d), dtype=dtype)
+    v = v or info((2, 300, 3, d), dtype=dtype)
+    return problem.resolve_forward(q, k, v, True, None, dropout)
+
+
+# ------------------------------------------------------------------------------- tensor maps
+
+def test_map_geometry_of_a_contiguous_tensor():
+    b, n, h, d = 2, 1000, 16, 128
+    g = tma.map_geometry((b, n, h, d), dense((b, n, h, d)), "bfloat16", 128)
+    assert g.data_type == 9
+    assert g.dims == (64, n, 2, h, b)
+    assert g.strides == (h * d * 2, 128, d * 2, n * h * d * 2)
+    assert g.box == (64, 128, 2, 1, 1)
+    assert tma.map_geometry((b, n, h, 64), dense((b, n, h, 64)), "float16", 176).box == (64, 176, 1, 1, 1)
+    assert tma.map_geometry((b, n, h, 64), dense((b, n, h, 64)), "float16", 176).data_type == 6
+
+
+def test_map_geometry_of_packed_qkv_slices_and_transposed_views():
+    b, n, h, d = 2, 300, 4, 128
+    packed = dense((b, n, 3, h, d))  # q = qkv[:, :, 0]: strides (sb, sn, sh, 1) of the packed array
+    q_strides = (packed[0], packed[1], packed[3], packed[4])
+    g = tma.map_geometry((b, n, h, d), q_strides, "bfloat16", 128)
+    assert g.strides == (3 * h * d * 2, 128, d * 2, n * 3 * h * d * 2)
+    assert tma.layout_problem((b, n, h, d), q_strides, "bfloat16", 2, "q") is None
+    # (B, H, S, D) memory seen as (B, S, H, D): transpose(0, 2, 1, 3)
+    bhsd = dense((b, h, n, d))
+    view = (bhsd[0], bhsd[2], bhsd[1], bhsd[3])
+    g = tma.map_geometry((b, n, h, d), view, "bfloat16", 64)
+    assert g.strides == (d * 2, 128, n * d * 2, h * n * d * 2)
+    assert tma.layout_problem((b, n, h, d), view, "bfloat16", 2, "k") is None
+
+
+def test_extent_one_dimensions_take_dense_strides():
+    # frameworks leave the stride of an extent-1 dimension arbitrary (0 here): it is never stepped along
+    shape = (1, 1, 2, 64)
+    g = tma.map_geometry(shape, (0, 0, 128, 2), "bfloat16", 64)
+    assert g.strides == (2 * 64 * 2, 128, 128, 2 * 64 * 2)
+    assert tma.layout_problem(shape, (0, 0, 128, 2), "bfloat16", 2) is None
+
+
+@pytest.mark.parametrize("shape,strides,kw,words", [
+    ((2, 10, 3, 128), (0, 768, 256, 2), {}, "batch stride is 0 bytes; TMA needs positive strides"),
+    ((2, 10, 3, 128), (7680, 768, 0, 2), {}, "heads stride is 0 bytes"),  # k broadcast over heads
+    ((2, 10, 3, 128), (7680, -768, 256, 2), {}, "seqlen stride is -768 bytes"),
+    ((2, 10, 3, 128), (7680, 776, 256, 2), {}, "seqlen stride (776 bytes) is not a multiple of 16"),
+    ((2, 10, 3, 128), (1 << 40, 768, 256, 2), {}, "batch stride (1099511627776 bytes) is not below 2^40"),
+    ((2, 10, 3, 128), (7680, 768, 256, 4), {}, "not contiguous in head_dim"),
+    ((2, 10, 3, 96), (5760, 576, 192, 2), {}, "head_dim 96 is not a multiple of 64"),
+    ((2, 10, 3, 128), (7680, 768, 256, 2), {"ptr": 8}, "data pointer is not 16-byte aligned"),
+    ((2, 10, 3, 128), (7680, 768, 256, 2), {"dtype": "float32"}, "dtype float32"),
+])
+def test_layout_problems_name_the_tensor_and_the_reason(shape, strides, kw, words):
+    why = tma.layout_problem(shape, strides, kw.get("dtype", "bfloat16"), 2, "k", ptr=kw.get("ptr"))
+    assert why is not None and why.startswith("k") and words in why
+
+
+def test_call_problem_checks_q_k_v_of_a_problem(monkeypatch):
+    monkeypatch.setattr(tma, "bindings_problem", lambda: None)
+    assert tma.call_problem(fwd_problem()) is None
+    b, n, h, d = 2, 300, 3, 128
+    bcast = info((b, n, h, d), (n * d * 2, d * 2, 0, 2))  # one head's k shared by all heads (expand)
+    assert "v's heads stride is 0 bytes" in tma.call_problem(fwd_problem(v=bcast))
+    monkeypatch.setattr(tma, "bindings_problem", lambda: "cuda-bindings is not installed")
+    assert tma.call_problem(fwd_problem()) == "cuda-bindings is not installed"
+
+
+def test_missing_cuda_bindings_is_named(monkeypatch):
+    tma._driver.cache_clear()
+    tma.bindings_problem.cache_clear()
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # import fails
+    try:
+        why = tma.bindings_problem()
+        assert why and "cuda-bindings" in why and "pip install" in why
+        with pytest.raises(ImportError, match="cuda-bindings"):
+            tma.encode(tma.map_geometry((1, 8, 1, 64), dense((1, 8, 1, 64)), "bfloat16", 64), 1 << 20)
+    finally:
+        tma._driver.cache_clear()
+        tma.bindings_problem.cache_clear()
+
+
+class FakeDriver:
+    """cuda.bindings.driver's calls that tma.encode makes, recording the arguments."""
+
+    class CUresult:
+        CUDA_SUCCESS = 0
+
+    def __init__(self, err=0):
+        import ctypes
+
+        self.calls, self.err = [], err
+        self.buf = ctypes.create_string_buffer(bytes(range(128)), 128)
+        for name in ("CUtensorMapDataType", "CUtensorMapInterleave", "CUtensorMapSwizzle", "CUtensorMapL2promotion",
+                     "CUtensorMapFloatOOBfill", "cuuint64_t", "cuuint32_t"):
+            setattr(self, name, lambda x, n=name: (n, int(x)))
+
+    def cuTensorMapEncodeTiled(self, *args):
+        import ctypes
+
+        self.calls.append(args)
+        addr = ctypes.addressof(self.buf)
+        return self.err, types.SimpleNamespace(getPtr=lambda: addr)
+
+
+def test_encode_passes_the_geometry_and_returns_the_128_bytes(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(tma, "_driver", lambda: fake)
+    g = tma.map_geometry((2, 100, 3, 128), dense((2, 100, 3, 128)), "float16", 128)
+    m = tma.encode(g, 0x7F0000001000)
+    assert m.dtype == tma.MAP_DTYPE and m.shape == (1,) and m.nbytes == 128 and m.dtype.itemsize == 128
+    assert m.tobytes() == bytes(range(128))
+    [(dtype, rank, ptr, dims, strides, box, estrides, inter, swz, l2, oob)] = fake.calls
+    assert (dtype, rank, ptr) == (("CUtensorMapDataType", 6), 5, 0x7F0000001000)
+    assert [x[1] for x in dims] == list(g.dims) and [x[1] for x in strides] == list(g.strides)
+    assert [x[1] for x in box] == list(g.box) and [x[1] for x in estrides] == [1] * 5
+    assert (inter[1], swz[1], l2[1], oob[1]) == (0, 3, 2, 0)
+    monkeypatch.setattr(tma, "_driver", lambda: FakeDriver(err=1))
+    with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled failed"):
+        tma.encode(g, 0x1000)
+
+
+def test_enum_values_match_cuda_bindings():
+    cu = pytest.importorskip("cuda.bindings.driver", reason="cuda-bindings not installed")
+    assert int(cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16) == tma.DATA_TYPES["bfloat16"]
+    assert int(cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16) == tma.DATA_TYPES["float16"]
+    assert int(cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B) == tma.SWIZZLE_128B
+    assert int(cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B) == tma.L2_PROMOTION_L2_128B
+    assert int(cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE) == tma.INTERLEAVE_NONE
+    assert int(cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == tma.OOB_FILL_NONE
+
+
+def test_map_cache_encodes_once_per_pointer_and_keeps_the_last_few():
+    seen = []
+    cache = tma.MapCache("geometry", size=2, encoder=lambda g, p: seen.append(p) or (g, p))
+    assert cache.get(16) == ("geometry", 16) and cache.get(16) == ("geometry", 16) and seen == [16]
+    cache.get(32)
+    cache.get(48)  # evicts 16, the oldest
+    assert len(cache) == 2 and seen == [16, 32, 48]
+    cache.get(16)
+    assert seen == [16, 32, 48, 16]
+
+
+# ------------------------------------------------------------------------------------ the tile
+
+def test_tile_fields_are_the_template_arguments():
+    t = Sm90FwdConfig(128, 176, 2, 2, 1, 0)  # (not a valid tile: pingpong needs overlap)
+    assert t.template_args() == (128, 176, 2, 2, 1, 0)
+    assert Sm90FwdConfig.axes() == ("block_k", "consumers", "stages", "pingpong", "overlap")
+    assert (t.block_q, t.threads) == (128, 384)
+    assert Sm90FwdConfig(64, 64, 3, 2, 1, 1).threads == 512
+    assert t.tag() == "d128_bc176_c2_s2_pp1_ov0" and t.label() == "128x176 c2 s2 pp1 ov0"
+    assert t.launch_bounds() == "__launch_bounds__(384, 1)"
+    assert FwdConfig(128, 128, 128, 8, 3).launch_bounds() == "__launch_bounds__(256)"
+
+
+def test_smem_is_q_and_the_kv_ring_and_two_spare_kib():
+    # Q 128x128 + 2 stages x (K + V) 128x128, bf16: 160 KiB; + 1 KiB alignment, + 1 KiB barriers
+    assert Sm90FwdConfig(128, 128, 2, 2, 1, 1).smem_bytes == 2 * 128 * (128 + 4 * 128) + 2048 == 165888
+    assert Sm90FwdConfig(64, 192, 3, 2, 0, 0).smem_bytes == 2 * 64 * (192 + 4 * 192) + 2048
+    assert Sm90FwdConfig(128, 192, 2, 2, 1, 1).smem_bytes <= 227 * 1024  # the largest d128 tile fits an H200
+
+
+@pytest.mark.parametrize("tile,words", [
+    (Sm90FwdConfig(96, 128, 2, 2, 0, 0), "head_dim 96"),
+    (Sm90FwdConfig(128, 128, 4, 2, 0, 0), "consumers must be 1, 2 or 3"),
+    (Sm90FwdConfig(128, 120, 2, 2, 0, 0), "block_k must be a multiple of 16"),
+    (Sm90FwdConfig(128, 48, 2, 2, 0, 0), "block_k must be a multiple of 16 in [64, 256]"),
+    (Sm90FwdConfig(128, 272, 2, 2, 0, 0), "block_k must be a multiple of 16 in [64, 256]"),
+    (Sm90FwdConfig(128, 128, 2, 5, 0, 0), "stages must be 2, 3 or 4"),
+    (Sm90FwdConfig(128, 128, 2, 2, 2, 1), "pingpong and overlap are 0 or 1"),
+    (Sm90FwdConfig(128, 128, 1, 2, 1, 1), "pingpong needs at least 2 consumer warpgroups"),
+    (Sm90FwdConfig(128, 128, 2, 2, 1, 0), "pingpong needs at least 2 consumer warpgroups and the overlapped loop"),
+])
+def test_structural_problems(tile, words):
+    why = tile.structural_problem()
+    assert why is not None and words in why
+    with pytest.raises(ValueError, match="invalid fwd_sm90 config"):
+        _compile.kernel_source(tile, Features("bfloat16", tile.head_dim))
+
+
+def test_structurally_valid_tiles():
+    for t in (Sm90FwdConfig(64, 64, 1, 4, 0, 1), Sm90FwdConfig(128, 256, 2, 2, 1, 1), Sm90FwdConfig(64, 64, 3, 3, 1, 1)):
+        assert t.structural_problem() is None, t
+
+
+# ---------------------------------------------------------------------------------- the family
+
+def test_family_is_registered():
+    f = families.FWD_SM90
+    assert families.REGISTRY["fwd_sm90"] is f and families.get("fwd_sm90") is f
+    assert families.of(Sm90FwdConfig(128, 128, 2, 2, 1, 1)) is f
+    assert families.FORWARDS == (families.FWD_SM90, families.FWD)
+    assert (f.backend, families.FWD.backend, families.FWD_V1.backend) == ("sm90", "sm80", "sm80")
+    assert f.arch_specific and f.nvrtc_arch(H200) == "sm_90a" and f.min_cc == f.max_cc == (9, 0)
+    assert f.pass_ == "forward" and f.params == "FwdParams" and f.plan is not None and f.run is not None
+    assert [n for _, n in f.pointers] == ["tq", "tk", "tv", "out", "lse"]
+
+
+def test_defaults_are_selectable_and_implementable_on_hopper():
+    f = families.FWD_SM90
+    for d in (64, 128):
+        assert f.default(d, H200.smem_optin) == f.defaults[d][0]
+        assert f.default(d, H200.smem_optin, Features("bfloat16", d, True)) == f.defaults[d][0]
+        for t in f.defaults[d]:
+            assert t in f.space(d, H200.smem_optin) and f.can_implement(t, H200) is None
+    assert f.selectable() == sorted({t for ts in f.defaults.values() for t in ts})
+
+
+def test_register_estimate_uses_the_consumer_budget():
+    f = families.FWD_SM90
+    t = Sm90FwdConfig(128, 176, 2, 2, 1, 1)
+    assert f.accumulator_registers(t) == 88 + 44 + 64  # S, P, O of 64 rows over 128 threads
+    assert f.register_cap(t, H200) == 240 - 40
+    assert f.register_cap(Sm90FwdConfig(64, 64, 3, 2, 1, 1), H200) == 160 - 40
+    assert f.register_cap(Sm90FwdConfig(64, 64, 1, 2, 0, 0), H200) == 255 - 40
+    assert f.can_implement(t, H200) is None
+    why = f.can_implement(Sm90FwdConfig(128, 192, 2, 2, 1, 1), H200)  # 96 + 48 + 64 = 208 > 200
+    assert why and "208 registers per thread > 200" in why
+    why = f.can_implement(Sm90FwdConfig(64, 128, 3, 2, 1, 1), H200)  # 64 + 32 + 32 = 128 > 120
+    assert why and "128 registers per thread > 120" in why
+    # the sm80 families keep ptxas' cap for their block size
+    assert families.FWD.register_cap(FwdConfig(128, 128, 128, 8, 2), H200) == families.register_cap(256, H200)
+
+
+@pytest.mark.parametrize("props,words", [(A100, "compute capability 8.0 < 9.0"),
+                                         (B200, "compute capability 10.0 > 9.0 (wgmma and setmaxnreg are sm_90a-only")])
+def test_only_compute_capability_9_0_runs_it(props, words):
+    f = families.FWD_SM90
+    assert words in f.device_problem(props)
+    assert words in f.can_implement(f.defaults[128][0], props)
+    assert families.FWD.device_problem(props) is None
+    assert f.device_problem(H200) is None
+
+
+def test_kernel_source_declares_the_maps_by_value_and_launch_bounds_for_setmaxnreg():
+    t = Sm90FwdConfig(128, 128, 2, 2, 1, 1)
+    src = _compile.kernel_source(t, Features("bfloat16", 128, True))
+    name = _compile.kernel_name(t, Features("bfloat16", 128, True))
+    assert name == "cuflash_fwd_sm90_bf16_d128_bc128_c2_s2_pp1_ov1_drop"
+    assert '#include "flash_fwd_sm90.cuh"' in src
+    assert (f'extern "C" __global__ void __launch_bounds__(384, 1) {name}(const __grid_constant__ cuflash::TmaMap tq, '
+            "const __grid_constant__ cuflash::TmaMap tk, const __grid_constant__ cuflash::TmaMap tv, "
+            "cuflash::elem_t* __restrict__ out, float* __restrict__ lse, long long q_sb_, ") in src
+    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, true>(tq, tk, tv, out, lse, p);" in src
+    decl = ", ".join(f"{ctype} {f}_" for f, ctype in params.fields("FwdParams"))
+    assert decl + ") {" in src
+    # the sm80 shells keep their single-argument launch bounds
+    assert "__launch_bounds__(256) cuflash_fwd_bf16" in _compile.kernel_source(FwdConfig(128, 128, 128, 8, 3),
+                                                                               Features("bfloat16", 128))
+
+
+# ------------------------------------------------------------------------------ the launch plan
+
+class Recorder:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.calls.append((grid, block, args, shared_mem))
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    cupy = pytest.importorskip("cupy")
+    rec = []
+    monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
+    return rec
+
+
+def arr(ptr):
+    return types.SimpleNamespace(data=types.SimpleNamespace(ptr=ptr))
+
+
+def test_plan_binds_fresh_maps_per_pointer(calls):
+    p = fwd_problem(dropout=problem.resolve_dropout(0.1, 3))
+    cfg = Sm90FwdConfig(128, 128, 2, 2, 1, 1)
+    encoded = []
+    plan = _forward_sm90.plan(p, cfg, np.float16, encoder=lambda g, ptr: encoded.append((g, ptr)) or f"map@{ptr:#x}")
+    q, k, v = arr(0x1000), arr(0x2000), arr(0x3000)
+    out, lse = plan.run((q, k, v, None, None), p.dropout.kernel_args)
+    assert out == ("alloc", (2, 100, 3, 128), "float16") and lse == ("alloc", (2, 3, 100), "float32")
+    [(grid, block, args, smem)] = calls
+    m_blocks = -(-100 // 128)
+    assert grid == (m_blocks * 3 * 2,) and block == (384,) and smem == cfg.smem_bytes
+    assert args[:5] == ("map@0x1000", "map@0x2000", "map@0x3000", out, lse)
+    f = params.unpack(args[5:], "FwdParams")  # the sm80 forward's struct, as pack_fwd makes it
+    assert int(f["m_blocks"]) == m_blocks and (int(f["heads"]), int(f["seqlen_q"]), int(f["seqlen_k"])) == (3, 100, 300)
+    assert (f["drop_seed"], f["drop_threshold"], f["drop_scale"]) == p.dropout.kernel_args
+    gq, gk, gv = (g for g, _ in encoded)
+    assert gq.box == (64, 128, 2, 1, 1) and gk.box == gv.box == (64, 128, 2, 1, 1)
+    assert gq.dims == (64, 100, 2, 3, 2) and gk.dims == (64, 300, 2, 3, 2)
+    # same pointers: no encoding; a new q pointer: one
+    plan.run((q, k, v, "out", "lse"), p.dropout.kernel_args)
+    assert len(encoded) == 3 and calls[-1][2][:5] == ("map@0x1000", "map@0x2000", "map@0x3000", "out", "lse")
+    plan.run((arr(0x4000), k, v, "out", "lse"), p.dropout.kernel_args)
+    assert len(encoded) == 4 and calls[-1][2][0] == "map@0x4000"
+
+
+def test_plan_boxes_follow_the_tile():
+    p = fwd_problem(d=64)
+    gq, gk, gv = _forward_sm90.geometries(p, Sm90FwdConfig(64, 176, 3, 2, 1, 1))
+    assert gq.box == (64, 192, 1, 1, 1) and gk.box == gv.box == (64, 176, 1, 1, 1)
+
+
+def test_plan_refuses_tensors_tma_cannot_describe(calls):
+    b, n, h, d = 2, 300, 3, 128
+    p = fwd_problem(k=info((b, n, h, d), (n * d * 2, d * 2, 0, 2)))
+    with pytest.raises(ValueError, match="k's heads stride is 0 bytes"):
+        _forward_sm90.plan(p, Sm90FwdConfig(128, 128, 2, 2, 1, 1), np.float16, encoder=lambda g, ptr: None)
+
+
+def test_sm80_plans_keep_the_gather_free_fast_path(calls):
+    plan = families.FWD.plan(fwd_problem(), FwdConfig(128, 128, 64, 8, 2), np.float16)
+    assert plan._launches[0][4] is None  # take None: the slots are the kernel's pointers
+
+
+# ------------------------------------------------------------------------------------ dispatch
+
+@pytest.fixture
+def bindings(monkeypatch):
+    """cuda-bindings present (the default here) or missing (set .missing)."""
+    state = types.SimpleNamespace(missing=None)
+    monkeypatch.setattr(tma, "bindings_problem", lambda: state.missing)
+    monkeypatch.delenv(families.BACKEND_ENV, raising=False)
+    return state
+
+
+def choose(props, backend=None, p=None, candidates=families.FORWARDS):
+    return families.choose(candidates, p or fwd_problem(), backend, props)
+
+
+def test_auto_prefers_sm90_on_hopper_and_sm80_elsewhere(bindings):
+    assert choose(H200) is families.FWD_SM90
+    assert choose(A100) is families.FWD is choose(B200)
+    for d, dtype in ((64, "float16"), (128, "bfloat16")):
+        assert choose(H200, p=fwd_problem(d=d, dtype=dtype)) is families.FWD_SM90
+    assert choose(H200, p=fwd_problem(dropout=problem.resolve_dropout(0.2, 1))) is families.FWD_SM90
+
+
+def test_auto_falls_back_when_tma_cannot_take_the_call(bindings):
+    b, n, h, d = 2, 300, 3, 128
+    bcast = info((b, n, h, d), (n * d * 2, d * 2, 0, 2))
+    assert choose(H200, p=fwd_problem(k=bcast)) is families.FWD
+    bindings.missing = "cuda-bindings is not installed: pip install ..."
+    assert choose(H200) is families.FWD
+
+
+def test_forced_backends(bindings):
+    assert choose(H200, "sm80") is families.FWD
+    assert choose(H200, "sm90") is families.FWD_SM90
+    assert choose(A100, "sm80") is families.FWD
+    with pytest.raises(ValueError, match=r"backend='sm90' cannot run this call on NVIDIA A100.*compute capability 8\.0"):
+        choose(A100, "sm90")
+    b, n, h, d = 2, 300, 3, 128
+    with pytest.raises(ValueError, match="backend='sm90' cannot run this call.*k's heads stride is 0 bytes"):
+        choose(H200, "sm90", p=fwd_problem(k=info((b, n, h, d), (n * d * 2, d * 2, 0, 2))))
+    bindings.missing = "cuda-bindings is not installed"
+    with pytest.raises(ValueError, match="cuda-bindings is not installed"):
+        choose(H200, "sm90")
+    for bad in ("sm100", "SM90", 90, ""):
+        with pytest.raises(ValueError, match="backend must be None, 'sm80' or 'sm90'"):
+            choose(H200, bad)
+
+
+def test_environment_variable_sets_the_default_and_the_argument_wins(bindings, monkeypatch):
+    monkeypatch.setenv("CUFLASH_BACKEND", "sm80")
+    assert choose(H200) is families.FWD
+    assert choose(H200, "sm90") is families.FWD_SM90  # the argument wins
+    monkeypatch.setenv("CUFLASH_BACKEND", " SM90 ")
+    assert choose(H200) is families.FWD_SM90
+    with pytest.raises(ValueError, match="CUFLASH_BACKEND='sm90' cannot run this call.*compute capability 8.0"):
+        choose(A100)
+    assert choose(A100, "sm80") is families.FWD
+    monkeypatch.setenv("CUFLASH_BACKEND", "auto")
+    assert choose(A100) is families.FWD and choose(H200) is families.FWD_SM90
+    monkeypatch.setenv("CUFLASH_BACKEND", "hopper")
+    with pytest.raises(ValueError, match="CUFLASH_BACKEND must be 'sm80', 'sm90' or 'auto'"):
+        choose(H200)
+
+
+def test_v1_has_only_the_sm80_kernel(bindings, monkeypatch):
+    v1 = (families.FWD_V1,)
+    assert choose(H200, candidates=v1) is families.FWD_V1
+    assert choose(H200, "sm80", candidates=v1) is families.FWD_V1
+    with pytest.raises(ValueError, match="backend='sm90': v1 forward has no sm90 kernel"):
+        choose(H200, "sm90", candidates=v1)
+    monkeypatch.setenv("CUFLASH_BACKEND", "sm90")  # a preference for the calls that have an sm90 kernel
+    assert choose(H200, candidates=v1) is families.FWD_V1
+
+
+def test_no_kernel_for_old_gpus_is_a_clear_error(bindings):
+    volta = dataclasses.replace(A100, name="Tesla V100", cc=(7, 0))
+    with pytest.raises(RuntimeError, match="no kernel can run this call on Tesla V100.*fwd_sm90: .*fwd: compute capability 7.0"):
+        choose(volta)
+
+
+def test_explicit_configs_pick_their_family(bindings, monkeypatch):
+    from cuflash import device
+
+    props = {"dev": H200}
+    monkeypatch.setattr(device, "query", lambda i=0: props["dev"])
+    p = fwd_problem()
+    sm90, sm80 = Sm90FwdConfig(128, 128, 2, 2, 0, 0), FwdConfig(128, 128, 64, 8, 2)
+    assert _forward._explicit_family(families.FORWARDS, sm90, p, None) is families.FWD_SM90
+    assert _forward._explicit_family(families.FORWARDS, sm80, p, None) is families.FWD
+    assert _forward._explicit_family(families.FORWARDS, sm90, p, "sm90") is families.FWD_SM90
+    with pytest.raises(ValueError, match="is a sm80 config, but backend='sm90'"):
+        _forward._explicit_family(families.FORWARDS, sm80, p, "sm90")
+    with pytest.raises(TypeError, match="config must be a Sm90FwdConfig or FwdConfig, got V1Config"):
+        _forward._explicit_family(families.FORWARDS, V1Config(128, 128, 64, 8, 2), p, None)
+    with pytest.raises(ValueError, match="head_dim 64"):
+        _forward._explicit_family(families.FORWARDS, Sm90FwdConfig(64, 128, 2, 2, 0, 0), p, None)
+    props["dev"] = A100
+    with pytest.raises(ValueError, match="cannot run this call on NVIDIA A100.*compute capability 8.0 < 9.0"):
+        _forward._explicit_family(families.FORWARDS, sm90, p, None)
+    assert _forward._explicit_family(families.FORWARDS, sm80, p, None) is families.FWD
+
+
+# ------------------------------------------------------------------------------------- the tuner
+
+def test_tuner_skips_the_family_off_hopper(monkeypatch):
+    from cuflash.tune import __main__ as cli
+    from cuflash.tune import space
+
+    monkeypatch.setattr(_compile, "kernel_fingerprint", lambda fam: "0123456789abcdef")  # sources "present"
+    assert "fwd_sm90" in cli.available_kernels(H200) and "fwd_sm90" not in cli.available_kernels(A100)
+    assert "fwd" in cli.available_kernels(A100)
+    sp = space.build_space(families.FWD_SM90, 128, A100)
+    assert sp.default is None and not sp.candidates and all("compute capability" in r for r in sp.pruned.values())
+    sp = space.build_space(families.FWD_SM90, 128, H200)
+    assert sp.default == families.FWD_SM90.defaults[128][0] and sp.default in sp.candidates
+    assert Sm90FwdConfig(128, 192, 2, 2, 1, 1) in sp.pruned  # the register estimate
+
+
+def test_tuner_reports_a_family_that_does_not_run_on_the_device(monkeypatch):
+    from cuflash.tune import tuner
+
+    monkeypatch.setattr(_compile, "kernel_fingerprint", lambda fam: "0123456789abcdef")
+    o = tuner.Options(kernels=("fwd_sm90",), head_dims=(128,), seqlens=(1024,), causal=(False,), write_cache=False)
+    reports = tuner.tune(o, worker=None, props=A100)
+    assert len(reports) == 1 and "fwd_sm90 does not run on this device: compute capability 8.0" in reports[0].error
+
+
+def test_dry_run_lists_the_sm90_space(capsys):
+    from cuflash.tune import __main__ as cli
+
+    assert cli.main(["--dry-run", "--props", str(FIX / "h200.json"), "--kernels", "fwd_sm90"]) == 0
+    out = capsys.readouterr().out
+    assert "fwd_sm90 d128:" in out and "default 128x128 c2 s2 pp1 ov1" in out
+    assert "128x192 c2 s2 pp1 ov1" in out and "208 registers per thread > 200" in out
