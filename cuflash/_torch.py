@@ -1,7 +1,7 @@
 """PyTorch integration: cuflash's forward and backward as torch custom ops, with autograd.
 
-    torch.ops.cuflash.attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed)
-        -> (out, lse)
+    torch.ops.cuflash.attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed,
+                                    backend) -> (out, lse)
     torch.ops.cuflash.attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed)
         -> (dq, dk, dv)
 
@@ -21,7 +21,7 @@ ops are registered then, once per process. Needs torch >= 2.4 (torch.library.cus
 """
 import torch
 
-from . import _interop, problem
+from . import _interop, families, problem
 from .api import forward_fn
 from .signature import BWD_ARRAYS, BWD_SCHEMA, FWD_ARRAYS, FWD_SCHEMA, OPTION_GRADS, backward_options
 
@@ -82,13 +82,14 @@ def _dropout_options(dropout_p, seed):
 # ------------------------------------------------------------------------------------------ the ops
 
 @_custom_op("cuflash::attention_fwd", FWD_SCHEMA)
-def attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed):
+def attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed, backend=None):
     fwd = forward_fn(algorithm)
     dev = _device((q, k, v), FWD_ARRAYS)
     seed = _seed_out(dropout_p, seed)
 
     def run(cq, ck, cv):
-        return fwd(cq, ck, cv, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed)
+        return fwd(cq, ck, cv, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
+                   backend=backend)
 
     out, lse = _interop.run(run, (q, k, v), _interop.TORCH, dev, FWD_ARRAYS)
     return out.contiguous(), lse.contiguous()  # as the fake promises (no-ops: fresh arrays)
@@ -130,8 +131,9 @@ def _info(t, name, contiguous=False):
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed):
+def _attention_fwd_fake(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed, backend=None):
     problem.check_algorithm(algorithm)
+    families.check_backend(backend)  # whether it can run is the device's business: the real op says
     infos = [_info(t, n) for t, n in zip((q, k, v), FWD_ARRAYS)]
     if None not in infos:
         problem.resolve_forward(*infos, causal, softmax_scale)
@@ -174,12 +176,13 @@ _bwd_op = torch.ops.cuflash.attention_bwd.default
 # The options are checked here, once, because the ops' schema types cannot carry a wrong one to
 # the checks below them (a str for `causal` would fail in the dispatcher, not with our message).
 
-def attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p=0.0, seed=None):
+def attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p=0.0, seed=None,
+              backend=None):
     """cuflash.attention for torch tensors (differentiable). Arguments checked by the caller:
-    algorithm and deterministic; checked here: types, devices, causal, softmax_scale, dropout."""
+    algorithm, deterministic and backend; checked here: types, devices, causal, softmax_scale, dropout."""
     _device((q, k, v), FWD_ARRAYS)
     out, lse = _fwd_op(q, k, v, problem.check_flag(causal, "causal"), problem.check_softmax_scale(softmax_scale),
-                       algorithm, bool(deterministic), *_dropout_options(dropout_p, seed))
+                       algorithm, bool(deterministic), *_dropout_options(dropout_p, seed), backend)
     return (out, lse) if return_lse else out
 
 

@@ -15,7 +15,8 @@ _tmod = None  # the cuflash._torch module (registers the torch ops), once a torc
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-              algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None):
+              algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
+              backend: str | None = None):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads, head_dim); float16 or
@@ -45,38 +46,52 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         to attention_backward; torch autograd does it for you, and draws a seed from torch's CPU
         generator when none is given). p is quantised to 1/65536; kept values are scaled by
         1/(1 - p). lse is that of the undropped scores.
+    backend: which forward kernel runs (the backward is the mma.sync one either way). None (the
+        default): on a compute capability 9.0 GPU (H100, H200) the Hopper kernel ("sm90": TMA,
+        wgmma, warp-specialised) whenever it can take the call (fp16/bf16, head_dim 64/128, q, k, v
+        describable by TMA: positive strides, which cuflash's layout rules nearly always give;
+        NVIDIA's cuda-bindings package installed), else the mma.sync kernel ("sm80", any GPU of
+        compute capability >= 8.0). "sm80" or "sm90" forces one; forcing "sm90" where it cannot run
+        raises ValueError saying why, before any launch. The environment variable CUFLASH_BACKEND
+        (sm80, sm90 or auto) sets the default for calls with backend=None; it is read when a call
+        signature's launch plan is built (once per shape, not per call). algorithm="v1" has only
+        the sm80 kernel (backend="sm90" raises; CUFLASH_BACKEND does not apply).
 
     Raises TypeError/ValueError naming the argument before any launch on bad input.
     """
     t = type(q)
     if (t is _ndarray and type(k) is t and type(v) is t and algorithm == "v2"
             and (deterministic is False or deterministic is True)):
-        out, lse = _fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed)
+        out, lse = _fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
+                        backend=backend)
         return (out, lse) if return_lse else out
-    return _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed)
+    return _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend)
 
 
-def _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed):
-    from . import problem
+def _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend=None):
+    from . import families, problem
 
     problem.check_algorithm(algorithm)
     deterministic = problem.check_flag(deterministic, "deterministic")
+    families.check_backend(backend)
     tm = _tmod
     if tm is not None and isinstance(q, tm.Tensor):
-        return tm.attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed)
+        return tm.attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
+                            backend)
 
     from . import _interop
 
     fw, dev = _interop.common_framework((q, k, v), ("q", "k", "v"))
     if fw == _interop.TORCH:
         return _load_torch().attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic,
-                                       dropout_p, seed)
+                                       dropout_p, seed, backend)
     fwd = forward_fn(algorithm)
     if fw == _interop.CUPY:
-        out, lse = fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed)
+        out, lse = fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
+                       backend=backend)
     else:
         out, lse = _interop.run(lambda *a: fwd(*a, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
-                                               seed=seed), (q, k, v), fw, dev, ("q", "k", "v"))
+                                               seed=seed, backend=backend), (q, k, v), fw, dev, ("q", "k", "v"))
     return (out, lse) if return_lse else out
 
 
