@@ -139,3 +139,19 @@ def fa_rule_grads(grads, q, k, v, dout, causal, scale, factor=2.0, keep_scale=No
     ref = naive_grads(q, k, v, dout, causal, scale, cupy.float64, keep_scale=keep_scale)
     pt = naive_grads(q, k, v, dout, causal, scale, cupy.float32, round_dtype=q.dtype, keep_scale=keep_scale)
     return {name: _allowed(g, r, p, factor) for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, pt)}
+
+
+def backend_unavailable(backend: str, device_id: int = 0) -> str | None:
+    """Why the forward `backend` ("sm80", "sm90") cannot run on this GPU at all, or None: for the
+    GPU tests, which run their matrix on every backend the device has (a call may still fall back
+    for its own reasons: families.choose)."""
+    from . import _compile, device, families, tma
+
+    fam = next(f for f in families.FORWARDS if f.backend == backend)
+    props = device.query(device_id)
+    why = fam.device_problem(props)
+    if why is None and not (_compile.kernel_dir() / fam.header).is_file():
+        why = f"kernels_cu/{fam.header} is not there"
+    if why is None and fam is families.FWD_SM90:
+        why = tma.bindings_problem()
+    return why

@@ -14,9 +14,23 @@ import pytest
 
 from cuflash.philox import dropout_keep_mask, dropout_scale, dropout_threshold
 from cuflash.reference import causal_mask
-from cuflash.testing import dtype_of, fa_rule, fa_rule_grads, naive, random_qkv
+from cuflash.testing import backend_unavailable, dtype_of, fa_rule, fa_rule_grads, naive, random_qkv
 
 pytestmark = pytest.mark.gpu
+# "v2@sm80", "v2@sm90": the v2 forward on a forced backend (skipped where the GPU has none); "v2"
+# is the automatic choice (sm90 on a cc 9.0 GPU)
+ALGORITHMS = ["v1", "v2", "v2@sm80", "v2@sm90"]
+
+
+def _algo(algorithm) -> dict:
+    """attention()'s keywords for an ALGORITHMS entry; skips the test where its backend cannot run."""
+    name, _, backend = algorithm.partition("@")
+    if backend:
+        why = backend_unavailable(backend)
+        if why:
+            pytest.skip(f"{backend} forward not on this GPU: {why}")
+        return {"algorithm": name, "backend": backend}
+    return {"algorithm": name}
 
 SEEDS = [12345, 2**64 - 2**31 + 7]  # the second has both key words nonzero and its top bit set
 
@@ -50,7 +64,7 @@ def _recover_mask(q, k, p, seed, causal=False, algorithm="v2"):
         vn = np.zeros((b, nk, h, d), dtype=np.float32)
         vn[:, j0:j0 + w, :, :w] = np.eye(w, dtype=np.float32)[None, :, None, :]
         v = cupy.asarray(vn).astype(q.dtype)
-        out = cuflash.attention(q, k, v, causal=causal, algorithm=algorithm, dropout_p=p, seed=seed)
+        out = cuflash.attention(q, k, v, causal=causal, dropout_p=p, seed=seed, **_algo(algorithm))
         nonzero = cupy.asnumpy(out.astype(cupy.float32) != 0)  # (b, nq, h, d)
         assert not nonzero[..., w:].any()
         kept[..., j0:j0 + w] = nonzero[..., :w].transpose(0, 2, 1, 3)
@@ -66,7 +80,7 @@ def _assert_masks_equal(got, want, what):
 # ------------------------------------------------------------------------------ (a), (b) the mask itself
 
 
-@pytest.mark.parametrize("algorithm", ["v1", "v2"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype,d,causal", [("bfloat16", 64, False), ("float16", 128, True)])
 def test_mask_recovered_bit_for_bit(algorithm, dtype, d, causal):
     b, h, nq, nk, p = 2, 3, 77, 2 * d + 40, 0.3  # odd seqlen_q; three key windows, the last partial
@@ -106,6 +120,11 @@ FWD_CASES = [  # (algorithm, dtype, d, nq, nk, causal, p)
     ("v1", "bfloat16", 128, 77, 300, False, 0.17),
     ("v1", "float16", 64, 130, 65, True, 0.3),
     ("v1", "float16", 128, 128, 217, True, 0.1),
+    ("v2@sm80", "bfloat16", 128, 256, 256, False, 0.5),
+    ("v2@sm80", "float16", 64, 113, 203, True, 0.17),
+    ("v2@sm90", "bfloat16", 64, 113, 203, True, 0.17),
+    ("v2@sm90", "float16", 128, 203, 113, True, 0.17),
+    ("v2@sm90", "bfloat16", 128, 1000, 1000, False, 0.1),
 ]
 
 
@@ -117,8 +136,8 @@ def test_forward_matches_reference(algorithm, dtype, d, nq, nk, causal, p):
     b, h, seed = 2, 3, 2024 + nq
     rng = np.random.default_rng(nq * 1000 + nk)
     q, k, v = random_qkv(rng, b, nq, nk, h, d, dtype_of(dtype))
-    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, algorithm=algorithm, dropout_p=p,
-                                 seed=seed)
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, dropout_p=p, seed=seed,
+                                 **_algo(algorithm))
     assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == cupy.float32
     assert lse.shape == (b, h, nq)
     assert not bool(cupy.isnan(out.astype(cupy.float32)).any())
@@ -135,7 +154,7 @@ def test_forward_matches_reference(algorithm, dtype, d, nq, nk, causal, p):
     assert bool((cupy.isfinite(lse) == finite).all()), "lse -inf pattern differs from reference"
     if bool(finite.any()):
         assert float(cupy.abs(lse.astype(cupy.float64) - lse_ref)[finite].max()) < 1e-3
-    _, lse_plain = cuflash.attention(q, k, v, causal=causal, return_lse=True, algorithm=algorithm)
+    _, lse_plain = cuflash.attention(q, k, v, causal=causal, return_lse=True, **_algo(algorithm))
     assert float(cupy.where(finite, cupy.abs(lse - lse_plain), 0).max()) <= 1e-5
     if causal and nq > nk:  # rows that see no key: exactly 0
         assert bool((out[:, : nq - nk].astype(cupy.float32) == 0).all())
