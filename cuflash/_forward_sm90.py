@@ -12,7 +12,7 @@ tma.MapCache lookups, which encode a map only for a pointer the plan has not see
 """
 from __future__ import annotations
 
-from . import _compile, tma
+from . import _compile, device, tma
 from ._forward import INPUTS, OUTPUTS, output_buffers
 from .launch import Launch, Plan, check_grid
 from .params import pack_fwd
@@ -46,11 +46,14 @@ def plan(p: AttnProblem, cfg: Sm90FwdConfig, dtype, encoder=None) -> Plan:
     why = tma.tensors_problem(p) or (tma.bindings_problem() if encoder is None else None)
     if why:
         raise ValueError(f"the sm90 forward cannot take this call: {why}")
-    # blockIdx.x = m_block + m_blocks * (head + heads * batch), as the sm80 forward (attn/scheduler.cuh)
+    # work tile = m_block + m_blocks * (head + heads * batch), as the sm80 forward (attn/scheduler.cuh);
+    # the kernel strides over the tiles from blockIdx.x by gridDim.x, so any grid covers them:
+    # one CTA per tile, or (persistent) one per SM
     m_blocks = -(-p.seqlen_q // cfg.block_q)
-    n_blocks = m_blocks * p.heads * p.batch
-    check_grid(n_blocks)
+    tiles = m_blocks * p.heads * p.batch
+    check_grid(tiles)
+    grid = min(tiles, device.query(p.device).sm_count) if cfg.persistent else tiles
     kernel = _compile.get_kernel(cfg, p.features, p.device)
-    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=INPUTS,
+    launch = Launch(kernel, (max(grid, 1),), (cfg.threads,), cfg.smem_bytes, pointers=INPUTS,
                     bind=binder(p, cfg, encoder))
     return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))

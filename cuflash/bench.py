@@ -24,6 +24,9 @@ from .device import cuda_torch
 from ._timing import bytes_attention, flops_attention, time_cuda
 
 BACKENDS = ("cuflash", "sdpa_flash", "sdpa_cudnn")
+# measured beside them where the automatic choice is not the mma.sync family (a Hopper GPU picks the
+# sm90 forward): the same call forced to backend="sm80", so both families show in one run
+SM80 = "cuflash_sm80"
 # Max |cuflash - reference| above which a case is flagged: about two ulps at |x| ~ 4-8, the
 # largest outputs random-normal inputs produce (causal row 0 is v[0] itself).
 MISMATCH_TOL = {"bf16": 1 / 16, "fp16": 1 / 128}
@@ -119,12 +122,13 @@ def _tflops(rec, pass_, backend):
 
 
 _COLUMNS = [("hdim", 4), ("seqlen", 6), ("batch", 5), ("heads", 5), ("causal", 6), ("pass", 4),
-            ("cuflash", 8), ("flash", 8), ("cudnn", 8), ("cf/flash", 8), ("cf/cudnn", 8)]
+            ("cuflash", 8), ("flash", 8), ("cudnn", 8), ("cf/flash", 8), ("cf/cudnn", 8), ("sm80", 8), ("sm80/cd", 8)]
 
 
 def format_header() -> str:
     return "\n".join([
-        "TFLOP/s of cuflash, SDPA-flash and SDPA-cuDNN; cf/x = cuflash throughput / x's",
+        "TFLOP/s of cuflash, SDPA-flash and SDPA-cuDNN; cf/x = cuflash throughput / x's; "
+        "sm80: cuflash forced to the mma.sync family (where the default is another), sm80/cd its ratio to cuDNN",
         "  ".join(f"{name:>{w}}" for name, w in _COLUMNS),
         "  ".join("-" * w for _, w in _COLUMNS),
     ])
@@ -135,12 +139,14 @@ def format_rows(rec: dict) -> list[str]:
     rows = []
     for pass_ in rec["timings"]:
         cf, fl, cd = (_tflops(rec, pass_, b) for b in BACKENDS)
+        s8 = _tflops(rec, pass_, SM80)
         cells = [rec["head_dim"], rec["seqlen"], rec["batch"], rec["heads"],
                  "yes" if rec["causal"] else "no", pass_,
                  cf, fl, cd,
                  None if cf is None or fl is None else cf / fl,
-                 None if cf is None or cd is None else cf / cd]
-        rows.append("  ".join(_cell(v, w, ratio=i >= 9) for i, (v, (_, w)) in enumerate(zip(cells, _COLUMNS))))
+                 None if cf is None or cd is None else cf / cd,
+                 s8, None if s8 is None or cd is None else s8 / cd]
+        rows.append("  ".join(_cell(v, w, ratio=i in (9, 10, 12)) for i, (v, (_, w)) in enumerate(zip(cells, _COLUMNS))))
     return rows
 
 
@@ -253,6 +259,14 @@ def _fwd_benches(case: Case, sets: list[dict], torch) -> dict[str, Bench]:
         return cuflash.attention(q, k, v, causal=case.causal)
 
     benches = {"cuflash": Bench(cf, [s["cupy"] for s in sets], "cupy")}
+    from . import device
+
+    if device.query(0).cc == (9, 0):  # the default is the sm90 family: show the sm80 one beside it
+
+        def cf_sm80(q, k, v):
+            return cuflash.attention(q, k, v, causal=case.causal, backend="sm80")
+
+        benches[SM80] = Bench(cf_sm80, [s["cupy"] for s in sets], "cupy")
     if torch is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -221,6 +221,8 @@ class Sm90FwdConfig(Tile):
     stages: int = _axis("s", "depth of the TMA K/V ring")
     pingpong: int = _axis("pp", "1: consumer warpgroups take turns issuing their GEMMs")
     overlap: int = _axis("ov", "1: the next tile's Q K^T is issued before the current tile's softmax")
+    # host-only (not a template argument): the kernel strides over its work tiles with any grid
+    persistent: int = _axis("p", "1: a persistent grid of one CTA per SM; 0: one CTA per work tile")
 
     @property
     def block_q(self) -> int:
@@ -234,10 +236,14 @@ class Sm90FwdConfig(Tile):
         # min blocks 1: ptxas must leave the register file to setmaxnreg's split
         return f"__launch_bounds__({self.threads}, 1)"
 
+    def template_args(self) -> tuple:
+        """<D, BC, CONSUMERS, STAGES, PINGPONG, OVERLAP>: `persistent` only sizes the grid."""
+        return dataclasses.astuple(self)[:-1]
+
     def label(self) -> str:
         """Short human label of the searched fields: 128x128 c2 s2 pp1 ov1."""
         return (f"{self.block_q}x{self.block_k} c{self.consumers} s{self.stages} "
-                f"pp{self.pingpong} ov{self.overlap}")
+                f"pp{self.pingpong} ov{self.overlap} p{self.persistent}")
 
     @property
     def smem_bytes(self) -> int:
@@ -254,8 +260,9 @@ class Sm90FwdConfig(Tile):
             return f"block_k must be a multiple of 16 in [64, {SM90_MAX_BOX_ROWS}] (TMA box, wgmma N), got {self.block_k}"
         if self.stages not in (2, 3, 4):
             return f"stages must be 2, 3 or 4, got {self.stages}"
-        if self.pingpong not in (0, 1) or self.overlap not in (0, 1):
-            return f"pingpong and overlap are 0 or 1, got {self.pingpong}, {self.overlap}"
+        if self.pingpong not in (0, 1) or self.overlap not in (0, 1) or self.persistent not in (0, 1):
+            return (f"pingpong, overlap and persistent are 0 or 1, got {self.pingpong}, {self.overlap}, "
+                    f"{self.persistent}")
         if self.pingpong and (self.consumers < 2 or not self.overlap):
             return "pingpong needs at least 2 consumer warpgroups and the overlapped loop (overlap 1)"
         return None

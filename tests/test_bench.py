@@ -118,9 +118,9 @@ def test_format_table():
     lines = bench.format_table(_fake_records()).splitlines()
     assert "cuflash" in lines[1] and "cf/cudnn" in lines[1]
     row1, row2 = lines[3].split(), lines[4].split()
-    assert row1 == ["128", "8192", "2", "16", "yes", "fwd", "500.0", "250.0", "-", "2.00", "-"]
+    assert row1 == ["128", "8192", "2", "16", "yes", "fwd", "500.0", "250.0", "-", "2.00", "-", "-", "-"]
     assert row2[:6] == ["64", "512", "32", "32", "no", "fwd"]
-    assert row2[7:] == ["-", "-", "-", "-"]  # SDPA not run at all
+    assert row2[7:] == ["-", "-", "-", "-", "-", "-"]  # SDPA not run at all, no forced-sm80 timing
     widths = {len(l) for l in lines[1:]}
     assert len(widths) == 1  # fixed width: columns line up
 
