@@ -163,8 +163,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             int tile_row = warp_row0 + mt * 16 + g + 8 * half;
             int row = r0 + tile_row;
             if (t == 0 && row < seqlen_q)
-                lse_row[row] = l > 0.f ? (softmax.row_max[mt][half] * scale_log2 + __log2f(l)) * 0.69314718055994531f
-                                       : neg_inf();
+                lse_row[row] = OnlineSoftmax<kRowTiles>::lse(softmax.row_max[mt][half], l, scale_log2);
 #pragma unroll
             for (int i = 0; i < kOutTiles; ++i) {
                 u32 packed = pack2<BF16>(acc_o[mt][i][2 * half] * inv, acc_o[mt][i][2 * half + 1] * inv);

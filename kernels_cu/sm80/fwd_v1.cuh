@@ -250,9 +250,10 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
                         const float inv = l > 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
                         const int tile_row = warp_row0 + mt * 16 + g + 8 * half;
                         const int row = r0 + tile_row;
+                        // lse rounded as in the pre-restructure kernel (golden outputs): one FFMA,
+                        // but the rounded product m c plus log2 l at d = 128 (OnlineSoftmax::lse)
                         if (t == 0 && row < seqlen_q)
-                            lse_row[row] = l > 0.f ? (sm.row_max[mt][half] * scale_log2 + __log2f(l)) * 0.69314718055994531f
-                                                   : NEG_INF;
+                            lse_row[row] = OnlineSoftmax<MT>::template lse<D != 128>(sm.row_max[mt][half], l, scale_log2);
 #pragma unroll
                         for (int n = 0; n < ON; ++n) {
                             const u32 packed = pack2<BF16>(acc_o[mt][n][2 * half] * inv, acc_o[mt][n][2 * half + 1] * inv);
