@@ -47,7 +47,7 @@ def kernel_name(tile, features) -> str:
     return f"cuflash_{families.of(tile).name}_{features.dtype_tag}_{tile.tag()}{features.tag()}"
 
 
-def _shell(header: str, name: str, launch_bounds: str, pointers: tuple, struct: str, call: str) -> str:
+def _shell(header: str, name: str, launch_bounds: str, pointers: tuple, struct: str, call: str, asserts: str = "") -> str:
     """An extern "C" kernel `name`: the pointers, then the fields of the pass's parameter struct as
     scalar parameters, in the NumPy mirror's order (cuflash/params.py), gathered into a
     cuflash::<struct> that is forwarded to `call` with the pointers.
@@ -56,7 +56,8 @@ def _shell(header: str, name: str, launch_bounds: str, pointers: tuple, struct: 
     parameter ptxas keeps the fields in registers for the whole kernel (measured: the v1 d128
     128x128 instance went from 247 registers to 255 and 40-44 B of spills, v2 d64 64x64 dropout
     from 130 to 162); scalar parameters stay constant-bank operands. The device code still sees one
-    struct, and the host still builds it once per plan from one definition."""
+    struct, and the host still builds it once per plan from one definition. `asserts`: more C++
+    static_asserts for the shell (the feature set's mirror check)."""
     decls = ", ".join(f"{decl} {n}" for decl, n in pointers)
     names = ", ".join(n for _, n in pointers)
     fields = params.fields(struct)
@@ -66,6 +67,7 @@ def _shell(header: str, name: str, launch_bounds: str, pointers: tuple, struct: 
         f"// cuflash generated shell; kernels_cu sources {source_fingerprint()}\n"
         f'#include "{header}"\n'
         f"{params.static_asserts(struct, fields=False)}"
+        f"{asserts}"
         f'extern "C" __global__ void {launch_bounds}{name}({decls}, {scalars}) {{\n'
         f"    cuflash::{struct} p;\n"
         f"    {gather}\n"
@@ -77,8 +79,9 @@ def _shell(header: str, name: str, launch_bounds: str, pointers: tuple, struct: 
 def kernel_source(tile, features) -> str:
     """The generated extern "C" shell for one (tile, features) instance of the tile's family.
 
-    Every family's template takes <BF16, *tile fields, DROPOUT>: the features' dtype, the tile's
-    integer fields in order, and whether the fused-dropout variant is built.
+    Every family's template takes <BF16, *tile fields, Variant>: the features' dtype, the tile's
+    integer fields in order, and the compile-time feature set (Features.cxx(): dropout, local, ...;
+    kernels_cu/attn/features.cuh), whose members the shell checks against the Python fields.
     """
     fam = families.of(tile)
     problem = tile.structural_problem()
@@ -88,7 +91,7 @@ def kernel_source(tile, features) -> str:
         raise ValueError(f"config {tile} is for head_dim {tile.head_dim}, the problem has {features.head_dim}")
     targs = ", ".join(map(str, tile.template_args()))
     return _shell(fam.header, kernel_name(tile, features), f"{tile.launch_bounds()} ", fam.pointers,
-                  fam.params, f"{fam.template}<{features.bf16}, {targs}, {'true' if features.dropout else 'false'}>")
+                  fam.params, f"{fam.template}<{features.bf16}, {targs}, {features.cxx()}>", features.cxx_asserts())
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', flags=re.M)

@@ -5,10 +5,18 @@ features are what the caller asked for (dtype, head_dim, dropout, ...), and each
 the kernel's inner loop, registers or addressing is a separate instantiation. `tag()` names the
 variant in kernel names; `perf_class()` groups variants whose best tile is expected to differ,
 and keys the tuned tables (tuning every feature combination is impossible, tuning per class is not).
+
+The boolean variant fields (declared with `_variant`) are the kernels' compile-time feature set:
+the generated shell passes them, in field order, as ONE template argument,
+`cuflash::Variant<dropout, local>` (kernels_cu/attn/features.cuh), and asserts that each C++
+member holds the value of its field (`cxx_asserts`), so the two lists cannot drift apart. Adding a
+feature is: one `_variant` field here, one parameter and member there, and the policy header that
+reads it; the shells, kernel names and fingerprints follow.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 # dtype name -> (kernel-name tag, the kernel template's BF16 argument)
 _DTYPES = {"float16": ("f16", "false"), "bfloat16": ("bf16", "true")}
@@ -16,11 +24,27 @@ SUPPORTED_DTYPES = tuple(_DTYPES)
 PERF_CLASSES = ("dense", "dropout")
 
 
+def _variant(tag: str, member: str):
+    """A compile-time variant field: off by default; `tag` joins the kernel name when on; `member`
+    is the cuflash::Variant member (kernels_cu/attn/features.cuh) that carries it."""
+    return dataclasses.field(default=False, metadata={"tag": tag, "cxx": member})
+
+
 @dataclasses.dataclass(frozen=True)
 class Features:
     dtype: str  # "float16" | "bfloat16"
     head_dim: int
-    dropout: bool = False  # fused Philox dropout: its own instantiation, so plain kernels carry no Philox code
+    # fused Philox dropout: its own instantiation, so plain kernels carry no Philox code
+    dropout: bool = _variant("_drop", "kDropout")
+    # the mask has a bounded LEFT window edge (sliding window): only these instances read
+    # window_left and run the left-edge block-range and mask code (attn/mask.cuh, block_range.cuh)
+    local: bool = _variant("_local", "kLocal")
+
+    @classmethod
+    @functools.cache
+    def variant_fields(cls) -> tuple:
+        """The compile-time variant fields, in the order of cuflash::Variant's template parameters."""
+        return tuple(f for f in dataclasses.fields(cls) if "cxx" in f.metadata)
 
     @property
     def dtype_tag(self) -> str:
@@ -32,9 +56,25 @@ class Features:
         return _DTYPES[self.dtype][1]
 
     def tag(self) -> str:
-        """The variant's suffix in kernel names ("" for the plain kernel, "_drop" with dropout)."""
-        return "_drop" if self.dropout else ""
+        """The variant's suffix in kernel names: "" for the plain kernel, then "_drop", "_local", ..."""
+        return "".join(f.metadata["tag"] for f in self.variant_fields() if getattr(self, f.name))
+
+    def cxx(self) -> str:
+        """The kernels' feature-set template argument, e.g. cuflash::Variant<true, false>."""
+        return f"cuflash::Variant<{', '.join(_cxx_bool(getattr(self, f.name)) for f in self.variant_fields())}>"
+
+    def cxx_asserts(self) -> str:
+        """A C++ static_assert that each member of cxx() holds its field's value (the mirror check)."""
+        checks = " && ".join(f"{self.cxx()}::{f.metadata['cxx']} == {_cxx_bool(getattr(self, f.name))}"
+                             for f in self.variant_fields())
+        names = ", ".join(f"{f.name} -> {f.metadata['cxx']}" for f in self.variant_fields())
+        return f'static_assert({checks}, "cuflash::Variant differs from cuflash/features.py ({names})");\n'
 
     def perf_class(self) -> str:
-        """The tuning class: features that move the optimum get their own tuned tables."""
+        """The tuning class: features that move the optimum get their own tuned tables (a bounded
+        left edge only removes work from the masked ends, so `local` keeps its class)."""
         return "dropout" if self.dropout else "dense"
+
+
+def _cxx_bool(x: bool) -> str:
+    return "true" if x else "false"

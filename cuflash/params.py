@@ -81,8 +81,9 @@ def _set_strides(a, tensor: str, strides) -> None:
 
 
 def _set_common(a, p: AttnProblem) -> None:
-    if p.window_left != UNBOUNDED:  # kernels_cu/attn/mask.cuh, MaskGeometry::of
-        raise NotImplementedError(f"the kernels support no bounded left window edge yet (window_left = {p.window_left})")
+    if p.window_left != UNBOUNDED and not p.features.local:  # kernels_cu/attn/mask.cuh, MaskGeometry::of
+        raise NotImplementedError(f"a bounded left window edge (window_left = {p.window_left}) needs the kernels "
+                                  f"built with Features.local; these features are {p.features}")
     a["heads"], a["seqlen_q"], a["seqlen_k"] = p.heads, p.seqlen_q, p.seqlen_k
     a["window_left"], a["window_right"], a["offset"] = p.window_left, p.window_right, p.offset
     a["scale_log2"] = np.float32(p.softmax_scale * LOG2E)

@@ -75,7 +75,7 @@ def kernel(bf16, d, bc, c, s, pp, ov, drop):
            f'const __grid_constant__ cuflash::TmaMap tk, const __grid_constant__ cuflash::TmaMap tv, '
            f'cuflash::elem_t* __restrict__ out, float* __restrict__ lse, {scalars}) {{\n'
            f' cuflash::FwdParams p; {gather}\n cuflash::flash_fwd_sm90<{tf(bf16)}, {d}, {bc}, {c}, {s}, {pp}, {ov}, '
-           f'{tf(drop)}>(tq, tk, tv, out, lse, p);\n}}\n')
+           f'cuflash::Variant<{tf(drop)}, false>>(tq, tk, tv, out, lse, p);\n}}\n')
     mod = cupy.RawModule(code=src, options=_compile.nvrtc_options(("--gpu-architecture=sm_90a",)), backend="nvrtc")
     fn = mod.get_function("kern")
     smem = 2 * d * (64 * c + 2 * s * bc) + 1024

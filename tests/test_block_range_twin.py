@@ -1,5 +1,6 @@
 """NumPy twin of kernels_cu/attn/mask.cuh (MaskGeometry, the window predicate) and
-kernels_cu/attn/block_range.cuh (key_blocks, query_blocks, live_query_blocks). CPU only.
+kernels_cu/attn/block_range.cuh (key_blocks, query_blocks, live_query_blocks, with their LOCAL
+template flag as `local`: by default what the geometry needs). CPU only.
 
 The functions below copy the device formulas line for line, in C integer semantics (`_div` is C's
 truncating division, so a negative numerator behaves as on the device), and the tests enumerate
@@ -64,31 +65,49 @@ class Geometry:
         return (k >= q + self.offset - self.left) & (k <= q + self.offset + self.right) & (k < self.seqlen_k)
 
 
-def key_blocks(geo, br, bc, r0):
-    kb_first, kb_last = geo.key_begin(r0), geo.key_begin(r0 + br - 1)
+def _local(geo, local):
+    """The template's LOCAL, defaulting to what the geometry needs; LOCAL = false is only for an
+    unbounded left edge (MaskGeometry::of<V> never gives anything else to such instances)."""
+    if local is None:
+        return geo.left != UNBOUNDED
+    assert local or geo.left == UNBOUNDED
+    return local
+
+
+def key_blocks(geo, br, bc, r0, local=None):
     ke_first, ke_last = geo.key_end(r0), geo.key_end(r0 + br - 1)
     end = 0 if ke_last <= 0 else _div(_i32(ke_last + bc - 1), bc)
-    begin = min(end, 0 if kb_first <= 0 else _div(kb_first, bc))
-    unmasked_begin = 0 if kb_last <= 0 else _div(_i32(kb_last + bc - 1), bc)
+    if _local(geo, local):
+        kb_first, kb_last = geo.key_begin(r0), geo.key_begin(r0 + br - 1)
+        begin = min(end, 0 if kb_first <= 0 else _div(kb_first, bc))
+        unmasked_begin = 0 if kb_last <= 0 else _div(_i32(kb_last + bc - 1), bc)
+    else:
+        begin = unmasked_begin = 0
     unmasked_end = 0 if ke_first <= 0 else _div(ke_first, bc)
     return begin, end, unmasked_begin, unmasked_end
 
 
-def query_blocks(geo, br, bc, n_block, m_blocks):
+def query_blocks(geo, br, bc, n_block, m_blocks, local=None):
     c0 = n_block * bc
     qf_first, qf_last = geo.query_first(c0), geo.query_first(c0 + bc - 1)
-    ql_first, ql_last = geo.query_last(c0), geo.query_last(c0 + bc - 1)
-    end = 0 if ql_last < 0 else min(m_blocks, _div(ql_last, br) + 1)
+    if _local(geo, local):
+        ql_first, ql_last = geo.query_last(c0), geo.query_last(c0 + bc - 1)
+        end = 0 if ql_last < 0 else min(m_blocks, _div(ql_last, br) + 1)
+        unmasked_end = 0 if ql_first < 0 else _div(_i32(ql_first + 1), br)
+    else:
+        end = unmasked_end = m_blocks
     begin = min(end, 0 if qf_first <= 0 else _div(qf_first, br))
     unmasked_begin = m_blocks if c0 + bc > geo.seqlen_k else 0 if qf_last <= 0 else _div(_i32(qf_last + br - 1), br)
-    unmasked_end = 0 if ql_first < 0 else _div(_i32(ql_first + 1), br)
     return begin, end, unmasked_begin, unmasked_end
 
 
-def live_query_blocks(geo, br, bc, m_blocks):
+def live_query_blocks(geo, br, bc, m_blocks, local=None):
     qf = geo.query_first(0)
-    ql = geo.query_last(_div(geo.seqlen_k + bc - 1, bc) * bc - 1)
-    end = 0 if ql < 0 else min(m_blocks, _div(ql, br) + 1)
+    if _local(geo, local):
+        ql = geo.query_last(_div(geo.seqlen_k + bc - 1, bc) * bc - 1)
+        end = 0 if ql < 0 else min(m_blocks, _div(ql, br) + 1)
+    else:
+        end = m_blocks
     begin = min(end, 0 if qf <= 0 else _div(qf, br))
     return begin, end
 
@@ -206,6 +225,23 @@ def test_today_geometry_matches_the_former_causal_formulas(nq, nk, causal):
                 assert (i < ub or i >= ue) == need
 
 
+def test_without_local_the_ranges_are_the_general_ones():
+    """LOCAL = false (instances without a bounded left edge) only replaces the left-edge bounds by
+    the constants the general formulas give for window_left = kUnbounded: same visited blocks, same
+    masked ones (unmasked_end of query_blocks may differ past the last query block only)."""
+    for seed in range(4):
+        for geo, br, bc in _cases(150, 100 + seed):
+            if geo.left != UNBOUNDED:
+                geo = Geometry(UNBOUNDED, geo.right, geo.offset, geo.seqlen_q, geo.seqlen_k)
+            mb, nb = -(-geo.seqlen_q // br), -(-geo.seqlen_k // bc)
+            for i in range(mb):
+                assert key_blocks(geo, br, bc, i * br, True) == key_blocks(geo, br, bc, i * br, False)
+            for j in range(nb):
+                b, e, ub, ue = query_blocks(geo, br, bc, j, mb, True)
+                assert (b, e, ub, min(ue, mb)) == query_blocks(geo, br, bc, j, mb, False)
+            assert live_query_blocks(geo, br, bc, mb, True) == live_query_blocks(geo, br, bc, mb, False)
+
+
 def test_sentinel_arithmetic_stays_in_int32():
     """Extreme seqlens and offsets (< 2^28) with unbounded sides: no intermediate overflows."""
     big = (1 << 28) - 1
@@ -213,8 +249,8 @@ def test_sentinel_arithmetic_stays_in_int32():
         for left, right in [(UNBOUNDED, UNBOUNDED), (UNBOUNDED, 0), (0, UNBOUNDED), (5, 7)]:
             geo = Geometry(left, right, off, nq, nk)
             for r0 in (0, (nq // 128) * 128):
-                key_blocks(geo, 128, 128, r0)
+                key_blocks(geo, 128, 128, r0, True)
             mb = -(-nq // 128)
             for j in (0, (nk - 1) // 128):
-                query_blocks(geo, 128, 128, j, mb)
-            live_query_blocks(geo, 128, 128, mb)
+                query_blocks(geo, 128, 128, j, mb, True)
+            live_query_blocks(geo, 128, 128, mb, True)

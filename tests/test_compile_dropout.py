@@ -12,7 +12,11 @@ pytestmark = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadab
 
 # The d=128 backward has one config family on Hopper-class shared memory, and its dropout variant
 # spills a few bytes (the Philox rounds next to 128 registers of dK, dV); measured, not hidden.
-SPILL_ALLOWANCE = {("bwd", 128): 32}
+SPILL_ALLOWANCE = {("bwd", 128): 32,
+                   # v1 d128 128x128 (254 registers) spills 8 B on sm_80 since the feature set became one
+                   # type and the left-edge code compiles out (none on sm_90a; golden: 254, none): ptxas'
+                   # allocation at the register limit, not a longer live range (issue 9 report)
+                   ("fwd_v1", 128): 8}
 
 
 def _dropout_configs():
@@ -46,6 +50,8 @@ def test_tiles_a_family_marks_spilling_really_spill(family):
 
 def test_plain_and_dropout_sources_differ_only_in_the_flag():
     cfg = families.FWD.default(128)
-    a, b = _compile.kernel_source(cfg, Features("bfloat16", cfg.head_dim)), _compile.kernel_source(cfg, Features("bfloat16", cfg.head_dim, True))
-    assert a != b and a.replace(", false>", ", true>").replace(_compile.kernel_name(cfg, Features("bfloat16", cfg.head_dim)),
-                                                                  _compile.kernel_name(cfg, Features("bfloat16", cfg.head_dim, True))) == b
+    plain, drop = Features("bfloat16", cfg.head_dim), Features("bfloat16", cfg.head_dim, True)
+    a, b = _compile.kernel_source(cfg, plain), _compile.kernel_source(cfg, drop)
+    assert a != b
+    assert (a.replace(plain.cxx_asserts(), drop.cxx_asserts()).replace(plain.cxx(), drop.cxx())
+            .replace(_compile.kernel_name(cfg, plain), _compile.kernel_name(cfg, drop))) == b

@@ -110,3 +110,34 @@ def test_forward_v1_validates_before_any_launch():
     cfg = V1Config(128, 128, 64, 8, 2)
     assert workspace_elements(2, 3, 100, 64, cfg) == (1, 1)  # one K/V tile: no workspace traffic
     assert workspace_elements(2, 3, 100, 65, cfg) == (2 * 3 * 100 * 128, 2 * 3 * 100 * 2)
+
+
+def _ptx(source: str, arch: str = "sm_90a") -> str:
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, "cuflash_shell.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(_compile.nvrtc_options((f"--gpu-architecture={arch}",))))
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return ptx if isinstance(ptx, str) else ptx.decode()
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("fam", [families.FWD, families.FWD_V1], ids=lambda f: f.name)
+def test_lse_rounding_is_pinned(fam):
+    """lse = (m c + log2 l) ln 2 is written with .rn operations, which ptxas never re-contracts:
+    one fma everywhere but in v1 at d = 128, where the rounded product m c is added (what the
+    pre-restructure kernels compiled to, so their golden output bits hold; attn/softmax.cuh)."""
+    for cfg in fam.selectable():
+        ptx = _ptx(_compile.kernel_source(cfg, Features("bfloat16", cfg.head_dim)))
+        fused = not (fam is families.FWD_V1 and cfg.head_dim == 128)
+        lg2 = [i for i, line in enumerate(ptx.splitlines()) if "lg2.approx" in line]
+        assert lg2, cfg
+        for i in lg2:
+            after = "\n".join(ptx.splitlines()[i + 1:i + 4])
+            if fused:
+                assert "fma.rn.ftz.f32" in after and "add.rn" not in after, (cfg, after)
+            else:
+                assert "mul.rn.ftz.f32" in "\n".join(ptx.splitlines()[i - 3:i + 4]) and "add.rn.ftz.f32" in after, (cfg, after)

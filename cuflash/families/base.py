@@ -49,7 +49,7 @@ class KernelFamily:
     pass_: str  # "forward" | "backward": which inputs the tuner prepares
     tile_cls: type
     header: str  # under kernels_cu/
-    template: str  # device template, <BF16, *tile.template_args(), DROPOUT>
+    template: str  # device template, <BF16, *tile.template_args(), Variant> (Features.cxx())
     # the kernel's parameters: its data pointers ((C declaration, name), in order; the names are
     # the launch plan's array slots), then the pass's parameter struct (attn/params.cuh, mirrored in
     # cuflash/params.py), whose fields the generated kernel takes as scalar parameters

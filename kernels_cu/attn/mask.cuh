@@ -27,16 +27,16 @@ struct MaskGeometry {
     int seqlen_q, seqlen_k;
 
     // The geometry of a pass's parameter struct (attn/params.cuh: FwdParams, BwdParams), whose
-    // window and offset the host computed (cuflash/problem.py checks the preconditions above).
-    // The sm80 kernels are built for an unbounded left edge (no sliding window yet): window_left
-    // is the constant kUnbounded, not the struct's field, which the host guarantees equal
-    // (cuflash/params.py refuses anything else). As a runtime value it costs up to +46 registers
-    // and new spills on today's tiles (the left-edge mask and block-range code stays live); a
-    // bounded left edge wants a compile-time kernel variant (like DROPOUT), which reads it here.
-    template <class Params>
+    // window and offset the host computed (cuflash/problem.py checks the preconditions above),
+    // for a kernel built with the feature set V (attn/features.cuh). Only V::kLocal instances
+    // (sliding window) read window_left; the others take the constant kUnbounded, which the host
+    // guarantees equal (cuflash/params.py refuses a bounded left edge for non-local features),
+    // and, with Mask<false> and the block ranges' LOCAL = false, compile the left-edge code out:
+    // as a runtime value in every kernel it cost up to +46 registers and new spills.
+    template <class V, class Params>
     __device__ __forceinline__ static MaskGeometry of(const Params& p) {
         MaskGeometry m;
-        m.window_left = kUnbounded;
+        m.window_left = V::kLocal ? p.window_left : kUnbounded;
         m.window_right = p.window_right;
         m.offset = p.offset;
         m.seqlen_q = p.seqlen_q;
@@ -59,8 +59,12 @@ struct MaskGeometry {
 // at a time: LEFT checks the window's left edge (k >= key_begin(q)), RIGHT the right edge and the
 // seqlen_k tail (k < key_end(q)). A tile in the masked head of a range needs LEFT, one in the
 // masked tail RIGHT, one in both (a narrow window) both; splitting them keeps the common case
-// (causal: tail only) at one compare per element.
+// (causal: tail only) at one compare per element. Checking an edge a tile does not need is
+// harmless (it only ever drops invisible elements). LOCAL = false (a feature set without a
+// bounded left edge, attn/features.cuh): the left edge is never checked, whatever LEFT says.
+template <bool LOCAL>
 struct Mask {
+    static constexpr bool kLocal = LOCAL;
     MaskGeometry geo;
 
     // One m16 tile acc[NT][4] whose rows are queries q0 + 0..15 and columns keys k0 + 0..8 NT-1
@@ -68,17 +72,20 @@ struct Mask {
     template <bool LEFT, bool RIGHT, int NT>
     __device__ __forceinline__ void apply_tile(float (&acc)[NT][4], int q0, int k0, int lane, float fill) const {
         using F = FragSm80<1, NT>;
+        constexpr bool kLeft = LEFT && LOCAL;
+        if constexpr (kLeft || RIGHT) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int q = q0 + F::row_of_half(lane, 0, half);
-            const int kb = geo.key_begin(q), ke = geo.key_end(q);
+            for (int half = 0; half < 2; ++half) {
+                const int q = q0 + F::row_of_half(lane, 0, half);
+                const int kb = geo.key_begin(q), ke = geo.key_end(q);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int k = k0 + F::col(lane, nt, e);
-                    if ((LEFT && k < kb) || (RIGHT && k >= ke)) acc[nt][2 * half + e] = fill;
-                }
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = k0 + F::col(lane, nt, e);
+                        if ((kLeft && k < kb) || (RIGHT && k >= ke)) acc[nt][2 * half + e] = fill;
+                    }
+            }
         }
     }
 
@@ -94,21 +101,23 @@ struct Mask {
     // key k iff query_first(k) <= q <= query_last(k) and k < seqlen_k: in query terms the
     // window's right edge gives the lower bound (with the tail: RIGHT) and the left edge the
     // upper bound (LEFT).
-    template <int NT>
-    __device__ __forceinline__ void apply_transposed(float (&acc)[NT][4], int q0, int k0, int lane, float fill, bool left,
-                                                     bool right) const {
-        using V = Transposed<FragSm80<1, NT>>;
+    template <bool LEFT, bool RIGHT, int NT>
+    __device__ __forceinline__ void apply_transposed(float (&acc)[NT][4], int q0, int k0, int lane, float fill) const {
+        using T = Transposed<FragSm80<1, NT>>;
+        constexpr bool kLeft = LEFT && LOCAL;
+        if constexpr (kLeft || RIGHT) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int k = k0 + V::key(lane, 0, 0, 2 * half);
-            const int qf = (k >= geo.seqlen_k ? kUnbounded : geo.query_first(k)), ql = geo.query_last(k);
+            for (int half = 0; half < 2; ++half) {
+                const int k = k0 + T::key(lane, 0, 0, 2 * half);
+                const int qf = (k >= geo.seqlen_k ? kUnbounded : geo.query_first(k)), ql = geo.query_last(k);
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int q = q0 + V::query(lane, 0, nt, e);
-                    if ((right && q < qf) || (left && q > ql)) acc[nt][2 * half + e] = fill;
-                }
+                    for (int e = 0; e < 2; ++e) {
+                        const int q = q0 + T::query(lane, 0, nt, e);
+                        if ((RIGHT && q < qf) || (kLeft && q > ql)) acc[nt][2 * half + e] = fill;
+                    }
+            }
         }
     }
 };

@@ -94,8 +94,17 @@ struct OnlineSoftmax {
     __device__ __forceinline__ float final_sum(int mt, int half) const { return warp_sum4(row_sum[mt][half]); }
 
     // Natural-log lse of a row from its max (raw units) and final sum; -inf where l = 0.
+    // FUSED: m c + log2 l as one fma (FFMA), else as the rounded product m c plus log2 l (FMUL,
+    // FADD). Written with .rn intrinsics because ptxas contracts a plain `m * c + x` or not
+    // depending on the rest of the kernel (the product m c also feeds max_get_scale), so a change
+    // elsewhere flipped the lse bits: the v1 d64 128x96 instance lost the FFMA the
+    // pre-restructure kernel had (12 golden-output diffs). The pre-restructure kernels had FFMA in
+    // every v2 instance and every v1 instance but d = 128 (tests/golden/outputs.json holds those
+    // bits; see the callers).
+    template <bool FUSED = true>
     __device__ __forceinline__ static float lse(float m, float l, float scale_log2) {
-        return l > 0.f ? (m * scale_log2 + __log2f(l)) * kLn2 : neg_inf();
+        return l > 0.f ? (FUSED ? __fmaf_rn(m, scale_log2, __log2f(l)) : __fadd_rn(__fmul_rn(m, scale_log2), __log2f(l))) * kLn2
+                       : neg_inf();
     }
 };
 

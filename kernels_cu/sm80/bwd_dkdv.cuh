@@ -10,12 +10,13 @@
 // products: no shared-memory round trip for P or dS there. With dq_acc != null the block also adds
 // dQ += dS K for the tile into the fp32 accumulator with atomics (dS^T goes through shared memory
 // once). The policies see S^T through a transposed fragment view (core/frag.cuh, Transposed).
-// DROPOUT regenerates the forward's Philox mask: dV uses P o mask, and dS = P o (dP o Z - delta)
-// with Z = mask / (1 - p).
+// The dropout instances (V::kDropout) regenerate the forward's Philox mask: dV uses P o mask, and
+// dS = P o (dP o Z - delta) with Z = mask / (1 - p).
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
 #include "attn/epilogue.cuh"
+#include "attn/features.cuh"
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
@@ -72,7 +73,7 @@ __device__ __forceinline__ void bwd_dq_product(u32 sdS_buf, u32 sK, float* dq_ro
                          acc_q[mi][i][2 * half + 1]);
 }
 
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                                const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
                                                const float* __restrict__ delta, float* __restrict__ dq_acc, elem_t* __restrict__ dk,
@@ -86,7 +87,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
-    using S_ = Sm80BwdTraits<D, BR, BC, WARPS, STAGES, DROPOUT>;
+    using S_ = Sm80BwdTraits<D, BR, BC, WARPS, STAGES, V::kDropout>;
     constexpr int CH = S_::kRowChunks, SCH = S_::kDsRowChunks, KD = S_::kHeadSteps, SN = S_::kQueryTiles, KQ = S_::kQuerySteps, DN = S_::kOutTiles;
     constexpr int THREADS = S_::kNumThreads;
 
@@ -104,7 +105,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 
     // Block -> (key block, head, batch); key blocks fastest, in natural order: under a causal
     // mask the early key blocks see the most query tiles, so the heaviest blocks start first.
-    const MaskGeometry geo = MaskGeometry::of(params);
+    const MaskGeometry geo = MaskGeometry::of<V>(params);
     const BlockCoord blk = schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
     const int bh = blk.bh, b = blk.batch, h = blk.head, nb = blk.block;
     const int c0 = nb * BC;
@@ -118,8 +119,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 
     // Query tiles that see any of this block's keys, and which of them need the mask.
     const int m_blocks = (seqlen_q + BR - 1) / BR;
-    const BlockRange range = query_blocks<BR, BC>(geo, nb, m_blocks);
-    const Mask mask{geo};
+    const BlockRange range = query_blocks<BR, BC, V::kLocal>(geo, nb, m_blocks);
+    const Mask<V::kLocal> mask{geo};
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int m_begin = range.begin, n_iter = range.size();
 
@@ -184,8 +185,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         // (Dropout::bits8_transposed): byte kq % 4 of keep[kq / 4], bit 4s + 2h + e, is key g + 8h,
         // query 16kq + 8s + 2t + e. Packed 4 query blocks to a register: registers are the scarce
         // resource here. ----
-        u32 keep[DROPOUT ? (KQ + 3) / 4 : 1];
-        if constexpr (DROPOUT) {
+        u32 keep[V::kDropout ? (KQ + 3) / 4 : 1];
+        if constexpr (V::kDropout) {
 #pragma unroll
             for (int w = 0; w < (KQ + 3) / 4; ++w) keep[w] = 0;
 #pragma unroll
@@ -207,12 +208,13 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 #pragma unroll
                 for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
             }
-            // in query order the masked head is the right edge + seqlen_k tail, the tail the left edge
-            if (range.needs_mask(m)) mask.apply_transposed(acc, q0, key_w, lane, 0.f, range.masked_tail(m), range.masked_head(m));
+            // in query order the masked head is the right edge + seqlen_k tail, the tail the left
+            // edge (local instances only): one pass checks both edges on either kind of tile
+            if (range.masked_head(m) || (V::kLocal && range.masked_tail(m))) mask.apply_transposed<true, true>(acc, q0, key_w, lane, 0.f);
             c_to_a_frags<BF16, KQ>(frag, acc);
         }
         // ---- dV += (P o mask)^T dO (the 1/(1-p) scale is applied to dV once, at the end) ----
-        tile_mma_ab<BF16, CH, KQ, DN, DROPOUT>(acc_dv, frag, sdOs, bt_off, keep);
+        tile_mma_ab<BF16, CH, KQ, DN, V::kDropout>(acc_dv, frag, sdOs, bt_off, keep);
 
         // ---- dP^T = V_w dO^T; dS^T = P^T (dP^T - delta), P^T recomputed from S^T ----
         {
@@ -225,7 +227,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                 for (int e = 0; e < 4; ++e) {
                     // P^T from its packed 16-bit copy: the same rounding the dV product used.
                     float dp = acc[nt][e];
-                    if constexpr (DROPOUT)  // dP o Z, Z = mask / (1 - p)
+                    if constexpr (V::kDropout)  // dP o Z, Z = mask / (1 - p)
                         dp = ((keep[nt / 8] >> (((nt / 2) % 4) * 8 + (nt % 2) * 4 + e)) & 1u) ? dp * drop_scale : 0.f;
                     acc[nt][e] = a_frag_elem<BF16, KQ>(frag, nt, e) * (dp - ((e & 1) ? Dl.y : Dl.x));
                 }
@@ -258,7 +260,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 
     // ---- epilogue: dK = scale * dK~, dV; through this warp's own K/V rows ----
     stash_c_tile<BF16, CH, DN>(sK, warp * 16, acc_dk, scale, lane);
-    stash_c_tile<BF16, CH, DN>(sV, warp * 16, acc_dv, DROPOUT ? drop_scale : 1.f, lane);
+    stash_c_tile<BF16, CH, DN>(sV, warp * 16, acc_dv, V::kDropout ? drop_scale : 1.f, lane);
     __syncwarp();
     elem_t* dkg = dk + (long long)b * dk_sb + (long long)h * dk_sh;
     elem_t* dvg = dv + (long long)b * dv_sb + (long long)h * dv_sh;

@@ -6,6 +6,7 @@
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
 #include "attn/epilogue.cuh"
+#include "attn/features.cuh"
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
@@ -15,7 +16,7 @@
 
 namespace cuflash {
 
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                              const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
                                              const float* __restrict__ delta, elem_t* __restrict__ dq, const BwdParams& params) {
@@ -40,7 +41,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    const MaskGeometry geo = MaskGeometry::of(params);
+    const MaskGeometry geo = MaskGeometry::of<V>(params);
     const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
     const int bh = blk.bh, b = blk.batch, h = blk.head;
     const int r0 = blk.block * BR;
@@ -50,8 +51,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     const elem_t* vg = v + (long long)b * v_sb + (long long)h * v_sh;
     const elem_t* dog = dout + (long long)b * do_sb + (long long)h * do_sh;
 
-    const BlockRange range = key_blocks<BR, BC>(geo, r0);  // the forward's key blocks and masks
-    const Mask mask{geo};
+    const BlockRange range = key_blocks<BR, BC, V::kLocal>(geo, r0);  // the forward's key blocks and masks
+    const Mask<V::kLocal> mask{geo};
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_begin = range.begin, n_iter = range.size();
 
@@ -128,8 +129,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
         }
 
         // ---- P, dS (rows = queries, cols = keys); dropout bits as in the forward ----
-        u32 dbits[DROPOUT ? KB : 1];
-        if constexpr (DROPOUT) {
+        u32 dbits[V::kDropout ? KB : 1];
+        if constexpr (V::kDropout) {
 #pragma unroll
             for (int kb = 0; kb < KB; ++kb) dbits[kb] = drop.bits8((r0 + warp * 16) / 16, (j * BC) / 16 + kb, g, t);
         }
@@ -143,7 +144,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
             for (int e = 0; e < 4; ++e) {
                 const float p = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -(e < 2 ? L0 : L1)));
                 float dp = acc_dp[nt][e];
-                if constexpr (DROPOUT) dp = Dropout::kept(dbits[nt / 2], nt, e) ? dp * drop_scale : 0.f;
+                if constexpr (V::kDropout) dp = Dropout::kept(dbits[nt / 2], nt, e) ? dp * drop_scale : 0.f;
                 acc_dp[nt][e] = p * (dp - (e < 2 ? D0 : D1));
             }
 

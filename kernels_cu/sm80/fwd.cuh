@@ -15,6 +15,7 @@
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
 #include "attn/epilogue.cuh"
+#include "attn/features.cuh"
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
@@ -25,7 +26,7 @@
 
 namespace cuflash {
 
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                           const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
                                           const FwdParams& params) {
@@ -50,7 +51,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // MMA fragment row group / column pair
 
-    const MaskGeometry geo = MaskGeometry::of(params);
+    const MaskGeometry geo = MaskGeometry::of<V>(params);
     const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
     const int bh = blk.bh, b = blk.batch, h = blk.head;
     const int r0 = blk.block * BR;
@@ -59,8 +60,8 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const elem_t* kg = k + (long long)b * k_sb + (long long)h * k_sh;
     const elem_t* vg = v + (long long)b * v_sb + (long long)h * v_sh;
 
-    const BlockRange range = key_blocks<BR, BC>(geo, r0);  // may start past key block 0 (window)
-    const Mask mask{geo};
+    const BlockRange range = key_blocks<BR, BC, V::kLocal>(geo, r0);  // may start past key block 0 (window)
+    const Mask<V::kLocal> mask{geo};
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_begin = range.begin, n_iter = range.size();
 
@@ -131,7 +132,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
 
         // ---- dropout: zero the dropped P entries for P V only (l keeps the undropped sum, the
         // 1/(1-p) scale joins the final 1/l) ----
-        if constexpr (DROPOUT) {
+        if constexpr (V::kDropout) {
 #pragma unroll
             for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
@@ -158,12 +159,11 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float l = warp_sum4(softmax.row_sum[mt][half]);
-            float inv = l > 0.f ? (DROPOUT ? drop_scale : 1.f) / l : 0.f;
+            float inv = l > 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
             int tile_row = warp_row0 + mt * 16 + g + 8 * half;
             int row = r0 + tile_row;
             if (t == 0 && row < seqlen_q)
-                lse_row[row] = l > 0.f ? (softmax.row_max[mt][half] * scale_log2 + __log2f(l)) * 0.69314718055994531f
-                                       : neg_inf();
+                lse_row[row] = OnlineSoftmax<kRowTiles>::lse(softmax.row_max[mt][half], l, scale_log2);
 #pragma unroll
             for (int i = 0; i < kOutTiles; ++i) {
                 u32 packed = pack2<BF16>(acc_o[mt][i][2 * half] * inv, acc_o[mt][i][2 * half + 1] * inv);

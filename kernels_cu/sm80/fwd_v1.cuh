@@ -44,6 +44,7 @@
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
+#include "attn/features.cuh"
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
@@ -55,7 +56,7 @@
 
 namespace cuflash {
 
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, bool DROPOUT>
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                              const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
                                              float* ws_o, float* ws_ml, const FwdParams& params) {
@@ -93,15 +94,15 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
     float* wo = ws_o + (long long)bh * seqlen_q * D;  // this block's rows only
     float* wml = ws_ml + (long long)bh * seqlen_q * 2;
 
-    const MaskGeometry geo = MaskGeometry::of(params);
-    const Mask mask{geo};
+    const MaskGeometry geo = MaskGeometry::of<V>(params);
+    const Mask<V::kLocal> mask{geo};
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_kv = (seqlen_k + BC - 1) / BC;
 
     // ---- Q tiles that see no key at all (outside live_query_blocks): no step ever visits them
     // -> out 0, lse -inf. They are a head (causal, Nq > Nk) and/or a tail (bounded left edge). ----
     {
-        const BlockRange live = live_query_blocks<BR, BC>(geo, m_blocks);
+        const BlockRange live = live_query_blocks<BR, BC, V::kLocal>(geo, m_blocks);
         const int head_rows = min(seqlen_q, live.begin * BR), tail_row = min(seqlen_q, live.end * BR);
         const int dead_rows = head_rows + (seqlen_q - tail_row);
         for (int idx = tid; idx < dead_rows * CH; idx += THREADS) {
@@ -122,7 +123,7 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
 
     for (int j = 0; j < n_kv; ++j) {  // ======== OUTER loop: K/V tiles ========
         // Q tiles [i0, i0 + n_i) see tile j (the same pairs key_blocks gives from the Q side).
-        const BlockRange qr = query_blocks<BR, BC>(geo, j, m_blocks);
+        const BlockRange qr = query_blocks<BR, BC, V::kLocal>(geo, j, m_blocks);
         if (qr.size() == 0) continue;  // uniform over the block; nothing was issued for this tile
         const int i0 = qr.begin, n_i = qr.size();
         // Every warp has finished the previous outer step: K/V and all Q slots may be refilled.
@@ -152,7 +153,7 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
             const u32 sQi = sQ + (ii % STAGES) * S_::kQTileBytes;
             // This Q tile's key blocks: j is its first step (state starts at 0, -inf, 0), its last
             // (writes the final O and lse), and may need the mask at either end.
-            const BlockRange kr = key_blocks<BR, BC>(geo, r0);
+            const BlockRange kr = key_blocks<BR, BC, V::kLocal>(geo, r0);
             const bool first = (j == kr.begin), last = (j == kr.end - 1);
 
             // ---- read O_i, m_i, l_i from the workspace (none at the first step: initial 0, -inf, 0) ----
@@ -201,7 +202,7 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
             // ---- dropout (Algorithm 2 of the FlashAttention paper): P~ o mask enters P~ V only;
             // l stays the undropped sum and the 1/(1-p) scale is applied once, at the last step.
             // Same Philox mask as v2 (attn/dropout.cuh). ----
-            if constexpr (DROPOUT) {
+            if constexpr (V::kDropout) {
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -246,12 +247,13 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const float l = sm.row_sum[mt][half];
-                        const float inv = l > 0.f ? (DROPOUT ? drop_scale : 1.f) / l : 0.f;
+                        const float inv = l > 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
                         const int tile_row = warp_row0 + mt * 16 + g + 8 * half;
                         const int row = r0 + tile_row;
+                        // lse rounded as in the pre-restructure kernel (golden outputs): one FFMA,
+                        // but the rounded product m c plus log2 l at d = 128 (OnlineSoftmax::lse)
                         if (t == 0 && row < seqlen_q)
-                            lse_row[row] = l > 0.f ? (sm.row_max[mt][half] * scale_log2 + __log2f(l)) * 0.69314718055994531f
-                                                   : NEG_INF;
+                            lse_row[row] = OnlineSoftmax<MT>::template lse<D != 128>(sm.row_max[mt][half], l, scale_log2);
 #pragma unroll
                         for (int n = 0; n < ON; ++n) {
                             const u32 packed = pack2<BF16>(acc_o[mt][n][2 * half] * inv, acc_o[mt][n][2 * half + 1] * inv);

@@ -26,6 +26,7 @@
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
+#include "attn/features.cuh"
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
@@ -91,7 +92,7 @@ struct RingPos {
 };
 
 // The work tile `tile` (0 <= tile < params.tiles) and the key blocks its rows visit.
-template <int BR, int BC>
+template <int BR, int BC, bool LOCAL>
 struct Sm90FwdTile {
     BlockCoord blk;
     int r0;  // first query row
@@ -99,16 +100,16 @@ struct Sm90FwdTile {
     __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo, int m_blocks, int heads) {
         blk = schedule_blocks(tile, m_blocks, heads, geo.later_rows_heavier());
         r0 = blk.block * BR;
-        range = key_blocks<BR, BC>(geo, r0);
+        range = key_blocks<BR, BC, LOCAL>(geo, r0);
     }
 };
 
-template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int OVERLAP, bool DROPOUT>
+template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int OVERLAP, class V>
 __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                                elem_t* __restrict__ o, float* __restrict__ lse,
                                                const FwdParams& params) {
     using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES>;
-    using Tile = Sm90FwdTile<Tr::kBlockQ, BC>;
+    using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V::kLocal>;
     static_assert(!PINGPONG || (CONSUMERS >= 2 && OVERLAP), "ping-pong needs two consumers and the overlapped loop");
 
     extern __shared__ unsigned char smem[];
@@ -119,7 +120,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
     const u32 sV = sK + STAGES * Tr::kKVBytes;
 
     const int n_heads = params.heads, m_blocks = params.m_blocks, n_tiles = params.tiles;
-    const MaskGeometry geo = MaskGeometry::of(params);
+    const MaskGeometry geo = MaskGeometry::of<V>(params);
 
     const int tid = threadIdx.x;
     if (tid == 0) bars.init(CONSUMERS);
@@ -165,7 +166,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
         const int g = lane / 4, t = lane % 4;
         const int warp_row0 = 64 * cw + 16 * warp;  // this warp's first row in the Q tile
         const float scale_log2 = params.scale_log2;
-        const Mask mask{geo};
+        const Mask<V::kLocal> mask{geo};
         const IssueOrder<CONSUMERS, PINGPONG != 0> order{cw};
         constexpr int kBar = Tr::kBarSchedule;
 
@@ -235,7 +236,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             };
             // P (after softmax_block) -> dropout -> the A registers of P V.
             auto pack_p = [&](int j) {
-                if constexpr (DROPOUT) {
+                if constexpr (V::kDropout) {
 #pragma unroll
                     for (int kb = 0; kb < Tr::kKeySteps; ++kb)
                         Dropout::zero_dropped(acc_s[0], kb, drop.bits8((r0 + warp_row0) / 16, (j * BC) / 16 + kb, g, t));
@@ -348,7 +349,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float l = n_iter > 0 ? softmax.final_sum(0, half) : 0.f;
-                const float inv = l > 0.f ? (DROPOUT ? params.drop_scale : 1.f) / l : 0.f;
+                const float inv = l > 0.f ? (V::kDropout ? params.drop_scale : 1.f) / l : 0.f;
                 const int row = r0 + warp_row0 + g + 8 * half;
                 if (row < seqlen_q) {
                     if (t == 0) lse_row[row] = OnlineSoftmax<1>::lse(softmax.row_max[0][half], l, scale_log2);

@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pathlib
 import struct
 import sys
 from concurrent.futures import ProcessPoolExecutor
+
+# This checkout's cuflash, not whatever `import cuflash` finds first (an editable install of
+# another worktree would silently be measured instead).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 ARCHS = ("sm_80", "sm_90a")
 DTYPES = ("bfloat16", "float16")

@@ -4,10 +4,12 @@
 // registers are stored back densely into out[case]. The geometry is built from its fields,
 // never from from_causal (the host will fill it from a parameter struct).
 //
-//   mask_direct_<L><R>: Mask::apply<LEFT = L, RIGHT = R> on acc[MT][NT][4], MT = 2, NT = 4:
+//   mask_direct_<L><R>: Mask<true>::apply<LEFT = L, RIGHT = R> on acc[MT][NT][4], MT = 2, NT = 4:
 //                       tile rows = queries q0 + 0..31, cols = keys k0 + 0..31
-//   mask_transposed:    Mask::apply_transposed<NT = 4>(.., left, right) on one m16 tile acc[NT][4]:
-//                       tile rows = keys k0 + 0..15, cols = queries q0 + 0..31
+//   mask_direct_11_nolocal: Mask<false>::apply<true, true> (a feature set without a bounded left
+//                       edge: the left edge is never checked)
+//   mask_transposed:    Mask<true>::apply_transposed<LEFT = left, RIGHT = right, NT = 4> on one m16
+//                       tile acc[NT][4]: tile rows = keys k0 + 0..15, cols = queries q0 + 0..31
 //   geometry_fields:    key_begin / key_end / query_first / query_last of queries/keys idx[i]
 #include "attn/mask.cuh"
 
@@ -32,7 +34,7 @@ __device__ MaskGeometry make_geometry(int window_left, int window_right, int off
 __device__ int row_of(int lane, int mt, int e) { return 16 * mt + lane / 4 + 8 * (e / 2); }
 __device__ int col_of(int lane, int nt, int e) { return 8 * nt + 2 * (lane % 4) + e % 2; }
 
-template <bool LEFT, bool RIGHT>
+template <bool LOCAL, bool LEFT, bool RIGHT>
 __device__ void mask_direct(const float* s, float* out, const int* q0s, const int* k0s, int window_left,
                             int window_right, int offset, int seqlen_q, int seqlen_k, float fill) {
     constexpr int ROWS = 16 * kMT, COLS = 8 * kNT;
@@ -42,9 +44,9 @@ __device__ void mask_direct(const float* s, float* out, const int* q0s, const in
     for (int mt = 0; mt < kMT; ++mt)
         for (int nt = 0; nt < kNT; ++nt)
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = src[row_of(lane, mt, e) * COLS + col_of(lane, nt, e)];
-    Mask mask;
+    Mask<LOCAL> mask;
     mask.geo = make_geometry(window_left, window_right, offset, seqlen_q, seqlen_k);
-    mask.apply<LEFT, RIGHT>(acc, q0s[c], k0s[c], lane, fill);
+    mask.template apply<LEFT, RIGHT>(acc, q0s[c], k0s[c], lane, fill);
     float* dst = out + c * ROWS * COLS;
     for (int mt = 0; mt < kMT; ++mt)
         for (int nt = 0; nt < kNT; ++nt)
@@ -53,16 +55,17 @@ __device__ void mask_direct(const float* s, float* out, const int* q0s, const in
 
 }  // namespace
 
-#define MASK_DIRECT(L, R, LEFT, RIGHT)                                                                          \
+#define MASK_DIRECT(L, R, LOCAL, LEFT, RIGHT)                                                                   \
     extern "C" __global__ void mask_direct_##L##R(const float* s, float* out, const int* q0s, const int* k0s,  \
                                                   int window_left, int window_right, int offset, int seqlen_q, \
                                                   int seqlen_k, float fill) {                                  \
-        mask_direct<LEFT, RIGHT>(s, out, q0s, k0s, window_left, window_right, offset, seqlen_q, seqlen_k, fill);    \
+        mask_direct<LOCAL, LEFT, RIGHT>(s, out, q0s, k0s, window_left, window_right, offset, seqlen_q, seqlen_k, fill);    \
     }
-MASK_DIRECT(0, 0, false, false)
-MASK_DIRECT(0, 1, false, true)
-MASK_DIRECT(1, 0, true, false)
-MASK_DIRECT(1, 1, true, true)
+MASK_DIRECT(0, 0, true, false, false)
+MASK_DIRECT(0, 1, true, false, true)
+MASK_DIRECT(1, 0, true, true, false)
+MASK_DIRECT(1, 1, true, true, true)
+MASK_DIRECT(1, 1_nolocal, false, true, true)
 
 extern "C" __global__ void mask_transposed(const float* s, float* out, const int* q0s, const int* k0s, int window_left,
                                            int window_right, int offset, int seqlen_q, int seqlen_k, float fill,
@@ -73,9 +76,12 @@ extern "C" __global__ void mask_transposed(const float* s, float* out, const int
     float acc[kNT][4];
     for (int nt = 0; nt < kNT; ++nt)
         for (int e = 0; e < 4; ++e) acc[nt][e] = src[row_of(lane, 0, e) * COLS + col_of(lane, nt, e)];
-    Mask mask;
+    Mask<true> mask;
     mask.geo = make_geometry(window_left, window_right, offset, seqlen_q, seqlen_k);
-    mask.apply_transposed(acc, q0s[c], k0s[c], lane, fill, left != 0, right != 0);
+    if (left && right) mask.apply_transposed<true, true>(acc, q0s[c], k0s[c], lane, fill);
+    else if (left) mask.apply_transposed<true, false>(acc, q0s[c], k0s[c], lane, fill);
+    else if (right) mask.apply_transposed<false, true>(acc, q0s[c], k0s[c], lane, fill);
+    else mask.apply_transposed<false, false>(acc, q0s[c], k0s[c], lane, fill);
     float* dst = out + c * ROWS * COLS;
     for (int nt = 0; nt < kNT; ++nt)
         for (int e = 0; e < 4; ++e) dst[row_of(lane, 0, e) * COLS + col_of(lane, nt, e)] = acc[nt][e];

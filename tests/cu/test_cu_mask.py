@@ -4,8 +4,8 @@ Visibility (the header's canonical form): query q sees key k iff
     q + offset - window_left <= k <= q + offset + window_right   and   k < seqlen_k
 with window sides = kUnbounded (2^30) for "no limit". Mask::apply<LEFT, RIGHT> only checks the
 edges it is asked for: LEFT masks k < q + offset - window_left, RIGHT masks k > q + offset +
-window_right and k >= seqlen_k (the seqlen tail). apply_transposed(.., left, right) does the same on
-S^T (rows = keys) with runtime flags.
+window_right and k >= seqlen_k (the seqlen tail). apply_transposed<LEFT, RIGHT> does the same on
+S^T (rows = keys). Mask<false> (a feature set without a bounded left edge) never checks LEFT.
 
 GPU: for each geometry (bottom-right causal, both seqlen orders; top-left causal; a sliding window
 left = L, right = 0; a two-sided window; no mask) and origins (q0, k0) around the diagonal, the
@@ -75,13 +75,13 @@ def _tiles(n, rows, cols, seed):
     return (rng.permutation(n * rows * cols).reshape(n, rows, cols) + 1).astype(np.float32) / 7
 
 
-def _launch_direct(geo, left, right, orig, fill):
+def _launch_direct(geo, left, right, orig, fill, suffix=""):
     import cupy
 
     s = _tiles(len(orig), ROWS, COLS, seed=len(orig))
     q0s, k0s = (np.array(v, dtype=np.int32) for v in zip(*orig))
     out = cupy.full(s.shape, np.nan, dtype=cupy.float32)
-    fn = kernel("mask", f"mask_direct_{int(left)}{int(right)}")
+    fn = kernel("mask", f"mask_direct_{int(left)}{int(right)}{suffix}")
     fn((len(orig),), (32,), (cupy.asarray(s), out, cupy.asarray(q0s), cupy.asarray(k0s),
                              *(np.int32(v) for v in geo), np.float32(fill)))
     return s, q0s, k0s, cupy.asnumpy(out)
@@ -99,6 +99,18 @@ def test_apply_direct(name, left, right):
     want = np.where(masked(q, k, geo, left, right), np.float32(-np.inf), s)
     for i in range(len(orig)):
         np.testing.assert_array_equal(got[i], want[i], err_msg=f"{name} LEFT={left} RIGHT={right} (q0, k0)={orig[i]}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_apply_direct_without_local_checks_no_left_edge(name):
+    # Mask<false>::apply<true, true>: the instances without a bounded left edge compile it out.
+    geo = GEOMETRIES[name]
+    orig = origins(geo)
+    s, q0s, k0s, got = _launch_direct(geo, True, True, orig, -np.inf, suffix="_nolocal")
+    q = q0s[:, None, None] + np.arange(ROWS)[None, :, None]
+    k = k0s[:, None, None] + np.arange(COLS)[None, None, :]
+    np.testing.assert_array_equal(got, np.where(masked(q, k, geo, False, True), np.float32(-np.inf), s))
 
 
 @pytest.mark.gpu

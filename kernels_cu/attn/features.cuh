@@ -1,0 +1,22 @@
+// cuflash/kernels_cu/attn/features.cuh
+// The compile-time feature set of one kernel instance, as one type: every mainloop template ends
+// in `class V` (a Variant) and reads its members in `if constexpr`. Mirrors the boolean variant
+// fields of cuflash/features.py (Features), in the same order: the generated shell passes
+// Features.cxx() and static_asserts every member against its Python field (cuflash/_compile.py).
+// Adding a feature: a parameter and member here, a `_variant` field in features.py, and the policy
+// header that reads it.
+#pragma once
+
+namespace cuflash {
+
+template <bool DROPOUT, bool LOCAL>
+struct Variant {
+    // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
+    static constexpr bool kDropout = DROPOUT;
+    // The mask has a bounded LEFT window edge (sliding window): only these instances read
+    // window_left and run the left-edge block-range and mask code (attn/mask.cuh,
+    // attn/block_range.cuh); the others compile it out (it costs up to +46 registers).
+    static constexpr bool kLocal = LOCAL;
+};
+
+}  // namespace cuflash

@@ -1,0 +1,81 @@
+"""Features (cuflash/features.py) and its C++ mirror cuflash::Variant (kernels_cu/attn/features.cuh):
+kernel-name tags, the template argument of the generated shells and its static_assert, the
+perf classes; the `local` (bounded left window edge) instances of every family compile on CPU;
+the parameter packer refuses a bounded left edge for features without `local`."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from cuflash import _compile, families, params, problem
+from cuflash.features import Features
+from tests.test_compile import _nvrtc_available
+from tests.test_params import _compile_ok
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
+
+
+def test_variant_fields_tags_and_perf_class():
+    assert [f.name for f in Features.variant_fields()] == ["dropout", "local"]
+    cases = {(False, False): ("", "dense"), (True, False): ("_drop", "dropout"),
+             (False, True): ("_local", "dense"), (True, True): ("_drop_local", "dropout")}
+    for (drop, local), (tag, pc) in cases.items():
+        f = Features("bfloat16", 64, dropout=drop, local=local)
+        assert (f.tag(), f.perf_class()) == (tag, pc)
+        assert f.cxx() == f"cuflash::Variant<{str(drop).lower()}, {str(local).lower()}>"
+    assert Features("float16", 128) == Features("float16", 128, False, False)
+
+
+def test_every_shell_passes_and_checks_the_variant():
+    for fam in families.REGISTRY.values():
+        cfg = fam.default(64)
+        f = Features("bfloat16", 64, dropout=True, local=True)
+        src = _compile.kernel_source(cfg, f)
+        assert f"{fam.template}<true, {', '.join(map(str, cfg.template_args()))}, {f.cxx()}>" in src
+        assert f.cxx_asserts() in src
+        assert _compile.kernel_name(cfg, f).endswith("_drop_local")
+
+
+@needs_nvrtc
+def test_the_assert_catches_a_mirror_that_drifted():
+    f = Features("bfloat16", 64, dropout=True)
+    ok, log = _compile_ok('#include "attn/features.cuh"\n' + f.cxx_asserts())
+    assert ok, log
+    # the Python side listing the members in another order than the C++ template
+    swapped = f.cxx_asserts().replace("Variant<true, false>", "Variant<false, true>")
+    ok, log = _compile_ok('#include "attn/features.cuh"\n' + swapped)
+    assert not ok and "cuflash::Variant differs from cuflash/features.py" in log
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("drop", [False, True])
+@pytest.mark.parametrize("fam", [families.FWD, families.FWD_V1, families.BWD, families.BWD_DQ], ids=lambda f: f.name)
+def test_local_instances_compile(fam, drop):
+    # Nothing selects local=True yet (the sliding-window issue will): keep its code compiling.
+    for d in (64, 128):
+        cfg = fam.default(d)
+        rep = _compile.compile_report(_compile.kernel_source(cfg, Features("bfloat16", d, drop, local=True)), "sm_80")
+        assert rep["registers"] > 0, rep["log"]
+
+
+def _causal_problem():
+    def info(shape):
+        strides, acc = [], 2
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+        return problem.ArrayInfo(shape, "float16", 2, tuple(strides), 1 << 20, 0)
+
+    return problem.resolve_forward(info((2, 100, 3, 64)), info((2, 120, 3, 64)), info((2, 120, 3, 64)), True, None)
+
+
+def test_bounded_left_edge_needs_local_features():
+    p = _causal_problem()
+    p = dataclasses.replace(p, strides={**p.strides, "out": p.strides["q"], "dout": p.strides["q"]})  # as a backward's
+    assert not p.features.local
+    windowed = dataclasses.replace(p, window_left=16)  # a sliding window of 17 keys
+    for pack in (lambda q: params.pack_fwd(q, 2), lambda q: params.pack_bwd(q, 128, 1, 1)):
+        pack(p)
+        with pytest.raises(NotImplementedError, match="Features.local"):
+            pack(windowed)
