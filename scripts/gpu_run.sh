@@ -20,8 +20,9 @@ for s in $stages; do
   case $s in
     golden) python3 scripts/golden/outputs_golden.py check tests/golden/outputs.json 2>&1 | tee "$OUT/golden.log" | tail -45 ;;
     alltests) python3 -m pytest -q tests -p no:cacheprovider -rfEs --durations=15 2>&1 | tee "$OUT/all-tests.log" | tail -60 ;;
-    tune) python3 -m cuflash.tune --kernels fwd bwd bwd_dq --dtypes bf16 --seqlens 8192 --perf-classes dense dropout \
-            --json "$OUT/tune.json" --export "$OUT/nvidia-h200.json" 2>&1 | tee "$OUT/tune.log" | tail -45 ;;
+    tune) python3 -m cuflash.tune --kernels ${TUNE_KERNELS:-fwd bwd bwd_dq fwd_sm90} --dtypes bf16 --seqlens 8192 \
+            --perf-classes dense dropout --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/nvidia-h200${TUNE_TAG:-}.json" \
+            2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45 ;;
     tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE --maxfail=30 2>&1 | tee "$OUT/gpu-tests.log" | tail -40 ;;
     sanitize)
       for tool in memcheck racecheck; do
