@@ -25,8 +25,8 @@ for s in $stages; do
             2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45 ;;
     tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider -rfE --maxfail=30 2>&1 | tee "$OUT/gpu-tests.log" | tail -40 ;;
     sanitize)
-      for tool in memcheck racecheck; do
-        compute-sanitizer --tool $tool --print-limit 20 python3 scripts/sanitize_cases.py 2>&1 | tail -6 | tee -a "$OUT/sanitize.log"
+      for tool in memcheck racecheck synccheck; do
+        compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/sanitize_cases.py 2>&1 | tail -6 | tee -a "$OUT/sanitize.log"
       done ;;
     bench) python3 -m cuflash.bench --quick --json "$OUT/bench-quick.json" 2>&1 | tee "$OUT/bench-quick.log" ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
