@@ -21,6 +21,10 @@ HEAD = """\
 // wgmma.mma_async m64nNk16, fp32 accumulators, 16-bit inputs (bf16 or fp16 by BF16):
 //   ss(d, desc_a, desc_b, scale_d)  D (+)= A B, A and B from shared memory, both K-major
 //                                   (no transpose): S = Q K^T
+//   ss_mn(d, desc_a, desc_b, scale_d)  the same with A and B both MN-major (imm-trans-a = 1,
+//                                   imm-trans-b = 1): dQ = dS K from the dS^T and K images
+//   ss_bmn(d, desc_a, desc_b, scale_d) A K-major, B MN-major (imm-trans-b = 1): dK = dS^T Q from
+//                                   the dS^T image and Q
 //   rs(d, a, desc_b, scale_d)       D (+)= A B, A from registers (a[4], the m64k16 A fragment of
 //                                   core/frag.cuh's c_to_a_frags), B from shared memory MN-major
 //                                   (imm-trans-b = 1): O += P V
@@ -48,6 +52,8 @@ def _spec(n: int, bf16: bool) -> str:
           f'            "{{{dl}}}, %{nd}, %{nd + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
           f'            : {cons}\n'
           f'            : "l"(desc_a), "l"(desc_b), "r"(scale_d));\n')
+    ss_mn = ss.replace("p, 1, 1, 0, 0;", "p, 1, 1, 1, 1;")
+    ss_bmn = ss.replace("p, 1, 1, 0, 0;", "p, 1, 1, 0, 1;")
     rs = (f'        asm volatile(\n'
           f'            "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 5}, 0;\\n"\n'
           f'            "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} "\n'
@@ -57,6 +63,10 @@ def _spec(n: int, bf16: bool) -> str:
     return (f"template <>\nstruct Wgmma<{n}, {'true' if bf16 else 'false'}> {{\n"
             f"    __device__ __forceinline__ static void ss(float (&d)[{n // 8}][4], unsigned long long desc_a,\n"
             f"                                              unsigned long long desc_b, int scale_d) {{\n{ss}    }}\n"
+            f"    __device__ __forceinline__ static void ss_mn(float (&d)[{n // 8}][4], unsigned long long desc_a,\n"
+            f"                                                 unsigned long long desc_b, int scale_d) {{\n{ss_mn}    }}\n"
+            f"    __device__ __forceinline__ static void ss_bmn(float (&d)[{n // 8}][4], unsigned long long desc_a,\n"
+            f"                                                  unsigned long long desc_b, int scale_d) {{\n{ss_bmn}    }}\n"
             f"    __device__ __forceinline__ static void rs(float (&d)[{n // 8}][4], const u32 (&a)[4],\n"
             f"                                              unsigned long long desc_b, int scale_d) {{\n{rs}    }}\n"
             f"}};\n")

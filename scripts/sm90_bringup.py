@@ -214,3 +214,139 @@ if __name__ == "__main__":
         check()
     if "bench" in what:
         bench()
+
+
+# ----------------------------------------------------------------------------- backward bring-up
+_bwd_mods = {}
+
+
+def bwd_kernel(bf16, d, br, c, s):
+    key = (bf16, d, br, c, s)
+    if key in _bwd_mods:
+        return _bwd_mods[key]
+    fields = params.fields("BwdParams")
+    scalars = ", ".join(f"{ct} {f}_" for f, ct in fields)
+    gather = " ".join(f"p.{f} = {f}_;" for f, _ in fields)
+    tf = lambda x: "true" if x else "false"
+    M = "const __grid_constant__ cuflash::TmaMap"
+    src = (f'#include "flash_bwd_sm90.cuh"\n'
+           f'extern "C" __global__ void __launch_bounds__({(c + 1) * 128}, 1) kern({M} tq, {M} tk, {M} tv, {M} tdo, '
+           f'const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, '
+           f'cuflash::elem_t* __restrict__ dk, cuflash::elem_t* __restrict__ dv, {scalars}) {{\n'
+           f' cuflash::BwdParams p; {gather}\n cuflash::flash_bwd_sm90<{tf(bf16)}, {d}, {br}, {c}, {s}, '
+           f'cuflash::Variant<false, false>>(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, p);\n}}\n')
+    mod = cupy.RawModule(code=src, options=_compile.nvrtc_options(("--gpu-architecture=sm_90a",)), backend="nvrtc")
+    fn = mod.get_function("kern")
+    smem = 2 * (64 * c) * d * 2 + 2 * s * br * d * 2 + (64 * c) * br * 2 + 1024
+    fn.max_dynamic_shared_size_bytes = smem
+    _bwd_mods[key] = (fn, smem)
+    return fn, smem
+
+
+def run_bwd(cfg, dout, q, k, v, out, lse, causal):
+    """(dq, dk, dv) with the sm90 dK/dV kernel between the sm80 backward's prep and convert kernels."""
+    from cuflash import _backward
+    from cuflash.launch import Buffer, Launch, Plan
+    from cuflash.signature import BWD_ARRAYS
+
+    d, br, c, s = cfg
+    bc = 64 * c
+    infos = [problem.describe(x, n) for x, n in zip((dout, q, k, v, out, lse), BWD_ARRAYS)]
+    p = problem.resolve_backward(*infos, causal, None, False, None)
+    b, nq, nk, h = p.batch, p.seqlen_q, p.seqlen_k, p.heads
+    pad = -(-nq // 128) * 128
+    ws_rows = b * h * pad
+    chunks = d // 8
+    prep = _compile.get_aux_kernel("bwd_prep", p.features, p.device)
+    conv = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)
+    fn, smem = bwd_kernel(q.dtype.name == "bfloat16", d, br, c, s)
+    n_blocks = -(-nk // bc)
+
+    def bind(slots):
+        dout_, q_, k_, v_ = slots[:4]
+        return (encode(q_, br), encode(k_, bc), encode(v_, bc), encode(dout_, br), *slots[4:])
+
+    launches = (
+        Launch(prep, (-(-ws_rows * chunks // 256),), (256,), 0, pointers=("out", "dout", "lse", "delta", "lse2", "dq_acc")),
+        Launch(fn, (n_blocks * h * b,), ((c + 1) * 128,), smem,
+               pointers=("dout", "q", "k", "v", "lse2", "delta", "dq_acc", "dk", "dv"), bind=bind),
+        Launch(conv, (-(-b * h * nq * chunks // 256),), (256,), 0, pointers=("dq_acc", "dq")),
+    )
+    buffers = (Buffer("dq", (b, nq, h, d), q.dtype), Buffer("dk", (b, nk, h, d), q.dtype),
+               Buffer("dv", (b, nk, h, d), q.dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
+               Buffer("dq_acc", (ws_rows * d,)))
+    plan = Plan(p.device, BWD_ARRAYS, buffers, launches, ("dq", "dk", "dv"), params.pack_bwd(p, pad, n_blocks, 0))
+    return plan.run((dout, q, k, v, out, lse))
+
+
+BWD_CFGS = {128: [(128, 64, 2, 2)], 64: [(64, 64, 2, 2)]}
+
+
+def check_bwd():
+    from cuflash._backward import backward as bwd_sm80
+
+    rng = np.random.default_rng(3)
+    shapes = [(1, 128, 128, 2, False), (1, 64, 64, 1, False), (2, 257, 391, 2, False), (1, 300, 17, 2, True),
+              (1, 17, 300, 2, True), (1, 1000, 1000, 2, True), (2, 333, 555, 3, False)]
+    fails = 0
+    for d, cfgs in BWD_CFGS.items():
+        for cfg in cfgs:
+            for dtname in ("bfloat16", "float16"):
+                dt = testing.dtype_of(dtname)
+                for (b, nq, nk, h, causal) in shapes:
+                    q, k, v = testing.random_qkv(rng, b, nq, nk, h, d, dt)
+                    dout = testing.random_qkv(rng, b, nq, nq, h, d, dt)[0]
+                    out, lse = fwd_sm80(q, k, v, causal=causal)
+                    try:
+                        g9 = run_bwd(cfg, dout, q, k, v, out, lse, causal)
+                        cupy.cuda.Device().synchronize()
+                    except Exception as e:  # noqa: BLE001
+                        print(f"FAIL cfg={cfg} {dtname} {b}x{nq}x{nk}x{h} causal={causal}: {e!r}"[:300], flush=True)
+                        fails += 1
+                        continue
+                    g8 = bwd_sm80(dout, q, k, v, out, lse, causal=causal)
+                    rule = testing.fa_rule_grads(g9, q, k, v, dout, causal, 1 / math.sqrt(d))
+                    diffs = {n: float(cupy.abs(a.astype(cupy.float32) - b_.astype(cupy.float32)).max())
+                             for n, a, b_ in zip(("dq", "dk", "dv"), g9, g8)}
+                    ok = all(err <= allowed for err, _, allowed in rule.values())
+                    fails += not ok
+                    if not ok or (b, nq) == (1, 1000):
+                        print(f"{'ok  ' if ok else 'FAIL'} cfg={cfg} {dtname} {b}x{nq}x{nk}x{h} causal={causal}: "
+                              + " ".join(f"{n} err {e:.2e}/{al:.2e}" for n, (e, _, al) in rule.items())
+                              + " |sm90-sm80| " + " ".join(f"{n} {x:.2e}" for n, x in diffs.items()), flush=True)
+    print("BWD FAILS", fails)
+
+
+def bench_bwd():
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from cuflash._backward import backward as bwd_sm80
+
+    for d in (128, 64):
+        h = 2048 // d
+        for n in (2048, 8192):
+            b = max(1, 16384 // n)
+            for causal in (False, True):
+                rng = np.random.default_rng(1)
+                q, k, v = testing.random_qkv(rng, b, n, n, h, d, testing.bf16())
+                dout = testing.random_qkv(rng, b, n, n, h, d, testing.bf16())[0]
+                out, lse = fwd_sm80(q, k, v, causal=causal)
+                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+                res = {"d": d, "n": n, "causal": causal}
+                res["sm80"] = flops / timeit(lambda: bwd_sm80(dout, q, k, v, out, lse, causal=causal)) / 1e9
+                for cfg in BWD_CFGS[d]:
+                    res[str(cfg)] = flops / timeit(lambda: run_bwd(cfg, dout, q, k, v, out, lse, causal)) / 1e9
+                tq, tk, tv = (torch.from_dlpack(x.view(cupy.int16)).view(torch.bfloat16).transpose(1, 2).detach().requires_grad_()
+                              for x in (q, k, v))
+                tdo = torch.from_dlpack(dout.view(cupy.int16)).view(torch.bfloat16).transpose(1, 2)
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    o = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+                    res["cudnn"] = flops / timeit(lambda: torch.autograd.grad(o, (tq, tk, tv), tdo, retain_graph=True)) / 1e9
+                print(json.dumps({k2: (round(v2, 1) if isinstance(v2, float) else v2) for k2, v2 in res.items()}), flush=True)
+
+
+if __name__ == "__main__" and ("bwd" in sys.argv[1:] or "benchbwd" in sys.argv[1:]):
+    if "bwd" in sys.argv[1:]:
+        check_bwd()
+    if "benchbwd" in sys.argv[1:]:
+        bench_bwd()

@@ -1,0 +1,270 @@
+// cuflash/kernels_cu/sm90/bwd.cuh
+// FlashAttention backward on Hopper (sm_90a): the dK/dV kernel with dQ added to an fp32
+// accumulator by atomics (the sm80 backward's bwd_prep and bwd_dq_convert run around it). The
+// attention math is the shared policies' (attn/: scheduler, block_range, mask, features); the
+// structure is FlashAttention-3's (design/hopper.md §4), first version:
+//
+//   grid     one CTA per (key block of BC = 128 keys, head, batch) (attn/scheduler.cuh)
+//   WG 0     producer: one thread loads K, V once and Q_i, dO_i per query block by TMA into a
+//            STAGES-deep ring (one full/empty mbarrier pair per stage carries both)
+//   WG 1, 2  consumers, 64 keys each (wgmma M = 64), per query block i of BR = 64 rows:
+//              S^T = K_w Q_i^T, dP^T = V_w dO_i^T      (SS wgmma, N = BR; keys are M, so P^T and
+//                                                      dS^T come out as the A operands dV and
+//                                                      dK need, in registers)
+//              P^T = exp2(S^T c - lse2), 0 where masked; dS^T = P^T o (dP^T - delta)
+//              dV += P^T dO_i, dK += dS^T Q_i          (RS wgmma, N = D)
+//              dS^T -> smem; dQ_i[:, 64c..] = dS K     (SS wgmma, both operands MN-major, N = 64:
+//                                                      consumer c < D/64 takes D columns 64c..)
+//              dQ_i added to dq_acc (red.global.add, fp32; bwd_dq_convert scales and converts)
+//   end      dK = scale dK, dV from registers to global memory.
+// Not yet: dropout (the family does not take it), overlap between the query blocks' GEMMs and
+// their element-wise work, a dQ writer warp with bulk reductions, the deterministic mode.
+#pragma once
+#include "attn/block_range.cuh"
+#include "attn/features.cuh"
+#include "attn/mask.cuh"
+#include "attn/params.cuh"
+#include "attn/scheduler.cuh"
+#include "core/ptx_sm90.cuh"
+#include "sm80/warp_gemm.cuh"
+#include "sm90/traits.cuh"
+
+namespace cuflash {
+
+template <bool BF16, int D, int BR, int CONSUMERS, int STAGES, class V>
+__device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tdo,
+                                               const float* __restrict__ lse2, const float* __restrict__ delta,
+                                               float* __restrict__ dq_acc, elem_t* __restrict__ dk,
+                                               elem_t* __restrict__ dv, const BwdParams& params) {
+    using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES>;
+    constexpr int BC = Tr::kBlockK;
+    static_assert(!V::kDropout, "the sm90 backward does not take dropout yet");
+
+    extern __shared__ unsigned char smem[];
+    // [0] K and V landed; [1 + s] stage s full (Q_i and dO_i), [1 + STAGES + s] stage s free
+    __shared__ __align__(8) u64 bar_storage[1 + 2 * STAGES];
+    const u32 bar_kv = smem_u32(bar_storage);
+    auto bar_full = [&](int s) { return bar_kv + 8 * (1 + s); };
+    auto bar_free = [&](int s) { return bar_kv + 8 * (1 + STAGES + s); };
+    const u32 sK = (smem_u32(smem) + 1023u) & ~1023u;  // TMA 128B-swizzle images need 1024-B alignment
+    const u32 sV = sK + Tr::kKVBytes;
+    const u32 sQ = sV + Tr::kKVBytes;
+    const u32 sdO = sQ + STAGES * Tr::kQBytes;
+    const u32 sDS = sdO + STAGES * Tr::kQBytes;
+
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
+    const int n_blocks = params.n_blocks;
+    const MaskGeometry geo = MaskGeometry::of<V>(params);
+    // key blocks fastest, in natural order: under a causal mask the early key blocks see the most
+    // query blocks, so the heaviest CTAs start first
+    const BlockCoord blk = schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
+    const int n0 = blk.block * BC;
+    const int m_blocks = (seqlen_q + BR - 1) / BR;
+    const BlockRange range = query_blocks<BR, BC, V::kLocal>(geo, blk.block, m_blocks);
+    const int m_begin = range.begin, n_iter = range.size();
+
+    const int tid = threadIdx.x;
+    if (tid == 0) {
+        mbar_init(bar_kv, 1);
+#pragma unroll
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(bar_full(s), 1);
+            mbar_init(bar_free(s), CONSUMERS);
+        }
+        fence_barrier_init();
+    }
+    __syncthreads();  // the last CTA-wide barrier: after the role split warps leave at different times
+
+    if (tid / 128 == 0) {
+        // ---------------- producer ----------------
+        setmaxnreg_dec<Tr::kProducerRegs>();
+        if (tid == 0 && n_iter > 0) {
+            mbar_arrive_expect_tx(bar_kv, 2 * Tr::kKVBytes);
+            tma_load_5d(sK, tk, bar_kv, 0, n0, 0, blk.head, blk.batch);
+            tma_load_5d(sV, tv, bar_kv, 0, n0, 0, blk.head, blk.batch);
+            for (int it = 0; it < n_iter; ++it) {
+                const int s = it % STAGES;
+                const int m0 = (m_begin + it) * BR;
+                mbar_wait(bar_free(s), ((it / STAGES) & 1) ^ 1);  // a fresh barrier counts as released
+                mbar_arrive_expect_tx(bar_full(s), 2 * Tr::kQBytes);
+                tma_load_5d(sQ + s * Tr::kQBytes, tq, bar_full(s), 0, m0, 0, blk.head, blk.batch);
+                tma_load_5d(sdO + s * Tr::kQBytes, tdo, bar_full(s), 0, m0, 0, blk.head, blk.batch);
+            }
+        }
+    } else {
+        // ---------------- consumers ----------------
+        // (the two roles are the two branches of one if/else: ptxas applies setmaxnreg per branch)
+        setmaxnreg_inc<Tr::kConsumerRegs>();
+        const int cw = tid / 128 - 1, ctid = tid % 128, warp = ctid / 32, lane = tid % 32;
+        const int g = lane / 4, t = lane % 4;
+        const int key_w = n0 + 64 * cw + 16 * warp;  // this warp's first key
+        const float scale_log2 = params.scale_log2;
+        const Mask<V::kLocal> mask{geo};
+        const long long pad = params.seqlen_q_pad;
+        const float* lse2g = lse2 + (long long)blk.bh * pad;
+        const float* deltag = delta + (long long)blk.bh * pad;
+
+        // Descriptors. K-major (contraction over D): this consumer's 64 K / V rows (A of S^T, dP^T),
+        // Q / dO of slot 0 (B of S^T, dP^T). MN-major (contraction over rows): Q / dO of slot 0 (B of
+        // dK, dV), the dS^T image (A of dQ), K's column chunk of this consumer (B of dQ).
+        // Every operand sits at a compile-time offset from sK (plus this consumer's rows), so each
+        // descriptor is one runtime value, sK >> 4, plus constants, formed at its wgmma.
+        const u64 base0 = (u64)((sK & 0x3FFFF) >> 4);
+        auto desc = [&](u32 offset, u64 fields) { return base0 + (u64)(offset >> 4) + fields; };
+        const u32 oV = Tr::kKVBytes, oQ = 2 * Tr::kKVBytes, odO = oQ + STAGES * Tr::kQBytes, oDS = odO + STAGES * Tr::kQBytes;
+        auto dk_a = [&]() { return desc(cw * 64 * 128, kDescKMajorSw128); };           // K rows of this consumer
+        auto dv_a = [&]() { return desc(oV + cw * 64 * 128, kDescKMajorSw128); };      // V rows of this consumer
+        auto dq_b = [&]() { return desc(oQ, kDescKMajorSw128); };                      // Q, slot 0
+        auto ddo_b = [&]() { return desc(odO, kDescKMajorSw128); };                    // dO, slot 0
+        auto dq_mn = [&]() { return desc(oQ, desc_mn_major_sw128(BR)); };
+        auto ddo_mn = [&]() { return desc(odO, desc_mn_major_sw128(BR)); };
+        auto dds_mn = [&]() { return desc(oDS, desc_mn_major_sw128(BC)); };            // dS^T image as A of dQ
+        auto dds_k = [&]() { return desc(oDS + cw * 64 * 128, kDescKMajorSw128); };    // its rows of this consumer, A of dK
+        auto dkt_mn = [&]() { return desc(cw * Tr::kKVChunkBytes, desc_mn_major_sw128(BC)); };  // K's D-chunk cw, B of dQ
+        auto kmajor_step = [](int kk, int chunk_bytes) { return (u64)(((kk / 4) * chunk_bytes + (kk % 4) * 32) >> 4); };
+        auto slot_off = [](int slot) { return (u64)((slot * Tr::kQBytes) >> 4); };
+        constexpr u64 kRowStep = 2048 >> 4;  // 16 rows of a 128-byte-row image
+
+        float acc_dk[D / 8][4], acc_dv[D / 8][4];
+        if (n_iter > 0) mbar_wait(bar_kv, 0);
+        for (int it = 0; it < n_iter; ++it) {
+            const int s = it % STAGES, m = m_begin + it, m0 = m * BR;
+            mbar_wait(bar_full(s), (it / STAGES) & 1);
+
+            // ---- S^T = K_w Q_i^T; P^T = exp2(S^T c - lse2), 0 where masked ----
+            // (S^T and dP^T are never live together: with dK, dV and the dQ product's accumulator
+            // that would not fit the 240 registers at head_dim 128)
+            u32 p_frag[Tr::kQuerySteps][4];
+            {
+                float acc_s[BR / 8][4];
+                fence_regs(acc_s);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
+                    Wgmma<BR, BF16>::ss(acc_s, dk_a() + kmajor_step(kk, Tr::kKVChunkBytes),
+                                        dq_b() + slot_off(s) + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(acc_s);
+                // this thread's queries are columns 8 nt + 2 t (+1): their lse2 (padded rows have
+                // +inf, so P = 0 there), read where used (L1-resident; an array of them costs registers)
+                // one opaque row pointer per block: its 8 nt offsets become immediates of the loads
+                // (else the per-nt pointers, loop invariants, are hoisted: 16 registers each for
+                // lse2 and delta)
+                const float* lrow = reinterpret_cast<const float*>(opaque((u64)(lse2g + m0 + 2 * t)));
+#pragma unroll
+                for (int nt = 0; nt < BR / 8; ++nt) {
+                    const float2 L = *reinterpret_cast<const float2*>(lrow + 8 * nt);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
+                }
+                // in query order the masked head is the right edge + seqlen_k tail, the tail the
+                // left edge (local instances only)
+                if (range.masked_head(m) || (V::kLocal && range.masked_tail(m)))
+                    mask.template apply_transposed<true, true>(acc_s, m0, key_w, lane, 0.f);
+                c_to_a_frags<BF16, Tr::kQuerySteps>(p_frag, acc_s);
+            }
+
+            // ---- dV += P^T dO_i (RS) and dP^T = V_w dO_i^T (SS) together ----
+            {
+                float acc_dp[BR / 8][4];
+                fence_regs(acc_dp);
+                fence_regs(acc_dv);
+                fence_regs(p_frag);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
+                    Wgmma<D, BF16>::rs(acc_dv, p_frag[kk], ddo_mn() + slot_off(s) + kRowStep * kk, it > 0 || kk > 0);
+#pragma unroll
+                for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
+                    Wgmma<BR, BF16>::ss(acc_dp, dv_a() + kmajor_step(kk, Tr::kKVChunkBytes),
+                                        ddo_b() + slot_off(s) + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
+                wgmma_commit();
+                wgmma_wait<0>();
+                fence_regs(acc_dp);
+                fence_regs(acc_dv);
+                fence_regs(p_frag);
+                // ---- dS^T = P^T o (dP^T - delta), P^T from its 16-bit copy (the rounding dV used),
+                // straight into the smem image [BC key rows][64 queries] (128B swizzle) that both
+                // the dK product (A, K-major) and the dQ product (A, MN-major) read ----
+                // every consumer is past its previous wgmma_wait<0>: the last products read their dS^T
+                if (it > 0) named_bar_sync(Tr::kBarDsFree, 128 * CONSUMERS);
+                // (the image's base is made opaque per block: otherwise the 16 swizzled addresses,
+                // loop invariants, are hoisted and held in registers across the loop)
+                const u32 ds_rows = opaque(sDS) + (64 * cw + 16 * warp + g) * 128;
+                const float* drow = reinterpret_cast<const float*>(opaque((u64)(deltag + m0 + 2 * t)));
+#pragma unroll
+                for (int nt = 0; nt < BR / 8; ++nt) {
+                    const float2 Dl = *reinterpret_cast<const float2*>(drow + 8 * nt);
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const float d0 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half) * (acc_dp[nt][2 * half] - Dl.x);
+                        const float d1 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half + 1) * (acc_dp[nt][2 * half + 1] - Dl.y);
+                        // key row 64 cw + 16 warp + g + 8 half (row % 8 = g), query column 8 nt + 2 t
+                        st_shared_u32(ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t, pack2<BF16>(d0, d1));
+                    }
+                }
+            }
+            fence_proxy_async();  // generic-proxy stores, read next by wgmma (async proxy)
+            named_bar_sync(Tr::kBarDsFull, 128 * CONSUMERS);  // both halves of dS^T are in
+
+            // ---- dK += dS^T Q_i (A: this consumer's 64 key rows of the image, K-major) ----
+            fence_regs(acc_dk);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
+                Wgmma<D, BF16>::ss_bmn(acc_dk, dds_k() + kmajor_step(kk, Tr::kDSBytes),
+                                       dq_mn() + slot_off(s) + kRowStep * kk, it > 0 || kk > 0);
+            wgmma_commit();
+
+            // ---- dQ_i[:, 64 cw ..] = dS K[:, 64 cw ..], added to dq_acc ----
+            float acc_dq[8][4];
+            if (cw < Tr::kDqWarpgroups) {
+                fence_regs(acc_dq);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < Tr::kKeySteps; ++kk)
+                    Wgmma<64, BF16>::ss_mn(acc_dq, dds_mn() + kRowStep * kk, dkt_mn() + kRowStep * kk, kk > 0);
+                wgmma_commit();
+            }
+            wgmma_wait<0>();
+            fence_regs(acc_dk);
+            if (ctid == 0) mbar_arrive(bar_free(s));  // Q_i and dO_i are read
+            if (cw < Tr::kDqWarpgroups) {
+                fence_regs(acc_dq);
+                // rows = queries m0 + 16 warp + g (+8), columns = D columns 64 cw + 8 nt + 2 t (+1);
+                // dq_acc has seqlen_q_pad rows per (batch, head), so the block's rows need no guard
+                float* dq_rows = reinterpret_cast<float*>(
+                    opaque((u64)(dq_acc + ((long long)blk.bh * pad + m0 + 16 * warp + g) * D + 64 * cw + 2 * t)));
+#pragma unroll
+                for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                    for (int half = 0; half < 2; ++half)
+                        red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+            }
+        }
+
+        // ---------------- epilogue: dK = scale dK~, dV, from registers ----------------
+        const float scale = params.scale;
+        elem_t* dkg = dk + (long long)blk.batch * params.dk_sb + (long long)blk.head * params.dk_sh;
+        elem_t* dvg = dv + (long long)blk.batch * params.dv_sb + (long long)blk.head * params.dv_sh;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int row = key_w + g + 8 * half;
+            if (row < seqlen_k) {
+                elem_t* krow = dkg + (long long)row * params.dk_sn + 2 * t;
+                elem_t* vrow = dvg + (long long)row * params.dv_sn + 2 * t;
+#pragma unroll
+                for (int nt = 0; nt < D / 8; ++nt) {
+                    const bool live = n_iter > 0;  // a key block no query sees: dK = dV = 0
+                    *reinterpret_cast<u32*>(krow + 8 * nt) =
+                        pack2<BF16>(live ? acc_dk[nt][2 * half] * scale : 0.f, live ? acc_dk[nt][2 * half + 1] * scale : 0.f);
+                    *reinterpret_cast<u32*>(vrow + 8 * nt) =
+                        pack2<BF16>(live ? acc_dv[nt][2 * half] : 0.f, live ? acc_dv[nt][2 * half + 1] : 0.f);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace cuflash
