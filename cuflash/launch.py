@@ -73,9 +73,11 @@ def _take(ln: Launch, names: list, index: dict):
     unknown = [n for n in ln.pointers if n not in index]
     if unknown:
         raise ValueError(f"launch reads unknown slots {unknown}; the plan has {names}")
-    if ln.bind is not None:
-        return ln.bind
-    return None if list(ln.pointers) == names else _getter([index[n] for n in ln.pointers])
+    gather = None if list(ln.pointers) == names else _getter([index[n] for n in ln.pointers])
+    if ln.bind is not None:  # the bind takes the `pointers` slots, in order
+        bind = ln.bind
+        return bind if gather is None else (lambda slots: bind(gather(slots)))
+    return gather
 
 
 class Plan:

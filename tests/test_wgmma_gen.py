@@ -12,17 +12,19 @@ def _gen():
     return mod
 
 
-def test_checked_in_header_is_the_generators_output():
+def test_checked_in_headers_are_the_generators_output():
     gen = _gen()
-    assert (ROOT / "kernels_cu" / "core" / "wgmma_sm90.cuh").read_text() == gen.render(), \
-        "kernels_cu/core/wgmma_sm90.cuh is stale: run python scripts/gen_wgmma.py"
+    for name, text in (("wgmma_sm90.cuh", gen.render()), ("wgmma_sm90_mn.cuh", gen.render_mn())):
+        assert (ROOT / "kernels_cu" / "core" / name).read_text() == text, \
+            f"kernels_cu/core/{name} is stale: run python scripts/gen_wgmma.py"
 
 
 def test_every_n_a_tile_may_use_is_generated():
     gen = _gen()
     # block_k (S = Q K^T) and head_dim (O += P V) are multiples of 16 in [64, 256]
     assert set(gen.N_VALUES) == set(range(64, 257, 16))
-    text = gen.render()
+    text, mn = gen.render(), gen.render_mn()
     for n in gen.N_VALUES:
         for ty in ("bf16", "f16"):
-            assert f"m64n{n}k16.f32.{ty}.{ty}" in text
+            assert f"m64n{n}k16.f32.{ty}.{ty}" in text and f"m64n{n}k16.f32.{ty}.{ty}" in mn
+    assert "p, 1, 1, 1, 1;" in mn and "p, 1, 1, 0, 1;" in mn and "p, 1, 1, 1, 1;" not in text

@@ -100,16 +100,6 @@ __host__ __device__ constexpr u64 desc_mn_major_sw128(int rows) {
     return ((u64)(rows * 128 >> 4) << 16) | (64ull << 32) | (1ull << 62);
 }
 __device__ __forceinline__ u64 make_desc(u32 smem_addr, u64 fields) { return fields | (u64)((smem_addr & 0x3FFFF) >> 4); }
-// The same value, opaque to the compiler (it cannot hoist or CSE across it): for descriptors that
-// should be formed next to their wgmma rather than held in registers across a loop.
-__device__ __forceinline__ u64 opaque(u64 x) {
-    asm volatile("mov.b64 %0, %0;" : "+l"(x));
-    return x;
-}
-__device__ __forceinline__ u32 opaque(u32 x) {
-    asm volatile("mov.b32 %0, %0;" : "+r"(x));
-    return x;
-}
 
 // ---- named barriers (0 is __syncthreads); count = threads taking part, a multiple of 32
 __device__ __forceinline__ void named_bar_sync(int id, int count) {

@@ -26,10 +26,24 @@
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
 #include "core/ptx_sm90.cuh"
+#include "core/wgmma_sm90_mn.cuh"
 #include "sm80/warp_gemm.cuh"
-#include "sm90/traits.cuh"
+#include "sm90/bwd_traits.cuh"
 
 namespace cuflash {
+
+// x, opaque to the compiler (it cannot hoist or CSE across it). A loop-invariant address that an
+// unrolled loop offsets by constants is otherwise hoisted as one register per offset (here: 16 for
+// lse2, 16 for delta, 16 dS^T smem addresses), which the backward's 240 registers cannot hold;
+// from an opaque base the offsets become immediates of the loads and stores.
+__device__ __forceinline__ u64 opaque(u64 x) {
+    asm volatile("mov.b64 %0, %0;" : "+l"(x));
+    return x;
+}
+__device__ __forceinline__ u32 opaque(u32 x) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(x));
+    return x;
+}
 
 template <bool BF16, int D, int BR, int CONSUMERS, int STAGES, class V>
 __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tdo,
@@ -213,7 +227,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
-                Wgmma<D, BF16>::ss_bmn(acc_dk, dds_k() + kmajor_step(kk, Tr::kDSBytes),
+                WgmmaMN<D, BF16>::ss_bmn(acc_dk, dds_k() + kmajor_step(kk, Tr::kDSBytes),
                                        dq_mn() + slot_off(s) + kRowStep * kk, it > 0 || kk > 0);
             wgmma_commit();
 
@@ -224,7 +238,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < Tr::kKeySteps; ++kk)
-                    Wgmma<64, BF16>::ss_mn(acc_dq, dds_mn() + kRowStep * kk, dkt_mn() + kRowStep * kk, kk > 0);
+                    WgmmaMN<64, BF16>::ss_mn(acc_dq, dds_mn() + kRowStep * kk, dkt_mn() + kRowStep * kk, kk > 0);
                 wgmma_commit();
             }
             wgmma_wait<0>();

@@ -1,0 +1,41 @@
+// cuflash/kernels_cu/sm90/bwd_traits.cuh
+// Compile-time shape of the sm90 backward (sm90/bwd.cuh): roles, register split, smem carve-up,
+// k-steps, barrier ids. (Its own file: the forward's sources, which key its tuned entries, stay
+// untouched by backward work.)
+#pragma once
+#include "core/types.cuh"
+
+namespace cuflash {
+
+// The sm90 dK/dV (+ atomic dQ) kernel: one CTA per key block of BC = 64 * CONSUMERS keys, K and V
+// loaded once, Q and dO streamed per query block of BR rows through a STAGES-deep TMA ring.
+template <int D, int BR, int CONSUMERS, int STAGES>
+struct Sm90BwdTraits {
+    static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+    static_assert(BR == 64, "block_q 64: the dS^T image is one 64-query chunk (the dQ product's A)");
+    static_assert(CONSUMERS == 2, "two consumer warpgroups (128 keys)");
+    static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 Q/dO stages");
+
+    static constexpr int kWarpgroups = CONSUMERS + 1;
+    static constexpr int kThreads = 128 * kWarpgroups;
+    static constexpr int kBlockK = 64 * CONSUMERS;  // keys per CTA (BC)
+    static constexpr int kProducerRegs = 24;
+    static constexpr int kConsumerRegs = 240;
+
+    static constexpr int kKVBytes = kBlockK * D * 2;  // K or V: [D/64 chunk][BC rows][64]
+    static constexpr int kQBytes = BR * D * 2;        // Q or dO of one stage: [D/64 chunk][BR rows][64]
+    static constexpr int kDSBytes = kBlockK * BR * 2; // dS^T: [1 query chunk][BC key rows][64 queries]
+    static constexpr int kKVChunkBytes = kBlockK * 128;
+    static constexpr int kQChunkBytes = BR * 128;
+    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBytes + 1024;  // + alignment slack
+
+    static constexpr int kHeadSteps = D / 16;        // S^T, dP^T contract over D
+    static constexpr int kQuerySteps = BR / 16;      // dV, dK contract over the BR queries
+    static constexpr int kKeySteps = kBlockK / 16;   // dQ contracts over the BC keys
+    static constexpr int kDqWarpgroups = D / 64;     // consumers that run the dQ product, 64 columns of D each
+
+    // named barriers (0 is __syncthreads): dS^T complete in smem / every dQ product done reading it
+    static constexpr int kBarDsFull = 1, kBarDsFree = 2;
+};
+
+}  // namespace cuflash
