@@ -21,13 +21,18 @@ FWD_ARRAYS = ("q", "k", "v")
 BWD_ARRAYS = ("dout", "q", "k", "v", "out", "lse")
 
 
-def _defaults_last(options: tuple) -> tuple:
-    """The options in order, those with a schema default (added after the first release) last."""
-    return tuple(o for o in options if len(o) == 2) + tuple(o for o in options if len(o) > 2)
-
-
 MASK_OPTIONS = MaskOptions.schema_options()
 MASK_NAMES = tuple(o[0] for o in MASK_OPTIONS)
+
+
+def _defaults_last(options: tuple) -> tuple:
+    """The options in order, those with a schema default (added after the first release) after the
+    others: first this module's own (append new ones at the end of the list below), then the mask
+    fields' (MaskOptions' field order), so that an op call written for an older schema, with every
+    positional argument it knew, still binds. (An option of this module added after a defaulted
+    mask field would have to go after it: give _defaults_last an explicit order then.)"""
+    group = lambda o: 0 if len(o) == 2 else 1 if o[0] not in MASK_NAMES else 2
+    return tuple(sorted(options, key=group))  # stable: each group keeps its order
 # seed travels as torch's signed 64-bit `int` (cuflash/_torch.py maps [0, 2^64) onto it).
 FWD_OPTIONS = _defaults_last((*MASK_OPTIONS, ("softmax_scale", "float?"), ("algorithm", "str"),
                               ("deterministic", "bool"), ("dropout_p", "float"), ("seed", "int"),
