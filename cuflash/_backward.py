@@ -15,6 +15,7 @@ import numpy as np
 from . import _compile, families, problem
 from . import _plans as plan_cache
 from .launch import Buffer, Launch, Plan, check_grid
+from .mask import MaskOptions
 from .params import pack_bwd
 from .problem import AttnProblem
 from .signature import BWD_ARRAYS
@@ -73,9 +74,9 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
 _plans = plan_cache.PlanCache()
 
 
-def _build_plan(arrays, causal, softmax_scale, deterministic, dropout, config, dq_config) -> Plan:
+def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config) -> Plan:
     infos = [problem.describe(x, n) for x, n in zip(arrays, BWD_ARRAYS)]
-    p = problem.resolve_backward(*infos, causal, softmax_scale, deterministic, dropout)
+    p = problem.resolve_backward(*infos, mask, softmax_scale, deterministic, dropout)
     cfg = _tile(families.BWD, config, p)
     dq_cfg = _tile(families.BWD_DQ, dq_config, p) if p.deterministic else None
     return _plan(p, cfg, dq_cfg, arrays[1].dtype)
@@ -89,22 +90,26 @@ def _tile(family, config, p):
     return config
 
 
-def backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, deterministic=False, dropout_p=0.0,
-             seed=None, config: BwdConfig | None = None, dq_config: DqConfig | None = None):
+def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softmax_scale=None, deterministic=False,
+             dropout_p=0.0, seed=None, config: BwdConfig | None = None, dq_config: DqConfig | None = None,
+             **mask_options):
     """Gradients (dq, dk, dv) of attention for upstream gradient `dout`; CuPy arrays like q, k, v.
 
-    `out` and `lse` are the forward's results for the same q, k, v, causal, softmax_scale,
-    dropout_p and seed (the dropout mask is regenerated from the seed, never stored).
+    `out` and `lse` are the forward's results for the same q, k, v, mask, softmax_scale,
+    dropout_p and seed (the dropout mask is regenerated from the seed, never stored). The mask:
+    the record `mask` or the mask keywords (`causal=True`, ...), as the forward (cuflash/_forward.py).
     `config` / `dq_config` override the selected kernel configs (tuner, tests).
     """
     import cupy
 
+    if mask_options or type(mask) is not MaskOptions:
+        mask = MaskOptions.given(mask, mask_options)
     arrays = (dout, q, k, v, out, lse)
     dropout = problem.resolve_dropout(dropout_p, seed)
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
-        plan = _plans.get(lambda: (*plan_cache.array_key(arrays), causal, softmax_scale, deterministic,
+        plan = _plans.get(lambda: (*plan_cache.array_key(arrays), mask.key, softmax_scale, deterministic,
                                    dropout is not None),
-                          lambda: _build_plan(arrays, causal, softmax_scale, deterministic, dropout, None, None))
+                          lambda: _build_plan(arrays, mask, softmax_scale, deterministic, dropout, None, None))
     else:
-        plan = _build_plan(arrays, causal, softmax_scale, deterministic, dropout, config, dq_config)
+        plan = _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config)
     return plan.run(arrays, None if dropout is None else dropout.kernel_args)

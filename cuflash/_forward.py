@@ -13,6 +13,7 @@ import numpy as np
 from . import _compile, families, problem
 from . import _plans as plan_cache
 from .launch import Buffer, Launch, Plan, check_grid
+from .mask import MaskOptions
 from .params import pack_fwd
 from .problem import AttnProblem
 from .tiles import FwdConfig, Sm90FwdConfig
@@ -38,10 +39,11 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
 
 
-def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, causal, softmax_scale, dropout_p,
-                seed, config, out, lse, backend=None):
+def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask: MaskOptions, softmax_scale,
+                dropout_p, seed, config, out, lse, backend=None):
     """The body the v2 and v1 forwards share: the call's dropout, the cached (or, with an explicit
-    config, fresh) launch plan, optional output buffers, the launch.
+    config, fresh) launch plan, optional output buffers, the launch. `mask`: the call's MaskOptions
+    (the plan key holds its `key`, the values of its fields).
 
     candidates: the pass's kernel families in order of preference (families.FORWARDS for v2); the
     plan's family is families.choose(candidates, problem, backend) and its tile
@@ -56,7 +58,7 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, caus
 
     def build(cfg):
         infos = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
-        p = problem.resolve_forward(*infos, causal, softmax_scale, dropout)
+        p = problem.resolve_forward(*infos, mask, softmax_scale, dropout)
         if cfg is None:
             family = families.choose(candidates, p, backend)
             cfg = families.select(family, p)
@@ -65,7 +67,7 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, caus
         return family.plan(p, cfg, q.dtype)
 
     if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
-        plan = plans.get(lambda: (*plan_cache.array_key((q, k, v)), causal, softmax_scale, dropout is not None,
+        plan = plans.get(lambda: (*plan_cache.array_key((q, k, v)), mask.key, softmax_scale, dropout is not None,
                                   backend),
                          lambda: build(None))
     else:
@@ -118,10 +120,13 @@ def _checked_lse(lse, shape):
 _plans = plan_cache.PlanCache()
 
 
-def forward(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None,
-            config: FwdConfig | Sm90FwdConfig | None = None, out=None, lse=None, backend: str | None = None):
+def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dropout_p=0.0, seed=None,
+            config: FwdConfig | Sm90FwdConfig | None = None, out=None, lse=None, backend: str | None = None,
+            **mask_options):
     """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
+    The mask: the record `mask` (what cuflash.attention hands on) or cuflash.attention's mask
+    keywords (`causal=True`, ...: `mask_options`, MaskOptions' fields), not both; neither is no mask.
     dropout_p > 0 drops attention probabilities with the Philox mask of `seed` (an int; the same
     seed must go to the backward); lse is that of the undropped scores.
     `out` and `lse` may be given (internal: tests poison them, the backward reuses them); otherwise
@@ -129,5 +134,7 @@ def forward(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=No
     FwdConfig runs the sm80 kernel, an Sm90FwdConfig the Hopper one). `backend`: None (the Hopper
     kernel where it can run the call, else sm80; CUFLASH_BACKEND forces one), "sm80" or "sm90".
     """
-    return run_forward(families.FORWARDS, _plans, q, k, v, causal=causal, softmax_scale=softmax_scale,
+    if mask_options or type(mask) is not MaskOptions:
+        mask = MaskOptions.given(mask, mask_options)
+    return run_forward(families.FORWARDS, _plans, q, k, v, mask=mask, softmax_scale=softmax_scale,
                        dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse, backend=backend)

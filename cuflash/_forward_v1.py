@@ -13,6 +13,7 @@ from . import _compile, families
 from . import _plans as plan_cache
 from ._forward import INPUTS, OUTPUTS, output_buffers, run_forward
 from .launch import Buffer, Launch, Plan, check_grid
+from .mask import MaskOptions
 from .params import pack_fwd
 from .problem import AttnProblem
 from .tiles import V1Config
@@ -42,16 +43,18 @@ def _plan(p: AttnProblem, cfg: V1Config, dtype) -> Plan:
 _plans = plan_cache.PlanCache(1024)
 
 
-def forward_v1(q, k, v, *, causal=False, softmax_scale=None, dropout_p=0.0, seed=None,
-               config: V1Config | None = None, out=None, lse=None, backend: str | None = None):
+def forward_v1(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dropout_p=0.0, seed=None,
+               config: V1Config | None = None, out=None, lse=None, backend: str | None = None, **mask_options):
     """FlashAttention-1 forward. Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
     Arguments and results are those of the v2 forward (cuflash.attention): q (batch, seqlen_q,
     heads, head_dim), k and v (batch, seqlen_k, heads, head_dim), fp16 or bf16 CuPy arrays with a
-    contiguous last dimension; bottom-right causal mask; lse in natural log, -inf (and out 0) for
+    contiguous last dimension; the mask as `mask` or its keywords (causal=..., as the v2 forward); lse in natural log, -inf (and out 0) for
     rows that see no key. `out`/`lse` may be given (internal: tests poison them); `config`
     overrides the selected kernel config. Runs on CuPy's current stream. `backend`: None or "sm80"
     (the v1 kernel is mma.sync only: "sm90" raises ValueError; CUFLASH_BACKEND does not apply).
     """
-    return run_forward((families.FWD_V1,), _plans, q, k, v, causal=causal, softmax_scale=softmax_scale,
+    if mask_options or type(mask) is not MaskOptions:
+        mask = MaskOptions.given(mask, mask_options)
+    return run_forward((families.FWD_V1,), _plans, q, k, v, mask=mask, softmax_scale=softmax_scale,
                        dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse, backend=backend)

@@ -1,7 +1,7 @@
 """PyTorch integration: cuflash's forward and backward as torch custom ops, with autograd.
 
     torch.ops.cuflash.attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed,
-                                    backend) -> (out, lse)
+                                    backend) -> (out, lse)          # causal, ...: MaskOptions' fields
     torch.ops.cuflash.attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed)
         -> (dq, dk, dv)
 
@@ -13,17 +13,24 @@ implementations, so torch.compile traces around them (they stay opaque calls in 
 The kernels run on torch's current stream of the tensors' device (no synchronisation added), on
 zero-copy CuPy views of the tensors; results are CuPy allocations handed to torch by DLPack.
 The lse output is not differentiable (marked so): gradients flow through `out` only.
-Schemas and autograd's option plumbing come from the argument lists in cuflash/signature.py;
-argument checks are cuflash/problem.py's, which the ops' real and fake implementations share.
+Schemas and autograd's option plumbing come from the argument lists in cuflash/signature.py; the
+mask options (`causal`, ...) are the fields of cuflash.mask.MaskOptions, flat in the schemas and
+gathered back into the record by the ops, whose Python implementations take the options as
+*options (their __signature__ names them). Argument checks are cuflash/problem.py's and
+MaskOptions', which the ops' real and fake implementations share.
 
 This module imports torch, so cuflash imports it only when the first torch tensor arrives; the
 ops are registered then, once per process. Needs torch >= 2.4 (torch.library.custom_op).
 """
+import inspect
+
 import torch
 
 from . import _interop, families, problem
 from .api import forward_fn
-from .signature import BWD_ARRAYS, BWD_SCHEMA, FWD_ARRAYS, FWD_SCHEMA, OPTION_GRADS, backward_options
+from .mask import MaskOptions
+from .signature import (BWD_ARRAYS, BWD_OPTIONS, BWD_SCHEMA, FWD_ARRAYS, FWD_OPTIONS, FWD_SCHEMA, OPTION_GRADS,
+                        backward_options, mask_and_options, op_options, parameters, split_options)
 
 Tensor = torch.Tensor
 
@@ -34,10 +41,21 @@ _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is
 
 
 def _custom_op(name, schema):
-    import inspect
-
     kw = {"tags": _TAGS} if _TAGS and "tags" in inspect.signature(torch.library.custom_op).parameters else {}
     return torch.library.custom_op(name, mutates_args=(), schema=schema, **kw)
+
+
+_FWD_SIGNATURE = inspect.Signature(parameters(FWD_ARRAYS, FWD_OPTIONS))
+_BWD_SIGNATURE = inspect.Signature(parameters(BWD_ARRAYS, BWD_OPTIONS))
+
+
+def _signed(signature):
+    """Give an implementation that takes (arrays..., *options) the op's parameter list as its signature."""
+    def wrap(fn):
+        fn.__signature__ = signature
+        return fn
+
+    return wrap
 
 
 def _device(tensors, names) -> int:
@@ -82,29 +100,33 @@ def _dropout_options(dropout_p, seed):
 # ------------------------------------------------------------------------------------------ the ops
 
 @_custom_op("cuflash::attention_fwd", FWD_SCHEMA)
-def attention_fwd(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed, backend=None):
-    fwd = forward_fn(algorithm)
+@_signed(_FWD_SIGNATURE)
+def attention_fwd(q, k, v, *options):
+    mask, o = mask_and_options(FWD_OPTIONS, options)
+    fwd = forward_fn(o["algorithm"])
     dev = _device((q, k, v), FWD_ARRAYS)
-    seed = _seed_out(dropout_p, seed)
+    seed = _seed_out(o["dropout_p"], o["seed"])
 
     def run(cq, ck, cv):
-        return fwd(cq, ck, cv, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
-                   backend=backend)
+        return fwd(cq, ck, cv, mask=mask, softmax_scale=o["softmax_scale"], dropout_p=o["dropout_p"], seed=seed,
+                   backend=o["backend"])
 
     out, lse = _interop.run(run, (q, k, v), _interop.TORCH, dev, FWD_ARRAYS)
     return out.contiguous(), lse.contiguous()  # as the fake promises (no-ops: fresh arrays)
 
 
 @_custom_op("cuflash::attention_bwd", BWD_SCHEMA)
-def attention_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed):
+@_signed(_BWD_SIGNATURE)
+def attention_bwd(dout, q, k, v, out, lse, *options):
+    mask, o = mask_and_options(BWD_OPTIONS, options)
     dev = _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
-    seed = _seed_out(dropout_p, seed)
+    seed = _seed_out(o["dropout_p"], o["seed"])
     from . import _backward
 
     def run(*arrays):
-        return _backward.backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-                                  dropout_p=dropout_p, seed=seed)
+        return _backward.backward(*arrays, mask=mask, softmax_scale=o["softmax_scale"],
+                                  deterministic=o["deterministic"], dropout_p=o["dropout_p"], seed=seed)
 
     dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, BWD_ARRAYS)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()  # the fake's layout, whatever the kernel's
@@ -131,21 +153,25 @@ def _info(t, name, contiguous=False):
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, softmax_scale, algorithm, deterministic, dropout_p, seed, backend=None):
-    problem.check_algorithm(algorithm)
-    families.check_backend(backend)  # whether it can run is the device's business: the real op says
+@_signed(_FWD_SIGNATURE)
+def _attention_fwd_fake(q, k, v, *options):
+    mask, o = split_options(FWD_OPTIONS, options)
+    problem.check_algorithm(o["algorithm"])
+    families.check_backend(o["backend"])  # whether it can run is the device's business: the real op says
     infos = [_info(t, n) for t, n in zip((q, k, v), FWD_ARRAYS)]
     if None not in infos:
-        problem.resolve_forward(*infos, causal, softmax_scale)
+        problem.resolve_forward(*infos, MaskOptions.of(**mask), o["softmax_scale"])
     b, nq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, nq), dtype=torch.float32)
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p, seed):
+@_signed(_BWD_SIGNATURE)
+def _attention_bwd_fake(dout, q, k, v, out, lse, *options):
+    mask, o = split_options(BWD_OPTIONS, options)
     infos = [_info(t, n, contiguous=(n == "dout")) for t, n in zip((dout, q, k, v, out, lse), BWD_ARRAYS)]
     if None not in infos:
-        problem.resolve_backward(*infos, causal, softmax_scale, deterministic)
+        problem.resolve_backward(*infos, MaskOptions.of(**mask), o["softmax_scale"], o["deterministic"])
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -174,24 +200,32 @@ _bwd_op = torch.ops.cuflash.attention_bwd.default
 
 # ------------------------------------------------------------------------------ public entry points
 # The options are checked here, once, because the ops' schema types cannot carry a wrong one to
-# the checks below them (a str for `causal` would fail in the dispatcher, not with our message).
+# the checks below them (a str for `causal` would fail in the dispatcher, not with our message):
+# the mask was checked when the caller built its record.
 
-def attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p=0.0, seed=None,
-              backend=None):
+def attention(q, k, v, mask: MaskOptions, softmax_scale, return_lse, algorithm, deterministic, dropout_p=0.0,
+              seed=None, backend=None):
     """cuflash.attention for torch tensors (differentiable). Arguments checked by the caller:
-    algorithm, deterministic and backend; checked here: types, devices, causal, softmax_scale, dropout."""
+    the mask (a MaskOptions), algorithm, deterministic and backend; checked here: types, devices,
+    softmax_scale, dropout."""
     _device((q, k, v), FWD_ARRAYS)
-    out, lse = _fwd_op(q, k, v, problem.check_flag(causal, "causal"), problem.check_softmax_scale(softmax_scale),
-                       algorithm, bool(deterministic), *_dropout_options(dropout_p, seed), backend)
+    scale = problem.check_softmax_scale(softmax_scale)
+    dropout_p, seed = _dropout_options(dropout_p, seed)
+    out, lse = _fwd_op(q, k, v, *op_options(FWD_OPTIONS, mask, softmax_scale=scale, algorithm=algorithm,
+                                            deterministic=bool(deterministic), dropout_p=dropout_p, seed=seed,
+                                            backend=backend))
     return (out, lse) if return_lse else out
 
 
-def attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout_p=0.0, seed=None):
+def attention_backward(dout, q, k, v, out, lse, mask: MaskOptions, softmax_scale, deterministic, dropout_p=0.0,
+                       seed=None):
     """cuflash.attention_backward for torch tensors: (dq, dk, dv), not itself differentiable."""
     _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     if dropout_p and seed is None:
         raise ValueError("seed is required with dropout_p > 0: pass the seed the forward used")
+    scale = problem.check_softmax_scale(softmax_scale)
+    dropout_p, seed = _dropout_options(dropout_p, seed)
     with torch.no_grad():
-        return _bwd_op(dout, q, k, v, out, lse, problem.check_flag(causal, "causal"),
-                       problem.check_softmax_scale(softmax_scale), bool(deterministic),
-                       *_dropout_options(dropout_p, seed))
+        return _bwd_op(dout, q, k, v, out, lse, *op_options(BWD_OPTIONS, mask, softmax_scale=scale,
+                                                           deterministic=bool(deterministic),
+                                                           dropout_p=dropout_p, seed=seed))

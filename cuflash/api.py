@@ -5,6 +5,7 @@ user documentation.
 """
 from __future__ import annotations
 
+from .mask import MaskOptions
 from .signature import BWD_ARRAYS
 
 # Filled by the first call with CuPy arrays, so that later CuPy calls cost three `is` tests on top
@@ -59,16 +60,17 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     Raises TypeError/ValueError naming the argument before any launch on bad input.
     """
+    mask = MaskOptions.of(causal=causal)  # the mask keywords, checked, as one record from here on
     t = type(q)
     if (t is _ndarray and type(k) is t and type(v) is t and algorithm == "v2"
             and (deterministic is False or deterministic is True)):
-        out, lse = _fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
+        out, lse = _fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
                         backend=backend)
         return (out, lse) if return_lse else out
-    return _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend)
+    return _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend)
 
 
-def _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend=None):
+def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend=None):
     from . import families, problem
 
     problem.check_algorithm(algorithm)
@@ -76,21 +78,21 @@ def _attention(q, k, v, causal, softmax_scale, return_lse, algorithm, determinis
     families.check_backend(backend)
     tm = _tmod
     if tm is not None and isinstance(q, tm.Tensor):
-        return tm.attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
+        return tm.attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
                             backend)
 
     from . import _interop
 
     fw, dev = _interop.common_framework((q, k, v), ("q", "k", "v"))
     if fw == _interop.TORCH:
-        return _load_torch().attention(q, k, v, causal, softmax_scale, return_lse, algorithm, deterministic,
+        return _load_torch().attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic,
                                        dropout_p, seed, backend)
     fwd = forward_fn(algorithm)
     if fw == _interop.CUPY:
-        out, lse = fwd(q, k, v, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
+        out, lse = fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
                        backend=backend)
     else:
-        out, lse = _interop.run(lambda *a: fwd(*a, causal=causal, softmax_scale=softmax_scale, dropout_p=dropout_p,
+        out, lse = _interop.run(lambda *a: fwd(*a, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p,
                                                seed=seed, backend=backend), (q, k, v), fw, dev, ("q", "k", "v"))
     return (out, lse) if return_lse else out
 
@@ -109,30 +111,31 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     the op `torch.ops.cuflash.attention_bwd`, which is not itself differentiable). Raises
     TypeError/ValueError naming the argument before any launch on bad input.
     """
+    mask = MaskOptions.of(causal=causal)
     args = (dout, q, k, v, out, lse)
     t = type(q)
     if t is _ndarray and all(type(a) is t for a in args) and (deterministic is False or deterministic is True):
         from ._backward import backward
 
-        return backward(*args, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+        return backward(*args, mask=mask, softmax_scale=softmax_scale, deterministic=deterministic,
                         dropout_p=dropout_p, seed=seed)
-    return _attention_backward(args, causal, softmax_scale, deterministic, dropout_p, seed)
+    return _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed)
 
 
-def _attention_backward(args, causal, softmax_scale, deterministic, dropout_p, seed):
+def _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed):
     from . import _interop, problem
 
     deterministic = problem.check_flag(deterministic, "deterministic")
     tm = _tmod
     if tm is not None and isinstance(args[1], tm.Tensor):
-        return tm.attention_backward(*args, causal, softmax_scale, deterministic, dropout_p, seed)
+        return tm.attention_backward(*args, mask, softmax_scale, deterministic, dropout_p, seed)
     fw, dev = _interop.common_framework(args, BWD_ARRAYS)
     if fw == _interop.TORCH:
-        return _load_torch().attention_backward(*args, causal, softmax_scale, deterministic, dropout_p, seed)
+        return _load_torch().attention_backward(*args, mask, softmax_scale, deterministic, dropout_p, seed)
     from ._backward import backward
 
     def run(*a):
-        return backward(*a, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+        return backward(*a, mask=mask, softmax_scale=softmax_scale, deterministic=deterministic,
                         dropout_p=dropout_p, seed=seed)
 
     if fw == _interop.CUPY:

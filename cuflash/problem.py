@@ -1,7 +1,10 @@
 """One description of an attention call (`AttnProblem`) and the one pass that validates its arguments.
 
-    p = resolve_forward(q, k, v, causal, softmax_scale, dropout)          # q, k, v: ArrayInfo
-    p = resolve_backward(dout, q, k, v, out, lse, causal, softmax_scale, deterministic, dropout)
+    p = resolve_forward(q, k, v, mask, softmax_scale, dropout)          # q, k, v: ArrayInfo
+    p = resolve_backward(dout, q, k, v, out, lse, mask, softmax_scale, deterministic, dropout)
+
+`mask` is the call's cuflash.mask.MaskOptions (the public API's mask keywords, checked when the
+record was built); resolve_* turn it into the canonical mask geometry of the problem.
 
 The CuPy entry points (on plan build), the torch ops and their fakes all call these, so every rule
 and message lives here once. Checks run on `ArrayInfo` records (shape, dtype, strides, pointer,
@@ -19,14 +22,13 @@ import math
 import numpy as np
 
 from .features import SUPPORTED_DTYPES, Features
+from .mask import UNBOUNDED, MaskOptions, check_flag  # noqa: F401  (check_flag, UNBOUNDED: re-exported)
 from .tiles import SUPPORTED_HEAD_DIMS
 
 # cp.async moves 16 bytes at a time: base pointers and row strides must be 16-byte aligned.
 ALIGN_BYTES = 16
 LSE_DTYPE = "float32"
-# A window side that reaches every key: larger than any seqlen, small enough that i + offset +/- it
-# stays in a 32-bit int. The kernels use the same value (kernels_cu/attn/mask.cuh, kUnbounded).
-UNBOUNDED = 1 << 30
+# UNBOUNDED (cuflash/mask.py): a window side that reaches every key.
 # mask.cuh's integer range: every geometry value is UNBOUNDED or below this in magnitude.
 GEOMETRY_LIMIT = 1 << 28
 
@@ -57,7 +59,8 @@ class AttnProblem:
 
     Mask: query row i sees key k iff i + offset - window_left <= k <= i + offset + window_right
     (and k < seqlen_k). Bottom-right causal is (UNBOUNDED, 0, seqlen_k - seqlen_q), no mask is
-    (UNBOUNDED, UNBOUNDED, seqlen_k - seqlen_q).
+    (UNBOUNDED, UNBOUNDED, seqlen_k - seqlen_q) (MaskOptions.geometry). The compile-time features
+    follow the geometry: a bounded left edge selects the `local` kernels.
     """
 
     batch: int
@@ -82,7 +85,7 @@ class AttnProblem:
 
     @property
     def features(self) -> Features:
-        return Features(self.dtype, self.head_dim, self.dropout is not None)
+        return Features(self.dtype, self.head_dim, self.dropout is not None, local=self.window_left != UNBOUNDED)
 
     @property
     def causal(self) -> bool:
@@ -103,13 +106,6 @@ def describe(x, name: str) -> ArrayInfo:
 
 
 # ----------------------------------------------------------------------------------- options
-
-def check_flag(value, name: str) -> bool:
-    """A bool option (0 and 1 are accepted as bools)."""
-    if not isinstance(value, (bool, int)) or value not in (0, 1, True, False):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
-
 
 def check_softmax_scale(softmax_scale) -> float | None:
     """A positive finite float, or None (the default, 1/sqrt(head_dim), is resolved with the arrays)."""
@@ -186,17 +182,14 @@ def check_geometry(window_left: int, window_right: int, offset: int) -> None:
         raise ValueError(f"empty attention window: window_left + window_right = {window_left} + {window_right} < 0")
 
 
-def _canonical_mask(causal: bool, seqlen_q: int, seqlen_k: int) -> tuple:
-    """(window_left, window_right, offset) of today's masks; causal is aligned bottom-right."""
-    return UNBOUNDED, (0 if causal else UNBOUNDED), seqlen_k - seqlen_q
-
-
-def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, causal, softmax_scale,
+def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions, softmax_scale,
                     dropout: Dropout | None = None) -> AttnProblem:
     """The forward's problem; raises TypeError/ValueError naming the first bad argument.
 
-    `dropout` is resolve_dropout's result for the call.
+    `mask` is the call's MaskOptions, `dropout` resolve_dropout's result for the call.
     """
+    if type(mask) is not MaskOptions:
+        raise TypeError(f"mask must be a cuflash.mask.MaskOptions (e.g. MaskOptions.of(causal=True)), got {mask!r}")
     for a, name in ((q, "q"), (k, "k"), (v, "v")):
         _check_layout(a, name)
     if not (q.dtype == k.dtype == v.dtype):
@@ -223,9 +216,8 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, causal, softmax_sc
         raise ValueError(f"seqlen of q must be >= 1, got {nq}")
     if nk < 1:
         raise ValueError(f"seqlen of k and v must be >= 1, got {nk}")
-    causal = check_flag(causal, "causal")
     scale = check_softmax_scale(softmax_scale)
-    left, right, offset = _canonical_mask(causal, nq, nk)
+    left, right, offset = mask.geometry(nq, nk)
     return AttnProblem(
         batch=b, seqlen_q=nq, seqlen_k=nk, heads=h, head_dim=d, dtype=q.dtype, device=q.device,
         strides={"q": _element_strides(q), "k": _element_strides(k), "v": _element_strides(v)},
@@ -234,15 +226,16 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, causal, softmax_sc
 
 
 def resolve_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,
-                     causal, softmax_scale, deterministic=False, dropout: Dropout | None = None) -> AttnProblem:
+                     mask: MaskOptions, softmax_scale, deterministic=False,
+                     dropout: Dropout | None = None) -> AttnProblem:
     """The backward's problem; raises TypeError/ValueError naming the first bad argument.
 
-    q, k, v, causal and softmax_scale follow resolve_forward. `out` (the forward's output) and `dout`
+    q, k, v, mask and softmax_scale follow resolve_forward. `out` (the forward's output) and `dout`
     (the gradient of the loss with respect to it) must have q's shape, dtype and device, and the
     layout rules of q (contiguous last dimension, 16-byte aligned pointer and strides). `lse` is the
     forward's float32 (batch, heads, seqlen_q) log-sum-exp, C-contiguous, on q's device.
     """
-    p = resolve_forward(q, k, v, causal, softmax_scale, dropout)
+    p = resolve_forward(q, k, v, mask, softmax_scale, dropout)
     for a, name in ((out, "out"), (dout, "dout")):
         if a.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")

@@ -385,12 +385,13 @@ def measure_case(s: Shape, dtype: str, torch=None, reps: int = 10, warmup: int =
     import cupy
 
     from . import _forward, _forward_v1, families, problem
+    from .mask import MaskOptions
     from ._timing import time_cuda
     from .bench import Case, make_inputs
 
     sets = make_inputs(Case(s.head_dim, s.seqlen_q, s.batch, s.heads, s.causal), dtype, torch)
     infos = [problem.describe(x, n) for x, n in zip(sets[0]["cupy"], "qkv")]
-    attn = problem.resolve_forward(*infos, s.causal, None)
+    attn = problem.resolve_forward(*infos, MaskOptions.of(causal=s.causal), None)
     configs = {"v1": families.select(families.FWD_V1, attn), "v2": families.select(families.FWD, attn)}
     benches = {
         "v1": (lambda q, k, v: _forward_v1.forward_v1(q, k, v, causal=s.causal), [x["cupy"] for x in sets], "cupy",

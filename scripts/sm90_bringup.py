@@ -21,6 +21,7 @@ import cupy  # noqa: E402
 
 from cuflash import _compile, params, problem, testing  # noqa: E402
 from cuflash._forward import forward as fwd_sm80  # noqa: E402
+from cuflash.mask import MaskOptions  # noqa: E402
 
 TMAP = np.dtype([("opaque", "<u8", (16,))])
 
@@ -89,7 +90,8 @@ def run(cfg, q, k, v, causal, scale=None, dropout_p=0.0, seed=0, out=None, lse=N
     persistent = len(cfg) > 6 and cfg[6]
     bf16 = q.dtype.name == "bfloat16"
     drop = problem.resolve_dropout(dropout_p, seed) if dropout_p else None
-    p = problem.resolve_forward(*(problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))), causal, scale, drop)
+    p = problem.resolve_forward(*(problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))), MaskOptions.of(causal=causal), scale,
+                                drop)
     br = 64 * c
     m_blocks = -(-p.seqlen_q // br)
     packed = params.pack_fwd(p, m_blocks)

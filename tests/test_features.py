@@ -10,6 +10,7 @@ import pytest
 
 from cuflash import _compile, families, params, problem
 from cuflash.features import Features
+from cuflash.mask import CAUSAL
 from tests.test_compile import _nvrtc_available
 from tests.test_params import _compile_ok
 
@@ -67,15 +68,18 @@ def _causal_problem():
             acc *= n
         return problem.ArrayInfo(shape, "float16", 2, tuple(strides), 1 << 20, 0)
 
-    return problem.resolve_forward(info((2, 100, 3, 64)), info((2, 120, 3, 64)), info((2, 120, 3, 64)), True, None)
+    return problem.resolve_forward(info((2, 100, 3, 64)), info((2, 120, 3, 64)), info((2, 120, 3, 64)), CAUSAL, None)
 
 
-def test_bounded_left_edge_needs_local_features():
+def test_bounded_left_edge_selects_local_features():
+    """The compile-time features follow the geometry: a bounded left edge (what a sliding window
+    resolves to) selects the `local` kernels, which read window_left from the params struct."""
     p = _causal_problem()
     p = dataclasses.replace(p, strides={**p.strides, "out": p.strides["q"], "dout": p.strides["q"]})  # as a backward's
     assert not p.features.local
     windowed = dataclasses.replace(p, window_left=16)  # a sliding window of 17 keys
+    assert windowed.features == dataclasses.replace(p.features, local=True)
+    assert windowed.features.perf_class() == p.features.perf_class()  # same tuned tables
     for pack in (lambda q: params.pack_fwd(q, 2), lambda q: params.pack_bwd(q, 128, 1, 1)):
-        pack(p)
-        with pytest.raises(NotImplementedError, match="Features.local"):
-            pack(windowed)
+        assert pack(p)[0]["window_left"] == problem.UNBOUNDED
+        assert pack(windowed)[0]["window_left"] == 16

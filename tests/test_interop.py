@@ -8,6 +8,7 @@ import pytest
 
 import cuflash
 from cuflash import _interop
+from cuflash.mask import CAUSAL, NO_MASK
 
 
 # ------------------------------------------------------------------------------------ fake objects
@@ -157,9 +158,11 @@ def test_cupy_fast_path_calls_forward_directly(monkeypatch):
     assert cuflash.attention(q, q, q) == "out"
     assert cuflash.attention(q, q, q, causal=True, softmax_scale=0.5, return_lse=True, deterministic=True) == ("out", "lse")
     assert cuflash.attention(q, q, q, backend="sm90") == "out"  # the backend rides the fast path too
-    assert calls == [dict(causal=False, softmax_scale=None, dropout_p=0.0, seed=None, backend=None),
-                     dict(causal=True, softmax_scale=0.5, dropout_p=0.0, seed=None, backend=None),
-                     dict(causal=False, softmax_scale=None, dropout_p=0.0, seed=None, backend="sm90")]
+    # the mask keywords arrive as one record (cuflash/mask.py), the same object for today's two masks
+    assert calls == [dict(mask=NO_MASK, softmax_scale=None, dropout_p=0.0, seed=None, backend=None),
+                     dict(mask=CAUSAL, softmax_scale=0.5, dropout_p=0.0, seed=None, backend=None),
+                     dict(mask=NO_MASK, softmax_scale=None, dropout_p=0.0, seed=None, backend="sm90")]
+    assert calls[1]["mask"] is CAUSAL
 
 
 def test_torch_inputs_go_to_the_torch_module(fake_torch, monkeypatch):
@@ -171,13 +174,13 @@ def test_torch_inputs_go_to_the_torch_module(fake_torch, monkeypatch):
     monkeypatch.setattr(cuflash.api, "_tmod", fake_mod)
     t = fake_torch()
     assert cuflash.attention(t, t, t, causal=True, algorithm="v1", deterministic=True) == "out"
-    assert calls[-1] == ("fwd", (t, t, t, True, None, False, "v1", True, 0.0, None, None))
+    assert calls[-1] == ("fwd", (t, t, t, CAUSAL, None, False, "v1", True, 0.0, None, None))
     assert cuflash.attention(t, t, t, backend="sm80") == "out"
-    assert calls[-1] == ("fwd", (t, t, t, False, None, False, "v2", False, 0.0, None, "sm80"))
+    assert calls[-1] == ("fwd", (t, t, t, NO_MASK, None, False, "v2", False, 0.0, None, "sm80"))
     with pytest.raises(ValueError, match="backend must be None, 'sm80' or 'sm90', got 'sm100'"):
         cuflash.attention(t, t, t, backend="sm100")  # checked before the torch op
     assert cuflash.attention_backward(t, t, t, t, t, t, softmax_scale=0.1) == ("dq", "dk", "dv")
-    assert calls[-1] == ("bwd", (t, t, t, t, t, t, False, 0.1, False, 0.0, None))
+    assert calls[-1] == ("bwd", (t, t, t, t, t, t, NO_MASK, 0.1, False, 0.0, None))
 
 
 def test_dlpack_inputs_run_through_interop(monkeypatch):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cuflash import _backward, _compile, _forward, _forward_v1, families, params, problem
+from cuflash.mask import CAUSAL, MaskOptions
 from cuflash.tiles import BwdConfig, DqConfig, FwdConfig, V1Config
 
 B, NQ, NK, H, D = 2, 100, 300, 3, 64
@@ -41,7 +42,8 @@ def info(shape, dtype="float16"):
 
 
 def fwd_problem(causal=True, dropout=None):
-    return problem.resolve_forward(info((B, NQ, H, D)), info((B, NK, H, D)), info((B, NK, H, D)), causal, 0.5, dropout)
+    return problem.resolve_forward(info((B, NQ, H, D)), info((B, NK, H, D)), info((B, NK, H, D)), MaskOptions.of(causal=causal), 0.5,
+                                   dropout)
 
 
 def struct_arg(args, n_pointers, name):
@@ -97,7 +99,7 @@ def test_backward_launch_sequence(calls, deterministic):
     arrays = {n: info(s) for n, s in (("dout", (B, NQ, H, D)), ("q", (B, NQ, H, D)), ("k", (B, NK, H, D)),
                                       ("v", (B, NK, H, D)), ("out", (B, NQ, H, D)))}
     lse = info((B, H, NQ), "float32")
-    p = problem.resolve_backward(arrays["dout"], arrays["q"], arrays["k"], arrays["v"], arrays["out"], lse, True,
+    p = problem.resolve_backward(arrays["dout"], arrays["q"], arrays["k"], arrays["v"], arrays["out"], lse, CAUSAL,
                                  None, deterministic)
     dq_cfg = DqConfig(64, 64, 64, 4, 2) if deterministic else None
     drop = problem.resolve_dropout(0.25, 7)

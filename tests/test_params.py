@@ -9,6 +9,7 @@ import pytest
 
 from cuflash import _compile, families, params, problem
 from cuflash.features import Features
+from cuflash.mask import MaskOptions
 
 from tests.test_compile import _nvrtc_available
 
@@ -96,7 +97,8 @@ def _problem(causal=True, nq=100, nk=300):
             acc *= n
         return problem.ArrayInfo(shape, "float16", it, tuple(strides), 1 << 20, 0)
 
-    return problem.resolve_forward(info((2, nq, 3, 64)), info((2, nk, 3, 64)), info((2, nk, 3, 64)), causal, None)
+    return problem.resolve_forward(info((2, nq, 3, 64)), info((2, nk, 3, 64)), info((2, nk, 3, 64)),
+                                   MaskOptions.of(causal=causal), None)
 
 
 def test_with_dropout_patches_only_the_dropout_fields():

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from cuflash.features import Features
+from cuflash.mask import CAUSAL, NO_MASK, MaskOptions
 from cuflash.problem import UNBOUNDED, ArrayInfo, Dropout, resolve_dropout, resolve_forward
 
 
@@ -19,14 +20,14 @@ def info(shape=(2, 64, 4, 128), dtype="bfloat16", strides=None, ptr=1 << 20, dev
 
 
 def ok(**kw):
-    return resolve_forward(info(), info(), info(), kw.get("causal", False), kw.get("softmax_scale"))
+    return resolve_forward(info(), info(), info(), MaskOptions.of(causal=kw.get("causal", False)), kw.get("softmax_scale"))
 
 
 def test_valid_problem_and_default_scale():
     p = ok()
     assert (p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim) == (2, 64, 64, 4, 128)
     assert math.isclose(p.softmax_scale, 1 / math.sqrt(128))
-    p = resolve_forward(info((2, 5, 4, 64)), info((2, 9, 4, 64)), info((2, 9, 4, 64)), True, 0.5)
+    p = resolve_forward(info((2, 5, 4, 64)), info((2, 9, 4, 64)), info((2, 9, 4, 64)), CAUSAL, 0.5)
     assert (p.seqlen_q, p.seqlen_k, p.causal, p.softmax_scale) == (5, 9, True, 0.5)
 
 
@@ -50,7 +51,7 @@ def test_valid_problem_and_default_scale():
 ])
 def test_bad_arguments(q, k, v, exc, words):
     with pytest.raises(exc, match=words):
-        resolve_forward(q, k, v, False, None)
+        resolve_forward(q, k, v, NO_MASK, None)
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), 0.0, -1.0])
@@ -79,10 +80,10 @@ def test_non_cupy_input_named():
 @pytest.mark.parametrize("nq,nk", [(5, 9), (9, 5), (64, 64)])
 def test_canonical_mask(nq, nk):
     q, kv = info((1, nq, 1, 64)), info((1, nk, 1, 64))
-    causal = resolve_forward(q, kv, kv, True, None)
+    causal = resolve_forward(q, kv, kv, CAUSAL, None)
     assert (causal.window_left, causal.window_right, causal.offset) == (UNBOUNDED, 0, nk - nq)
     assert causal.causal is True
-    full = resolve_forward(q, kv, kv, False, None)
+    full = resolve_forward(q, kv, kv, NO_MASK, None)
     assert (full.window_left, full.window_right, full.offset) == (UNBOUNDED, UNBOUNDED, nk - nq)
     assert full.causal is False
 
@@ -95,9 +96,9 @@ def _visible(p):
 
 def test_canonical_mask_is_bottom_right_causal():
     q, kv = info((1, 3, 1, 64)), info((1, 5, 1, 64))
-    assert _visible(resolve_forward(q, kv, kv, True, None)) == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
-    assert _visible(resolve_forward(kv, q, q, True, None)) == [[0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
-    assert _visible(resolve_forward(q, kv, kv, False, None)) == [[1] * 5] * 3
+    assert _visible(resolve_forward(q, kv, kv, CAUSAL, None)) == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert _visible(resolve_forward(kv, q, q, CAUSAL, None)) == [[0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert _visible(resolve_forward(q, kv, kv, NO_MASK, None)) == [[1] * 5] * 3
     assert UNBOUNDED == 1 << 30  # the value the kernels will share (2^31 - 1 would overflow i + offset + it)
 
 
@@ -106,7 +107,7 @@ def test_canonical_mask_is_bottom_right_causal():
 def test_strides_in_elements():
     # q a slice of a packed (B, N, 3, H, D) qkv array: element strides, head_dim's left out
     packed = (64 * 3 * 4 * 128 * 2, 3 * 4 * 128 * 2, 128 * 2, 2)
-    p = resolve_forward(info(strides=packed), info(), info(), False, None)
+    p = resolve_forward(info(strides=packed), info(), info(), NO_MASK, None)
     assert p.strides == {"q": (64 * 3 * 4 * 128, 3 * 4 * 128, 128), "k": (64 * 4 * 128, 4 * 128, 128),
                          "v": (64 * 4 * 128, 4 * 128, 128)}
     assert (p.dtype, p.device, p.deterministic, p.dropout) == ("bfloat16", 0, False, None)
@@ -117,7 +118,7 @@ def test_features_and_perf_class():
     assert p.features == Features("bfloat16", 128, False)
     assert (p.features.tag(), p.features.perf_class()) == ("", "dense")
     drop = resolve_dropout(0.1, 7)
-    p = resolve_forward(info(dtype="float16"), info(dtype="float16"), info(dtype="float16"), True, None, drop)
+    p = resolve_forward(info(dtype="float16"), info(dtype="float16"), info(dtype="float16"), CAUSAL, None, drop)
     assert p.features == Features("float16", 128, True) and p.dropout is drop
     assert (p.features.tag(), p.features.perf_class()) == ("_drop", "dropout")
 

@@ -3,6 +3,7 @@ import math
 
 import pytest
 
+from cuflash.mask import MaskOptions
 from cuflash.problem import UNBOUNDED, ArrayInfo, resolve_backward
 
 B, NQ, NK, H, D = 2, 64, 80, 4, 128
@@ -38,7 +39,7 @@ def args(**over):
 
 def call(causal=False, softmax_scale=None, deterministic=False, **over):
     a = args(**over)
-    return resolve_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], causal, softmax_scale,
+    return resolve_backward(a["dout"], a["q"], a["k"], a["v"], a["out"], a["lse"], MaskOptions.of(causal=causal), softmax_scale,
                             deterministic)
 
 

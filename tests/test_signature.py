@@ -25,3 +25,35 @@ def test_autograd_hands_the_forward_options_to_the_backward():
     # dq, dk, dv and one None per forward option: autograd wants a gradient per forward input
     assert 3 + len(signature.OPTION_GRADS) == len(signature.FWD_ARGS)
     assert set(signature.OPTION_GRADS) == {None}
+
+
+def test_mask_options_are_the_record_fields():
+    from cuflash.mask import MaskOptions
+
+    assert signature.MASK_OPTIONS == MaskOptions.schema_options()
+    assert signature.MASK_NAMES == ("causal",)
+    for opts in (signature.FWD_OPTIONS, signature.BWD_OPTIONS):
+        assert all(o in opts for o in signature.MASK_OPTIONS)
+
+
+def test_a_new_mask_field_joins_both_schemas(monkeypatch):
+    """A field added to MaskOptions (with a schema default, as any field added after the first
+    release) becomes an argument of both ops, after the older options: no edit here."""
+    import importlib.util
+
+    from cuflash import mask
+
+    extra = (("window_size", "int[2]", "[-1, -1]"),)
+    original = mask.MaskOptions.schema_options.__func__
+    monkeypatch.setattr(mask.MaskOptions, "schema_options", classmethod(lambda cls: original(cls) + extra))
+    spec = importlib.util.spec_from_file_location("cuflash._signature_probe", signature.__file__)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    assert probe.FWD_SCHEMA == signature.FWD_SCHEMA.replace(
+        "str? backend=None)", "str? backend=None, int[2] window_size=[-1, -1])")
+    assert probe.BWD_SCHEMA == signature.BWD_SCHEMA.replace(
+        "int seed)", "int seed, int[2] window_size=[-1, -1])")
+    assert probe.FWD_ARGS[-1] == probe.BWD_ARGS[-1] == "window_size"
+    assert len(probe.OPTION_GRADS) == len(signature.OPTION_GRADS) + 1
+    fwd_inputs = ("Q", "K", "V", True, 0.5, "v1", True, 0.1, -3, "sm90", (4, 0))
+    assert probe.backward_options(fwd_inputs) == (True, 0.5, True, 0.1, -3, (4, 0))

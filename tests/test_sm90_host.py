@@ -16,6 +16,7 @@ import pytest
 from cuflash import _compile, _forward, _forward_sm90, families, params, problem, tma
 from cuflash.device import DeviceProps
 from cuflash.features import Features
+from cuflash.mask import CAUSAL
 from cuflash.tiles import FwdConfig, Sm90FwdConfig, V1Config
 
 FIX = pathlib.Path(__file__).parent / "fixtures" / "devices"
@@ -40,7 +41,7 @@ def fwd_problem(q=None, k=None, v=None, dropout=None, d=128, dtype="bfloat16"):
     q = q or info((2, 100, 3, d), dtype=dtype)
     k = k or info((2, 300, 3, d), dtype=dtype)
     v = v or info((2, 300, 3, d), dtype=dtype)
-    return problem.resolve_forward(q, k, v, True, None, dropout)
+    return problem.resolve_forward(q, k, v, CAUSAL, None, dropout)
 
 
 # ------------------------------------------------------------------------------- tensor maps

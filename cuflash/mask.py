@@ -1,0 +1,107 @@
+"""MaskOptions: the mask arguments of one call as one record, from the public API to resolve_*.
+
+    mask = MaskOptions.of(causal=True)            # the public API's keywords, checked
+    mask.geometry(seqlen_q, seqlen_k)             # (window_left, window_right, offset)
+
+The public entry points (cuflash/api.py) build the record once from their keywords and hand it on:
+the CuPy forwards and backward take it whole (and put it in their plan keys), the torch ops carry
+its fields as flat schema arguments (cuflash/signature.py derives them from the fields below), and
+cuflash/problem.py's resolve_* turn it into the canonical mask the kernels take: query row i sees
+key k iff i + offset - window_left <= k <= i + offset + window_right (kernels_cu/attn/mask.cuh).
+
+A new mask argument (a window size, top-left alignment, ...) is one field here (its default, torch
+schema type and check), one keyword of `of`, and its term in `geometry`; the plumbing between the
+API and resolve_* follows. Only the dataclasses module is imported: cuflash/signature.py reads the
+fields when cuflash is imported.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+# A window side that reaches every key: larger than any seqlen, small enough that i + offset +/- it
+# stays in a 32-bit int. The kernels use the same value (kernels_cu/attn/mask.cuh, kUnbounded).
+UNBOUNDED = 1 << 30
+
+
+def check_flag(value, name: str) -> bool:
+    """A bool option (0 and 1 are accepted as bools)."""
+    if not isinstance(value, (bool, int)) or value not in (0, 1, True, False):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _option(default, schema_type: str, check, schema_default: str | None = None):
+    """A field of MaskOptions: the public keyword of the same name, its default, its torch schema
+    type, and `check(value, name)`, which returns the normalised value or raises TypeError /
+    ValueError naming the argument. A field added after the ops' first release gives its default
+    in schema syntax (`schema_default`): it then goes after the options of the first release, so
+    that positional calls written for the older schema still bind (cuflash/signature.py)."""
+    meta = {"schema": schema_type, "check": check}
+    if schema_default is not None:
+        meta["schema_default"] = schema_default
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskOptions:
+    """Which keys each query row may see, as the caller said it (the keywords of cuflash.attention).
+
+    Construction checks and normalises every field (errors name the argument). Compared and
+    hashed by value; `key` (the values as a tuple) is what the CuPy entry points' plan keys hold.
+    """
+
+    # bottom-right aligned causal mask (FlashAttention >= 2.1): row i sees keys k <= i + seqlen_k - seqlen_q
+    causal: bool = _option(False, "bool", check_flag)
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, f.metadata["check"](getattr(self, f.name), f.name))
+        # The fields' values as a plain tuple, for the plan keys: a tuple hashes in C, where the
+        # dataclass's own __hash__ is a Python call that builds one (~90 ns per plan lookup).
+        object.__setattr__(self, "key", dataclasses.astuple(self))
+
+    @classmethod
+    def of(cls, causal=False) -> MaskOptions:
+        """The record of the public API's mask keywords, checked. Today's two masks are built once
+        (NO_MASK, CAUSAL): the common call allocates nothing."""
+        if causal is False:
+            return NO_MASK
+        if causal is True:
+            return CAUSAL
+        return cls(causal=causal)
+
+    @classmethod
+    def given(cls, mask, keywords: dict) -> MaskOptions:
+        """The mask of an internal entry point (cuflash/_forward.py, _backward.py) that takes either
+        the record (`mask=`, what the public API hands on) or the public keywords (`causal=...`,
+        as tests, the tuner and scripts write it), not both; neither is no mask."""
+        if keywords:
+            if mask is not None:
+                raise TypeError(f"pass the mask as mask= or as its keywords, not both (got mask= and "
+                                f"{', '.join(keywords)})")
+            unknown = [k for k in keywords if k not in FIELD_NAMES]
+            if unknown:
+                raise TypeError(f"unexpected keyword argument {unknown[0]!r} (mask options: {', '.join(FIELD_NAMES)})")
+            return cls.of(**keywords)
+        if mask is None:
+            return NO_MASK
+        if type(mask) is not cls:
+            raise TypeError(f"mask must be a cuflash.mask.MaskOptions, got {type(mask).__name__}")
+        return mask
+
+    def geometry(self, seqlen_q: int, seqlen_k: int) -> tuple:
+        """(window_left, window_right, offset), the canonical form the kernels take: bottom-right
+        causal is (UNBOUNDED, 0, seqlen_k - seqlen_q), no mask (UNBOUNDED, UNBOUNDED, seqlen_k - seqlen_q)."""
+        return UNBOUNDED, (0 if self.causal else UNBOUNDED), seqlen_k - seqlen_q
+
+    @classmethod
+    def schema_options(cls) -> tuple:
+        """The fields as the torch ops' options: (name, schema type[, schema default]), in field order."""
+        return tuple((f.name, f.metadata["schema"], *((f.metadata["schema_default"],)
+                                                      if "schema_default" in f.metadata else ()))
+                     for f in dataclasses.fields(cls))
+
+
+FIELD_NAMES = tuple(f.name for f in dataclasses.fields(MaskOptions))
+NO_MASK = MaskOptions()
+CAUSAL = MaskOptions(causal=True)
