@@ -239,7 +239,7 @@ def bwd_kernel(bf16, d, br, c, s):
            f'cuflash::Variant<false, false>>(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, p);\n}}\n')
     mod = cupy.RawModule(code=src, options=_compile.nvrtc_options(("--gpu-architecture=sm_90a",)), backend="nvrtc")
     fn = mod.get_function("kern")
-    smem = 2 * (64 * c) * d * 2 + 2 * s * br * d * 2 + (64 * c) * br * 2 + 1024
+    smem = 2 * (64 * c) * d * 2 + 2 * s * br * d * 2 + 2 * (64 * c) * br * 2 + 1024  # Sm90BwdTraits::kSmemBytes
     fn.max_dynamic_shared_size_bytes = smem
     _bwd_mods[key] = (fn, smem)
     return fn, smem

@@ -13,7 +13,8 @@
 //                                                      dK need, in registers)
 //              P^T = exp2(S^T c - lse2), 0 where masked; dS^T = P^T o (dP^T - delta)
 //              dV += P^T dO_i, dK += dS^T Q_i          (RS wgmma, N = D)
-//              dS^T -> smem; dQ_i[:, 64c..] = dS K     (SS wgmma, both operands MN-major, N = 64:
+//              dS^T -> smem (two buffers, one barrier per block); dQ_i[:, 64c..] = dS K
+//                                                     (SS wgmma, both operands MN-major, N = 64:
 //                                                      consumer c < D/64 takes D columns 64c..)
 //              dQ_i added to dq_acc (red.global.add, fp32; bwd_dq_convert scales and converts)
 //   end      dK = scale dK, dV from registers to global memory.
@@ -143,6 +144,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         if (n_iter > 0) mbar_wait(bar_kv, 0);
         for (int it = 0; it < n_iter; ++it) {
             const int s = it % STAGES, m = m_begin + it, m0 = m * BR;
+            const int db = it & 1;  // this block's dS^T buffer
+            const u64 ds_off = (u64)((db * Tr::kDSBytes) >> 4);
             mbar_wait(bar_full(s), (it / STAGES) & 1);
 
             // ---- S^T = K_w Q_i^T; P^T = exp2(S^T c - lse2), 0 where masked ----
@@ -201,11 +204,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 // ---- dS^T = P^T o (dP^T - delta), P^T from its 16-bit copy (the rounding dV used),
                 // straight into the smem image [BC key rows][64 queries] (128B swizzle) that both
                 // the dK product (A, K-major) and the dQ product (A, MN-major) read ----
-                // every consumer is past its previous wgmma_wait<0>: the last products read their dS^T
-                if (it > 0) named_bar_sync(Tr::kBarDsFree, 128 * CONSUMERS);
-                // (the image's base is made opaque per block: otherwise the 16 swizzled addresses,
-                // loop invariants, are hoisted and held in registers across the loop)
-                const u32 ds_rows = opaque(sDS) + (64 * cw + 16 * warp + g) * 128;
+                // Block i writes buffer i % 2. Its last readers were block i-2's products, which every
+                // consumer waited for before it arrived at block i-1's kBarDsFull, which this
+                // consumer passed. (The image's base is made opaque per block: otherwise the 16
+                // swizzled addresses, loop invariants, are hoisted and held in registers.)
+                const u32 ds_rows = opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128;
                 const float* drow = reinterpret_cast<const float*>(opaque((u64)(deltag + m0 + 2 * t)));
 #pragma unroll
                 for (int nt = 0; nt < BR / 8; ++nt) {
@@ -227,7 +230,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
-                WgmmaMN<D, BF16>::ss_bmn(acc_dk, dds_k() + kmajor_step(kk, Tr::kDSBytes),
+                WgmmaMN<D, BF16>::ss_bmn(acc_dk, dds_k() + ds_off + kmajor_step(kk, Tr::kDSBytes),
                                        dq_mn() + slot_off(s) + kRowStep * kk, it > 0 || kk > 0);
             wgmma_commit();
 
@@ -238,7 +241,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < Tr::kKeySteps; ++kk)
-                    WgmmaMN<64, BF16>::ss_mn(acc_dq, dds_mn() + kRowStep * kk, dkt_mn() + kRowStep * kk, kk > 0);
+                    WgmmaMN<64, BF16>::ss_mn(acc_dq, dds_mn() + ds_off + kRowStep * kk, dkt_mn() + kRowStep * kk, kk > 0);
                 wgmma_commit();
             }
             wgmma_wait<0>();

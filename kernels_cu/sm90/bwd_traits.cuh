@@ -25,17 +25,18 @@ struct Sm90BwdTraits {
     static constexpr int kKVBytes = kBlockK * D * 2;  // K or V: [D/64 chunk][BC rows][64]
     static constexpr int kQBytes = BR * D * 2;        // Q or dO of one stage: [D/64 chunk][BR rows][64]
     static constexpr int kDSBytes = kBlockK * BR * 2; // dS^T: [1 query chunk][BC key rows][64 queries]
+    static constexpr int kDSBuffers = 2;              // block i writes buffer i % 2: no wait for block i-1's readers
     static constexpr int kKVChunkBytes = kBlockK * 128;
     static constexpr int kQChunkBytes = BR * 128;
-    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBytes + 1024;  // + alignment slack
+    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBuffers * kDSBytes + 1024;  // + alignment slack
 
     static constexpr int kHeadSteps = D / 16;        // S^T, dP^T contract over D
     static constexpr int kQuerySteps = BR / 16;      // dV, dK contract over the BR queries
     static constexpr int kKeySteps = kBlockK / 16;   // dQ contracts over the BC keys
     static constexpr int kDqWarpgroups = D / 64;     // consumers that run the dQ product, 64 columns of D each
 
-    // named barriers (0 is __syncthreads): dS^T complete in smem / every dQ product done reading it
-    static constexpr int kBarDsFull = 1, kBarDsFree = 2;
+    // named barrier (0 is __syncthreads): both consumers' halves of dS^T are in smem
+    static constexpr int kBarDsFull = 1;
 };
 
 }  // namespace cuflash
