@@ -105,8 +105,8 @@ def describe(x, name: str) -> ArrayInfo:
 # ----------------------------------------------------------------------------------- options
 
 def check_flag(value, name: str) -> bool:
-    """A bool option (0 and 1 are accepted as bools)."""
-    if not isinstance(value, (bool, int)) or value not in (0, 1, True, False):
+    """A bool option (0 and 1 are accepted as bools, and NumPy's bool and integer scalars)."""
+    if not isinstance(value, (bool, int, np.bool_, np.integer)) or value not in (0, 1, True, False):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(value)
 

@@ -147,3 +147,25 @@ def test_dropout_resolution():
 def test_bad_dropout(p, seed, exc, words):
     with pytest.raises(exc, match=words):
         resolve_dropout(p, seed)
+
+
+@pytest.mark.parametrize("flag", [np.bool_(True), np.bool_(False), np.int64(1), np.uint8(0)])
+def test_numpy_scalars_are_accepted_as_flags(flag):
+    from cuflash.problem import check_flag
+
+    assert check_flag(flag, "causal") is bool(flag)
+    assert ok(causal=flag).causal is bool(flag)
+
+
+def test_numpy_scalars_are_rejected_when_not_bools():
+    from cuflash.problem import check_flag
+
+    for bad in (np.int64(2), np.float64(1.0), np.array([True])):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            check_flag(bad, "causal")
+
+
+@pytest.mark.parametrize("seed", [np.uint64(2**64 - 1), np.int64(7), np.uint32(3)])
+def test_numpy_integer_seeds(seed):
+    d = resolve_dropout(np.float32(0.25), seed)
+    assert d.seed == int(seed) and type(d.seed) is int
