@@ -90,7 +90,7 @@ def _explicit_family(candidates: tuple, cfg, p: AttnProblem, backend):
     family.check_explicit(cfg, p.features)
     if backend is not None and family.backend != backend:
         raise ValueError(f"config {cfg} is a {family.backend} config, but backend={backend!r}")
-    props = device.query(p.device)
+    props = device.supported(p.device)
     why = family.cannot_run(p, props)
     if why:
         raise ValueError(f"config {cfg} cannot run this call on {props.name} (cc {props.cc_str}): {why}")

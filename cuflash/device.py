@@ -15,6 +15,14 @@ import json
 import pathlib
 
 
+# The oldest GPUs cuflash runs on: every kernel uses mma.sync on bf16 and cp.async (sm_80, Ampere).
+MIN_CC = (8, 0)
+
+
+class UnsupportedDeviceError(RuntimeError):
+    """The GPU is older than cuflash supports (compute capability below MIN_CC)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceProps:
     name: str
@@ -131,3 +139,27 @@ def query(device_id: int = 0) -> DeviceProps:
         runtime_version=int(rt.runtimeGetVersion()),
         nvrtc_version=nvrtc_version(),
     )
+
+
+def unsupported_reason(props: DeviceProps, device_id: int | None = None) -> str | None:
+    """Why cuflash cannot run on a GPU with these properties (compute capability below MIN_CC), or None."""
+    if tuple(props.cc) >= MIN_CC:
+        return None
+    which = "this GPU" if device_id is None else f"CUDA device {device_id}"
+    return (f"cuflash needs an NVIDIA GPU of compute capability {MIN_CC[0]}.{MIN_CC[1]} or newer (Ampere or "
+            f"later: A100, A10, RTX 30xx, L4, RTX 40xx, H100, ...; its kernels use mma.sync on bf16 and "
+            f"cp.async), but {which} is {props.name} with compute capability {props.cc_str}")
+
+
+def check_supported(props: DeviceProps, device_id: int | None = None) -> DeviceProps:
+    """props, or UnsupportedDeviceError naming the GPU, its compute capability and the minimum."""
+    why = unsupported_reason(props, device_id)
+    if why:
+        raise UnsupportedDeviceError(why)
+    return props
+
+
+def supported(device_id: int = 0) -> DeviceProps:
+    """query(device_id), or UnsupportedDeviceError for a GPU cuflash cannot run on. Every entry point
+    asks this before it selects a kernel or compiles one (families.choose/select, _compile)."""
+    return check_supported(query(device_id), device_id)

@@ -15,6 +15,7 @@ import sys
 from datetime import datetime, timezone
 
 from .. import _compile, families, tuning_store
+from .. import device as _device
 from ..features import PERF_CLASSES, Features
 from . import report, search, space
 from .runner import DTYPES
@@ -95,8 +96,6 @@ def options_from_args(a) -> Options:
 
 
 def _gpu_props(device):
-    from .. import device as _device
-
     n, why = _device.cuda_device_count()
     if n == 0:
         return None, why
@@ -135,7 +134,7 @@ def do_export(path, props) -> int:
 
 
 def do_dry_run(a, o: Options) -> int:
-    from ..device import DeviceProps
+    from ..device import DeviceProps, unsupported_reason
 
     if a.props:
         props = DeviceProps.from_json(a.props)
@@ -144,6 +143,10 @@ def do_dry_run(a, o: Options) -> int:
         if props is None:
             print(f"--dry-run needs --props FILE here (no GPU: {why})", file=sys.stderr)
             return 2
+    why = unsupported_reason(props)
+    if why:
+        print(f"cuflash.tune: {why}", file=sys.stderr)
+        return 2
     print(f"{props.name}: cc {props.cc_str} ({props.arch}), {props.sm_count} SMs, smem opt-in {props.smem_optin} B, "
           f"{props.register_budget} registers per block")
     for k in o.kernels:
@@ -233,6 +236,10 @@ def main(argv=None) -> int:
     if props is None:
         print(f"cuflash.tune: no CUDA GPU found ({why}); nothing to tune. (--show, --clear and --dry-run work "
               f"without one.)", file=sys.stderr)
+        return 2
+    why = _device.unsupported_reason(props, a.device)
+    if why:
+        print(f"cuflash.tune: {why}", file=sys.stderr)
         return 2
     if a.kernels is None:  # by default, only the kernels this GPU runs (--kernels names any)
         o.kernels = tuple(available_kernels(props))
