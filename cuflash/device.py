@@ -81,15 +81,46 @@ class DeviceProps:
         return cls.from_dict(json.loads(pathlib.Path(path).read_text()))
 
 
+class CudaUnavailableError(RuntimeError):
+    """CUDA cannot be used here: no NVIDIA driver, a driver older than CuPy's CUDA, no device."""
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def explain_cuda_error(e: BaseException) -> str:
+    """A failure of CuPy's first CUDA call in a user's words. CuPy reports a missing driver as
+    "driver version is insufficient" (the runtime reads the absent driver's version as 0); this says
+    which of the two it is, and what to do."""
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        driver, runtime = int(rt.driverGetVersion()), int(rt.runtimeGetVersion())
+    except Exception:  # noqa: BLE001 - no CuPy, or not even the versions: CuPy's own words
+        return f"{type(e).__name__}: {e}"
+    if driver == 0:
+        return ("no NVIDIA driver found: the CUDA driver library (libcuda) is not installed or not visible here, "
+                "and cuflash's kernels need an NVIDIA GPU with its driver")
+    if driver < runtime and getattr(e, "status", None) == 35:  # cudaErrorInsufficientDriver
+        return (f"the NVIDIA driver supports CUDA up to {_cuda_version(driver)}, but this CuPy is built for CUDA "
+                f"{_cuda_version(runtime)}: update the driver, or install the CuPy build for it "
+                f"(pip install 'cuflash[cuda12]' for a CUDA 12 driver)")
+    return f"{type(e).__name__}: {e}"
+
+
 def cuda_device_count() -> tuple[int, str]:
     """(number of CUDA devices, why none) -- any CuPy/driver failure counts as no GPU."""
     try:
         import cupy
-
+    except ImportError as e:
+        return 0, f"CuPy is not installed ({e}): pip install 'cuflash[cuda13]' (or [cuda12])"
+    try:
         n = cupy.cuda.runtime.getDeviceCount()
         return n, "" if n else "getDeviceCount() returned 0"
-    except Exception as e:  # ImportError, CUDARuntimeError (no driver, insufficient driver, ...)
-        return 0, f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError (no driver, insufficient driver, ...)
+        return 0, explain_cuda_error(e)
 
 
 def cuda_torch():
@@ -122,7 +153,10 @@ def query(device_id: int = 0) -> DeviceProps:
     import cupy
 
     rt = cupy.cuda.runtime
-    p = rt.getDeviceProperties(device_id)
+    try:
+        p = rt.getDeviceProperties(device_id)
+    except rt.CUDARuntimeError as e:
+        raise CudaUnavailableError(f"cuflash cannot use CUDA device {device_id}: {explain_cuda_error(e)}") from e
     return DeviceProps(
         name=_str(p["name"]),
         cc=(int(p["major"]), int(p["minor"])),
