@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _compile, families, problem
 from . import _plans as plan_cache
-from .launch import Buffer, Launch, Plan, check_grid
+from .launch import Buffer, FilledPlan, Launch, Plan, check_grid
 from .params import pack_fwd
 from .problem import AttnProblem
 from .tiles import FwdConfig, Sm90FwdConfig
@@ -38,6 +38,13 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
 
 
+def empty_plan(p: AttnProblem, dtype) -> FilledPlan:
+    """A call with a batch, heads or seqlen of 0: no launch; out 0 and lse -inf (with seqlen_k 0 every
+    row sees no key; otherwise the outputs are empty)."""
+    out, lse = output_buffers(p, dtype)
+    return FilledPlan(p.device, INPUTS, ((out, 0), (lse, -np.inf)))
+
+
 def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, causal, softmax_scale, dropout_p,
                 seed, config, out, lse, backend=None):
     """The body the v2 and v1 forwards share: the call's dropout, the cached (or, with an explicit
@@ -57,6 +64,8 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, caus
     def build(cfg):
         infos = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         p = problem.resolve_forward(*infos, causal, softmax_scale, dropout)
+        if p.empty:
+            return empty_plan(p, q.dtype)
         if cfg is None:
             family = families.choose(candidates, p, backend)
             cfg = families.select(family, p)
