@@ -17,11 +17,22 @@ from datetime import datetime, timezone
 from .. import _compile, families, tuning_store
 from .. import device as _device
 from ..features import PERF_CLASSES, Features
+from ..tiles import SUPPORTED_HEAD_DIMS
 from . import report, search, space
 from .runner import DTYPES
 from .tuner import Options
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def parse_args(argv=None):
@@ -33,13 +44,15 @@ def parse_args(argv=None):
                    help="default: " + " ".join(space.default_kernels()) + " (those present)")
     g.add_argument("--perf-classes", nargs="+", choices=list(PERF_CLASSES), default=["dense"],
                    help="feature classes to tune, each keyed separately (default: %(default)s)")
-    g.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    g.add_argument("--head-dims", type=int, nargs="+", default=list(SUPPORTED_HEAD_DIMS), choices=SUPPORTED_HEAD_DIMS,
+                   metavar="D", help="head dims to tune, of " + ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+                   + " (default: all)")
     g.add_argument("--dtypes", nargs="+", choices=["bf16", "fp16"], default=["bf16", "fp16"])
-    g.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS),
+    g.add_argument("--seqlens", type=_positive, nargs="+", default=list(DEFAULT_SEQLENS),
                    help="one study per seqlen; cached under its power-of-two bucket (default: %(default)s)")
     g.add_argument("--causal", choices=["0", "1", "both"], default="both")
-    g.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen (default %(default)s)")
-    g.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head_dim (default %(default)s)")
+    g.add_argument("--tokens", type=_positive, default=16384, help="batch = tokens // seqlen (default %(default)s)")
+    g.add_argument("--hidden", type=_positive, default=2048, help="heads = hidden // head_dim (default %(default)s)")
     g = p.add_argument_group("how")
     m = g.add_mutually_exclusive_group()
     m.add_argument("--exhaustive", action="store_true", help="time every valid config instead of searching")
@@ -128,16 +141,47 @@ def do_export(path, props) -> int:
     if not keep:
         print("nothing to export: no current entries for this GPU in the cache", file=sys.stderr)
         return 1
-    n = tuning_store.save_entries(path, keep)
+    try:
+        n = tuning_store.save_entries(path, keep)
+    except OSError as e:
+        print(f"cannot export to {path}: {e}", file=sys.stderr)
+        return 1
     print(f"exported {len(keep)} entries to {path} ({n} in the file)")
     return 0
 
 
+def read_props(path) -> tuple:
+    """(DeviceProps from a JSON file, "") or (None, why not): missing, unreadable, not JSON, or not
+    device properties (tests/fixtures/devices/*.json show the fields)."""
+    from ..device import DeviceProps
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror or e}"
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"{path} is not JSON ({e})"
+    try:
+        props = DeviceProps.from_dict(doc)
+        int(props.smem_optin), int(props.register_budget), props.cc_str  # noqa: B018 - the fields used
+        if len(props.cc) != 2:
+            raise ValueError(f"cc must be [major, minor], got {props.cc!r}")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        return None, (f"{path} is not a device-properties file ({detail}); see "
+                      f"tests/fixtures/devices/*.json or DeviceProps.to_dict()")
+    return props, ""
+
+
 def do_dry_run(a, o: Options) -> int:
-    from ..device import DeviceProps, unsupported_reason
+    from ..device import unsupported_reason
 
     if a.props:
-        props = DeviceProps.from_json(a.props)
+        props, why = read_props(a.props)
+        if props is None:
+            print(f"cuflash.tune: --props: {why}", file=sys.stderr)
+            return 2
     else:
         props, why = _gpu_props(a.device)
         if props is None:
@@ -216,7 +260,11 @@ class _Progress:
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.clear:
-        had = tuning_store.clear()
+        try:
+            had = tuning_store.clear()
+        except OSError as e:
+            print(f"cuflash.tune: cannot clear the cache {tuning_store.cache_path()}: {e}", file=sys.stderr)
+            return 1
         print(f"{'removed' if had else 'no cache at'} {tuning_store.cache_path()}")
         return 0
     o = options_from_args(a)
@@ -270,10 +318,14 @@ def main(argv=None) -> int:
                        "sources": {k: tuning_store.source_fingerprint(k) for k in o.kernels}},
                "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(o).items()},
                "studies": [r.to_dict() for r in reports]}
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        print(f"results written to {a.json}")
+        try:
+            with open(a.json, "w") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+            print(f"results written to {a.json}")
+        except OSError as e:  # the tuning itself is done and cached: say so, do not lose it to a traceback
+            print(f"cuflash.tune: cannot write --json {a.json}: {e}", file=sys.stderr)
+            rc = 1
     if a.plot:
         paths = report.plot_studies(reports, a.plot)
         print(f"{len(paths)} plots written to {a.plot}")
