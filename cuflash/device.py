@@ -2,10 +2,11 @@
 
 One record (`DeviceProps`) serves the library (config selection, tuned-table lookup) and the tuner
 (search spaces), read from CuPy or from recorded JSON, so the space for a GPU that is not at hand
-can be built from its recorded properties (tests/fixtures/devices/*.json). Everything a kernel
-config is judged by comes from here (shared memory a block may opt into, registers per block and
-per SM, threads per block, compute capability); the identity fields (name, compute capability, SM
-count, driver and NVRTC versions) are part of every tuning-table key.
+can be built from its recorded properties (shipped_props(): tests/fixtures/devices/*.json, installed
+as cuflash/devices/). Everything a kernel config is judged by comes from here (shared memory a
+block may opt into, registers per block and per SM, threads per block, compute capability); the
+identity fields (name, compute capability, SM count, driver and NVRTC versions) are part of every
+tuning-table key.
 """
 from __future__ import annotations
 
@@ -121,6 +122,22 @@ def cuda_device_count() -> tuple[int, str]:
         return n, "" if n else "getDeviceCount() returned 0"
     except Exception as e:  # noqa: BLE001 - CUDARuntimeError (no driver, insufficient driver, ...)
         return 0, explain_cuda_error(e)
+
+
+def shipped_props_dir() -> pathlib.Path | None:
+    """Recorded properties of real GPUs (sm_80, sm_86, sm_89, sm_90): cuflash/devices as installed,
+    tests/fixtures/devices in a checkout (the same files; pyproject.toml ships one as the other)."""
+    pkg = pathlib.Path(__file__).resolve().parent
+    for d in (pkg / "devices", pkg.parent / "tests" / "fixtures" / "devices"):
+        if d.is_dir():
+            return d
+    return None
+
+
+def shipped_props() -> dict:
+    """name (file stem, e.g. "l4", "a100-80gb") -> path of the recorded properties shipped with cuflash."""
+    d = shipped_props_dir()
+    return {p.stem: p for p in sorted(d.glob("*.json"))} if d is not None else {}
 
 
 def cuda_torch():

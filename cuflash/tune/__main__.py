@@ -4,7 +4,7 @@
     python -m cuflash.tune --kernels fwd --head-dims 128 --seqlens 8192 --dtypes bf16
     python -m cuflash.tune --exhaustive-compare --json run.json --plot plots/   # judge the search
     python -m cuflash.tune --show | --clear | --no-tune --export tuning/<gpu>.json
-    python -m cuflash.tune --dry-run --props tests/fixtures/devices/l4.json --compile-check   # no GPU
+    python -m cuflash.tune --dry-run --props l4 --compile-check   # no GPU: a recorded GPU (or a JSON file)
 """
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ from .runner import DTYPES
 from .tuner import Options
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
+
+
+def _recorded_names() -> list:
+    from ..device import shipped_props
+
+    return list(shipped_props())
 
 
 def _positive(text: str) -> int:
@@ -82,7 +88,8 @@ def parse_args(argv=None):
     g.add_argument("--plot", metavar="DIR", help="save best-time-against-trial plots (PNG; needs matplotlib)")
     g.add_argument("--dry-run", action="store_true",
                    help="no timing: print each space and why configs are pruned (works without a GPU)")
-    g.add_argument("--props", metavar="FILE", help="with --dry-run: device properties from a JSON file")
+    g.add_argument("--props", metavar="FILE|NAME", help="with --dry-run: device properties from a JSON file, or "
+                   "the name of a recorded GPU shipped with cuflash: " + ", ".join(_recorded_names()))
     g.add_argument("--compile-check", action="store_true", help="with --dry-run: also compile offline (NVRTC)")
     return p.parse_args(argv)
 
@@ -151,10 +158,18 @@ def do_export(path, props) -> int:
 
 
 def read_props(path) -> tuple:
-    """(DeviceProps from a JSON file, "") or (None, why not): missing, unreadable, not JSON, or not
-    device properties (tests/fixtures/devices/*.json show the fields)."""
-    from ..device import DeviceProps
+    """(DeviceProps from a JSON file or the name of a shipped one, "") or (None, why not): missing,
+    unreadable, not JSON, or not device properties (the shipped files, cuflash/devices/, show the fields)."""
+    import os
 
+    from ..device import DeviceProps, shipped_props
+
+    shipped = shipped_props()
+    if not os.path.exists(path) and str(path).removesuffix(".json") in shipped:
+        path = shipped[str(path).removesuffix(".json")]
+    elif not os.path.exists(path):
+        return None, (f"no such file {path}, nor a recorded GPU of that name (recorded: "
+                      f"{', '.join(shipped) or 'none'})")
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -169,8 +184,8 @@ def read_props(path) -> tuple:
             raise ValueError(f"cc must be [major, minor], got {props.cc!r}")
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-        return None, (f"{path} is not a device-properties file ({detail}); see "
-                      f"tests/fixtures/devices/*.json or DeviceProps.to_dict()")
+        return None, (f"{path} is not a device-properties file ({detail}); see the recorded GPUs in "
+                      f"cuflash/devices/*.json, or DeviceProps.to_dict()")
     return props, ""
 
 
