@@ -253,7 +253,7 @@ def test_non_positive_sizes_are_errors(arg, capsys):
 
 
 @pytest.mark.parametrize("content,words", [
-    (None, "cannot read"),
+    (None, "no such file"),
     ("{\"name\": ", "is not JSON"),
     ("[1, 2]", "is not a device-properties file"),
     ("{\"name\": \"x\"}", "is not a device-properties file (missing field 'cc')"),
