@@ -13,7 +13,8 @@ without a GPU, and torch/jax are only imported when their arrays are passed in.
 from __future__ import annotations
 
 from .api import attention, attention_backward
+from .device import CudaUnavailableError, UnsupportedDeviceError
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "attention_backward", "__version__"]
+__all__ = ["attention", "attention_backward", "UnsupportedDeviceError", "CudaUnavailableError", "__version__"]

@@ -14,7 +14,7 @@ import numpy as np
 
 from . import _compile, families, problem
 from . import _plans as plan_cache
-from .launch import Buffer, Launch, Plan, check_grid
+from .launch import Buffer, FilledPlan, Launch, Plan, check_grid
 from .mask import MaskOptions
 from .params import pack_bwd
 from .problem import AttnProblem
@@ -77,6 +77,10 @@ _plans = plan_cache.PlanCache()
 def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config) -> Plan:
     infos = [problem.describe(x, n) for x, n in zip(arrays, BWD_ARRAYS)]
     p = problem.resolve_backward(*infos, mask, softmax_scale, deterministic, dropout)
+    if p.empty:  # no launch: zero gradients of q, k, v's shapes (empty where their arrays are)
+        dtype = arrays[1].dtype
+        return FilledPlan(p.device, BWD_ARRAYS, tuple((Buffer(n, x.shape, dtype), 0)
+                                                       for n, x in zip(OUTPUTS, infos[1:4])))
     cfg = _tile(families.BWD, config, p)
     dq_cfg = _tile(families.BWD_DQ, dq_config, p) if p.deterministic else None
     return _plan(p, cfg, dq_cfg, arrays[1].dtype)

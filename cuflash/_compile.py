@@ -202,12 +202,13 @@ def get_kernel(tile, features, device_id: int):
     key = (tile, features, device_id)  # each family has its own tile class
     fn = _loaded.get(key)
     if fn is None:
+        from . import device
+
+        props = device.supported(device_id)  # an older GPU gets cuflash's message, not NVRTC's about cp.async
         fam = families.of(tile)
         arch = None
         if fam.arch_specific:  # the others take CuPy's target for the device, as they always did
-            from . import device
-
-            arch = fam.nvrtc_arch(device.query(device_id))
+            arch = fam.nvrtc_arch(props)
         fn = _loaded[key] = _load(kernel_source(tile, features), kernel_name(tile, features), tile.smem_bytes,
                                   device_id, arch)
     return fn
@@ -234,6 +235,9 @@ def get_aux_kernel(name: str, features, device_id: int):
     key = ("aux", name, features.dtype, features.head_dim, device_id)
     fn = _loaded.get(key)
     if fn is None:
+        from . import device
+
+        device.supported(device_id)
         src, fname = aux_source(name, features.dtype, features.head_dim)
         fn = _loaded[key] = _load(src, fname, 0, device_id)
     return fn

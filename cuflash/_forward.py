@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _compile, families, problem
 from . import _plans as plan_cache
-from .launch import Buffer, Launch, Plan, check_grid
+from .launch import Buffer, FilledPlan, Launch, Plan, check_grid
 from .mask import MaskOptions
 from .params import pack_fwd
 from .problem import AttnProblem
@@ -39,6 +39,13 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
 
 
+def empty_plan(p: AttnProblem, dtype) -> FilledPlan:
+    """A call with a batch, heads or seqlen of 0: no launch; out 0 and lse -inf (with seqlen_k 0 every
+    row sees no key; otherwise the outputs are empty)."""
+    out, lse = output_buffers(p, dtype)
+    return FilledPlan(p.device, INPUTS, ((out, 0), (lse, -np.inf)))
+
+
 def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask: MaskOptions, softmax_scale,
                 dropout_p, seed, config, out, lse, backend=None):
     """The body the v2 and v1 forwards share: the call's dropout, the cached (or, with an explicit
@@ -59,6 +66,8 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     def build(cfg):
         infos = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         p = problem.resolve_forward(*infos, mask, softmax_scale, dropout)
+        if p.empty:
+            return empty_plan(p, q.dtype)
         if cfg is None:
             family = families.choose(candidates, p, backend)
             cfg = families.select(family, p)
@@ -92,7 +101,7 @@ def _explicit_family(candidates: tuple, cfg, p: AttnProblem, backend):
     family.check_explicit(cfg, p.features)
     if backend is not None and family.backend != backend:
         raise ValueError(f"config {cfg} is a {family.backend} config, but backend={backend!r}")
-    props = device.query(p.device)
+    props = device.supported(p.device)
     why = family.cannot_run(p, props)
     if why:
         raise ValueError(f"config {cfg} cannot run this call on {props.name} (cc {props.cc_str}): {why}")

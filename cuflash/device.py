@@ -2,10 +2,11 @@
 
 One record (`DeviceProps`) serves the library (config selection, tuned-table lookup) and the tuner
 (search spaces), read from CuPy or from recorded JSON, so the space for a GPU that is not at hand
-can be built from its recorded properties (tests/fixtures/devices/*.json). Everything a kernel
-config is judged by comes from here (shared memory a block may opt into, registers per block and
-per SM, threads per block, compute capability); the identity fields (name, compute capability, SM
-count, driver and NVRTC versions) are part of every tuning-table key.
+can be built from its recorded properties (shipped_props(): tests/fixtures/devices/*.json, installed
+as cuflash/devices/). Everything a kernel config is judged by comes from here (shared memory a
+block may opt into, registers per block and per SM, threads per block, compute capability); the
+identity fields (name, compute capability, SM count, driver and NVRTC versions) are part of every
+tuning-table key.
 """
 from __future__ import annotations
 
@@ -13,6 +14,14 @@ import dataclasses
 import functools
 import json
 import pathlib
+
+
+# The oldest GPUs cuflash runs on: every kernel uses mma.sync on bf16 and cp.async (sm_80, Ampere).
+MIN_CC = (8, 0)
+
+
+class UnsupportedDeviceError(RuntimeError):
+    """The GPU is older than cuflash supports (compute capability below MIN_CC)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,15 +82,62 @@ class DeviceProps:
         return cls.from_dict(json.loads(pathlib.Path(path).read_text()))
 
 
+class CudaUnavailableError(RuntimeError):
+    """CUDA cannot be used here: no NVIDIA driver, a driver older than CuPy's CUDA, no device."""
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def explain_cuda_error(e: BaseException) -> str:
+    """A failure of CuPy's first CUDA call in a user's words. CuPy reports a missing driver as
+    "driver version is insufficient" (the runtime reads the absent driver's version as 0); this says
+    which of the two it is, and what to do."""
+    try:
+        import cupy
+
+        rt = cupy.cuda.runtime
+        driver, runtime = int(rt.driverGetVersion()), int(rt.runtimeGetVersion())
+    except Exception:  # noqa: BLE001 - no CuPy, or not even the versions: CuPy's own words
+        return f"{type(e).__name__}: {e}"
+    if driver == 0:
+        return ("no NVIDIA driver found: the CUDA driver library (libcuda) is not installed or not visible here, "
+                "and cuflash's kernels need an NVIDIA GPU with its driver")
+    if driver < runtime and getattr(e, "status", None) == 35:  # cudaErrorInsufficientDriver
+        return (f"the NVIDIA driver supports CUDA up to {_cuda_version(driver)}, but this CuPy is built for CUDA "
+                f"{_cuda_version(runtime)}: update the driver, or install the CuPy build for it "
+                f"(pip install 'cuflash[cuda12]' for a CUDA 12 driver)")
+    return f"{type(e).__name__}: {e}"
+
+
 def cuda_device_count() -> tuple[int, str]:
     """(number of CUDA devices, why none) -- any CuPy/driver failure counts as no GPU."""
     try:
         import cupy
-
+    except ImportError as e:
+        return 0, f"CuPy is not installed ({e}): pip install 'cuflash[cuda13]' (or [cuda12])"
+    try:
         n = cupy.cuda.runtime.getDeviceCount()
         return n, "" if n else "getDeviceCount() returned 0"
-    except Exception as e:  # ImportError, CUDARuntimeError (no driver, insufficient driver, ...)
-        return 0, f"{type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError (no driver, insufficient driver, ...)
+        return 0, explain_cuda_error(e)
+
+
+def shipped_props_dir() -> pathlib.Path | None:
+    """Recorded properties of real GPUs (sm_80, sm_86, sm_89, sm_90): cuflash/devices as installed,
+    tests/fixtures/devices in a checkout (the same files; pyproject.toml ships one as the other)."""
+    pkg = pathlib.Path(__file__).resolve().parent
+    for d in (pkg / "devices", pkg.parent / "tests" / "fixtures" / "devices"):
+        if d.is_dir():
+            return d
+    return None
+
+
+def shipped_props() -> dict:
+    """name (file stem, e.g. "l4", "a100-80gb") -> path of the recorded properties shipped with cuflash."""
+    d = shipped_props_dir()
+    return {p.stem: p for p in sorted(d.glob("*.json"))} if d is not None else {}
 
 
 def cuda_torch():
@@ -114,7 +170,10 @@ def query(device_id: int = 0) -> DeviceProps:
     import cupy
 
     rt = cupy.cuda.runtime
-    p = rt.getDeviceProperties(device_id)
+    try:
+        p = rt.getDeviceProperties(device_id)
+    except rt.CUDARuntimeError as e:
+        raise CudaUnavailableError(f"cuflash cannot use CUDA device {device_id}: {explain_cuda_error(e)}") from e
     return DeviceProps(
         name=_str(p["name"]),
         cc=(int(p["major"]), int(p["minor"])),
@@ -131,3 +190,27 @@ def query(device_id: int = 0) -> DeviceProps:
         runtime_version=int(rt.runtimeGetVersion()),
         nvrtc_version=nvrtc_version(),
     )
+
+
+def unsupported_reason(props: DeviceProps, device_id: int | None = None) -> str | None:
+    """Why cuflash cannot run on a GPU with these properties (compute capability below MIN_CC), or None."""
+    if tuple(props.cc) >= MIN_CC:
+        return None
+    which = "this GPU" if device_id is None else f"CUDA device {device_id}"
+    return (f"cuflash needs an NVIDIA GPU of compute capability {MIN_CC[0]}.{MIN_CC[1]} or newer (Ampere or "
+            f"later: A100, A10, RTX 30xx, L4, RTX 40xx, H100, ...; its kernels use mma.sync on bf16 and "
+            f"cp.async), but {which} is {props.name} with compute capability {props.cc_str}")
+
+
+def check_supported(props: DeviceProps, device_id: int | None = None) -> DeviceProps:
+    """props, or UnsupportedDeviceError naming the GPU, its compute capability and the minimum."""
+    why = unsupported_reason(props, device_id)
+    if why:
+        raise UnsupportedDeviceError(why)
+    return props
+
+
+def supported(device_id: int = 0) -> DeviceProps:
+    """query(device_id), or UnsupportedDeviceError for a GPU cuflash cannot run on. Every entry point
+    asks this before it selects a kernel or compiles one (families.choose/select, _compile)."""
+    return check_supported(query(device_id), device_id)

@@ -118,3 +118,35 @@ class Plan:
         # Buffers that are not outputs go back to the pool when `slots` dies here; the pool reuses a
         # block only for work queued later on the same stream, so the running kernels keep them.
         return self._outputs(slots)
+
+
+class FilledPlan:
+    """A plan that launches nothing: each output is filled with a constant. The plan of a call with an
+    empty dimension (a batch, heads or seqlen of 0; AttnProblem.empty): the outputs have their shapes,
+    and where seqlen_k alone is 0 every query row sees no key (out 0, lse -inf; the backward's dq 0).
+
+    outputs: (Buffer, value) pairs in output order; a Buffer named after one of `inputs` fills the
+    caller's array when one is given there (contiguous, as the entry points check), else a new one."""
+
+    __slots__ = ("device", "_outputs")
+
+    def __init__(self, device: int, inputs: tuple, outputs: tuple):
+        index = {n: i for i, n in enumerate(inputs)}
+        self.device = device
+        self._outputs = tuple((index.get(b.name), b.shape, b.dtype, value) for b, value in outputs)
+
+    def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
+        import cupy
+
+        results = []
+        with cupy.cuda.Device(self.device):
+            for i, shape, dtype, value in self._outputs:
+                a = None if i is None else args[i]
+                if a is None:
+                    a = cupy.zeros(shape, dtype=dtype) if value == 0 else cupy.full(shape, value, dtype=dtype)
+                elif a.size and value == 0:
+                    a.data.memset_async(0, a.nbytes)
+                elif a.size:
+                    a.fill(value)
+                results.append(a)
+        return tuple(results)

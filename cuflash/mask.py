@@ -24,7 +24,9 @@ UNBOUNDED = 1 << 30
 
 
 def check_flag(value, name: str) -> bool:
-    """A bool option (0 and 1 are accepted as bools)."""
+    """A bool option (0 and 1 are accepted as bools, and NumPy's bool and integer scalars)."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:  # without importing NumPy here
+        value = value.item()
     if not isinstance(value, (bool, int)) or value not in (0, 1, True, False):
         raise TypeError(f"{name} must be a bool, got {value!r}")
     return bool(value)

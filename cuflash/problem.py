@@ -88,6 +88,11 @@ class AttnProblem:
         return Features(self.dtype, self.head_dim, self.dropout is not None, local=self.window_left != UNBOUNDED)
 
     @property
+    def empty(self) -> bool:
+        """A batch, heads or seqlen of 0: nothing to launch (out 0 and lse -inf where seqlen_k alone is 0)."""
+        return 0 in (self.batch, self.heads, self.seqlen_q, self.seqlen_k)
+
+    @property
     def causal(self) -> bool:
         """The mask is bottom-right causal (today's kernels and tuned tables take the mask as this flag)."""
         return self.window_left == UNBOUNDED and self.window_right == 0
@@ -153,6 +158,8 @@ def _check_layout(a: ArrayInfo, name: str) -> None:
         raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {a.shape}")
     if a.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} has dtype {a.dtype}; supported dtypes are float16 and bfloat16")
+    if 0 in a.shape:  # no element is read or written (CuPy gives empty arrays zero strides)
+        return
     if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
         raise ValueError(
             f"{name} must be contiguous in its last dimension (head_dim), got strides {a.strides} bytes; "
@@ -208,14 +215,6 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
         raise ValueError(f"head_dim differs: q has {d}, k and v have {dk}")
     if d not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {d} is not supported; supported head dims: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
-    if b < 1:
-        raise ValueError(f"batch size must be >= 1, got {b}")
-    if h < 1:
-        raise ValueError(f"number of heads must be >= 1, got {h}")
-    if nq < 1:
-        raise ValueError(f"seqlen of q must be >= 1, got {nq}")
-    if nk < 1:
-        raise ValueError(f"seqlen of k and v must be >= 1, got {nk}")
     scale = check_softmax_scale(softmax_scale)
     left, right, offset = mask.geometry(nq, nk)
     return AttnProblem(
@@ -250,7 +249,7 @@ def resolve_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, 
     if tuple(lse.shape) != want:
         raise ValueError(f"lse must have shape (batch, heads, seqlen_q) = {want}, got shape {lse.shape}")
     contiguous = (p.heads * p.seqlen_q * lse.itemsize, p.seqlen_q * lse.itemsize, lse.itemsize)
-    if any(n > 1 and s != c for n, s, c in zip(lse.shape, lse.strides, contiguous)):
+    if 0 not in lse.shape and any(n > 1 and s != c for n, s, c in zip(lse.shape, lse.strides, contiguous)):
         raise ValueError(f"lse must be C-contiguous (strides {contiguous} bytes), got strides {lse.strides}; "
                          f"pass the lse the forward returned, or a contiguous copy of it")
     if lse.ptr % lse.itemsize:

@@ -15,6 +15,14 @@ bottom-right corner (FlashAttention >= 2.1): query row i may attend key j iff
 j <= i + (N_k - N_q). When N_q > N_k the first N_q - N_k rows may attend nothing; such rows
 have O = 0 exactly and L = -inf.
 
+NaN and Inf follow PyTorch's softmax (and its SDPA math path): a NaN score, or a +inf one, in the
+part of a row that the mask leaves visible makes that row's output and L NaN (masked entries are
+replaced by -inf first, so a NaN in a key a row does not see does not reach it); a row whose visible
+scores are all -inf is a row that attends nothing (O = 0, L = -inf, PyTorch >= 2.5 gives 0 too). V
+enters through the product P V, where 0 x NaN = NaN: a NaN in V reaches every row of its (batch,
+head) that attends anything, as in PyTorch's math path (the tiled models and the kernels only
+multiply the key tiles a row block visits). The backward propagates the same way.
+
 Dropout is described by an explicit boolean keep-mask of shape (B, H, N_q, N_k) (True =
 kept) and its probability p: with Z = mask / (1 - p), O = (P o Z) V, while L stays the
 log-sum-exp of the undropped scores, as in FlashAttention.
@@ -91,14 +99,15 @@ def _finite_or_zero(m):
 
 
 def _normalise(acc, l):
-    """acc / l row-wise, with 0 for rows that attended nothing (l == 0)."""
-    attended = l > 0
+    """acc / l row-wise, with 0 for rows that attended nothing (l == 0). A NaN l (a NaN or +inf
+    score in the row) gives a NaN row, as PyTorch's softmax does: `l != 0`, not `l > 0`."""
+    attended = l != 0
     return np.where(attended[..., None], acc / np.where(attended, l, 1.0)[..., None], 0.0)
 
 
 def _lse(m, l):
-    """L = m + log(l), -inf for rows that attended nothing (l == 0)."""
-    attended = l > 0
+    """L = m + log(l), -inf for rows that attended nothing (l == 0), NaN where l is NaN."""
+    attended = l != 0
     return np.where(attended, m + np.log(np.where(attended, l, 1.0)), -np.inf)
 
 

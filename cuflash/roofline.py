@@ -476,8 +476,32 @@ def _try_plot(report: dict, path: str) -> bool:
     except PlotUnavailable as e:
         print(f"cuflash.roofline: {e}", file=sys.stderr)
         return False
+    except OSError as e:
+        print(f"cuflash.roofline: cannot write the picture {path}: {e}", file=sys.stderr)
+        return False
     print(f"picture written to {path}")
     return True
+
+
+def read_report(path: str) -> tuple[dict | None, str]:
+    """A saved report (--replot), or (None, why not): missing, unreadable, not JSON, not a report."""
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror or e}"
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"{path} is not JSON ({e})"
+    try:
+        Ceilings(**report["ceilings"]["measured"]["roof"])
+        if not isinstance(report["cases"], list):
+            raise TypeError("cases is not a list")
+        for c in report["cases"]:
+            c["kernels"]["floor"]["intensity"]
+    except (KeyError, TypeError, IndexError) as e:
+        return None, (f"{path} is not a roofline report written by python -m cuflash.roofline "
+                      f"(missing or malformed: {e})")
+    return report, ""
 
 
 def _gpu_count() -> tuple[int, str]:
@@ -489,8 +513,10 @@ def _gpu_count() -> tuple[int, str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.replot:
-        with open(args.replot) as f:
-            report = json.load(f)
+        report, why = read_report(args.replot)
+        if report is None:
+            print(f"cuflash.roofline: --replot: {why}", file=sys.stderr)
+            return 2
         return 0 if _try_plot(report, args.out) else 3
 
     n_gpus, why = _gpu_count()

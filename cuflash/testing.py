@@ -57,7 +57,8 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=No
     PyTorch's math path in bf16) would; this is the "pt" side of the FlashAttention 2x rule.
     keep_scale: dropout as Z = keep_mask * scale, a (b, h, nq, nk) CuPy array: O = (P o Z) V (the
     same-dtype side rounds P o Z, as dropout applied to a bf16 P would); lse stays undropped.
-    Returns (out, lse) in compute_dtype; fully masked rows give 0 and -inf.
+    Returns (out, lse) in compute_dtype; fully masked rows give 0 and -inf; a NaN (or +inf) score
+    a row sees makes its out and lse NaN, as in cuflash.reference.
     """
     import cupy
 
@@ -65,14 +66,14 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=No
     qf, kf, vf = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v))  # b h n d
     s = _masked_scores(qf, kf, causal, scale, rnd)
     m = s.max(axis=-1, keepdims=True)
-    m_safe = cupy.where(cupy.isfinite(m), m, 0)
+    m_safe = cupy.where(cupy.isneginf(m), 0, m)
     e = cupy.exp(s - m_safe)
     l = e.sum(axis=-1, keepdims=True)
-    p = rnd(e / cupy.where(l > 0, l, 1))
+    p = rnd(e / cupy.where(l != 0, l, 1))
     if keep_scale is not None:
         p = rnd(p * keep_scale.astype(compute_dtype))
     o = rnd(cupy.matmul(p, vf))
-    lse = cupy.where(l[..., 0] > 0, cupy.log(cupy.where(l[..., 0] > 0, l[..., 0], 1)) + m_safe[..., 0], -cupy.inf)
+    lse = cupy.where(l[..., 0] != 0, cupy.log(cupy.where(l[..., 0] != 0, l[..., 0], 1)) + m_safe[..., 0], -cupy.inf)
     return o.transpose(0, 2, 1, 3), lse
 
 
@@ -90,9 +91,9 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     qf, kf, vf, dof = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v, dout))  # b h n d
     s = _masked_scores(qf, kf, causal, scale, rnd)
     m = s.max(axis=-1, keepdims=True)
-    e = cupy.exp(s - cupy.where(cupy.isfinite(m), m, 0))
+    e = cupy.exp(s - cupy.where(cupy.isneginf(m), 0, m))
     l = e.sum(axis=-1, keepdims=True)
-    p = rnd(e / cupy.where(l > 0, l, 1))
+    p = rnd(e / cupy.where(l != 0, l, 1))
     z = None if keep_scale is None else keep_scale.astype(compute_dtype)
     pz = p if z is None else rnd(p * z)
     o = rnd(cupy.matmul(pz, vf))

@@ -250,14 +250,30 @@ def save_entries(path, new_entries: list) -> int:
 
 
 def clear(path=None) -> bool:
-    """Delete the user's cache file; True if there was one."""
+    """Delete the user's cache file; True if there was one. Creates nothing: a missing directory
+    means there is no cache, and the lock file goes with the cache (deleted while held, so a writer
+    waiting on it then writes to a cache file that clear no longer sees, never a half-cleared one).
+    OSError (e.g. the cache path is a directory, or not writable) is the caller's to report."""
     path = pathlib.Path(path) if path is not None else cache_path()
+    if not path.parent.is_dir():
+        if path.parent.exists():  # a file where the cache directory should be
+            raise NotADirectoryError(f"{path.parent} is not a directory")
+        return False
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory, not a cache file")
+    lock = pathlib.Path(str(path) + ".lock")
     with _lock(path):
         try:
             path.unlink()
-            return True
+            found = True
         except FileNotFoundError:
-            return False
+            found = False
+        finally:
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                pass
+    return found
 
 
 # ----------------------------------------------------------------------------- matching

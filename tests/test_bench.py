@@ -79,6 +79,8 @@ def test_parse_args_defaults_and_options():
 
     with pytest.raises(SystemExit):
         bench.parse_args(["--causal", "2"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--head-dims", "96"])
 
 
 def test_default_json_path():

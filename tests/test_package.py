@@ -31,15 +31,22 @@ def test_wheel_ships_kernel_sources(tmp_path):
     # every shipped tuning table is in the wheel, where the lookup finds it
     for table in sorted((root / "tuning").glob("*.json")):
         assert f"cuflash/tuning/{table.name}" in names, table.name
+    # the recorded GPUs (`python -m cuflash.tune --dry-run --props NAME`) ship as cuflash/devices/
+    fixtures = sorted((root / "tests" / "fixtures" / "devices").glob("*.json"))
+    assert fixtures
+    for f in fixtures:
+        assert f"cuflash/devices/{f.name}" in names, f.name
     site = tmp_path / "site"
     zipfile.ZipFile(whl).extractall(site)
-    code = ("from cuflash import _compile, tuning_store; print(tuning_store.shipped_dir()); "
-            "print(len(tuning_store.shipped_tables())); print(_compile.kernel_dir())")
+    code = ("from cuflash import _compile, device, tuning_store; print(tuning_store.shipped_dir()); "
+            "print(len(tuning_store.shipped_tables())); print(_compile.kernel_dir()); "
+            "print(device.shipped_props_dir()); print(len(device.shipped_props()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(site), "HOME": str(tmp_path)})
     assert r.returncode == 0, r.stderr
-    where, count, kdir = r.stdout.split()
+    where, count, kdir, ddir, dcount = r.stdout.split()
     assert kdir == str(site / "cuflash" / "kernels_cu")  # the installed wheel finds its kernel sources
+    assert ddir == str(site / "cuflash" / "devices") and int(dcount) == len(fixtures)
     assert where == str(site / "cuflash" / "tuning") and int(count) == len(list((root / "tuning").glob("*.json")))
 
 

@@ -44,9 +44,12 @@ def test_valid_problem_and_default_scale():
     (info(strides=(2 * 64 * 4 * 128 * 2, 4 * 128 * 2, 128 * 2 * 2, 4)), info(), info(), ValueError, "contiguous in its last dimension"),
     (info(ptr=(1 << 20) + 2), info(), info(), ValueError, "16-byte aligned"),
     (info(), info(strides=(64 * 4 * 136 * 2, 4 * 136 * 2 + 2, 136 * 2, 2)), info(), ValueError, "seqlen stride"),
-    (info((2, 0, 4, 128)), info(), info(), ValueError, "seqlen of q must be >= 1"),
-    (info(), info((2, 0, 4, 128)), info((2, 0, 4, 128)), ValueError, "seqlen of k and v must be >= 1"),
-    (info((0, 64, 4, 128)), info((0, 64, 4, 128)), info((0, 64, 4, 128)), ValueError, "batch size must be >= 1"),
+    # empty arrays (zero strides, as CuPy gives them) are still checked for dtype, rank and shapes
+    (info((0, 64, 4, 128), dtype="float32", strides=(0,) * 4), info(), info(), TypeError, "q has dtype float32"),
+    (info((2, 0, 4, 96), strides=(0,) * 4), info((2, 64, 4, 96)), info((2, 64, 4, 96)), ValueError,
+     "head_dim 96 is not supported"),
+    (info((0, 64, 4, 128), strides=(0,) * 4), info(), info(), ValueError, "batch size differs"),
+    (info(), info((2, 0, 4, 128), strides=(0,) * 4), info((2, 1, 4, 128)), ValueError, "same shape"),
     (info(), info(device=1), info(), ValueError, "one device"),
 ])
 def test_bad_arguments(q, k, v, exc, words):
@@ -148,3 +151,46 @@ def test_dropout_resolution():
 def test_bad_dropout(p, seed, exc, words):
     with pytest.raises(exc, match=words):
         resolve_dropout(p, seed)
+
+
+@pytest.mark.parametrize("flag", [np.bool_(True), np.bool_(False), np.int64(1), np.uint8(0)])
+def test_numpy_scalars_are_accepted_as_flags(flag):
+    from cuflash.problem import check_flag
+
+    assert check_flag(flag, "causal") is bool(flag)
+    assert ok(causal=flag).causal is bool(flag)
+
+
+def test_numpy_scalars_are_rejected_when_not_bools():
+    from cuflash.problem import check_flag
+
+    for bad in (np.int64(2), np.float64(1.0), np.array([True])):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            check_flag(bad, "causal")
+
+
+@pytest.mark.parametrize("seed", [np.uint64(2**64 - 1), np.int64(7), np.uint32(3)])
+def test_numpy_integer_seeds(seed):
+    d = resolve_dropout(np.float32(0.25), seed)
+    assert d.seed == int(seed) and type(d.seed) is int
+
+
+Z = (0, 0, 0, 0)  # CuPy's strides for an empty array
+
+
+@pytest.mark.parametrize("qs,ks", [
+    ((0, 64, 4, 128), (0, 64, 4, 128)),  # batch 0
+    ((2, 0, 4, 128), (2, 64, 4, 128)),  # seqlen_q 0
+    ((2, 64, 4, 128), (2, 0, 4, 128)),  # seqlen_k 0: every row sees no key
+    ((2, 0, 4, 128), (2, 0, 4, 128)),
+    ((2, 64, 0, 128), (2, 64, 0, 128)),  # no heads
+])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_problems_resolve(qs, ks, causal):
+    """Empty arrays are valid (FlashAttention and PyTorch accept them): whatever their strides and
+    pointer, the problem is `empty` and nothing is launched (tests/gpu/test_empty_gpu.py)."""
+    q = info(qs, strides=Z if 0 in qs else None, ptr=0 if 0 in qs else 1 << 20)
+    kv = info(ks, strides=Z if 0 in ks else None, ptr=0 if 0 in ks else 1 << 20)
+    p = resolve_forward(q, kv, kv, causal, None)
+    assert p.empty and (p.batch, p.seqlen_q, p.seqlen_k, p.heads) == (qs[0], qs[1], ks[1], qs[2])
+    assert not ok().empty

@@ -250,3 +250,84 @@ def test_invalid_arguments_raise():
         attention_naive(q, k, v, dropout_p=0.1)  # dropout needs an explicit mask
     with pytest.raises(ValueError):
         attention_v2_tiled(q, k, v, dropout_mask=np.ones((1, 1, 5, 4), bool), dropout_p=0.1)
+
+
+# --------------------------------------------------------------------------- NaN and Inf
+
+
+def _visible_rows(nq, nk, causal, key):
+    """Rows that see key `key` (all rows without a mask)."""
+    return causal_mask(nq, nk)[:, key] if causal else np.ones(nq, bool)
+
+
+def _sdpa_like(q, k, v, causal):
+    """softmax(tau Q K^T + mask) V written as PyTorch's math SDPA computes it (no -inf guards but
+    PyTorch 2.5's fully-masked rows -> 0), for the NaN pattern."""
+    q, k, v = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+    s = q @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        s = np.where(causal_mask(*s.shape[-2:]), s, -np.inf)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = e / e.sum(axis=-1, keepdims=True)
+    p = np.where(np.isneginf(s).all(axis=-1, keepdims=True), 0.0, p)
+    return (p @ v).transpose(0, 2, 1, 3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_propagate_like_pytorch(causal, where, bad):
+    b, h, nq, nk, d = 2, 2, 9, 13, 16
+    q, k, v = _qkv(5, b, h, nq, nk, d)
+    pos = 6
+    {"q": q, "k": k, "v": v}[where][1, pos, 0, 3] = bad
+    with np.errstate(invalid="ignore", over="ignore"):
+        out, lse = attention_naive(q, k, v, causal=causal)
+        like = _sdpa_like(q, k, v, causal)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(like))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(like))
+    # only (batch 1, head 0) is touched
+    others = np.ones((b, h), bool)
+    others[1, 0] = False
+    assert np.isfinite(out.transpose(0, 2, 1, 3)[others]).all() and np.isfinite(lse[others]).all()
+    rows = np.isnan(out[1, :, 0]).any(axis=-1)
+    if where != "v":  # a NaN score: the row and its lse are NaN
+        np.testing.assert_array_equal(np.isnan(lse[1, 0]), rows)
+    if where == "k" and np.isnan(bad):  # exactly the rows that see that key
+        np.testing.assert_array_equal(rows, _visible_rows(nq, nk, causal, pos))
+    if where == "q" and np.isnan(bad):  # exactly that query's row
+        assert rows.tolist() == [i == pos for i in range(nq)]
+
+
+def test_nan_row_is_nan_not_zero():
+    """The bug this replaces: a NaN row came out as 0 with lse -inf (l > 0 is False for NaN)."""
+    q, k, v = _qkv(1, 1, 1, 4, 4, 16)
+    q[0, 2, 0, 0] = np.nan
+    for fwd in (attention_naive, attention_v1_tiled, attention_v2_tiled):
+        out, lse = fwd(q, k, v)
+        assert np.isnan(out[0, 2, 0]).all() and np.isnan(lse[0, 0, 2])
+        assert np.isfinite(np.delete(out[0, :, 0], 2, axis=0)).all()
+
+
+def test_all_minus_inf_row_attends_nothing():
+    """Scores all -inf (not by the mask: by the data) are a row that sees no key, O = 0 and L = -inf,
+    as PyTorch's SDPA math path gives since 2.5 (_safe_softmax)."""
+    q, k, v = _qkv(2, 1, 1, 3, 5, 16)
+    q[0, 1, 0] = 0.0
+    q[0, 1, 0, 0] = 1.0
+    k[0, :, 0, 0] = -np.inf  # q_1 . k_j = -inf for every key j
+    with np.errstate(invalid="ignore"):
+        out, lse = attention_naive(q, k, v)
+    assert (out[0, 1, 0] == 0).all() and np.isneginf(lse[0, 0, 1])
+
+
+def test_backward_propagates_nan():
+    q, k, v = _qkv(3, 1, 1, 6, 6, 16)
+    k[0, 4, 0, 1] = np.nan
+    with np.errstate(invalid="ignore"):
+        out, lse = attention_naive(q, k, v, causal=True)
+        dq, dk, dv = attention_backward(out, q, k, v, out, lse, causal=True)
+    seen = causal_mask(6, 6)[:, 4]  # rows 4 and 5 see key 4: their out and lse are NaN
+    assert np.isnan(out[0, :, 0]).any(axis=-1).tolist() == seen.tolist()
+    assert np.isnan(dq[0, seen]).all() and np.isnan(dk[0, 4]).all() and np.isnan(dv[0, 4]).any()

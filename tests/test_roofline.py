@@ -321,3 +321,28 @@ def test_main_with_fake_measurements(monkeypatch, tmp_path, capsys):
     assert c["kernels"]["v2"]["timing"] == {"median_ms": pytest.approx(c["flops"] / 320e12 * 1e3)}
     out = capsys.readouterr().out
     assert "ridge 179 FLOP/byte" in out and "v2/v1 5.00x" in out
+
+
+@pytest.mark.parametrize("content,words", [
+    (None, "cannot read"),
+    ("{", "is not JSON"),
+    ("[]", "is not a roofline report"),
+    ('{"ceilings": {}}', "is not a roofline report"),
+    ('{"ceilings": {"measured": {"roof": {"peak_tflops": 1, "bandwidth_gbps": 1}}}, "cases": [{}]}',
+     "is not a roofline report"),
+])
+def test_replot_of_a_bad_file_is_a_message(tmp_path, capsys, content, words):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    assert rl.main(["--replot", str(path), "--out", str(tmp_path / "r.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cuflash.roofline: --replot: ") and words in err and "Traceback" not in err
+
+
+def test_replot_to_an_unwritable_path_is_a_message(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "r.json"
+    rl.write_json(path, _fake_report())
+    assert rl.main(["--replot", str(path), "--out", str(tmp_path / "no" / "dir" / "r.png")]) == 3
+    assert "cannot write the picture" in capsys.readouterr().err

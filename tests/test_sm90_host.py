@@ -434,9 +434,13 @@ def test_v1_has_only_the_sm80_kernel(bindings, monkeypatch):
 
 
 def test_no_kernel_for_old_gpus_is_a_clear_error(bindings):
+    from cuflash.device import UnsupportedDeviceError
+
     volta = dataclasses.replace(A100, name="Tesla V100", cc=(7, 0))
-    with pytest.raises(RuntimeError, match="no kernel can run this call on Tesla V100.*fwd_sm90: .*fwd: compute capability 7.0"):
-        choose(volta)
+    for backend in (None, "sm80", "sm90"):
+        with pytest.raises(UnsupportedDeviceError, match=r"compute capability 8\.0 or newer.*device 0 is Tesla V100 "
+                                                         r"with compute capability 7\.0"):
+            choose(volta, backend)
 
 
 def test_explicit_configs_pick_their_family(bindings, monkeypatch):

@@ -233,3 +233,90 @@ def test_plot_studies_if_matplotlib_is_installed(env):
     reports = tuner.tune(o, FakeWorker(), H200)
     paths = report.plot_studies(reports, env / "plots")
     assert len(paths) == 1 and paths[0].stat().st_size > 1000
+
+
+# ----------------------------------------------------------------------------- user mistakes: no tracebacks
+
+
+def test_unsupported_head_dim_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--dry-run", "--props", str(FIX / "l4.json"), "--head-dims", "96"])
+    assert e.value.code == 2
+    assert "--head-dims: invalid choice: 96 (choose from 64, 128)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arg", [["--seqlens", "0"], ["--tokens", "-1"], ["--hidden", "x"]])
+def test_non_positive_sizes_are_errors(arg, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--dry-run", "--props", str(FIX / "l4.json"), *arg])
+    assert e.value.code == 2 and arg[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content,words", [
+    (None, "no such file"),
+    ("{\"name\": ", "is not JSON"),
+    ("[1, 2]", "is not a device-properties file"),
+    ("{\"name\": \"x\"}", "is not a device-properties file (missing field 'cc')"),
+    ("{\"name\": \"x\", \"cc\": [8, 0]}", "is not a device-properties file"),
+    ("\xff\xfe", "is not JSON"),
+])
+def test_bad_props_file_is_a_message(tmp_path, capsys, content, words):
+    path = tmp_path / "props.json"
+    if content is not None:
+        path.write_bytes(content.encode("latin-1"))
+    assert cli.main(["--dry-run", "--props", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cuflash.tune: --props: ") and words in err and "Traceback" not in err
+    bad = {**H200.to_dict(), "smem_optin": "lots"}
+    path.write_text(json.dumps(bad))
+    assert cli.main(["--dry-run", "--props", str(path)]) == 2
+
+
+def test_props_directory_is_a_message(tmp_path, capsys):
+    assert cli.main(["--dry-run", "--props", str(tmp_path)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_clear_creates_nothing_and_leaves_no_lock(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "not" / "there"
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(cache))
+    assert cli.main(["--clear"]) == 0
+    assert "no cache at" in capsys.readouterr().out
+    assert not (tmp_path / "not").exists()
+    # a real cache: removed, with its lock file, the directory kept
+    monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path / "c"))
+    tuning_store.save_entries(tuning_store.cache_path(), [tuning_store.make_entry(
+        tuning_store.DeviceKey.of(H200), "fwd", "f" * 16, "bfloat16", 128, "dense", True, 8192,
+        space.config_to_dict(tiles.FwdConfig(128, 128, 64, 8, 2)), time_ms=1.0, default_ms=1.25,
+        method="optuna-tpe", trials=10, valid=30)])
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == [tuning_store.FILE_NAME,
+                                                                  tuning_store.FILE_NAME + ".lock"]
+    assert cli.main(["--clear"]) == 0
+    assert "removed" in capsys.readouterr().out
+    assert list((tmp_path / "c").iterdir()) == []
+    assert cli.main(["--clear"]) == 0 and list((tmp_path / "c").iterdir()) == []
+
+
+@pytest.mark.parametrize("odd", ["file_as_dir", "dir_as_file"])
+def test_clear_on_an_odd_cache_path_is_a_message(tmp_path, monkeypatch, capsys, odd):
+    if odd == "file_as_dir":  # CUFLASH_CACHE_DIR names a file
+        (tmp_path / "f").write_text("x")
+        monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path / "f"))
+    else:  # the cache file's name is a directory
+        monkeypatch.setenv(tuning_store.ENV_CACHE_DIR, str(tmp_path))
+        (tmp_path / tuning_store.FILE_NAME).mkdir()
+    assert cli.main(["--clear"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cuflash.tune: cannot clear the cache") and "Traceback" not in err
+    assert not list(tmp_path.glob("**/*.lock"))
+
+
+def test_export_to_an_odd_path_is_a_message(env, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "_gpu_props", lambda device: (H200, ""))
+    tuning_store.save_entries(tuning_store.cache_path(), [tuning_store.make_entry(
+        tuning_store.DeviceKey.of(H200), "fwd", _compile.kernel_fingerprint(families.FWD), "bfloat16", 128, "dense",
+        True, 8192, space.config_to_dict(tiles.FwdConfig(128, 128, 64, 8, 2)), time_ms=1.0, default_ms=1.25,
+        method="optuna-tpe", trials=10, valid=30)])
+    (env / "f").write_text("x")
+    assert cli.main(["--no-tune", "--export", str(env / "f" / "table.json")]) == 1
+    assert "cannot export to" in capsys.readouterr().err

@@ -50,11 +50,14 @@ def select(family: KernelFamily, problem):
     the shipped tables, then the family's heuristic default for the device."""
     from .. import _tuned, device
 
-    props = device.query(problem.device)
+    props = device.supported(problem.device)  # UnsupportedDeviceError on a GPU older than cc 8.0
     tile = _tuned.lookup(family, problem, props)
     if tile is not None:
         return tile
-    return family.default(problem.head_dim, props.smem_optin, problem.features)
+    try:
+        return family.default(problem.head_dim, props.smem_optin, problem.features)
+    except RuntimeError as e:  # e.g. the d128 backward on a ~99 KB GPU: say which GPU
+        raise RuntimeError(f"{e} per block on {props.name} (cc {props.cc_str})") from None
 
 
 # ----------------------------------------------------------------------------- backends
@@ -90,6 +93,7 @@ def choose(candidates: tuple, problem, backend: str | None = None, props=None) -
 
     check_backend(backend)
     props = props if props is not None else device.query(problem.device)
+    device.check_supported(props, problem.device)  # the GPU itself first: one clear message for old GPUs
     source = "backend"
     if backend is None:
         env = env_backend()

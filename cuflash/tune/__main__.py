@@ -4,7 +4,7 @@
     python -m cuflash.tune --kernels fwd --head-dims 128 --seqlens 8192 --dtypes bf16
     python -m cuflash.tune --exhaustive-compare --json run.json --plot plots/   # judge the search
     python -m cuflash.tune --show | --clear | --no-tune --export tuning/<gpu>.json
-    python -m cuflash.tune --dry-run --props tests/fixtures/devices/l4.json --compile-check   # no GPU
+    python -m cuflash.tune --dry-run --props l4 --compile-check   # no GPU: a recorded GPU (or a JSON file)
 """
 from __future__ import annotations
 
@@ -15,12 +15,30 @@ import sys
 from datetime import datetime, timezone
 
 from .. import _compile, families, tuning_store
+from .. import device as _device
 from ..features import PERF_CLASSES, Features
+from ..tiles import SUPPORTED_HEAD_DIMS
 from . import report, search, space
 from .runner import DTYPES
 from .tuner import Options
 
 DEFAULT_SEQLENS = (1024, 4096, 16384)
+
+
+def _recorded_names() -> list:
+    from ..device import shipped_props
+
+    return list(shipped_props())
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
 
 
 def parse_args(argv=None):
@@ -32,13 +50,15 @@ def parse_args(argv=None):
                    help="default: " + " ".join(space.default_kernels()) + " (those present)")
     g.add_argument("--perf-classes", nargs="+", choices=list(PERF_CLASSES), default=["dense"],
                    help="feature classes to tune, each keyed separately (default: %(default)s)")
-    g.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    g.add_argument("--head-dims", type=int, nargs="+", default=list(SUPPORTED_HEAD_DIMS), choices=SUPPORTED_HEAD_DIMS,
+                   metavar="D", help="head dims to tune, of " + ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+                   + " (default: all)")
     g.add_argument("--dtypes", nargs="+", choices=["bf16", "fp16"], default=["bf16", "fp16"])
-    g.add_argument("--seqlens", type=int, nargs="+", default=list(DEFAULT_SEQLENS),
+    g.add_argument("--seqlens", type=_positive, nargs="+", default=list(DEFAULT_SEQLENS),
                    help="one study per seqlen; cached under its power-of-two bucket (default: %(default)s)")
     g.add_argument("--causal", choices=["0", "1", "both"], default="both")
-    g.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen (default %(default)s)")
-    g.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head_dim (default %(default)s)")
+    g.add_argument("--tokens", type=_positive, default=16384, help="batch = tokens // seqlen (default %(default)s)")
+    g.add_argument("--hidden", type=_positive, default=2048, help="heads = hidden // head_dim (default %(default)s)")
     g = p.add_argument_group("how")
     m = g.add_mutually_exclusive_group()
     m.add_argument("--exhaustive", action="store_true", help="time every valid config instead of searching")
@@ -68,7 +88,8 @@ def parse_args(argv=None):
     g.add_argument("--plot", metavar="DIR", help="save best-time-against-trial plots (PNG; needs matplotlib)")
     g.add_argument("--dry-run", action="store_true",
                    help="no timing: print each space and why configs are pruned (works without a GPU)")
-    g.add_argument("--props", metavar="FILE", help="with --dry-run: device properties from a JSON file")
+    g.add_argument("--props", metavar="FILE|NAME", help="with --dry-run: device properties from a JSON file, or "
+                   "the name of a recorded GPU shipped with cuflash: " + ", ".join(_recorded_names()))
     g.add_argument("--compile-check", action="store_true", help="with --dry-run: also compile offline (NVRTC)")
     return p.parse_args(argv)
 
@@ -95,8 +116,6 @@ def options_from_args(a) -> Options:
 
 
 def _gpu_props(device):
-    from .. import device as _device
-
     n, why = _device.cuda_device_count()
     if n == 0:
         return None, why
@@ -129,21 +148,64 @@ def do_export(path, props) -> int:
     if not keep:
         print("nothing to export: no current entries for this GPU in the cache", file=sys.stderr)
         return 1
-    n = tuning_store.save_entries(path, keep)
+    try:
+        n = tuning_store.save_entries(path, keep)
+    except OSError as e:
+        print(f"cannot export to {path}: {e}", file=sys.stderr)
+        return 1
     print(f"exported {len(keep)} entries to {path} ({n} in the file)")
     return 0
 
 
+def read_props(path) -> tuple:
+    """(DeviceProps from a JSON file or the name of a shipped one, "") or (None, why not): missing,
+    unreadable, not JSON, or not device properties (the shipped files, cuflash/devices/, show the fields)."""
+    import os
+
+    from ..device import DeviceProps, shipped_props
+
+    shipped = shipped_props()
+    if not os.path.exists(path) and str(path).removesuffix(".json") in shipped:
+        path = shipped[str(path).removesuffix(".json")]
+    elif not os.path.exists(path):
+        return None, (f"no such file {path}, nor a recorded GPU of that name (recorded: "
+                      f"{', '.join(shipped) or 'none'})")
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except OSError as e:
+        return None, f"cannot read {path}: {e.strerror or e}"
+    except (ValueError, UnicodeDecodeError) as e:
+        return None, f"{path} is not JSON ({e})"
+    try:
+        props = DeviceProps.from_dict(doc)
+        int(props.smem_optin), int(props.register_budget), props.cc_str  # noqa: B018 - the fields used
+        if len(props.cc) != 2:
+            raise ValueError(f"cc must be [major, minor], got {props.cc!r}")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        return None, (f"{path} is not a device-properties file ({detail}); see the recorded GPUs in "
+                      f"cuflash/devices/*.json, or DeviceProps.to_dict()")
+    return props, ""
+
+
 def do_dry_run(a, o: Options) -> int:
-    from ..device import DeviceProps
+    from ..device import unsupported_reason
 
     if a.props:
-        props = DeviceProps.from_json(a.props)
+        props, why = read_props(a.props)
+        if props is None:
+            print(f"cuflash.tune: --props: {why}", file=sys.stderr)
+            return 2
     else:
         props, why = _gpu_props(a.device)
         if props is None:
             print(f"--dry-run needs --props FILE here (no GPU: {why})", file=sys.stderr)
             return 2
+    why = unsupported_reason(props)
+    if why:
+        print(f"cuflash.tune: {why}", file=sys.stderr)
+        return 2
     print(f"{props.name}: cc {props.cc_str} ({props.arch}), {props.sm_count} SMs, smem opt-in {props.smem_optin} B, "
           f"{props.register_budget} registers per block")
     for k in o.kernels:
@@ -213,7 +275,11 @@ class _Progress:
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.clear:
-        had = tuning_store.clear()
+        try:
+            had = tuning_store.clear()
+        except OSError as e:
+            print(f"cuflash.tune: cannot clear the cache {tuning_store.cache_path()}: {e}", file=sys.stderr)
+            return 1
         print(f"{'removed' if had else 'no cache at'} {tuning_store.cache_path()}")
         return 0
     o = options_from_args(a)
@@ -233,6 +299,10 @@ def main(argv=None) -> int:
     if props is None:
         print(f"cuflash.tune: no CUDA GPU found ({why}); nothing to tune. (--show, --clear and --dry-run work "
               f"without one.)", file=sys.stderr)
+        return 2
+    why = _device.unsupported_reason(props, a.device)
+    if why:
+        print(f"cuflash.tune: {why}", file=sys.stderr)
         return 2
     if a.kernels is None:  # by default, only the kernels this GPU runs (--kernels names any)
         o.kernels = tuple(available_kernels(props))
@@ -263,10 +333,14 @@ def main(argv=None) -> int:
                        "sources": {k: tuning_store.source_fingerprint(k) for k in o.kernels}},
                "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(o).items()},
                "studies": [r.to_dict() for r in reports]}
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        print(f"results written to {a.json}")
+        try:
+            with open(a.json, "w") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+            print(f"results written to {a.json}")
+        except OSError as e:  # the tuning itself is done and cached: say so, do not lose it to a traceback
+            print(f"cuflash.tune: cannot write --json {a.json}: {e}", file=sys.stderr)
+            rc = 1
     if a.plot:
         paths = report.plot_studies(reports, a.plot)
         print(f"{len(paths)} plots written to {a.plot}")
