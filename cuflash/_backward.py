@@ -48,9 +48,11 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
 
     n_blocks = -(-nk // cfg.block_k)
     check_grid(n_blocks * h * b)
+    fam = families.of(cfg)
     main = _compile.get_kernel(cfg, p.features, p.device)
-    launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes,
-                           pointers=_pointers(families.BWD)))
+    # the dK/dV kernel: its pointer slots, or (sm90) the slots a per-call bind turns into TMA maps
+    slots, bind = fam.main_args(p, cfg) if fam.main_args is not None else (_pointers(fam), None)
+    launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
 
     m_blocks = 0  # BwdParams.m_blocks: the dQ kernel's, when it runs
     if p.deterministic:
@@ -74,14 +76,25 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
 _plans = plan_cache.PlanCache()
 
 
-def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config) -> Plan:
+def _main_family(p, config, backend):
+    """The dK/dV kernel's family: the sm80 one, unless backend="sm90" or an sm90 tile asks for the
+    Hopper kernel (families.BACKWARDS; ValueError naming the reason where it cannot run the call)."""
+    if backend is None and config is not None:
+        backend = families.of(config).backend
+    if backend is None or backend == families.BWD.backend:
+        families.check_backend(backend)
+        return families.BWD
+    return families.choose(families.BACKWARDS, p, backend)
+
+
+def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend=None) -> Plan:
     infos = [problem.describe(x, n) for x, n in zip(arrays, BWD_ARRAYS)]
     p = problem.resolve_backward(*infos, mask, softmax_scale, deterministic, dropout)
     if p.empty:  # no launch: zero gradients of q, k, v's shapes (empty where their arrays are)
         dtype = arrays[1].dtype
         return FilledPlan(p.device, BWD_ARRAYS, tuple((Buffer(n, x.shape, dtype), 0)
                                                        for n, x in zip(OUTPUTS, infos[1:4])))
-    cfg = _tile(families.BWD, config, p)
+    cfg = _tile(_main_family(p, config, backend), config, p)
     dq_cfg = _tile(families.BWD_DQ, dq_config, p) if p.deterministic else None
     return _plan(p, cfg, dq_cfg, arrays[1].dtype)
 
@@ -96,13 +109,15 @@ def _tile(family, config, p):
 
 def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softmax_scale=None, deterministic=False,
              dropout_p=0.0, seed=None, config: BwdConfig | None = None, dq_config: DqConfig | None = None,
-             **mask_options):
+             backend: str | None = None, **mask_options):
     """Gradients (dq, dk, dv) of attention for upstream gradient `dout`; CuPy arrays like q, k, v.
 
     `out` and `lse` are the forward's results for the same q, k, v, mask, softmax_scale,
     dropout_p and seed (the dropout mask is regenerated from the seed, never stored). The mask:
     the record `mask` or the mask keywords (`causal=True`, ...), as the forward (cuflash/_forward.py).
     `config` / `dq_config` override the selected kernel configs (tuner, tests).
+    `backend`: None / "sm80" (the mma.sync dK/dV kernel) or "sm90" (the Hopper one: cc 9.0, no
+    dropout, not deterministic; opt-in while it is no faster, see cuflash/families/__init__.py).
     """
     import cupy
 
@@ -112,8 +127,8 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     dropout = problem.resolve_dropout(dropout_p, seed)
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
         plan = _plans.get(lambda: (*plan_cache.array_key(arrays), mask.key, softmax_scale, deterministic,
-                                   dropout is not None),
-                          lambda: _build_plan(arrays, mask, softmax_scale, deterministic, dropout, None, None))
+                                   dropout is not None, backend),
+                          lambda: _build_plan(arrays, mask, softmax_scale, deterministic, dropout, None, None, backend))
     else:
-        plan = _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config)
+        plan = _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend)
     return plan.run(arrays, None if dropout is None else dropout.kernel_args)

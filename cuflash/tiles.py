@@ -266,3 +266,53 @@ class Sm90FwdConfig(Tile):
         if self.pingpong and (self.consumers < 2 or not self.overlap):
             return "pingpong needs at least 2 consumer warpgroups and the overlapped loop (overlap 1)"
         return None
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Sm90BwdConfig(Tile):
+    """Tile of the Hopper backward's dK/dV kernel (kernels_cu/flash_bwd_sm90.cuh, sm_90a).
+
+    <D, BR, CONSUMERS, STAGES>: one producer warpgroup loads K and V of 64 * consumers keys once and
+    streams Q and dO in blocks of block_q rows through a `stages`-deep TMA ring; each consumer
+    warpgroup owns 64 of the keys (its dK and dV stay in registers). Mirrors
+    kernels_cu/sm90/bwd_traits.cuh (Sm90BwdTraits), whose first version takes block_q 64 and two
+    consumers only.
+    """
+
+    head_dim: int = _axis("d", "head dimension (not searched: it is the problem's)")
+    block_q: int = _axis("br", "query rows per Q/dO block (BR, wgmma N of S^T and dP^T)")
+    consumers: int = _axis("c", "consumer warpgroups, 64 keys each (block_k = 64 * consumers)")
+    stages: int = _axis("s", "depth of the TMA Q/dO ring")
+
+    @property
+    def block_k(self) -> int:
+        return SM90_CONSUMER_ROWS * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    def launch_bounds(self) -> str:
+        return f"__launch_bounds__({self.threads}, 1)"  # setmaxnreg needs the cap
+
+    def label(self) -> str:
+        return f"{self.block_q}x{self.block_k} c{self.consumers} s{self.stages}"
+
+    @property
+    def smem_bytes(self) -> int:
+        # K and V, stages x (Q + dO), two dS^T images (Sm90BwdTraits::kSmemBytes counts the first KiB
+        # of slack, for the 1024-B alignment of the base) + a KiB for the static barriers
+        d = self.head_dim
+        return (2 * 2 * self.block_k * d + 2 * self.stages * 2 * self.block_q * d + 2 * 2 * self.block_k * self.block_q
+                + SM90_SMEM_SLACK)
+
+    def structural_problem(self) -> str | None:
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.block_q != 64:
+            return f"block_q must be 64 (the dS^T image is one 64-query chunk), got {self.block_q}"
+        if self.consumers != 2:
+            return f"consumers must be 2, got {self.consumers}"
+        if self.stages not in (2, 3, 4):
+            return f"stages must be 2, 3 or 4, got {self.stages}"
+        return None

@@ -101,9 +101,9 @@ def layout_problem(shape: tuple, strides: tuple, dtype: str, itemsize: int, name
 
 
 def tensor_layout(p, name: str) -> tuple:
-    """(shape, byte strides) of tensor `name` ("q", "k", "v") of an AttnProblem (whose strides are
-    in elements)."""
-    n = p.seqlen_q if name == "q" else p.seqlen_k
+    """(shape, byte strides) of tensor `name` ("q", "k", "v", and a backward problem's "out",
+    "dout") of an AttnProblem (whose strides are in elements)."""
+    n = p.seqlen_k if name in ("k", "v") else p.seqlen_q  # q, out, dout have the queries' rows
     shape = (p.batch, n, p.heads, p.head_dim)
     return shape, (*(s * ELEMENT_BYTES for s in p.strides[name]), ELEMENT_BYTES)
 
@@ -118,11 +118,11 @@ def bindings_problem() -> str | None:
     return None
 
 
-def tensors_problem(p) -> str | None:
-    """Why TMA maps of map_geometry's form cannot describe this call's q, k, v (an AttnProblem), or
-    None. The problem's own checks already hold (16-byte aligned pointers and strides, contiguous
-    head_dim); this adds what TMA needs beyond them."""
-    for name in ("q", "k", "v"):
+def tensors_problem(p, names=("q", "k", "v")) -> str | None:
+    """Why TMA maps of map_geometry's form cannot describe this call's tensors `names` (of an
+    AttnProblem), or None. The problem's own checks already hold (16-byte aligned pointers and
+    strides, contiguous head_dim); this adds what TMA needs beyond them."""
+    for name in names:
         shape, strides = tensor_layout(p, name)
         why = layout_problem(shape, strides, p.dtype, ELEMENT_BYTES, name)
         if why:

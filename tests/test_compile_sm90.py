@@ -62,3 +62,11 @@ def test_whole_sm90_space_compiles(d, record_property):
         table.append((cfg, rep["registers"], rep["spill_stores"]))
         assert rep["registers"] > 0
     print("\n".join(f"sm_90a {c}: {r} regs, {s} B spilled" for c, r, s in table))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("cfg", families.BWD_SM90.selectable(), ids=str)
+def test_selectable_sm90_backward_configs_compile_for_sm90a(cfg, dtype, record_property):
+    """The Hopper backward (no dropout instantiation: supports() refuses it)."""
+    assert not families.BWD_SM90.supports(Features(dtype, cfg.head_dim, True))
+    check(cfg, Features(dtype, cfg.head_dim), record_property)

@@ -497,3 +497,64 @@ def test_dry_run_lists_the_sm90_space(capsys):
     out = capsys.readouterr().out
     assert "fwd_sm90 d128:" in out and "default 128x128 c2 s2 pp1 ov1" in out
     assert "192x192 c3 s2 pp1 ov1" in out and "176 registers per thread > 136" in out
+
+
+# ----------------------------------------------------------------------------- the sm90 backward
+def _problem_bwd(d=64):
+    q = info((2, 100, 3, d))
+    kv = info((2, 300, 3, d))
+    lse = problem.ArrayInfo((2, 3, 100), "float32", 4, (3 * 100 * 4, 100 * 4, 4), 1 << 20, 0)
+    return problem.resolve_backward(q, q, kv, kv, q, lse, CAUSAL, None)
+
+
+class _Fake:
+    def __init__(self, ptr):
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+
+def test_sm90_backward_family():
+    from cuflash.tiles import Sm90BwdConfig
+
+    f = families.BWD_SM90
+    assert f in families.BACKWARDS and families.REGISTRY["bwd_sm90"] is f and not f.tuned_by_default
+    t = Sm90BwdConfig(128, 64, 2, 2)
+    assert (t.block_k, t.threads, t.launch_bounds()) == (128, 384, "__launch_bounds__(384, 1)")
+    assert t.template_args() == (128, 64, 2, 2)
+    # K, V (128 x 128), 2 x (Q + dO) (64 x 128), two dS^T images (128 x 64), 16-bit; + slack
+    assert t.smem_bytes == 2 * 2 * 128 * 128 + 2 * 2 * 2 * 64 * 128 + 2 * 2 * 128 * 64 + 2048
+    assert "block_q must be 64" in Sm90BwdConfig(128, 128, 2, 2).structural_problem()
+    assert not f.supports(Features("bfloat16", 128, True)) and f.supports(Features("bfloat16", 128))
+    src = _compile.kernel_source(t, Features("float16", 128))
+    assert ("const __grid_constant__ cuflash::TmaMap tdo, const float* __restrict__ lse2" in src
+            and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, cuflash::Variant<false, false>>" in src)
+
+
+def test_sm90_backward_binds_four_maps_and_the_workspaces():
+    from cuflash import _backward_sm90
+    from cuflash.tiles import Sm90BwdConfig
+
+    p = _problem_bwd()
+    seen = []
+    slots, bind = _backward_sm90.main_args(p, Sm90BwdConfig(64, 64, 2, 2))
+    assert slots == ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv")
+    # boxes: block_q rows for q and dout, 128 keys for k and v
+    assert [c.geometry.box[1] for c in bind.caches] == [64, 128, 128, 64]
+    for c in bind.caches:
+        c._encode = lambda g, ptr: seen.append(ptr) or ptr
+    arrays = [_Fake(100 + i) for i in range(4)] + ["lse2", "delta", "dq_acc", "dk", "dv"]
+    assert bind(arrays) == (100, 101, 102, 103, "lse2", "delta", "dq_acc", "dk", "dv")
+
+
+def test_sm90_backward_is_opt_in_and_says_why_it_cannot_run(monkeypatch):
+    from cuflash import _backward, device
+
+    p = _problem_bwd()
+    assert _backward._main_family(p, None, None) is families.BWD  # never chosen automatically
+    monkeypatch.setattr(device, "query", lambda *_a, **_k: H200)
+    monkeypatch.setattr(tma, "bindings_problem", lambda: None)
+    assert _backward._main_family(p, None, "sm90") is families.BWD_SM90
+    det = dataclasses.replace(p, deterministic=True)
+    with pytest.raises(ValueError, match="deterministic"):
+        _backward._main_family(det, None, "sm90")
+    with pytest.raises(ValueError, match="backend must be"):
+        _backward._main_family(p, None, "sm100")

@@ -8,6 +8,7 @@ Families (cuflash/families/sm80.py, sm90.py):
   fwd_sm90  v2 forward (TMA + wgmma)   kernels_cu/flash_fwd_sm90.cuh  Sm90FwdConfig   cc 9.0 (sm_90a)
   fwd_v1    v1 forward (FA1)           kernels_cu/flash_fwd_v1.cuh    V1Config        cc >= 8.0
   bwd       backward dK/dV (+ dQ by atomics)  kernels_cu/flash_bwd.cuh  BwdConfig   cc >= 8.0
+  bwd_sm90  backward dK/dV (TMA + wgmma)  kernels_cu/flash_bwd_sm90.cuh  Sm90BwdConfig  cc 9.0, opt-in
   bwd_dq    deterministic dQ           kernels_cu/flash_bwd.cuh       DqConfig        cc >= 8.0
 """
 from __future__ import annotations
@@ -16,17 +17,22 @@ import os
 
 from .base import REG_ALLOC_UNIT, KernelFamily, register_cap
 from .sm80 import BWD, BWD_DQ, FWD, FWD_V1
-from .sm90 import FWD_SM90
+from .sm90 import BWD_SM90, FWD_SM90
 
-REGISTRY = {f.name: f for f in (FWD, FWD_SM90, BWD, BWD_DQ, FWD_V1)}
+REGISTRY = {f.name: f for f in (FWD, FWD_SM90, BWD, BWD_SM90, BWD_DQ, FWD_V1)}
 _BY_TILE = {f.tile_cls: f for f in REGISTRY.values()}
 
 # The v2 forward's families, in order of preference: the first that can run a call does.
 FORWARDS = (FWD_SM90, FWD)
+# The backward's dK/dV families. Only an explicit backend="sm90" (or an Sm90BwdConfig) picks the
+# sm90 one for now: its first version is about as fast as the sm80 one (docs/perf-notes.md), and
+# it takes neither dropout nor the deterministic mode. CUFLASH_BACKEND does not apply here yet.
+BACKWARDS = (BWD, BWD_SM90)
 BACKENDS = ("sm80", "sm90")  # values of attention(backend=...) and of CUFLASH_BACKEND
 BACKEND_ENV = "CUFLASH_BACKEND"
 
-__all__ = ["KernelFamily", "REGISTRY", "FWD", "FWD_SM90", "FWD_V1", "BWD", "BWD_DQ", "FORWARDS", "BACKENDS",
+__all__ = ["KernelFamily", "REGISTRY", "FWD", "FWD_SM90", "FWD_V1", "BWD", "BWD_SM90", "BWD_DQ", "FORWARDS",
+           "BACKWARDS", "BACKENDS",
            "BACKEND_ENV", "get", "of", "select", "choose", "check_backend", "register_cap", "REG_ALLOC_UNIT"]
 
 

@@ -82,6 +82,10 @@ class KernelFamily:
     # (problem, tile, dtype) -> launch.Plan of one call (the passes' plan builders); None: the pass
     # builds its plan itself (the backward)
     plan: Callable | None = None
+    # (problem, tile) -> (slot names, bind) for a kernel whose leading arguments are computed per
+    # call from the plan's slots (TMA maps embed data pointers): the backward's main kernel on sm90
+    main_args: Callable | None = None
+    takes_dropout: bool = True  # False: no dropout instantiation exists (supports() says so)
     # the tuner:
     run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
     deterministic_outputs: tuple = ()  # indices of run()'s outputs that must be bitwise reproducible
@@ -96,7 +100,8 @@ class KernelFamily:
 
     # --- selection
     def supports(self, features: Features) -> bool:
-        return features.dtype in SUPPORTED_DTYPES and features.head_dim in SUPPORTED_HEAD_DIMS
+        return (features.dtype in SUPPORTED_DTYPES and features.head_dim in SUPPORTED_HEAD_DIMS
+                and (self.takes_dropout or not features.dropout))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
         """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order."""

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import itertools
 
-from ..tiles import Sm90FwdConfig
-from .base import F32, OUT, KernelFamily
+from ..tiles import Sm90BwdConfig, Sm90FwdConfig
+from .base import F32, F32_IN, OUT, KernelFamily
 from .sm80 import _run_fwd
 
 # A CUtensorMap by value (kernels_cu/core/ptx_sm90.cuh): const __grid_constant__, so the kernel
@@ -80,4 +80,47 @@ FWD_SM90 = KernelFamily(
     # registers each, which the dropout mask's Philox state does not fit
     spilling={"dropout": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1)})}, call_problem=_call_problem,
     plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1),
+)
+
+
+def _bwd_call_problem(problem):
+    from .. import _backward_sm90
+
+    return _backward_sm90.call_problem(problem)
+
+
+def _bwd_main_args(problem, tile):
+    from .. import _backward_sm90
+
+    return _backward_sm90.main_args(problem, tile)
+
+
+def _bwd_acc(t) -> int:
+    """A consumer thread's resident accumulators: dK and dV (64 keys x head_dim fp32 each) over 128 threads."""
+    return 2 * t.head_dim // 2
+
+
+def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
+    from .._backward import backward
+
+    return tuple(backward(d["dout"], d["q"], d["k"], d["v"], d["out"], d["lse"], causal=causal, config=tile,
+                          backend="sm90", **d["dropout"]))
+
+
+# First version (docs/perf-notes.md): correct on the H200 bring-up matrix, about the sm80 backward's
+# speed (d128 N8192: 263 vs 254 TFLOP/s; d64 slower), so it is not chosen automatically: the
+# internal cuflash._backward.backward(..., backend="sm90") and the tuner (--kernels bwd_sm90) run it.
+BWD_SM90 = KernelFamily(
+    name="bwd_sm90", description="backward dK/dV on Hopper: TMA + wgmma (dQ by atomics)", what="sm90 backward",
+    pass_="backward", tile_cls=Sm90BwdConfig, header="flash_bwd_sm90.cuh", template="cuflash::flash_bwd_sm90",
+    pointers=((TMA_MAP, "tq"), (TMA_MAP, "tk"), (TMA_MAP, "tv"), (TMA_MAP, "tdo"), (F32_IN, "lse2"),
+              (F32_IN, "delta"), (F32, "dq_acc"), (OUT, "dk"), (OUT, "dv")),
+    params="BwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
+    max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
+    arch_specific=True, backend="sm90",
+    domain=lambda d: [Sm90BwdConfig(d, 64, 2, s) for s in (2, 3)],
+    defaults={64: (Sm90BwdConfig(64, 64, 2, 2),), 128: (Sm90BwdConfig(128, 64, 2, 2),)},
+    accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
+    main_args=_bwd_main_args, takes_dropout=False, run=_run_bwd, deterministic_outputs=(1, 2),
+    tuned_by_default=False,
 )

@@ -104,3 +104,46 @@ def test_large_logits_backward():
     for causal in (False, True):
         _, _, grads = _fwd_bwd(q, k, v, dout, causal)
         _check(grads, q, k, v, dout, causal, " (large logits)")
+
+
+def _sm90_unavailable() -> str | None:
+    from cuflash import device
+
+    props = device.query(0)
+    return None if tuple(props.cc) == (9, 0) else f"the sm90 backward needs cc 9.0, this GPU is {props.cc_str}"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", SEQLEN_PAIRS)
+def test_sm90_backward_matches_reference(nq, nk, causal, d, dtype):
+    """The Hopper backward (opt-in: backend="sm90") on the same matrix, outputs poisoned by the plan
+    (fresh buffers) and checked by the 2x rule."""
+    from cuflash import _backward, _forward
+
+    why = _sm90_unavailable()
+    if why:
+        pytest.skip(why)
+    rng = np.random.default_rng(hash((nq, nk, causal, d, dtype, "bwd90")) % 2**32)
+    q, k, v = random_qkv(rng, 2, nq, nk, 3, d, dtype_of(dtype))
+    dout, _, _ = random_qkv(rng, 2, nq, 1, 3, d, dtype_of(dtype))
+    out, lse = _forward.forward(q, k, v, causal=causal)
+    grads = _backward.backward(dout, q, k, v, out, lse, causal=causal, backend="sm90")
+    _check(grads, q, k, v, dout, causal, " (sm90)")
+
+
+def test_sm90_backward_refuses_what_it_cannot_run():
+    from cuflash import _backward, _forward
+
+    why = _sm90_unavailable()
+    if why:
+        pytest.skip(why)
+    rng = np.random.default_rng(7)
+    q, k, v = random_qkv(rng, 1, 64, 64, 2, 64, dtype_of("bfloat16"))
+    out, lse = _forward.forward(q, k, v, dropout_p=0.1, seed=1)
+    with pytest.raises(ValueError, match="dropout"):
+        _backward.backward(q, q, k, v, out, lse, dropout_p=0.1, seed=1, backend="sm90")
+    out, lse = _forward.forward(q, k, v)
+    with pytest.raises(ValueError, match="deterministic"):
+        _backward.backward(q, q, k, v, out, lse, deterministic=True, backend="sm90")

@@ -1,0 +1,42 @@
+"""The Hopper backward's main kernel in a backward plan (families.BWD_SM90.main_args).
+
+kernels_cu/flash_bwd_sm90.cuh takes
+
+    (const __grid_constant__ TmaMap tq, tk, tv, tdo, const float* lse2, const float* delta,
+     float* dq_acc, elem_t* dk, elem_t* dv, BwdParams' fields)
+
+and runs where the sm80 backward's dK/dV kernel runs, between bwd_prep and bwd_dq_convert
+(cuflash/_backward.py), on a grid of n_blocks * heads * batch CTAs of 128 keys. The maps embed the
+data pointers, so the launch binds them per run from the plan's slots (tma.MapCache per tensor).
+"""
+from __future__ import annotations
+
+from . import tma
+
+# The plan slots the kernel reads, in its parameter order (the four tensors become maps).
+SLOTS = ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv")
+
+
+def call_problem(p) -> str | None:
+    """Why the Hopper backward cannot take this call (an AttnProblem), or None."""
+    if p.deterministic:
+        return "the sm90 backward has no deterministic mode yet"
+    if p.features.dropout:
+        return "the sm90 backward does not take dropout yet"
+    return tma.tensors_problem(p, ("q", "k", "v", "dout")) or tma.bindings_problem()
+
+
+def main_args(p, cfg, encoder=None):
+    """(SLOTS, bind): bind(q, k, v, dout, lse2, delta, dq_acc, dk, dv) -> the kernel's leading arguments."""
+    caches = []
+    for name, rows in (("q", cfg.block_q), ("k", cfg.block_k), ("v", cfg.block_k), ("dout", cfg.block_q)):
+        shape, strides = tma.tensor_layout(p, name)
+        caches.append(tma.MapCache(tma.map_geometry(shape, strides, p.dtype, rows), encoder=encoder))
+    mq, mk, mv, mdo = caches
+
+    def bind(slots):
+        q, k, v, dout, *rest = slots
+        return (mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), mdo.get(dout.data.ptr), *rest)
+
+    bind.caches = tuple(caches)
+    return SLOTS, bind
