@@ -5,8 +5,8 @@
 // structure; in short:
 //
 //   tiles    (query block of 64*CONSUMERS rows, head, batch), params.tiles of them; CTA i runs
-//            tiles i, i + gridDim.x, ... (any grid works: one CTA per tile, or one per SM), the
-//            order of attn/scheduler.cuh (heaviest first under a causal mask)
+//            tiles i, i + gridDim.x, ... (any grid works: one CTA per tile, or one per SM); under
+//            a causal mask in attn/tile_order.cuh's heaviest-first order, else block-fastest
 //   WG 0     producer: one thread loads K_j, V_j per key block by TMA into a STAGES-deep ring
 //            (full/empty mbarrier pairs, K and V separate), and each tile's Q after its first K.
 //            The ring runs on across tiles, so the next tile's first K/V arrive while this one
@@ -30,6 +30,7 @@
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
+#include "attn/tile_order.cuh"
 #include "attn/softmax.cuh"
 #include "core/ptx_sm90.cuh"
 #include "sm80/warp_gemm.cuh"
@@ -97,8 +98,11 @@ struct Sm90FwdTile {
     BlockCoord blk;
     int r0;  // first query row
     BlockRange range;
-    __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo, int m_blocks, int heads) {
-        blk = schedule_blocks(tile, m_blocks, heads, geo.later_rows_heavier());
+    __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo, int m_blocks, int heads, int n_tiles) {
+        // heavier later rows (causal): heaviest blocks of every head first, so that a strided
+        // (persistent) grid balances; else block-fastest, so concurrent CTAs share a head's K/V
+        blk = geo.later_rows_heavier() ? schedule_tiles_heaviest_first(tile, m_blocks, n_tiles / m_blocks, heads)
+                                       : schedule_blocks(tile, m_blocks, heads, false);
         r0 = blk.block * BR;
         range = key_blocks<BR, BC, LOCAL>(geo, r0);
     }
@@ -137,7 +141,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             RingPos<STAGES> kv{0};
             int local = 0;  // tiles with keys this CTA ran: the Q barriers' phase
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-                const Tile w(tile, geo, m_blocks, n_heads);
+                const Tile w(tile, geo, m_blocks, n_heads, n_tiles);
                 if (w.range.size() <= 0) continue;
                 for (int j = w.range.begin; j < w.range.end; ++j, ++kv.count) {
                     const int s = kv.slot();
@@ -203,20 +207,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
         if constexpr (PINGPONG) {
             // the first tile with keys starts the turns (every consumer sees the same tiles)
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x)
-                if (Tile(tile, geo, m_blocks, n_heads).range.size() > 0) {
+                if (Tile(tile, geo, m_blocks, n_heads, n_tiles).range.size() > 0) {
                     order.start(kBar);
                     break;
                 }
         }
         for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-            const Tile w(tile, geo, m_blocks, n_heads);
+            const Tile w(tile, geo, m_blocks, n_heads, n_tiles);
             const BlockRange range = w.range;
             const int r0 = w.r0, n_iter = range.size();
             // the kernel's last turn: no later tile of this CTA has keys
             bool final_tile = true;
             if constexpr (PINGPONG) {
                 for (int nt = tile + gridDim.x; nt < n_tiles && final_tile; nt += gridDim.x)
-                    final_tile = Tile(nt, geo, m_blocks, n_heads).range.size() <= 0;
+                    final_tile = Tile(nt, geo, m_blocks, n_heads, n_tiles).range.size() <= 0;
             }
             const Dropout drop{params.drop_seed, params.drop_threshold, w.blk.bh};
             OnlineSoftmax<1> softmax;
