@@ -221,6 +221,7 @@ class Sm90FwdConfig(Tile):
     stages: int = _axis("s", "depth of the TMA K/V ring")
     pingpong: int = _axis("pp", "1: consumer warpgroups take turns issuing their GEMMs")
     overlap: int = _axis("ov", "1: the next tile's Q K^T is issued before the current tile's softmax")
+    q_stages: int = _axis("q", "Q buffers: 2 loads the next work tile's Q while this one computes")
     # host-only (not a template argument): the kernel strides over its work tiles with any grid
     persistent: int = _axis("p", "1: a persistent grid of one CTA per SM; 0: one CTA per work tile")
 
@@ -237,19 +238,19 @@ class Sm90FwdConfig(Tile):
         return f"__launch_bounds__({self.threads}, 1)"
 
     def template_args(self) -> tuple:
-        """<D, BC, CONSUMERS, STAGES, PINGPONG, OVERLAP>: `persistent` only sizes the grid."""
+        """<D, BC, CONSUMERS, STAGES, PINGPONG, OVERLAP, QSTAGES>: `persistent` only sizes the grid."""
         return dataclasses.astuple(self)[:-1]
 
     def label(self) -> str:
         """Short human label of the searched fields: 128x128 c2 s2 pp1 ov1."""
         return (f"{self.block_q}x{self.block_k} c{self.consumers} s{self.stages} "
-                f"pp{self.pingpong} ov{self.overlap} p{self.persistent}")
+                f"pp{self.pingpong} ov{self.overlap} q{self.q_stages} p{self.persistent}")
 
     @property
     def smem_bytes(self) -> int:
         # Q tile + STAGES x (K tile + V tile), 16-bit elements (Sm90FwdTraits::kSmemBytes counts the
         # first KiB of slack, for the 1024-B alignment of the base), + a KiB for the static barriers
-        return 2 * self.head_dim * (self.block_q + 2 * self.stages * self.block_k) + SM90_SMEM_SLACK
+        return 2 * self.head_dim * (self.q_stages * self.block_q + 2 * self.stages * self.block_k) + SM90_SMEM_SLACK
 
     def structural_problem(self) -> str | None:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -260,6 +261,8 @@ class Sm90FwdConfig(Tile):
             return f"block_k must be a multiple of 16 in [64, {SM90_MAX_BOX_ROWS}] (TMA box, wgmma N), got {self.block_k}"
         if self.stages not in (2, 3, 4):
             return f"stages must be 2, 3 or 4, got {self.stages}"
+        if self.q_stages not in (1, 2):
+            return f"q_stages must be 1 or 2, got {self.q_stages}"
         if self.pingpong not in (0, 1) or self.overlap not in (0, 1) or self.persistent not in (0, 1):
             return (f"pingpong, overlap and persistent are 0 or 1, got {self.pingpong}, {self.overlap}, "
                     f"{self.persistent}")

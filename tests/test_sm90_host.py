@@ -184,34 +184,34 @@ def test_map_cache_encodes_once_per_pointer_and_keeps_the_last_few():
 # ------------------------------------------------------------------------------------ the tile
 
 def test_tile_fields_are_the_template_arguments():
-    t = Sm90FwdConfig(128, 176, 2, 2, 1, 0, 0)  # (not a valid tile: pingpong needs overlap)
-    assert t.template_args() == (128, 176, 2, 2, 1, 0)
-    assert Sm90FwdConfig.axes() == ("block_k", "consumers", "stages", "pingpong", "overlap", "persistent")
-    assert Sm90FwdConfig(128, 176, 2, 2, 1, 1, 1).template_args() == (128, 176, 2, 2, 1, 1)  # host-only axis
+    t = Sm90FwdConfig(128, 176, 2, 2, 1, 0, 1, 0)  # (not a valid tile: pingpong needs overlap)
+    assert t.template_args() == (128, 176, 2, 2, 1, 0, 1)
+    assert Sm90FwdConfig.axes() == ("block_k", "consumers", "stages", "pingpong", "overlap", "q_stages", "persistent")
+    assert Sm90FwdConfig(128, 176, 2, 2, 1, 1, 1, 1).template_args() == (128, 176, 2, 2, 1, 1, 1)  # persistent: host-only
     assert (t.block_q, t.threads) == (128, 384)
-    assert Sm90FwdConfig(64, 64, 3, 2, 1, 1, 0).threads == 512
-    assert t.tag() == "d128_bc176_c2_s2_pp1_ov0_p0" and t.label() == "128x176 c2 s2 pp1 ov0 p0"
+    assert Sm90FwdConfig(64, 64, 3, 2, 1, 1, 1, 0).threads == 512
+    assert t.tag() == "d128_bc176_c2_s2_pp1_ov0_q1_p0" and t.label() == "128x176 c2 s2 pp1 ov0 q1 p0"
     assert t.launch_bounds() == "__launch_bounds__(384, 1)"
     assert FwdConfig(128, 128, 128, 8, 3).launch_bounds() == "__launch_bounds__(256)"
 
 
 def test_smem_is_q_and_the_kv_ring_and_two_spare_kib():
     # Q 128x128 + 2 stages x (K + V) 128x128, bf16: 160 KiB; + 1 KiB alignment, + 1 KiB barriers
-    assert Sm90FwdConfig(128, 128, 2, 2, 1, 1, 0).smem_bytes == 2 * 128 * (128 + 4 * 128) + 2048 == 165888
-    assert Sm90FwdConfig(64, 192, 3, 2, 0, 0, 0).smem_bytes == 2 * 64 * (192 + 4 * 192) + 2048
-    assert Sm90FwdConfig(128, 192, 2, 2, 1, 1, 0).smem_bytes <= 227 * 1024  # the largest d128 tile fits an H200
+    assert Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 0).smem_bytes == 2 * 128 * (128 + 4 * 128) + 2048 == 165888
+    assert Sm90FwdConfig(64, 192, 3, 2, 0, 0, 1, 0).smem_bytes == 2 * 64 * (192 + 4 * 192) + 2048
+    assert Sm90FwdConfig(128, 192, 2, 2, 1, 1, 1, 0).smem_bytes <= 227 * 1024  # the largest d128 tile fits an H200
 
 
 @pytest.mark.parametrize("tile,words", [
-    (Sm90FwdConfig(96, 128, 2, 2, 0, 0, 0), "head_dim 96"),
-    (Sm90FwdConfig(128, 128, 4, 2, 0, 0, 0), "consumers must be 1, 2 or 3"),
-    (Sm90FwdConfig(128, 120, 2, 2, 0, 0, 0), "block_k must be a multiple of 16"),
-    (Sm90FwdConfig(128, 48, 2, 2, 0, 0, 0), "block_k must be a multiple of 16 in [64, 256]"),
-    (Sm90FwdConfig(128, 272, 2, 2, 0, 0, 0), "block_k must be a multiple of 16 in [64, 256]"),
-    (Sm90FwdConfig(128, 128, 2, 5, 0, 0, 0), "stages must be 2, 3 or 4"),
-    (Sm90FwdConfig(128, 128, 2, 2, 2, 1, 0), "pingpong, overlap and persistent are 0 or 1"),
-    (Sm90FwdConfig(128, 128, 1, 2, 1, 1, 0), "pingpong needs at least 2 consumer warpgroups"),
-    (Sm90FwdConfig(128, 128, 2, 2, 1, 0, 0), "pingpong needs at least 2 consumer warpgroups and the overlapped loop"),
+    (Sm90FwdConfig(96, 128, 2, 2, 0, 0, 1, 0), "head_dim 96"),
+    (Sm90FwdConfig(128, 128, 4, 2, 0, 0, 1, 0), "consumers must be 1, 2 or 3"),
+    (Sm90FwdConfig(128, 120, 2, 2, 0, 0, 1, 0), "block_k must be a multiple of 16"),
+    (Sm90FwdConfig(128, 48, 2, 2, 0, 0, 1, 0), "block_k must be a multiple of 16 in [64, 256]"),
+    (Sm90FwdConfig(128, 272, 2, 2, 0, 0, 1, 0), "block_k must be a multiple of 16 in [64, 256]"),
+    (Sm90FwdConfig(128, 128, 2, 5, 0, 0, 1, 0), "stages must be 2, 3 or 4"),
+    (Sm90FwdConfig(128, 128, 2, 2, 2, 1, 1, 0), "pingpong, overlap and persistent are 0 or 1"),
+    (Sm90FwdConfig(128, 128, 1, 2, 1, 1, 1, 0), "pingpong needs at least 2 consumer warpgroups"),
+    (Sm90FwdConfig(128, 128, 2, 2, 1, 0, 1, 0), "pingpong needs at least 2 consumer warpgroups and the overlapped loop"),
 ])
 def test_structural_problems(tile, words):
     why = tile.structural_problem()
@@ -221,7 +221,7 @@ def test_structural_problems(tile, words):
 
 
 def test_structurally_valid_tiles():
-    for t in (Sm90FwdConfig(64, 64, 1, 4, 0, 1, 0), Sm90FwdConfig(128, 256, 2, 2, 1, 1, 0), Sm90FwdConfig(64, 64, 3, 3, 1, 1, 0)):
+    for t in (Sm90FwdConfig(64, 64, 1, 4, 0, 1, 1, 0), Sm90FwdConfig(128, 256, 2, 2, 1, 1, 1, 0), Sm90FwdConfig(64, 64, 3, 3, 1, 1, 1, 0)):
         assert t.structural_problem() is None, t
 
 
@@ -230,7 +230,7 @@ def test_structurally_valid_tiles():
 def test_family_is_registered():
     f = families.FWD_SM90
     assert families.REGISTRY["fwd_sm90"] is f and families.get("fwd_sm90") is f
-    assert families.of(Sm90FwdConfig(128, 128, 2, 2, 1, 1, 0)) is f
+    assert families.of(Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 0)) is f
     assert families.FORWARDS == (families.FWD_SM90, families.FWD)
     assert (f.backend, families.FWD.backend, families.FWD_V1.backend) == ("sm90", "sm80", "sm80")
     assert f.arch_specific and f.nvrtc_arch(H200) == "sm_90a" and f.min_cc == f.max_cc == (9, 0)
@@ -251,15 +251,15 @@ def test_defaults_are_selectable_and_implementable_on_hopper():
 
 def test_register_estimate_uses_the_consumer_budget():
     f = families.FWD_SM90
-    t = Sm90FwdConfig(128, 176, 2, 2, 1, 1, 0)
+    t = Sm90FwdConfig(128, 176, 2, 2, 1, 1, 1, 0)
     assert f.accumulator_registers(t) == 88 + 44 + 64  # S, P, O of 64 rows over 128 threads
     assert f.register_cap(t, H200) == 240 - 24
-    assert f.register_cap(Sm90FwdConfig(64, 64, 3, 2, 1, 1, 0), H200) == 160 - 24
-    assert f.register_cap(Sm90FwdConfig(64, 64, 1, 2, 0, 0, 0), H200) == 255 - 24
+    assert f.register_cap(Sm90FwdConfig(64, 64, 3, 2, 1, 1, 1, 0), H200) == 160 - 24
+    assert f.register_cap(Sm90FwdConfig(64, 64, 1, 2, 0, 0, 1, 0), H200) == 255 - 24
     assert f.can_implement(t, H200) is None
-    assert f.can_implement(Sm90FwdConfig(128, 192, 2, 2, 1, 1, 0), H200) is None  # 96 + 48 + 64 = 208 <= 216
-    assert f.can_implement(Sm90FwdConfig(64, 128, 3, 2, 1, 1, 0), H200) is None  # 64 + 32 + 32 = 128 <= 136
-    why = f.can_implement(Sm90FwdConfig(64, 192, 3, 2, 1, 1, 0), H200)  # 96 + 48 + 32 = 176 > 136
+    assert f.can_implement(Sm90FwdConfig(128, 192, 2, 2, 1, 1, 1, 0), H200) is None  # 96 + 48 + 64 = 208 <= 216
+    assert f.can_implement(Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 0), H200) is None  # 64 + 32 + 32 = 128 <= 136
+    why = f.can_implement(Sm90FwdConfig(64, 192, 3, 2, 1, 1, 1, 0), H200)  # 96 + 48 + 32 = 176 > 136
     assert why and "176 registers per thread > 136" in why
     # the sm80 families keep ptxas' cap for their block size
     assert families.FWD.register_cap(FwdConfig(128, 128, 128, 8, 2), H200) == families.register_cap(256, H200)
@@ -276,15 +276,15 @@ def test_only_compute_capability_9_0_runs_it(props, words):
 
 
 def test_kernel_source_declares_the_maps_by_value_and_launch_bounds_for_setmaxnreg():
-    t = Sm90FwdConfig(128, 128, 2, 2, 1, 1, 0)
+    t = Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 0)
     src = _compile.kernel_source(t, Features("bfloat16", 128, True))
     name = _compile.kernel_name(t, Features("bfloat16", 128, True))
-    assert name == "cuflash_fwd_sm90_bf16_d128_bc128_c2_s2_pp1_ov1_p0_drop"
+    assert name == "cuflash_fwd_sm90_bf16_d128_bc128_c2_s2_pp1_ov1_q1_p0_drop"
     assert '#include "flash_fwd_sm90.cuh"' in src
     assert (f'extern "C" __global__ void __launch_bounds__(384, 1) {name}(const __grid_constant__ cuflash::TmaMap tq, '
             "const __grid_constant__ cuflash::TmaMap tk, const __grid_constant__ cuflash::TmaMap tv, "
             "cuflash::elem_t* __restrict__ out, float* __restrict__ lse, long long q_sb_, ") in src
-    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, cuflash::Variant<true, false>>(tq, tk, tv, out, lse, p);" in src
+    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, 1, cuflash::Variant<true, false>>(tq, tk, tv, out, lse, p);" in src
     decl = ", ".join(f"{ctype} {f}_" for f, ctype in params.fields("FwdParams"))
     assert decl + ") {" in src
     # the sm80 shells keep their single-argument launch bounds
@@ -318,7 +318,7 @@ def arr(ptr):
 
 def test_plan_binds_fresh_maps_per_pointer(calls):
     p = fwd_problem(dropout=problem.resolve_dropout(0.1, 3))
-    cfg = Sm90FwdConfig(128, 128, 2, 2, 1, 1, 0)
+    cfg = Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 0)
     encoded = []
     plan = _forward_sm90.plan(p, cfg, np.float16, encoder=lambda g, ptr: encoded.append((g, ptr)) or f"map@{ptr:#x}")
     q, k, v = arr(0x1000), arr(0x2000), arr(0x3000)
@@ -343,7 +343,7 @@ def test_plan_binds_fresh_maps_per_pointer(calls):
 
 def test_plan_boxes_follow_the_tile():
     p = fwd_problem(d=64)
-    gq, gk, gv = _forward_sm90.geometries(p, Sm90FwdConfig(64, 176, 3, 2, 1, 1, 0))
+    gq, gk, gv = _forward_sm90.geometries(p, Sm90FwdConfig(64, 176, 3, 2, 1, 1, 1, 0))
     assert gq.box == (64, 192, 1, 1, 1) and gk.box == gv.box == (64, 176, 1, 1, 1)
 
 
@@ -351,7 +351,7 @@ def test_plan_refuses_tensors_tma_cannot_describe(calls):
     b, n, h, d = 2, 300, 3, 128
     p = fwd_problem(k=info((b, n, h, d), (n * d * 2, d * 2, 0, 2)))
     with pytest.raises(ValueError, match="k's heads stride is 0 bytes"):
-        _forward_sm90.plan(p, Sm90FwdConfig(128, 128, 2, 2, 1, 1, 0), np.float16, encoder=lambda g, ptr: None)
+        _forward_sm90.plan(p, Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 0), np.float16, encoder=lambda g, ptr: None)
 
 
 def test_sm80_plans_keep_the_gather_free_fast_path(calls):
@@ -449,7 +449,7 @@ def test_explicit_configs_pick_their_family(bindings, monkeypatch):
     props = {"dev": H200}
     monkeypatch.setattr(device, "query", lambda i=0: props["dev"])
     p = fwd_problem()
-    sm90, sm80 = Sm90FwdConfig(128, 128, 2, 2, 0, 0, 0), FwdConfig(128, 128, 64, 8, 2)
+    sm90, sm80 = Sm90FwdConfig(128, 128, 2, 2, 0, 0, 1, 0), FwdConfig(128, 128, 64, 8, 2)
     assert _forward._explicit_family(families.FORWARDS, sm90, p, None) is families.FWD_SM90
     assert _forward._explicit_family(families.FORWARDS, sm80, p, None) is families.FWD
     assert _forward._explicit_family(families.FORWARDS, sm90, p, "sm90") is families.FWD_SM90
@@ -458,7 +458,7 @@ def test_explicit_configs_pick_their_family(bindings, monkeypatch):
     with pytest.raises(TypeError, match="config must be a Sm90FwdConfig or FwdConfig, got V1Config"):
         _forward._explicit_family(families.FORWARDS, V1Config(128, 128, 64, 8, 2), p, None)
     with pytest.raises(ValueError, match="head_dim 64"):
-        _forward._explicit_family(families.FORWARDS, Sm90FwdConfig(64, 128, 2, 2, 0, 0, 0), p, None)
+        _forward._explicit_family(families.FORWARDS, Sm90FwdConfig(64, 128, 2, 2, 0, 0, 1, 0), p, None)
     props["dev"] = A100
     with pytest.raises(ValueError, match="cannot run this call on NVIDIA A100.*compute capability 8.0 < 9.0"):
         _forward._explicit_family(families.FORWARDS, sm90, p, None)
@@ -478,7 +478,7 @@ def test_tuner_skips_the_family_off_hopper(monkeypatch):
     assert sp.default is None and not sp.candidates and all("compute capability" in r for r in sp.pruned.values())
     sp = space.build_space(families.FWD_SM90, 128, H200)
     assert sp.default == families.FWD_SM90.defaults[128][0] and sp.default in sp.candidates
-    assert Sm90FwdConfig(64, 192, 3, 2, 1, 1, 0) in space.build_space(families.FWD_SM90, 64, H200).pruned  # registers
+    assert Sm90FwdConfig(64, 192, 3, 2, 1, 1, 1, 0) in space.build_space(families.FWD_SM90, 64, H200).pruned  # registers
 
 
 def test_tuner_reports_a_family_that_does_not_run_on_the_device(monkeypatch):

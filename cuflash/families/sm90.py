@@ -51,11 +51,11 @@ def _plan(problem, tile, dtype):
     return plan(problem, tile, dtype)
 
 
-def _product(d, block_k, consumers, stages, pingpong=(0, 1), overlap=(1,), persistent=(0, 1)) -> list:
+def _product(d, block_k, consumers, stages, pingpong=(0, 1), overlap=(1,), q_stages=(1, 2), persistent=(0, 1)) -> list:
     # overlap 0 (S, softmax, P V strictly in turn) was slower everywhere in the bring-up
     # (docs/bench/h200-sm90-bringup-2026-11-30.jsonl); it stays a valid tile, not a searched one
     return [Sm90FwdConfig(d, *c)
-            for c in itertools.product(block_k, consumers, stages, pingpong, overlap, persistent)]
+            for c in itertools.product(block_k, consumers, stages, pingpong, overlap, q_stages, persistent)]
 
 
 FWD_SM90 = KernelFamily(
@@ -72,13 +72,13 @@ FWD_SM90 = KernelFamily(
     # d128 128x128 ping-pong on a persistent grid; d64 three consumers (192 query rows), whose
     # dropout instantiation spills (160 registers), hence the two-consumer fallback
     defaults={
-        64: (Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1), Sm90FwdConfig(64, 128, 2, 2, 1, 1, 1)),
-        128: (Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1), Sm90FwdConfig(128, 128, 2, 2, 0, 1, 1)),
+        64: (Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1), Sm90FwdConfig(64, 128, 2, 2, 1, 1, 1, 1)),
+        128: (Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 1), Sm90FwdConfig(128, 128, 2, 2, 0, 1, 1, 1)),
     },
     accumulator_registers=_acc, register_limit=_consumer_cap,
     # ptxas, sm_90a (tests/test_compile_sm90.py keeps this honest): three consumers have 160
     # registers each, which the dropout mask's Philox state does not fit
-    spilling={"dropout": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1)})}, call_problem=_call_problem,
+    spilling={"dropout": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)})}, call_problem=_call_problem,
     plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1),
 )
 

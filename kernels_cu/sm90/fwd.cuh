@@ -60,19 +60,23 @@ struct IssueOrder {
 
 // The shared-memory barriers of one CTA: Q full/empty, and per stage K full/empty, V full/empty.
 // full: the producer's expect_tx + the TMA bytes; empty: one arrival per consumer warpgroup.
-template <int STAGES>
+template <int STAGES, int QSTAGES>
 struct Sm90FwdBarriers {
     u32 base;
-    __device__ __forceinline__ u32 q_full() const { return base; }
-    __device__ __forceinline__ u32 q_empty() const { return base + 8; }
-    __device__ __forceinline__ u32 k_full(int s) const { return base + 16 + 8 * s; }
-    __device__ __forceinline__ u32 k_empty(int s) const { return base + 16 + 8 * (STAGES + s); }
-    __device__ __forceinline__ u32 v_full(int s) const { return base + 16 + 8 * (2 * STAGES + s); }
-    __device__ __forceinline__ u32 v_empty(int s) const { return base + 16 + 8 * (3 * STAGES + s); }
-    static constexpr int kCount = 2 + 4 * STAGES;
+    static constexpr int kQ = 16 * QSTAGES;  // bytes of the Q barriers
+    __device__ __forceinline__ u32 q_full(int q) const { return base + 8 * q; }
+    __device__ __forceinline__ u32 q_empty(int q) const { return base + 8 * (QSTAGES + q); }
+    __device__ __forceinline__ u32 k_full(int s) const { return base + kQ + 8 * s; }
+    __device__ __forceinline__ u32 k_empty(int s) const { return base + kQ + 8 * (STAGES + s); }
+    __device__ __forceinline__ u32 v_full(int s) const { return base + kQ + 8 * (2 * STAGES + s); }
+    __device__ __forceinline__ u32 v_empty(int s) const { return base + kQ + 8 * (3 * STAGES + s); }
+    static constexpr int kCount = 2 * QSTAGES + 4 * STAGES;
     __device__ __forceinline__ void init(int consumers) const {
-        mbar_init(q_full(), 1);
-        mbar_init(q_empty(), consumers);
+#pragma unroll
+        for (int q = 0; q < QSTAGES; ++q) {
+            mbar_init(q_full(q), 1);
+            mbar_init(q_empty(q), consumers);
+        }
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(k_full(s), 1);
@@ -108,19 +112,19 @@ struct Sm90FwdTile {
     }
 };
 
-template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int OVERLAP, class V>
+template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int OVERLAP, int QSTAGES, class V>
 __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                                elem_t* __restrict__ o, float* __restrict__ lse,
                                                const FwdParams& params) {
-    using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES>;
+    using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES, QSTAGES>;
     using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V::kLocal>;
     static_assert(!PINGPONG || (CONSUMERS >= 2 && OVERLAP), "ping-pong needs two consumers and the overlapped loop");
 
     extern __shared__ unsigned char smem[];
-    __shared__ __align__(8) u64 bar_storage[Sm90FwdBarriers<STAGES>::kCount];
-    const Sm90FwdBarriers<STAGES> bars{smem_u32(bar_storage)};
+    __shared__ __align__(8) u64 bar_storage[Sm90FwdBarriers<STAGES, QSTAGES>::kCount];
+    const Sm90FwdBarriers<STAGES, QSTAGES> bars{smem_u32(bar_storage)};
     const u32 sQ = (smem_u32(smem) + 1023u) & ~1023u;  // TMA 128B-swizzle images need 1024-B alignment
-    const u32 sK = sQ + Tr::kQBytes;
+    const u32 sK = sQ + QSTAGES * Tr::kQBytes;
     const u32 sV = sK + STAGES * Tr::kKVBytes;
 
     const int n_heads = params.heads, m_blocks = params.m_blocks, n_tiles = params.tiles;
@@ -152,9 +156,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     if (j == w.range.begin) {
                         // Q after the tile's first K: that K load waits only for a free slot, so it
                         // is in flight while the consumers still read the previous tile's Q
-                        mbar_wait(bars.q_empty(), (local & 1) ^ 1);
-                        mbar_arrive_expect_tx(bars.q_full(), Tr::kQBytes);
-                        tma_load_5d(sQ, tq, bars.q_full(), 0, w.r0, 0, w.blk.head, w.blk.batch);
+                        const int qs = local % QSTAGES;
+                        mbar_wait(bars.q_empty(qs), ((local / QSTAGES) & 1) ^ 1);
+                        mbar_arrive_expect_tx(bars.q_full(qs), Tr::kQBytes);
+                        tma_load_5d(sQ + qs * Tr::kQBytes, tq, bars.q_full(qs), 0, w.r0, 0, w.blk.head, w.blk.batch);
                         ++local;
                     }
                     mbar_wait(bars.v_empty(s), free_parity);
@@ -175,7 +180,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
         constexpr int kBar = Tr::kBarSchedule;
 
         // Descriptors: this consumer's 64 Q rows in every chunk; K and V of slot 0.
-        const u64 desc_q = make_desc(sQ + cw * 64 * 128, kDescKMajorSw128);
+        const u64 desc_q0 = make_desc(sQ + cw * 64 * 128, kDescKMajorSw128);
+        u64 desc_q = desc_q0;  // of the tile's Q buffer
         const u64 desc_k0 = make_desc(sK, kDescKMajorSw128);
         const u64 desc_v0 = make_desc(sV, desc_mn_major_sw128(BC));
         // k-step kk of a K-major operand: chunk kk / 4, then 32 B per 16 columns (in 16-B units)
@@ -249,8 +255,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             };
 
             if (n_iter > 0) {
-                mbar_wait(bars.q_full(), local & 1);
+                const int qs = local % QSTAGES;
+                mbar_wait(bars.q_full(qs), (local / QSTAGES) & 1);
                 ++local;
+                desc_q = desc_q0 + (u64)((qs * Tr::kQBytes) >> 4);
                 if constexpr (OVERLAP) {
                     // prologue: S of the first block and its softmax; P waits in registers
                     mbar_wait(bars.k_full(kv.slot()), kv.parity());
@@ -263,7 +271,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     wgmma_wait<0>();
                     fence_regs(acc_s[0]);
                     release(bars.k_empty(kv.slot()));
-                    if (n_iter == 1) release(bars.q_empty());
+                    if (n_iter == 1) release(bars.q_empty(qs));
                     {
                         float corr[2];
                         softmax_block(range.begin, corr);
@@ -288,7 +296,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                         wgmma_wait<1>();  // S_j is in; P V may still run
                         fence_regs(acc_s[0]);
                         release(bars.k_empty(kv.slot()));
-                        if (it == n_iter - 1) release(bars.q_empty());  // the tile's last read of Q
+                        if (it == n_iter - 1) release(bars.q_empty(qs));  // the tile's last read of Q
                         float corr[2];
                         softmax_block(j, corr);
                         wgmma_wait<0>();  // P_{j-1} V_{j-1} done: O and the P registers are free
@@ -324,7 +332,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                         wgmma_wait<0>();
                         fence_regs(acc_s[0]);
                         release(bars.k_empty(s));
-                        if (it == n_iter - 1) release(bars.q_empty());
+                        if (it == n_iter - 1) release(bars.q_empty(qs));
                         float corr[2];
                         softmax_block(j, corr);
                         if (it > 0) {

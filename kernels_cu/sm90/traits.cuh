@@ -6,12 +6,13 @@
 
 namespace cuflash {
 
-template <int D, int BC, int CONSUMERS, int STAGES>
+template <int D, int BC, int CONSUMERS, int STAGES, int QSTAGES = 1>
 struct Sm90FwdTraits {
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(BC % 16 == 0 && BC >= 64 && BC <= 256, "block_k: a multiple of 16 in [64, 256] (TMA box, wgmma N)");
     static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "1 to 3 consumer warpgroups (block_q <= 192)");
     static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 K/V stages");
+    static_assert(QSTAGES == 1 || QSTAGES == 2, "Q single or double buffered");
 
     // Warpgroup 0 is the producer (one thread issues every TMA load), 1..CONSUMERS compute; each
     // consumer owns 64 query rows (wgmma's M).
@@ -25,13 +26,14 @@ struct Sm90FwdTraits {
     static constexpr int kProducerRegs = CONSUMERS == 3 ? 32 : CONSUMERS == 2 ? 24 : 56;
     static constexpr int kConsumerRegs = CONSUMERS == 3 ? 160 : CONSUMERS == 2 ? 240 : 256;
 
-    // Shared memory (dynamic; the kernel rounds its base up to 1024 B): Q, then STAGES K tiles,
-    // then STAGES V tiles, each the TMA image [chunk][row][64] of 16-bit elements.
+    // Shared memory (dynamic; the kernel rounds its base up to 1024 B): QSTAGES Q tiles (two: the
+    // next tile's Q loads while this one computes), then STAGES K tiles, then STAGES V tiles, each
+    // the TMA image [chunk][row][64] of 16-bit elements.
     static constexpr int kQBytes = kBlockQ * D * 2;
     static constexpr int kKVBytes = BC * D * 2;
     static constexpr int kQChunkBytes = kBlockQ * 128;
     static constexpr int kKVChunkBytes = BC * 128;
-    static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVBytes + 1024;  // + alignment slack
+    static constexpr int kSmemBytes = QSTAGES * kQBytes + 2 * STAGES * kKVBytes + 1024;  // + alignment slack
 
     // wgmma k-steps: S = Q K^T contracts over D, O += P V over BC.
     static constexpr int kHeadSteps = D / 16;
