@@ -254,7 +254,7 @@ def run_bwd(cfg, dout, q, k, v, out, lse, causal):
     d, br, c, s = cfg
     bc = 64 * c
     infos = [problem.describe(x, n) for x, n in zip((dout, q, k, v, out, lse), BWD_ARRAYS)]
-    p = problem.resolve_backward(*infos, causal, None, False, None)
+    p = problem.resolve_backward(*infos, MaskOptions.of(causal=causal), None, False, None)
     b, nq, nk, h = p.batch, p.seqlen_q, p.seqlen_k, p.heads
     pad = -(-nq // 128) * 128
     ws_rows = b * h * pad

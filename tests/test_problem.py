@@ -191,6 +191,6 @@ def test_empty_problems_resolve(qs, ks, causal):
     pointer, the problem is `empty` and nothing is launched (tests/gpu/test_empty_gpu.py)."""
     q = info(qs, strides=Z if 0 in qs else None, ptr=0 if 0 in qs else 1 << 20)
     kv = info(ks, strides=Z if 0 in ks else None, ptr=0 if 0 in ks else 1 << 20)
-    p = resolve_forward(q, kv, kv, causal, None)
+    p = resolve_forward(q, kv, kv, MaskOptions.of(causal=causal), None)
     assert p.empty and (p.batch, p.seqlen_q, p.seqlen_k, p.heads) == (qs[0], qs[1], ks[1], qs[2])
     assert not ok().empty
