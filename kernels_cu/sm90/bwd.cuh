@@ -189,20 +189,34 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             const u64 ds_off = (u64)((db * Tr::kDSBytes) >> 4);
             mbar_wait(bar_full(s), (it / STAGES) & 1);
 
-            // ---- S^T = K_w Q_i^T; P^T = exp2(S^T c - lse2), 0 where masked ----
-            // (S^T and dP^T are never live together: with dK, dV and the dQ product's accumulator
-            // that would not fit the 240 registers at head_dim 128)
+            // ---- S^T = K_w Q_i^T; P^T = exp2(S^T c - lse2), 0 where masked; dV += P^T dO_i (RS);
+            // dP^T = V_w dO_i^T (SS): issued with S^T where the registers allow (kSdpTogether),
+            // else with dV, so that S^T and dP^T are never live together ----
             u32 p_frag[Tr::kQuerySteps][4];
+            float acc_dp[BR / 8][4];
+            auto issue_dp = [&]() {
+#pragma unroll
+                for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
+                    Wgmma<BR, BF16>::ss(acc_dp, dv_a() + kmajor_step(kk, Tr::kKVChunkBytes),
+                                        ddo_b() + slot_off(s) + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
+                wgmma_commit();
+            };
             {
                 float acc_s[BR / 8][4];
                 fence_regs(acc_s);
+                if constexpr (Tr::kSdpTogether) fence_regs(acc_dp);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
                     Wgmma<BR, BF16>::ss(acc_s, dk_a() + kmajor_step(kk, Tr::kKVChunkBytes),
                                         dq_b() + slot_off(s) + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
                 wgmma_commit();
-                wgmma_wait<0>();
+                if constexpr (Tr::kSdpTogether) {
+                    issue_dp();
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
                 fence_regs(acc_s);
                 // this thread's queries are columns 8 nt + 2 t (+1): their lse2 (padded rows have
                 // +inf, so P = 0 there), read where used (L1-resident; an array of them costs registers)
@@ -222,26 +236,20 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     mask.template apply_transposed<true, true>(acc_s, m0, key_w, lane, 0.f);
                 c_to_a_frags<BF16, Tr::kQuerySteps>(p_frag, acc_s);
             }
-
-            // ---- dV += P^T dO_i (RS) and dP^T = V_w dO_i^T (SS) together ----
             {
-                float acc_dp[BR / 8][4];
-                fence_regs(acc_dp);
+                if constexpr (!Tr::kSdpTogether) fence_regs(acc_dp);
                 fence_regs(acc_dv);
                 fence_regs(p_frag);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
                     Wgmma<D, BF16>::rs(acc_dv, p_frag[kk], ddo_mn() + slot_off(s) + kRowStep * kk, it > 0 || kk > 0);
-#pragma unroll
-                for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
-                    Wgmma<BR, BF16>::ss(acc_dp, dv_a() + kmajor_step(kk, Tr::kKVChunkBytes),
-                                        ddo_b() + slot_off(s) + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
                 wgmma_commit();
-                wgmma_wait<0>();
-                fence_regs(acc_dp);
+                if constexpr (!Tr::kSdpTogether) issue_dp();
+                wgmma_wait<0>();  // dP^T and dV (p_frag, read below, is dV's A operand until then)
                 fence_regs(acc_dv);
                 fence_regs(p_frag);
+                fence_regs(acc_dp);
                 // ---- dS^T = P^T o (dP^T - delta), P^T from its 16-bit copy (the rounding dV used),
                 // straight into the smem image [BC key rows][64 queries] (128B swizzle) that both
                 // the dK product (A, K-major) and the dQ product (A, MN-major) read ----

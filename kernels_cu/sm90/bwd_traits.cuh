@@ -39,6 +39,9 @@ struct Sm90BwdTraits {
     static constexpr int kQuerySteps = BR / 16;      // dV, dK contract over the BR queries
     static constexpr int kKeySteps = kBlockK / 16;   // dQ contracts over the BC keys
     static constexpr int kDqWarpgroups = D / 64;     // consumers that run the dQ product, 64 columns of D each
+    // S^T and dP^T issued back to back (the tensor cores run dP^T under the exp of S^T) where the
+    // registers allow: at D = 128 both next to dK and dV spill ~480 B (ptxas, sm_90a), at 64 none
+    static constexpr bool kSdpTogether = D <= 64;
 
     // named barriers (0 is __syncthreads): both consumers' halves of dS^T are in smem; (DQ_BULK)
     // consumer c's dQ block staged / its staging free again, between its 128 threads and the
