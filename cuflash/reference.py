@@ -36,6 +36,7 @@ import numpy as np
 
 __all__ = [
     "causal_mask",
+    "visible",
     "attention_naive",
     "attention_v1_tiled",
     "attention_v2_tiled",
@@ -55,6 +56,28 @@ def causal_mask(nq: int, nk: int) -> np.ndarray:
     rows = np.arange(nq)[:, None]
     cols = np.arange(nk)[None, :]
     return cols <= rows + (nk - nq)
+
+
+def visible(nq: int, nk: int, causal=False, window_size=(-1, -1)) -> np.ndarray | None:
+    """Where attention is allowed, (N_q, N_k) bool, or None for everything: bottom-right aligned
+    (offset N_k - N_q) causal mask and/or sliding window (left, right; -1 = no limit), as
+    FlashAttention defines them. `causal` may also be a cuflash.mask.MaskOptions (then it carries
+    the window). Written independently of the kernels' canonical geometry, which it checks."""
+    if not isinstance(causal, (bool, np.bool_, int)):  # a MaskOptions record
+        causal, window_size = causal.causal, causal.window_size
+    left, right = window_size
+    if not causal and left < 0 and right < 0:
+        return None
+    rows = np.arange(nq)[:, None] + (nk - nq)
+    cols = np.arange(nk)[None, :]
+    ok = np.ones((nq, nk), dtype=bool)
+    if causal:
+        ok &= cols <= rows
+    if right >= 0:
+        ok &= cols <= rows + right
+    if left >= 0:
+        ok &= cols >= rows - left
+    return ok
 
 
 def _prepare(q, k, v, softmax_scale):
@@ -125,7 +148,7 @@ def _out_layout(*xs):
 # --------------------------------------------------------------------------- forward
 
 
-def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0):
+def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1)):
     """Standard attention, materialising the N_q x N_k matrices.
 
     S = tau Q K^T (masked entries -inf), P = softmax(S), O = (P o Z) V with Z the dropout
@@ -138,7 +161,7 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=N
     nk = k.shape[2]
     z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
 
-    s = _scores(q, k, scale, causal_mask(nq, nk) if causal else None)
+    s = _scores(q, k, scale, visible(nq, nk, causal, window_size))
     m = s.max(axis=-1)
     e = np.exp(s - _finite_or_zero(m)[..., None])
     l = e.sum(axis=-1)
@@ -285,7 +308,7 @@ def _prepare_backward(dout, q, k, v, out, lse, softmax_scale):
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0
+    dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1)
 ):
     """Gradients of O = attention(Q, K, V) for the loss whose output gradient is dO.
 
@@ -306,7 +329,7 @@ def attention_backward(
     nk = k.shape[2]
     z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
 
-    s = _scores(q, k, scale, causal_mask(nq, nk) if causal else None)
+    s = _scores(q, k, scale, visible(nq, nk, causal, window_size))
     p = np.exp(s - lse_safe[..., None])
     pz = p if z is None else p * z
     dp = do @ v.swapaxes(-1, -2)

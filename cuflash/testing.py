@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .reference import causal_mask
+from .reference import visible
 
 
 def bf16():
@@ -45,8 +45,9 @@ def _masked_scores(qf, kf, causal, scale, rnd):
     import cupy
 
     s = rnd(cupy.matmul(qf, kf.transpose(0, 1, 3, 2))) * scale
-    if causal:
-        s = cupy.where(cupy.asarray(causal_mask(*s.shape[-2:])), s, -cupy.inf)
+    ok = visible(*s.shape[-2:], causal)  # causal: a bool or a cuflash.mask.MaskOptions (with its window)
+    if ok is not None:
+        s = cupy.where(cupy.asarray(ok), s, -cupy.inf)
     return s
 
 
