@@ -17,7 +17,7 @@ _tmod = None  # the cuflash._torch module (registers the torch ops), once a torc
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
-              backend: str | None = None, window_size: tuple = (-1, -1)):
+              backend: str | None = None, window_size: tuple = (-1, -1), alignment: str = "bottom_right"):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads, head_dim); float16 or
@@ -39,6 +39,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = no limit on that
         side (the default, (-1, -1), is no window). With causal=True the right side is at most 0
         (Mistral-style local causal attention: window_size=(w, 0) or (w, -1) with causal).
+    alignment: where row i's diagonal sits when seqlen_q != seqlen_k, for causal and the window:
+        "bottom_right" (key i + seqlen_k - seqlen_q; FlashAttention >= 2.1, the default) or "top_left"
+        (key i; PyTorch SDPA's is_causal).
     softmax_scale: defaults to 1/sqrt(head_dim).
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.
@@ -64,7 +67,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     Raises TypeError/ValueError naming the argument before any launch on bad input.
     """
-    mask = MaskOptions.of(causal=causal, window_size=window_size)  # the mask keywords, checked, as one record
+    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment)  # checked, one record
     t = type(q)
     if (t is _ndarray and type(k) is t and type(v) is t and algorithm == "v2"
             and (deterministic is False or deterministic is True)):
@@ -103,11 +106,11 @@ def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministi
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                        deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
-                       window_size: tuple = (-1, -1)):
+                       window_size: tuple = (-1, -1), alignment: str = "bottom_right"):
     """Gradients (dq, dk, dv) of attention(q, k, v) for the output gradient `dout`.
 
     `out` and `lse` are the forward's outputs (attention(..., return_lse=True)) for the same q, k, v,
-    causal, window_size and softmax_scale. dout and out: q's shape and dtype, contiguous in the last dimension;
+    causal, window_size, alignment and softmax_scale. dout and out: q's shape and dtype, contiguous in the last dimension;
     lse: float32 (batch, heads, seqlen_q), contiguous. dq, dk, dv have the shapes and dtype of q, k, v.
     deterministic: bitwise reproducible dq (no floating-point atomics), at some speed cost.
     dropout_p, seed: those the forward used (the mask is regenerated from the seed).
@@ -116,7 +119,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     the op `torch.ops.cuflash.attention_bwd`, which is not itself differentiable). Raises
     TypeError/ValueError naming the argument before any launch on bad input.
     """
-    mask = MaskOptions.of(causal=causal, window_size=window_size)
+    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment)
     args = (dout, q, k, v, out, lse)
     t = type(q)
     if t is _ndarray and all(type(a) is t for a in args) and (deterministic is False or deterministic is True):

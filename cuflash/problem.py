@@ -94,7 +94,7 @@ class AttnProblem:
 
     @property
     def causal(self) -> bool:
-        """The mask is bottom-right causal (today's kernels and tuned tables take the mask as this flag)."""
+        """The mask is causal, either alignment: no left edge, right edge on the diagonal (the tuned tables key on it)."""
         return self.window_left == UNBOUNDED and self.window_right == 0
 
 

@@ -58,17 +58,18 @@ def causal_mask(nq: int, nk: int) -> np.ndarray:
     return cols <= rows + (nk - nq)
 
 
-def visible(nq: int, nk: int, causal=False, window_size=(-1, -1)) -> np.ndarray | None:
-    """Where attention is allowed, (N_q, N_k) bool, or None for everything: bottom-right aligned
-    (offset N_k - N_q) causal mask and/or sliding window (left, right; -1 = no limit), as
-    FlashAttention defines them. `causal` may also be a cuflash.mask.MaskOptions (then it carries
-    the window). Written independently of the kernels' canonical geometry, which it checks."""
+def visible(nq: int, nk: int, causal=False, window_size=(-1, -1), alignment="bottom_right") -> np.ndarray | None:
+    """Where attention is allowed, (N_q, N_k) bool, or None for everything: causal mask and/or
+    sliding window (left, right; -1 = no limit) around query i's diagonal, key i + N_k - N_q
+    (bottom_right, FlashAttention's) or key i (top_left, PyTorch SDPA's is_causal). `causal` may
+    also be a cuflash.mask.MaskOptions (then it carries the window and the alignment). Written
+    independently of the kernels' canonical geometry, which it checks."""
     if not isinstance(causal, (bool, np.bool_, int)):  # a MaskOptions record
-        causal, window_size = causal.causal, causal.window_size
+        causal, window_size, alignment = causal.causal, causal.window_size, causal.alignment
     left, right = window_size
     if not causal and left < 0 and right < 0:
         return None
-    rows = np.arange(nq)[:, None] + (nk - nq)
+    rows = np.arange(nq)[:, None] + ((nk - nq) if alignment == "bottom_right" else 0)
     cols = np.arange(nk)[None, :]
     ok = np.ones((nq, nk), dtype=bool)
     if causal:

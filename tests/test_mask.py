@@ -91,7 +91,7 @@ def test_resolve_wants_the_record():
 
 def test_schema_mask_arguments_are_the_fields():
     opts = MaskOptions.schema_options()
-    assert opts == (("causal", "bool"), ("window_size", "int[]", "[-1, -1]"))
+    assert opts == (("causal", "bool"), ("window_size", "int[]", "[-1, -1]"), ("alignment", "str", '"bottom_right"'))
     for options in (signature.FWD_OPTIONS, signature.BWD_OPTIONS):
         for o in opts:
             assert o in options
@@ -104,12 +104,12 @@ def test_op_options_round_trip():
     others = dict(softmax_scale=0.5, algorithm="v1", deterministic=True, dropout_p=0.1, seed=-3, backend="sm80")
     for mask in (NO_MASK, CAUSAL):
         values = signature.op_options(signature.FWD_OPTIONS, mask, **others)
-        assert values == (mask.causal, 0.5, "v1", True, 0.1, -3, "sm80", (-1, -1))
+        assert values == (mask.causal, 0.5, "v1", True, 0.1, -3, "sm80", (-1, -1), "bottom_right")
         got, rest = signature.mask_and_options(signature.FWD_OPTIONS, values)
         assert got is mask and rest == others
     bwd = signature.op_options(signature.BWD_OPTIONS, CAUSAL, softmax_scale=None, deterministic=False,
                                dropout_p=0.0, seed=0)
-    assert bwd == (True, None, False, 0.0, 0, (-1, -1))
+    assert bwd == (True, None, False, 0.0, 0, (-1, -1), "bottom_right")
     # the dispatcher may drop trailing arguments equal to their schema default (backend=None)
     got, rest = signature.mask_and_options(signature.FWD_OPTIONS, (True, None, "v2", False, 0.0, 0))
     assert got is CAUSAL and rest["backend"] is None
@@ -184,3 +184,21 @@ def test_window_selects_local_features_and_packs_the_left_edge():
     a = params.pack_fwd(p, 1)
     assert int(a["window_left"][0]) == 16 and int(a["window_right"][0]) == 0
     assert not resolve_forward(q, q, q, CAUSAL, None).features.local
+
+
+def test_top_left_alignment():
+    import numpy as np
+
+    from cuflash.reference import visible
+
+    m = MaskOptions.of(causal=True, alignment="top_left")
+    assert m.geometry(3, 5) == (MaskOptions.of().geometry(3, 5)[0], 0, 0)
+    assert visible(3, 5, m).tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert visible(3, 5, CAUSAL).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    # seqlen_q > seqlen_k: top-left rows past the keys see them all, bottom-right's first rows none
+    assert visible(4, 2, m).tolist() == [[1, 0], [1, 1], [1, 1], [1, 1]]
+    w = MaskOptions.of(window_size=(1, 1), alignment="top_left")
+    i, j = np.arange(4)[:, None], np.arange(6)[None, :]
+    assert (visible(4, 6, w) == (abs(j - i) <= 1)).all() and w.geometry(4, 6) == (1, 1, 0)
+    with pytest.raises(ValueError, match="alignment must be 'bottom_right'"):
+        MaskOptions.of(causal=True, alignment="center")

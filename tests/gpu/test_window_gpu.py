@@ -21,7 +21,10 @@ CASES = [
     (300, 517, False, (100, 7)), (517, 300, False, (0, 130)), (517, 300, True, (200, 0)),
     (1000, 1000, False, (-1, 50)), (1000, 1000, False, (300, -1)), (129, 1000, True, (1, 0)),
     (1000, 129, False, (5, 5)), (64, 64, False, (0, 0)),
+    # PyTorch SDPA's is_causal alignment (top-left), alone and with a window
+    (300, 517, True, (-1, -1), "top_left"), (517, 300, True, (-1, -1), "top_left"), (517, 300, True, (64, 0), "top_left"),
 ]
+CASES = [c if len(c) == 5 else (*c, "bottom_right") for c in CASES]
 
 
 def _poisoned(q, k, v, mask, backend):
@@ -35,35 +38,35 @@ def _poisoned(q, k, v, mask, backend):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("nq,nk,causal,window", CASES)
-def test_window_forward(nq, nk, causal, window, d, dtype, backend):  # noqa: F811
+@pytest.mark.parametrize("nq,nk,causal,window,alignment", CASES)
+def test_window_forward(nq, nk, causal, window, alignment, d, dtype, backend):  # noqa: F811
     import cupy
     import cuflash
 
-    mask = MaskOptions.of(causal=causal, window_size=window)
-    rng = np.random.default_rng(hash((nq, nk, causal, window, d, dtype)) % 2**32)
+    mask = MaskOptions.of(causal=causal, window_size=window, alignment=alignment)
+    rng = np.random.default_rng(hash((nq, nk, causal, window, alignment, d, dtype)) % 2**32)
     q, k, v = random_qkv(rng, 2, nq, nk, 3, d, dtype_of(dtype))
     out, lse = _poisoned(q, k, v, mask, backend)
     assert not bool(cupy.isnan(out.astype(cupy.float32)).any()) and not bool(cupy.isnan(lse).any())
     err, pt, allowed = fa_rule(out, q, k, v, mask, 1 / math.sqrt(d))
     assert err <= allowed, f"max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
     # the public entry point, same bits
-    api = cuflash.attention(q, k, v, causal=causal, window_size=window, backend=backend)
+    api = cuflash.attention(q, k, v, causal=causal, window_size=window, alignment=alignment, backend=backend)
     assert bool((api.view(cupy.uint16) == out.view(cupy.uint16)).all())
 
 
 @pytest.mark.parametrize("bwd_backend", ["sm80", "sm90"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("nq,nk,causal,window", CASES[::2])
-def test_window_backward(nq, nk, causal, window, d, dtype, bwd_backend):
+@pytest.mark.parametrize("nq,nk,causal,window,alignment", CASES[::2])
+def test_window_backward(nq, nk, causal, window, alignment, d, dtype, bwd_backend):
     import cupy
     from cuflash import _backward, _forward, device
 
     if bwd_backend == "sm90" and tuple(device.query(0).cc) != (9, 0):
         pytest.skip("the sm90 backward needs cc 9.0")
-    mask = MaskOptions.of(causal=causal, window_size=window)
-    rng = np.random.default_rng(hash((nq, nk, causal, window, d, dtype, "bwd")) % 2**32)
+    mask = MaskOptions.of(causal=causal, window_size=window, alignment=alignment)
+    rng = np.random.default_rng(hash((nq, nk, causal, window, alignment, d, dtype, "bwd")) % 2**32)
     q, k, v = random_qkv(rng, 2, nq, nk, 3, d, dtype_of(dtype))
     dout, _, _ = random_qkv(rng, 2, nq, 1, 3, d, dtype_of(dtype))
     out, lse = _forward.forward(q, k, v, mask=mask)
