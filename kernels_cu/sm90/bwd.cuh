@@ -108,8 +108,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         setmaxnreg_dec<Tr::kProducerRegs>();
         if (tid == 0 && n_iter > 0) {
             mbar_arrive_expect_tx(bar_kv, 2 * Tr::kKVBytes);
-            tma_load_5d(sK, tk, bar_kv, 0, n0, 0, blk.head, blk.batch);
-            tma_load_5d(sV, tv, bar_kv, 0, n0, 0, blk.head, blk.batch);
+            // GQA/MQA: k/v head h / group (MHA: group 1); dK/dV are written per query head into the
+            // expanded buffers that bwd_dkdv_reduce sums over the group
+            const int h_kv = blk.head / params.group;
+            tma_load_5d(sK, tk, bar_kv, 0, n0, 0, h_kv, blk.batch);
+            tma_load_5d(sV, tv, bar_kv, 0, n0, 0, h_kv, blk.batch);
             for (int it = 0; it < n_iter; ++it) {
                 const int s = it % STAGES;
                 const int m0 = (m_begin + it) * BR;
