@@ -20,9 +20,12 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
               backend: str | None = None, window_size: tuple = (-1, -1), alignment: str = "bottom_right"):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
-    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads, head_dim); float16 or
+    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16 or
     bfloat16, on one CUDA device, contiguous in the last dimension (other strides are free, e.g.
-    slices of a packed qkv array; used without copies). head_dim 64 or 128. Accepted arrays:
+    slices of a packed qkv array; used without copies). head_dim 64 or 128. heads_kv is heads
+    (multi-head attention) or a divisor of it: grouped-query attention (GQA; MQA with heads_kv 1),
+    where query head h attends with k/v head h // (heads // heads_kv), on every kernel (both
+    algorithms, both backends) and in the backward. Accepted arrays:
 
     - CuPy arrays (bf16 as ml_dtypes.bfloat16): results are CuPy arrays; runs on CuPy's current
       stream.
@@ -112,6 +115,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     `out` and `lse` are the forward's outputs (attention(..., return_lse=True)) for the same q, k, v,
     causal, window_size, alignment and softmax_scale. dout and out: q's shape and dtype, contiguous in the last dimension;
     lse: float32 (batch, heads, seqlen_q), contiguous. dq, dk, dv have the shapes and dtype of q, k, v.
+    GQA/MQA (k, v with heads_kv heads dividing q's): dk and dv have heads_kv heads, each the sum of
+    the gradients through its group of query heads (computed per query head, then summed in fp32).
     deterministic: bitwise reproducible dq (no floating-point atomics), at some speed cost.
     dropout_p, seed: those the forward used (the mask is regenerated from the seed).
 
