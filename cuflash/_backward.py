@@ -4,6 +4,9 @@ Launch sequence (kernels_cu/flash_bwd.cuh):
     bwd_prep        delta = rowsum(dO * O), lse2 = lse * log2(e) (+inf where P must be 0), dq_acc = 0
     flash_bwd_dkdv  dK, dV per key tile; dQ added to the fp32 dq_acc with atomics
     bwd_dq_convert  dq = softmax_scale * dq_acc, to the input dtype
+    bwd_dkdv_reduce GQA/MQA only (heads_kv < heads): the dK/dV kernel wrote dK, dV per query head
+                    into expanded (batch, seqlen_k, heads, head_dim) buffers of the input dtype
+                    (dk_exp, dv_exp); this sums each k/v head's group of them in fp32 into dk, dv
 With deterministic=True the atomics are off and flash_bwd_dq computes dQ in registers instead
 (bitwise reproducible, three extra GEMMs); there is no dq_acc then, and the kernels that take it
 get a null pointer.
@@ -26,6 +29,8 @@ from .tiles import BwdConfig, DqConfig
 _ROW_PAD = 128
 _AUX_THREADS = 256
 OUTPUTS = ("dq", "dk", "dv")
+# GQA/MQA: the dK/dV kernel's output slots -> the expanded (per query head) buffers it writes instead
+_EXPANDED = {"dk": "dk_exp", "dv": "dv_exp"}
 
 
 def _pointers(family) -> tuple:
@@ -38,6 +43,7 @@ def _aux_pointers(name: str) -> tuple:
 
 def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Plan:
     b, nq, nk, h, d = p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim
+    hkv, gqa = p.heads_kv, p.group > 1
     pad = -(-nq // _ROW_PAD) * _ROW_PAD
     ws_rows = b * h * pad
     chunks = d // 8  # the aux kernels' threads each take 8 elements of a row
@@ -52,6 +58,8 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     main = _compile.get_kernel(cfg, p.features, p.device)
     # the dK/dV kernel: its pointer slots, or (sm90) the slots a per-call bind turns into TMA maps
     slots, bind = fam.main_args(p, cfg) if fam.main_args is not None else (_pointers(fam), None)
+    if gqa:  # dK, dV per query head, into the expanded buffers bwd_dkdv_reduce sums
+        slots = tuple(_EXPANDED.get(n, n) for n in slots)
     launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
 
     m_blocks = 0  # BwdParams.m_blocks: the dQ kernel's, when it runs
@@ -67,9 +75,17 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
         launches.append(Launch(convert, (-(-n_rows * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
                                pointers=_aux_pointers("bwd_dq_convert")))
 
-    buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, h, d), dtype),
-               Buffer("dv", (b, nk, h, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
-               Buffer("dq_acc", None if p.deterministic else (ws_rows * d,)))
+    expanded = ()
+    if gqa:
+        kv_rows = b * nk * hkv
+        reduce = _compile.get_aux_kernel("bwd_dkdv_reduce", p.features, p.device)
+        launches.append(Launch(reduce, (-(-kv_rows * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
+                               pointers=_aux_pointers("bwd_dkdv_reduce")))
+        expanded = tuple(Buffer(n, (b, nk, h, d), dtype) for n in _EXPANDED.values())
+
+    buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, hkv, d), dtype),
+               Buffer("dv", (b, nk, hkv, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
+               Buffer("dq_acc", None if p.deterministic else (ws_rows * d,)), *expanded)
     return Plan(p.device, BWD_ARRAYS, buffers, tuple(launches), OUTPUTS, pack_bwd(p, pad, n_blocks, m_blocks))
 
 

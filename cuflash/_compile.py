@@ -220,11 +220,14 @@ AUX_KERNELS = {
     "bwd_prep": (((IN, "out"), (IN, "dout"), (F32_IN, "lse"), (F32, "delta"), (F32, "lse2"), (F32, "dq_acc")),
                  "BwdParams"),
     "bwd_dq_convert": (((F32_IN, "dq_acc"), (OUT, "dq")), "BwdParams"),
+    # GQA/MQA: dK, dV per query head (expanded buffers) summed over each k/v head's group
+    "bwd_dkdv_reduce": (((IN, "dk_exp"), (IN, "dv_exp"), (OUT, "dk"), (OUT, "dv")), "BwdParams"),
 }
 
 
 def aux_source(name: str, dtype: str, head_dim: int) -> tuple[str, str]:
-    """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`; rowwise/)."""
+    """Shell for a small config-free kernel of flash_bwd.cuh (`bwd_prep`, `bwd_dq_convert`,
+    `bwd_dkdv_reduce`; rowwise/)."""
     f = Features(dtype, head_dim)
     fn = f"cuflash_{name}_{f.dtype_tag}_d{head_dim}"
     pointers, struct = AUX_KERNELS[name]

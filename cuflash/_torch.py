@@ -172,6 +172,7 @@ def _attention_bwd_fake(dout, q, k, v, out, lse, *options):
     infos = [_info(t, n, contiguous=(n == "dout")) for t, n in zip((dout, q, k, v, out, lse), BWD_ARRAYS)]
     if None not in infos:
         problem.resolve_backward(*infos, MaskOptions.of(**mask), o["softmax_scale"], o["deterministic"])
+    # dk, dv follow k and v: heads_kv heads under GQA/MQA (each the sum over its group of query heads)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -17,12 +17,15 @@ _tmod = None  # the cuflash._torch module (registers the torch ops), once a torc
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
-              backend: str | None = None):
+              backend: str | None = None, window_size: tuple = (-1, -1), alignment: str = "bottom_right"):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
-    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads, head_dim); float16 or
+    q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16 or
     bfloat16, on one CUDA device, contiguous in the last dimension (other strides are free, e.g.
-    slices of a packed qkv array; used without copies). head_dim 64 or 128. Accepted arrays:
+    slices of a packed qkv array; used without copies). head_dim 64 or 128. heads_kv is heads
+    (multi-head attention) or a divisor of it: grouped-query attention (GQA; MQA with heads_kv 1),
+    where query head h attends with k/v head h // (heads // heads_kv), on every kernel (both
+    algorithms, both backends) and in the backward. Accepted arrays:
 
     - CuPy arrays (bf16 as ml_dtypes.bfloat16): results are CuPy arrays; runs on CuPy's current
       stream.
@@ -35,6 +38,13 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     causal: mask aligned to the bottom-right when seqlen_q != seqlen_k (FlashAttention >= 2.1);
         rows that see no key give 0 (and lse -inf).
+    window_size: (left, right) sliding window, FlashAttention's: query row i sees keys j with
+        i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right; -1 = no limit on that
+        side (the default, (-1, -1), is no window). With causal=True the right side is at most 0
+        (Mistral-style local causal attention: window_size=(w, 0) or (w, -1) with causal).
+    alignment: where row i's diagonal sits when seqlen_q != seqlen_k, for causal and the window:
+        "bottom_right" (key i + seqlen_k - seqlen_q; FlashAttention >= 2.1, the default) or "top_left"
+        (key i; PyTorch SDPA's is_causal).
     softmax_scale: defaults to 1/sqrt(head_dim).
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.
@@ -60,7 +70,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     Raises TypeError/ValueError naming the argument before any launch on bad input.
     """
-    mask = MaskOptions.of(causal=causal)  # the mask keywords, checked, as one record from here on
+    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment)  # checked, one record
     t = type(q)
     if (t is _ndarray and type(k) is t and type(v) is t and algorithm == "v2"
             and (deterministic is False or deterministic is True)):
@@ -98,12 +108,15 @@ def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministi
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-                       deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None):
+                       deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
+                       window_size: tuple = (-1, -1), alignment: str = "bottom_right"):
     """Gradients (dq, dk, dv) of attention(q, k, v) for the output gradient `dout`.
 
     `out` and `lse` are the forward's outputs (attention(..., return_lse=True)) for the same q, k, v,
-    causal and softmax_scale. dout and out: q's shape and dtype, contiguous in the last dimension;
+    causal, window_size, alignment and softmax_scale. dout and out: q's shape and dtype, contiguous in the last dimension;
     lse: float32 (batch, heads, seqlen_q), contiguous. dq, dk, dv have the shapes and dtype of q, k, v.
+    GQA/MQA (k, v with heads_kv heads dividing q's): dk and dv have heads_kv heads, each the sum of
+    the gradients through its group of query heads (computed per query head, then summed in fp32).
     deterministic: bitwise reproducible dq (no floating-point atomics), at some speed cost.
     dropout_p, seed: those the forward used (the mask is regenerated from the seed).
 
@@ -111,7 +124,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     the op `torch.ops.cuflash.attention_bwd`, which is not itself differentiable). Raises
     TypeError/ValueError naming the argument before any launch on bad input.
     """
-    mask = MaskOptions.of(causal=causal)
+    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment)
     args = (dout, q, k, v, out, lse)
     t = type(q)
     if t is _ndarray and all(type(a) is t for a in args) and (deterministic is False or deterministic is True):

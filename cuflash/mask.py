@@ -32,6 +32,38 @@ def check_flag(value, name: str) -> bool:
     return bool(value)
 
 
+def check_window(value, name: str) -> tuple:
+    """A (left, right) window: ints >= -1 each, -1 meaning no limit on that side (FlashAttention's
+    window_size). Sides past UNBOUNDED are no limit too (they see every key anyway)."""
+    try:
+        pair = tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a pair (left, right) of ints, got {value!r}") from None
+    if len(pair) != 2:
+        raise ValueError(f"{name} must be a pair (left, right), got {len(pair)} values: {value!r}")
+    out = []
+    for side, x in zip(("left", "right"), pair):
+        if type(x).__module__ == "numpy" and getattr(x, "ndim", None) == 0:
+            x = x.item()
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"{name}: the {side} side must be an int, got {x!r}")
+        if x < -1:
+            raise ValueError(f"{name}: the {side} side must be >= 0, or -1 for no limit, got {x}")
+        out.append(-1 if x >= UNBOUNDED else x)
+    return tuple(out)
+
+
+ALIGNMENTS = ("bottom_right", "top_left")
+
+
+def check_alignment(value, name: str) -> str:
+    """Where the causal diagonal and the window sit when seqlen_q != seqlen_k."""
+    if value not in ALIGNMENTS:
+        raise ValueError(f"{name} must be 'bottom_right' (FlashAttention >= 2.1) or 'top_left' (PyTorch SDPA's "
+                         f"is_causal), got {value!r}")
+    return value
+
+
 def _option(default, schema_type: str, check, schema_default: str | None = None):
     """A field of MaskOptions: the public keyword of the same name, its default, its torch schema
     type, and `check(value, name)`, which returns the normalised value or raises TypeError /
@@ -54,6 +86,13 @@ class MaskOptions:
 
     # bottom-right aligned causal mask (FlashAttention >= 2.1): row i sees keys k <= i + seqlen_k - seqlen_q
     causal: bool = _option(False, "bool", check_flag)
+    # sliding window (FlashAttention's window_size): row i sees keys k with
+    # i + offset - left <= k <= i + offset + right (offset = seqlen_k - seqlen_q), -1 = no limit;
+    # with causal the right side is at most 0
+    window_size: tuple = _option((-1, -1), "int[]", check_window, schema_default="[-1, -1]")
+    # where query row i's diagonal is: key i + seqlen_k - seqlen_q (bottom_right, FlashAttention
+    # >= 2.1, the default) or key i (top_left, PyTorch SDPA's is_causal); the window is centred on it
+    alignment: str = _option("bottom_right", "str", check_alignment, schema_default='"bottom_right"')
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -63,14 +102,16 @@ class MaskOptions:
         object.__setattr__(self, "key", dataclasses.astuple(self))
 
     @classmethod
-    def of(cls, causal=False) -> MaskOptions:
-        """The record of the public API's mask keywords, checked. Today's two masks are built once
-        (NO_MASK, CAUSAL): the common call allocates nothing."""
-        if causal is False:
-            return NO_MASK
-        if causal is True:
-            return CAUSAL
-        return cls(causal=causal)
+    def of(cls, causal=False, window_size=(-1, -1), alignment="bottom_right") -> MaskOptions:
+        """The record of the public API's mask keywords, checked. The two bottom-right masks without
+        a window are built once (NO_MASK, CAUSAL): the common call allocates nothing."""
+        if alignment == "bottom_right" and (window_size == (-1, -1) or window_size == [-1, -1]):
+            if causal is False:
+                return NO_MASK
+            if causal is True:
+                return CAUSAL
+            return cls(causal=causal)
+        return cls(causal=causal, window_size=window_size, alignment=alignment)
 
     @classmethod
     def given(cls, mask, keywords: dict) -> MaskOptions:
@@ -93,8 +134,13 @@ class MaskOptions:
 
     def geometry(self, seqlen_q: int, seqlen_k: int) -> tuple:
         """(window_left, window_right, offset), the canonical form the kernels take: bottom-right
-        causal is (UNBOUNDED, 0, seqlen_k - seqlen_q), no mask (UNBOUNDED, UNBOUNDED, seqlen_k - seqlen_q)."""
-        return UNBOUNDED, (0 if self.causal else UNBOUNDED), seqlen_k - seqlen_q
+        causal is (UNBOUNDED, 0, seqlen_k - seqlen_q), no mask (UNBOUNDED, UNBOUNDED, seqlen_k - seqlen_q),
+        a window (left, right) its sides (UNBOUNDED for -1), the right one at most 0 with causal;
+        top_left alignment puts the offset at 0."""
+        left, right = (UNBOUNDED if w < 0 else w for w in self.window_size)
+        if self.causal:
+            right = min(right, 0)
+        return left, right, (seqlen_k - seqlen_q if self.alignment == "bottom_right" else 0)
 
     @classmethod
     def schema_options(cls) -> tuple:

@@ -51,17 +51,20 @@ FWD_FIELDS = [
     *GEOMETRY_FIELDS,
     ("scale_log2", _F32),
     ("tiles", _I32),  # work tiles: m_blocks * heads * batch (a persistent grid strides over them)
+    ("heads_kv", _I32), ("group", _I32),  # GQA/MQA: k/v heads, heads // heads_kv (query head h reads h // group)
     ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
 ]
 
 BWD_FIELDS = [
     *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
     ("ws_rows", _I64), ("q_rows", _I64),
+    ("kv_rows", _I64),  # batch * seqlen_k * heads_kv: the rows bwd_dkdv_reduce writes (0: MHA, no reduction)
     *DROPOUT_FIELDS,
     ("heads", _I32), ("seqlen_q", _I32), ("seqlen_k", _I32), ("seqlen_q_pad", _I32),
     ("n_blocks", _I32), ("m_blocks", _I32),
     *GEOMETRY_FIELDS,
     ("scale_log2", _F32), ("scale", _F32),
+    ("heads_kv", _I32), ("group", _I32),  # GQA/MQA, as FwdParams'
     ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
 ]
 
@@ -85,6 +88,7 @@ def _set_common(a, p: AttnProblem) -> None:
         raise NotImplementedError(f"a bounded left window edge (window_left = {p.window_left}) needs the kernels "
                                   f"built with Features.local; these features are {p.features}")
     a["heads"], a["seqlen_q"], a["seqlen_k"] = p.heads, p.seqlen_q, p.seqlen_k
+    a["heads_kv"], a["group"] = p.heads_kv, p.group
     a["window_left"], a["window_right"], a["offset"] = p.window_left, p.window_right, p.offset
     a["scale_log2"] = np.float32(p.softmax_scale * LOG2E)
     # no dropout: what the DROPOUT=false instantiations would ignore anyway
@@ -106,7 +110,11 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
 def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0) -> np.ndarray:
     """BwdParams of a backward plan: q, k, v, out, dout strides from the problem, dq, dk, dv's of
     fresh (C-contiguous) gradients; lse2 / delta / dq_acc rows padded to seqlen_q_pad; n_blocks
-    key blocks of the dK/dV tile, m_blocks query blocks of the dQ tile (0: no dQ kernel)."""
+    key blocks of the dK/dV tile, m_blocks query blocks of the dQ tile (0: no dQ kernel).
+
+    GQA/MQA (p.group > 1): dk_s*/dv_s* are those of the expanded (batch, seqlen_k, heads,
+    head_dim) buffers the dK/dV kernels write per query head, and kv_rows = batch * seqlen_k *
+    heads_kv the rows bwd_dkdv_reduce sums them into (0 with group 1: no reduction)."""
     a = np.zeros(1, BWD)
     for t, name in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"), ("do", "dout")):
         _set_strides(a, t, p.strides[name])
@@ -115,6 +123,7 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
         _set_strides(a, t, contiguous_strides(p.seqlen_k, p.heads, p.head_dim))
     rows = p.batch * p.heads
     a["ws_rows"], a["q_rows"] = rows * seqlen_q_pad, rows * p.seqlen_q
+    a["kv_rows"] = p.batch * p.seqlen_k * p.heads_kv if p.group > 1 else 0
     _set_common(a, p)
     a["seqlen_q_pad"], a["n_blocks"], a["m_blocks"] = seqlen_q_pad, n_blocks, m_blocks
     a["scale"] = np.float32(p.softmax_scale)

@@ -66,7 +66,8 @@ class AttnProblem:
     batch: int
     seqlen_q: int
     seqlen_k: int
-    heads: int
+    heads: int  # query heads (q, out, dout, lse, dq)
+    heads_kv: int  # key/value heads (k, v, dk, dv): heads for MHA, a divisor of it for GQA/MQA
     head_dim: int
     dtype: str
     device: int
@@ -84,6 +85,11 @@ class AttnProblem:
         check_geometry(self.window_left, self.window_right, self.offset)
 
     @property
+    def group(self) -> int:
+        """Query heads per key/value head (GQA/MQA; 1 for MHA): query head h reads k/v head h // group."""
+        return self.heads // self.heads_kv if self.heads_kv else 1
+
+    @property
     def features(self) -> Features:
         return Features(self.dtype, self.head_dim, self.dropout is not None, local=self.window_left != UNBOUNDED)
 
@@ -94,7 +100,7 @@ class AttnProblem:
 
     @property
     def causal(self) -> bool:
-        """The mask is bottom-right causal (today's kernels and tuned tables take the mask as this flag)."""
+        """The mask is causal, either alignment: no left edge, right edge on the diagonal (the tuned tables key on it)."""
         return self.window_left == UNBOUNDED and self.window_right == 0
 
 
@@ -193,6 +199,9 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
                     dropout: Dropout | None = None) -> AttnProblem:
     """The forward's problem; raises TypeError/ValueError naming the first bad argument.
 
+    q is (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim) with
+    heads_kv dividing heads (MHA: equal; GQA: fewer; MQA: 1).
+
     `mask` is the call's MaskOptions, `dropout` resolve_dropout's result for the call.
     """
     if type(mask) is not MaskOptions:
@@ -209,8 +218,9 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
     bk, nk, hk, dk = k.shape
     if bk != b:
         raise ValueError(f"batch size differs: q has {b}, k and v have {bk}")
-    if hk != h:
-        raise ValueError(f"number of heads differs: q has {h}, k and v have {hk}")
+    if (h % hk if hk else h):
+        raise ValueError(f"number of heads: q has {h}, k and v have {hk}; q's heads must be a multiple of k and v's "
+                         f"(grouped-query attention: heads_kv divides heads)")
     if dk != d:
         raise ValueError(f"head_dim differs: q has {d}, k and v have {dk}")
     if d not in SUPPORTED_HEAD_DIMS:
@@ -218,7 +228,7 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
     scale = check_softmax_scale(softmax_scale)
     left, right, offset = mask.geometry(nq, nk)
     return AttnProblem(
-        batch=b, seqlen_q=nq, seqlen_k=nk, heads=h, head_dim=d, dtype=q.dtype, device=q.device,
+        batch=b, seqlen_q=nq, seqlen_k=nk, heads=h, heads_kv=hk, head_dim=d, dtype=q.dtype, device=q.device,
         strides={"q": _element_strides(q), "k": _element_strides(k), "v": _element_strides(v)},
         softmax_scale=1.0 / math.sqrt(d) if scale is None else scale,
         window_left=left, window_right=right, offset=offset, dropout=dropout)
@@ -229,7 +239,8 @@ def resolve_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, 
                      dropout: Dropout | None = None) -> AttnProblem:
     """The backward's problem; raises TypeError/ValueError naming the first bad argument.
 
-    q, k, v, mask and softmax_scale follow resolve_forward. `out` (the forward's output) and `dout`
+    q, k, v, mask and softmax_scale follow resolve_forward (k and v may have fewer heads than q,
+    dividing them: GQA/MQA; dk and dv then have k's heads). `out` (the forward's output) and `dout`
     (the gradient of the loss with respect to it) must have q's shape, dtype and device, and the
     layout rules of q (contiguous last dimension, 16-byte aligned pointer and strides). `lse` is the
     forward's float32 (batch, heads, seqlen_q) log-sum-exp, C-contiguous, on q's device.

@@ -2,9 +2,14 @@
 
 Pure NumPy (no CuPy import), so it runs anywhere, CI included.
 
-Layout is FlashAttention's: ``q`` is (B, N_q, H, d), ``k`` and ``v`` are (B, N_k, H, d);
+Layout is FlashAttention's: ``q`` is (B, N_q, H, d), ``k`` and ``v`` are (B, N_k, H_kv, d);
 outputs ``out`` / ``dq`` / ``dk`` / ``dv`` have the layout of the matching input, and the
 log-sum-exp ``lse`` is (B, H, N_q). Everything is computed and returned in float64.
+
+Grouped-query attention (GQA; MQA is H_kv = 1): H_kv divides H and query head h attends with
+k/v head h // (H / H_kv). The oracle computes it from the definition, by repeating each k/v head
+for its group of query heads (``repeat_kv``) and running multi-head attention; dK and dV of a k/v
+head are the sums over its group of the repeated heads' gradients (``sum_groups``).
 
 Notation follows the FlashAttention papers (Dao et al. 2022, Dao 2023):
 
@@ -36,11 +41,14 @@ import numpy as np
 
 __all__ = [
     "causal_mask",
+    "visible",
     "attention_naive",
     "attention_v1_tiled",
     "attention_v2_tiled",
     "attention_backward",
     "attention_backward_tiled",
+    "repeat_kv",
+    "sum_groups",
 ]
 
 
@@ -57,6 +65,29 @@ def causal_mask(nq: int, nk: int) -> np.ndarray:
     return cols <= rows + (nk - nq)
 
 
+def visible(nq: int, nk: int, causal=False, window_size=(-1, -1), alignment="bottom_right") -> np.ndarray | None:
+    """Where attention is allowed, (N_q, N_k) bool, or None for everything: causal mask and/or
+    sliding window (left, right; -1 = no limit) around query i's diagonal, key i + N_k - N_q
+    (bottom_right, FlashAttention's) or key i (top_left, PyTorch SDPA's is_causal). `causal` may
+    also be a cuflash.mask.MaskOptions (then it carries the window and the alignment). Written
+    independently of the kernels' canonical geometry, which it checks."""
+    if not isinstance(causal, (bool, np.bool_, int)):  # a MaskOptions record
+        causal, window_size, alignment = causal.causal, causal.window_size, causal.alignment
+    left, right = window_size
+    if not causal and left < 0 and right < 0:
+        return None
+    rows = np.arange(nq)[:, None] + ((nk - nq) if alignment == "bottom_right" else 0)
+    cols = np.arange(nk)[None, :]
+    ok = np.ones((nq, nk), dtype=bool)
+    if causal:
+        ok &= cols <= rows
+    if right >= 0:
+        ok &= cols <= rows + right
+    if left >= 0:
+        ok &= cols >= rows - left
+    return ok
+
+
 def _prepare(q, k, v, softmax_scale):
     """Upcast to float64, check shapes, go to (B, H, N, d) and resolve tau."""
     q = np.asarray(q, dtype=np.float64)
@@ -67,11 +98,26 @@ def _prepare(q, k, v, softmax_scale):
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
     b, _, h, d = q.shape
-    if (k.shape[0], k.shape[2], k.shape[3]) != (b, h, d):
-        raise ValueError(f"q {q.shape} and k {k.shape} disagree on B, H or d")
+    if (k.shape[0], k.shape[3]) != (b, d) or k.shape[2] == 0 or h % k.shape[2]:
+        raise ValueError(f"q {q.shape} and k {k.shape} disagree on B or d, or k's heads do not divide q's")
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    k, v = repeat_kv(k, h), repeat_kv(v, h)
     # (B, N, H, d) -> (B, H, N, d): every head is an independent matrix problem.
     return q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), scale
+
+
+def repeat_kv(x, heads: int):
+    """(B, N, H_kv, d) -> (B, N, heads, d): each k/v head repeated for its group of heads // H_kv
+    consecutive query heads (query head h reads k/v head h // group). MHA: x itself."""
+    group = heads // x.shape[2]
+    return x if group == 1 else np.repeat(x, group, axis=2)
+
+
+def sum_groups(x, heads_kv: int):
+    """(B, N, H, d) -> (B, N, heads_kv, d): the sum over each group of H // heads_kv consecutive
+    heads (the gradient of repeat_kv). MHA: x itself."""
+    b, n, h, d = x.shape
+    return x if h == heads_kv else x.reshape(b, n, heads_kv, h // heads_kv, d).sum(axis=3)
 
 
 def _dropout_scale(dropout_mask, dropout_p, shape):
@@ -125,7 +171,7 @@ def _out_layout(*xs):
 # --------------------------------------------------------------------------- forward
 
 
-def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0):
+def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1)):
     """Standard attention, materialising the N_q x N_k matrices.
 
     S = tau Q K^T (masked entries -inf), P = softmax(S), O = (P o Z) V with Z the dropout
@@ -138,7 +184,7 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=N
     nk = k.shape[2]
     z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
 
-    s = _scores(q, k, scale, causal_mask(nq, nk) if causal else None)
+    s = _scores(q, k, scale, visible(nq, nk, causal, window_size))
     m = s.max(axis=-1)
     e = np.exp(s - _finite_or_zero(m)[..., None])
     l = e.sum(axis=-1)
@@ -285,7 +331,7 @@ def _prepare_backward(dout, q, k, v, out, lse, softmax_scale):
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0
+    dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1)
 ):
     """Gradients of O = attention(Q, K, V) for the loss whose output gradient is dO.
 
@@ -299,14 +345,16 @@ def attention_backward(
         dQ = tau dS K,   dK = tau dS^T Q
 
     with Z = mask / (1 - p) under dropout (Z = 1 otherwise). ``out`` and ``lse`` are the
-    forward's outputs. Returns ``(dq, dk, dv)`` in the layout of q, k, v, float64.
+    forward's outputs. Returns ``(dq, dk, dv)`` in the layout of q, k, v, float64 (GQA: dK, dV
+    summed over each k/v head's group of query heads).
     """
+    heads_kv = np.shape(k)[2]
     do, q, k, v, dvec, lse_safe, scale = _prepare_backward(dout, q, k, v, out, lse, softmax_scale)
     b, h, nq, _ = q.shape
     nk = k.shape[2]
     z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
 
-    s = _scores(q, k, scale, causal_mask(nq, nk) if causal else None)
+    s = _scores(q, k, scale, visible(nq, nk, causal, window_size))
     p = np.exp(s - lse_safe[..., None])
     pz = p if z is None else p * z
     dp = do @ v.swapaxes(-1, -2)
@@ -317,7 +365,8 @@ def attention_backward(
     dv = pz.swapaxes(-1, -2) @ do
     dq = scale * (ds @ k)
     dk = scale * (ds.swapaxes(-1, -2) @ q)
-    return _out_layout(dq, dk, dv)
+    dq, dk, dv = _out_layout(dq, dk, dv)
+    return dq, sum_groups(dk, heads_kv), sum_groups(dv, heads_kv)
 
 
 def attention_backward_tiled(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, block_q=64, block_k=64):
@@ -332,6 +381,7 @@ def attention_backward_tiled(dout, q, k, v, out, lse, *, causal=False, softmax_s
     dQ is shared by all K/V blocks, so it lives in a float64 buffer in "HBM" (the kernel
     accumulates it there with atomic adds in float32).
     """
+    heads_kv = np.shape(k)[2]
     do, q, k, v, dvec, lse_safe, scale = _prepare_backward(dout, q, k, v, out, lse, softmax_scale)
     nq, nk = q.shape[2], k.shape[2]
     allowed = causal_mask(nq, nk) if causal else None
@@ -363,4 +413,5 @@ def attention_backward_tiled(dout, q, k, v, out, lse, *, causal=False, softmax_s
         dk[:, :, j0:j1] = dkj
         dv[:, :, j0:j1] = dvj
 
-    return _out_layout(dq, dk, dv)
+    dq, dk, dv = _out_layout(dq, dk, dv)
+    return dq, sum_groups(dk, heads_kv), sum_groups(dv, heads_kv)

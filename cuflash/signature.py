@@ -70,6 +70,10 @@ _SCHEMA_DEFAULTS = {"None": None, "True": True, "False": False}
 def _python_default(text: str):
     if text in _SCHEMA_DEFAULTS:
         return _SCHEMA_DEFAULTS[text]
+    if text.startswith('"'):  # a str default, e.g. "bottom_right" in schema syntax
+        return text[1:-1]
+    if text.startswith("["):  # an int[] default, e.g. "[-1, -1]": a tuple (hashable, as the record keeps it)
+        return tuple(_python_default(x.strip()) for x in text[1:-1].split(",") if x.strip())
     return float(text) if any(c in text for c in ".eE") else int(text)
 
 

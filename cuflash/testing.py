@@ -5,13 +5,17 @@ change. A kernel's error against a float64 reference must stay within `factor` (
 of a plain same-dtype attention (PyTorch's math path in bf16/fp16) against the same reference, plus
 2 ulps at the output's magnitude (FA3's data-derived floor). The mask is cuflash.reference's.
 
+GQA/MQA (k, v with fewer heads than q, dividing them): both sides repeat each k/v head for its
+group of query heads and sum the repeated heads' dK, dV over the group (the same-dtype side rounds
+each head's gradient, then the sum, as autograd through a 16-bit repeat_interleave does).
+
 CuPy is imported lazily, so importing this module costs nothing on a machine without a GPU.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .reference import causal_mask
+from .reference import visible
 
 
 def bf16():
@@ -27,12 +31,29 @@ def dtype_of(name: str):
     return cupy.float16 if name == "float16" else bf16()
 
 
-def random_qkv(rng, b, nq, nk, h, d, dtype, scale=1.0):
-    """Fresh random normal q, k, v (never zeros) as CuPy arrays of `dtype`."""
+def random_qkv(rng, b, nq, nk, h, d, dtype, scale=1.0, heads_kv=None):
+    """Fresh random normal q, k, v (never zeros) as CuPy arrays of `dtype`; k and v with `heads_kv`
+    heads (GQA/MQA; default h)."""
     import cupy
 
-    mk = lambda n: cupy.asarray((rng.standard_normal((b, n, h, d)) * scale).astype(np.float32)).astype(dtype)
-    return mk(nq), mk(nk), mk(nk)
+    mk = lambda n, hh: cupy.asarray((rng.standard_normal((b, n, hh, d)) * scale).astype(np.float32)).astype(dtype)
+    hkv = h if heads_kv is None else heads_kv
+    return mk(nq, h), mk(nk, hkv), mk(nk, hkv)
+
+
+def repeat_kv(x, heads: int):
+    """(b, n, heads_kv, d) -> (b, n, heads, d) on the GPU: each k/v head repeated for its group of
+    query heads (query head h reads k/v head h // group), as cuflash.reference.repeat_kv."""
+    import cupy
+
+    group = heads // x.shape[2]
+    return x if group == 1 else cupy.repeat(x, group, axis=2)
+
+
+def sum_groups(x, heads_kv: int):
+    """(b, n, heads, d) -> (b, n, heads_kv, d): the sum over each group of consecutive heads."""
+    b, n, h, d = x.shape
+    return x if h == heads_kv else x.reshape(b, n, heads_kv, h // heads_kv, d).sum(axis=3)
 
 
 def _rounder(compute_dtype, round_dtype):
@@ -45,13 +66,15 @@ def _masked_scores(qf, kf, causal, scale, rnd):
     import cupy
 
     s = rnd(cupy.matmul(qf, kf.transpose(0, 1, 3, 2))) * scale
-    if causal:
-        s = cupy.where(cupy.asarray(causal_mask(*s.shape[-2:])), s, -cupy.inf)
+    ok = visible(*s.shape[-2:], causal)  # causal: a bool or a cuflash.mask.MaskOptions (with its window)
+    if ok is not None:
+        s = cupy.where(cupy.asarray(ok), s, -cupy.inf)
     return s
 
 
 def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=None):
-    """softmax(scale Q K^T) V on the GPU in `compute_dtype`, bottom-right causal.
+    """softmax(scale Q K^T) V on the GPU in `compute_dtype`, bottom-right causal. k, v may have
+    fewer heads than q, dividing them (GQA/MQA: repeated for each group of query heads).
 
     With round_dtype set, S, P and O are rounded to it the way a plain same-dtype attention (e.g.
     PyTorch's math path in bf16) would; this is the "pt" side of the FlashAttention 2x rule.
@@ -63,6 +86,7 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=No
     import cupy
 
     rnd = _rounder(compute_dtype, round_dtype)
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])  # GQA/MQA: one k/v head per query head
     qf, kf, vf = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v))  # b h n d
     s = _masked_scores(qf, kf, causal, scale, rnd)
     m = s.max(axis=-1, keepdims=True)
@@ -79,6 +103,7 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=No
 
 def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, keep_scale=None):
     """(dq, dk, dv) of softmax(scale Q K^T) V for upstream dout, bottom-right causal, on the GPU.
+    k, v may have fewer heads than q (GQA/MQA): dk, dv then have theirs (sums over each group).
 
     With round_dtype set, every matmul result and P are rounded to it as a plain same-dtype
     autograd would (the "pt" side of the 2x rule). Rows that see no key get zero gradient.
@@ -88,6 +113,8 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     import cupy
 
     rnd = _rounder(compute_dtype, round_dtype)
+    heads_kv = k.shape[2]
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])  # GQA/MQA: dK, dV summed back below
     qf, kf, vf, dof = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v, dout))  # b h n d
     s = _masked_scores(qf, kf, causal, scale, rnd)
     m = s.max(axis=-1, keepdims=True)
@@ -106,7 +133,9 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     dq = rnd(cupy.matmul(ds, kf)) * scale
     dk = rnd(cupy.matmul(ds.transpose(0, 1, 3, 2), qf)) * scale
     back = lambda x: x.transpose(0, 2, 1, 3)
-    return back(dq), back(dk), back(dv)
+    if heads_kv == q.shape[2]:
+        return back(dq), back(dk), back(dv)
+    return back(dq), rnd(sum_groups(back(dk), heads_kv)), rnd(sum_groups(back(dv), heads_kv))
 
 
 def _allowed(got, ref, pt, factor):
@@ -124,6 +153,7 @@ def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None):
     """(kernel error, same-dtype error, allowed) by FlashAttention's rule against a float64 reference.
 
     keep_scale: dropout's Z = keep_mask * scale (b, h, nq, nk), applied on both sides (see naive).
+    k, v may have fewer heads than q (GQA/MQA), as the kernels take them.
     """
     import cupy
 
@@ -134,7 +164,9 @@ def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None):
 
 def fa_rule_grads(grads, q, k, v, dout, causal, scale, factor=2.0, keep_scale=None):
     """Per gradient name ("dq", "dk", "dv"): (kernel error, same-dtype error, allowed), as fa_rule
-    does for the output. keep_scale: dropout's Z, applied on both sides (see naive_grads)."""
+    does for the output. keep_scale: dropout's Z, applied on both sides (see naive_grads).
+    GQA/MQA: k, v (and the kernel's dk, dv) with fewer heads than q; both references sum dK, dV
+    over each group (naive_grads)."""
     import cupy
 
     ref = naive_grads(q, k, v, dout, causal, scale, cupy.float64, keep_scale=keep_scale)

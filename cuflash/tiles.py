@@ -286,6 +286,7 @@ class Sm90BwdConfig(Tile):
     block_q: int = _axis("br", "query rows per Q/dO block (BR, wgmma N of S^T and dP^T)")
     consumers: int = _axis("c", "consumer warpgroups, 64 keys each (block_k = 64 * consumers)")
     stages: int = _axis("s", "depth of the TMA Q/dO ring")
+    dq_bulk: int = _axis("dqb", "1: dQ staged in smem and added by a store warp with bulk reductions; 0: atomics")
 
     @property
     def block_k(self) -> int:
@@ -299,15 +300,16 @@ class Sm90BwdConfig(Tile):
         return f"__launch_bounds__({self.threads}, 1)"  # setmaxnreg needs the cap
 
     def label(self) -> str:
-        return f"{self.block_q}x{self.block_k} c{self.consumers} s{self.stages}"
+        return f"{self.block_q}x{self.block_k} c{self.consumers} s{self.stages} dqb{self.dq_bulk}"
 
     @property
     def smem_bytes(self) -> int:
         # K and V, stages x (Q + dO), two dS^T images (Sm90BwdTraits::kSmemBytes counts the first KiB
         # of slack, for the 1024-B alignment of the base) + a KiB for the static barriers
         d = self.head_dim
+        dq_stage = (d // 64) * 64 * (64 * 4 + 16) if self.dq_bulk else 0  # Sm90BwdTraits::kDqStageBytes
         return (2 * 2 * self.block_k * d + 2 * self.stages * 2 * self.block_q * d + 2 * 2 * self.block_k * self.block_q
-                + SM90_SMEM_SLACK)
+                + dq_stage + SM90_SMEM_SLACK)
 
     def structural_problem(self) -> str | None:
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
@@ -318,4 +320,6 @@ class Sm90BwdConfig(Tile):
             return f"consumers must be 2, got {self.consumers}"
         if self.stages not in (2, 3, 4):
             return f"stages must be 2, 3 or 4, got {self.stages}"
+        if self.dq_bulk not in (0, 1):
+            return f"dq_bulk must be 0 or 1, got {self.dq_bulk}"
         return None

@@ -10,7 +10,8 @@ ROWS rows lands in shared memory as the [chunk][row][64] image the kernel's 128-
     boxDim        (64, ROWS, head_dim // 64, 1, 1)       ROWS: block_q for q, block_k for k and v
     elementStrides 1, INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_L2_128B, OOB_FILL_NONE (zeros)
 
-The kernel loads at coordinates {0, row, 0, head, batch}; batch and seqlen are separate dimensions,
+The kernel loads at coordinates {0, row, 0, head, batch} (k and v: the kv head, head // group, of
+a GQA/MQA call, whose k and v maps have heads_kv heads); batch and seqlen are separate dimensions,
 so rows past a sequence's end are zero-filled, never read from the next batch.
 
 map_geometry (the tuples) and layout_problem (why a tensor cannot be described) are pure functions;
@@ -102,9 +103,11 @@ def layout_problem(shape: tuple, strides: tuple, dtype: str, itemsize: int, name
 
 def tensor_layout(p, name: str) -> tuple:
     """(shape, byte strides) of tensor `name` ("q", "k", "v", and a backward problem's "out",
-    "dout") of an AttnProblem (whose strides are in elements)."""
-    n = p.seqlen_k if name in ("k", "v") else p.seqlen_q  # q, out, dout have the queries' rows
-    shape = (p.batch, n, p.heads, p.head_dim)
+    "dout") of an AttnProblem (whose strides are in elements). k and v have heads_kv heads (GQA/MQA:
+    the kernels load k/v head h // group for query head h)."""
+    kv = name in ("k", "v")
+    n = p.seqlen_k if kv else p.seqlen_q  # q, out, dout have the queries' rows
+    shape = (p.batch, n, p.heads_kv if kv else p.heads, p.head_dim)
     return shape, (*(s * ELEMENT_BYTES for s in p.strides[name]), ELEMENT_BYTES)
 
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [roofline] [tune]
+#        [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -34,6 +35,8 @@ for s in $stages; do
       done ;;
     bench) python3 -m cuflash.bench --quick --json "$OUT/bench-quick.json" 2>&1 | tee "$OUT/bench-quick.log" ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
+    sm90bwd) timeout 240 python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 | tee "$OUT/sm90-bwd.log" | grep -v Warning | tail -40 ;;
+    sm90fwd) timeout 300 python3 scripts/sm90_bringup.py check bench 2>&1 | tee "$OUT/sm90-fwd.log" | grep -v "^ok" | tail -40 ;;
     roofline) python3 -m cuflash.roofline --out "$OUT/roofline.png" --json "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.log" ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -222,8 +222,8 @@ if __name__ == "__main__":
 _bwd_mods = {}
 
 
-def bwd_kernel(bf16, d, br, c, s):
-    key = (bf16, d, br, c, s)
+def bwd_kernel(bf16, d, br, c, s, dqb=0):
+    key = (bf16, d, br, c, s, dqb)
     if key in _bwd_mods:
         return _bwd_mods[key]
     fields = params.fields("BwdParams")
@@ -235,11 +235,11 @@ def bwd_kernel(bf16, d, br, c, s):
            f'extern "C" __global__ void __launch_bounds__({(c + 1) * 128}, 1) kern({M} tq, {M} tk, {M} tv, {M} tdo, '
            f'const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, '
            f'cuflash::elem_t* __restrict__ dk, cuflash::elem_t* __restrict__ dv, {scalars}) {{\n'
-           f' cuflash::BwdParams p; {gather}\n cuflash::flash_bwd_sm90<{tf(bf16)}, {d}, {br}, {c}, {s}, '
+           f' cuflash::BwdParams p; {gather}\n cuflash::flash_bwd_sm90<{tf(bf16)}, {d}, {br}, {c}, {s}, {dqb}, '
            f'cuflash::Variant<false, false>>(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, p);\n}}\n')
     mod = cupy.RawModule(code=src, options=_compile.nvrtc_options(("--gpu-architecture=sm_90a",)), backend="nvrtc")
     fn = mod.get_function("kern")
-    smem = 2 * (64 * c) * d * 2 + 2 * s * br * d * 2 + 2 * (64 * c) * br * 2 + 1024  # Sm90BwdTraits::kSmemBytes
+    smem = 2 * (64 * c) * d * 2 + 2 * s * br * d * 2 + 2 * (64 * c) * br * 2 + (d // 64) * 64 * 272 * dqb + 1024  # kSmemBytes
     fn.max_dynamic_shared_size_bytes = smem
     _bwd_mods[key] = (fn, smem)
     return fn, smem
@@ -251,17 +251,18 @@ def run_bwd(cfg, dout, q, k, v, out, lse, causal):
     from cuflash.launch import Buffer, Launch, Plan
     from cuflash.signature import BWD_ARRAYS
 
-    d, br, c, s = cfg
+    d, br, c, s, *rest = cfg
+    dqb = rest[0] if rest else 0
     bc = 64 * c
     infos = [problem.describe(x, n) for x, n in zip((dout, q, k, v, out, lse), BWD_ARRAYS)]
-    p = problem.resolve_backward(*infos, causal, None, False, None)
+    p = problem.resolve_backward(*infos, MaskOptions.of(causal=causal), None, False, None)
     b, nq, nk, h = p.batch, p.seqlen_q, p.seqlen_k, p.heads
     pad = -(-nq // 128) * 128
     ws_rows = b * h * pad
     chunks = d // 8
     prep = _compile.get_aux_kernel("bwd_prep", p.features, p.device)
     conv = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)
-    fn, smem = bwd_kernel(q.dtype.name == "bfloat16", d, br, c, s)
+    fn, smem = bwd_kernel(q.dtype.name == "bfloat16", d, br, c, s, dqb)
     n_blocks = -(-nk // bc)
 
     def bind(slots):
@@ -281,7 +282,7 @@ def run_bwd(cfg, dout, q, k, v, out, lse, causal):
     return plan.run((dout, q, k, v, out, lse))
 
 
-BWD_CFGS = {128: [(128, 64, 2, 2)], 64: [(64, 64, 2, 2)]}
+BWD_CFGS = {128: [(128, 64, 2, 2, 0), (128, 64, 2, 2, 1)], 64: [(64, 64, 2, 2, 0), (64, 64, 2, 2, 1)]}
 
 
 def check_bwd():

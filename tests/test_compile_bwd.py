@@ -19,7 +19,7 @@ def test_selectable_bwd_configs_compile_without_spills(cfg, dtype, arch, record_
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["bwd_prep", "bwd_dq_convert"])
+@pytest.mark.parametrize("name", ["bwd_prep", "bwd_dq_convert", "bwd_dkdv_reduce"])
 @pytest.mark.parametrize("d", tiles.SUPPORTED_HEAD_DIMS)
 def test_aux_kernels_compile(name, d, dtype, arch):
     src, _ = _compile.aux_source(name, dtype, d)

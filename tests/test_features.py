@@ -51,13 +51,20 @@ def test_the_assert_catches_a_mirror_that_drifted():
 
 @needs_nvrtc
 @pytest.mark.parametrize("drop", [False, True])
-@pytest.mark.parametrize("fam", [families.FWD, families.FWD_V1, families.BWD, families.BWD_DQ], ids=lambda f: f.name)
+@pytest.mark.parametrize("fam", list(families.REGISTRY.values()), ids=lambda f: f.name)
 def test_local_instances_compile(fam, drop):
-    # Nothing selects local=True yet (the sliding-window issue will): keep its code compiling.
+    """The sliding-window (local) instances of every family's defaults compile for the family's
+    target, with no spills on the sm90 families (whose consumers have a fixed register budget)."""
+    arch = "sm_90a" if fam.arch_specific else "sm_80"
     for d in (64, 128):
-        cfg = fam.default(d)
-        rep = _compile.compile_report(_compile.kernel_source(cfg, Features("bfloat16", d, drop, local=True)), "sm_80")
+        features = Features("bfloat16", d, drop, local=True)
+        if not fam.supports(features):
+            continue
+        cfg = fam.default(d, features=features)
+        rep = _compile.compile_report(_compile.kernel_source(cfg, features), arch)
         assert rep["registers"] > 0, rep["log"]
+        if fam.arch_specific:
+            assert rep["spill_stores"] == 0 and "serialized" not in rep["log"].lower(), (cfg, rep["log"][-2000:])
 
 
 def _causal_problem():

@@ -131,3 +131,63 @@ def test_backward_launch_sequence(calls, deterministic):
     assert (int(f["window_left"]), int(f["window_right"]), int(f["offset"])) == (problem.UNBOUNDED, 0, NK - NQ)
     assert f["scale"] == np.float32(D ** -0.5) and f["scale_log2"] == np.float32(D ** -0.5 * 1.4426950408889634)
     assert (f["drop_seed"], f["drop_threshold"], f["drop_scale"]) == drop.kernel_args
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("hkv", [1, 3])  # H = 6: group 6 (MQA) and group 2
+def test_gqa_backward_reduces_the_expanded_gradients(calls, deterministic, hkv):
+    """GQA/MQA: the dK/dV kernel reads k/v with heads_kv heads and writes dK, dV per query head into
+    expanded (B, NK, H, D) buffers; bwd_dkdv_reduce, the last launch, sums them into (B, NK, Hkv, D)."""
+    h = 6
+    q_shape, kv_shape = (B, NQ, h, D), (B, NK, hkv, D)
+    p = problem.resolve_backward(info(q_shape), info(q_shape), info(kv_shape), info(kv_shape), info(q_shape),
+                                 info((B, h, NQ), "float32"), CAUSAL, None, deterministic)
+    assert (p.heads, p.heads_kv, p.group) == (h, hkv, h // hkv)
+    dq_cfg = DqConfig(64, 64, 64, 4, 2) if deterministic else None
+    dq, dk, dv = _backward._plan(p, BwdConfig(64, 64, 64, 4, 2), dq_cfg, np.float16).run(
+        ("dout", "q", "k", "v", "out", "lse"))
+    assert dq == ("alloc", q_shape, "float16") and dk == dv == ("alloc", kv_shape, "float16")
+    names = [c[0] for c in calls]
+    assert names == ["bwd_prep", "BwdConfig", "DqConfig" if deterministic else "bwd_dq_convert", "bwd_dkdv_reduce"]
+    main, reduce = calls[1][3], calls[3][3]
+    expanded = ("alloc", (B, NK, h, D), "float16")
+    assert main[7:9] == (expanded, expanded) and main[7] is not main[8]  # two buffers, not the outputs
+    assert reduce[:4] == (main[7], main[8], dk, dv)
+    n = len(params.BWD.names)
+    assert main[-n:] == reduce[-n:]
+    kv_rows = B * NK * hkv
+    assert calls[3][1] == (-(-kv_rows * (D // 8) // 256),) and calls[3][2] == (256,)
+    f = struct_arg(main, 9, "BwdParams")
+    assert (int(f["heads"]), int(f["heads_kv"]), int(f["group"]), int(f["kv_rows"])) == (h, hkv, h // hkv, kv_rows)
+    # k, v: their own (heads_kv) strides; dk, dv: those of the expanded buffers the kernel writes
+    assert [int(f[f"k_s{x}"]) for x in "bnh"] == [NK * hkv * D, hkv * D, D]
+    assert [int(f[f"dk_s{x}"]) for x in "bnh"] == [int(f[f"dv_s{x}"]) for x in "bnh"] == [NK * h * D, h * D, D]
+    if deterministic:
+        assert calls[2][3][:4] == ("q", "k", "v", "dout")  # the dQ kernel reads the caller's k, v
+
+
+def test_mha_backward_has_no_reduction(calls):
+    """Group 1: no expanded buffer, no extra launch, group 1 and kv_rows 0 in the struct."""
+    shape = (B, NQ, H, D)
+    kv = (B, NK, H, D)
+    p = problem.resolve_backward(info(shape), info(shape), info(kv), info(kv), info(shape), info((B, H, NQ), "float32"),
+                                 CAUSAL, None, False)
+    _backward._plan(p, BwdConfig(64, 64, 64, 4, 2), None, np.float16).run(("dout", "q", "k", "v", "out", "lse"))
+    assert [c[0] for c in calls] == ["bwd_prep", "BwdConfig", "bwd_dq_convert"]
+    f = struct_arg(calls[1][3], 9, "BwdParams")
+    assert (int(f["heads_kv"]), int(f["group"]), int(f["kv_rows"])) == (H, 1, 0)
+
+
+@pytest.mark.parametrize("hkv", [1, 3])
+def test_gqa_forward_arguments(calls, hkv):
+    """The forwards (v2, v1) take k, v with heads_kv heads: their strides, heads_kv and the group in FwdParams."""
+    h = 6
+    p = problem.resolve_forward(info((B, NQ, h, D)), info((B, NK, hkv, D)), info((B, NK, hkv, D)), CAUSAL, None)
+    for plan, n_ptr in ((_forward._plan(p, FwdConfig(64, 128, 64, 4, 2), np.float16), 5),
+                        (_forward_v1._plan(p, V1Config(64, 64, 64, 4, 2), np.float16), 7)):
+        calls.clear()
+        out, lse = plan.run(("q", "k", "v", None, None))
+        assert out == ("alloc", (B, NQ, h, D), "float16") and lse == ("alloc", (B, h, NQ), "float32")
+        f = struct_arg(calls[0][3], n_ptr, "FwdParams")
+        assert (int(f["heads"]), int(f["heads_kv"]), int(f["group"])) == (h, hkv, h // hkv)
+        assert [int(f[f"v_s{x}"]) for x in "bnh"] == [NK * hkv * D, hkv * D, D]

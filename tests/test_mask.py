@@ -91,23 +91,25 @@ def test_resolve_wants_the_record():
 
 def test_schema_mask_arguments_are_the_fields():
     opts = MaskOptions.schema_options()
-    assert opts == (("causal", "bool"),)
+    assert opts == (("causal", "bool"), ("window_size", "int[]", "[-1, -1]"), ("alignment", "str", '"bottom_right"'))
     for options in (signature.FWD_OPTIONS, signature.BWD_OPTIONS):
         for o in opts:
             assert o in options
         assert f"{opts[0][1]} {opts[0][0]}" in signature.FWD_SCHEMA
+        # a field added after the first release: with its default, after the older options
+    assert "int[] window_size=[-1, -1]" in signature.FWD_SCHEMA and "int[] window_size=[-1, -1]" in signature.BWD_SCHEMA
 
 
 def test_op_options_round_trip():
     others = dict(softmax_scale=0.5, algorithm="v1", deterministic=True, dropout_p=0.1, seed=-3, backend="sm80")
     for mask in (NO_MASK, CAUSAL):
         values = signature.op_options(signature.FWD_OPTIONS, mask, **others)
-        assert values == (mask.causal, 0.5, "v1", True, 0.1, -3, "sm80")
+        assert values == (mask.causal, 0.5, "v1", True, 0.1, -3, "sm80", (-1, -1), "bottom_right")
         got, rest = signature.mask_and_options(signature.FWD_OPTIONS, values)
         assert got is mask and rest == others
     bwd = signature.op_options(signature.BWD_OPTIONS, CAUSAL, softmax_scale=None, deterministic=False,
                                dropout_p=0.0, seed=0)
-    assert bwd == (True, None, False, 0.0, 0)
+    assert bwd == (True, None, False, 0.0, 0, (-1, -1), "bottom_right")
     # the dispatcher may drop trailing arguments equal to their schema default (backend=None)
     got, rest = signature.mask_and_options(signature.FWD_OPTIONS, (True, None, "v2", False, 0.0, 0))
     assert got is CAUSAL and rest["backend"] is None
@@ -138,3 +140,65 @@ def test_options_with_schema_defaults_go_last():
     finally:
         monkey.undo()
     assert signature._python_default("-1") == -1 and signature._python_default("0.5") == 0.5
+
+
+# ------------------------------------------------------------------ sliding window (issue 13)
+
+def test_window_geometry_is_the_reference_mask():
+    """The canonical (window_left, window_right, offset) the kernels take and the reference's mask,
+    written independently, agree for every mix of causal, window sides and seqlens."""
+    import numpy as np
+
+    from cuflash.reference import visible
+
+    for nq, nk in [(7, 7), (5, 9), (9, 5), (1, 6), (6, 1)]:
+        for causal in (False, True):
+            for ws in [(-1, -1), (2, 1), (0, 0), (3, -1), (-1, 2), (10, 10)]:
+                m = MaskOptions.of(causal=causal, window_size=ws)
+                left, right, off = m.geometry(nq, nk)
+                i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+                canon = (j >= i + off - left) & (j <= i + off + right)
+                ref = visible(nq, nk, m)
+                assert (ref is None and canon.all()) or (ref == canon).all(), (nq, nk, causal, ws)
+
+
+def test_window_options_checked_and_normalised():
+    from cuflash.mask import UNBOUNDED
+
+    assert MaskOptions.of(window_size=[4, 0]).window_size == (4, 0)
+    assert MaskOptions.of(window_size=(UNBOUNDED + 5, 3)).window_size == (-1, 3)  # past every key: no limit
+    assert MaskOptions.of(window_size=(-1, -1)) is NO_MASK and MaskOptions.of(causal=True, window_size=[-1, -1]) is CAUSAL
+    assert MaskOptions.of(causal=True, window_size=(8, 5)).geometry(10, 10) == (8, 0, 0)  # causal caps the right side
+    for bad, err in [((1,), ValueError), ((-2, 0), ValueError), ((1.5, 0), TypeError), (7, TypeError), ((True, 0), TypeError)]:
+        with pytest.raises(err, match="window_size"):
+            MaskOptions.of(window_size=bad)
+
+
+def test_window_selects_local_features_and_packs_the_left_edge():
+    from cuflash import params
+    from cuflash.problem import resolve_forward
+
+    q = _info((1, 100, 2, 64))
+    p = resolve_forward(q, q, q, MaskOptions.of(causal=True, window_size=(16, 0)), None)
+    assert p.features.local and (p.window_left, p.window_right, p.offset) == (16, 0, 0)
+    a = params.pack_fwd(p, 1)
+    assert int(a["window_left"][0]) == 16 and int(a["window_right"][0]) == 0
+    assert not resolve_forward(q, q, q, CAUSAL, None).features.local
+
+
+def test_top_left_alignment():
+    import numpy as np
+
+    from cuflash.reference import visible
+
+    m = MaskOptions.of(causal=True, alignment="top_left")
+    assert m.geometry(3, 5) == (MaskOptions.of().geometry(3, 5)[0], 0, 0)
+    assert visible(3, 5, m).tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert visible(3, 5, CAUSAL).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    # seqlen_q > seqlen_k: top-left rows past the keys see them all, bottom-right's first rows none
+    assert visible(4, 2, m).tolist() == [[1, 0], [1, 1], [1, 1], [1, 1]]
+    w = MaskOptions.of(window_size=(1, 1), alignment="top_left")
+    i, j = np.arange(4)[:, None], np.arange(6)[None, :]
+    assert (visible(4, 6, w) == (abs(j - i) <= 1)).all() and w.geometry(4, 6) == (1, 1, 0)
+    with pytest.raises(ValueError, match="alignment must be 'bottom_right'"):
+        MaskOptions.of(causal=True, alignment="center")

@@ -4,6 +4,8 @@ packing, the per-call dropout copy, and problem.py's geometry preconditions."""
 from __future__ import annotations
 
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -85,10 +87,15 @@ def test_layout_has_no_implicit_padding():
         # 8-byte fields first
         sizes = [dt.fields[n][0].itemsize for n in dt.names]
         assert sizes == sorted(sizes, reverse=True), name
-    assert (params.FWD.itemsize, params.BWD.itemsize) == (152, 272)
+    assert (params.FWD.itemsize, params.BWD.itemsize) == (160, 288)
+    # GQA/MQA (issue 12): new 4-byte fields at the end, before the explicit tail padding; BwdParams'
+    # kv_rows with the other 8-byte fields
+    assert params.FWD.names[-4:] == ("tiles", "heads_kv", "group", "reserved")
+    assert params.BWD.names[-3:] == ("heads_kv", "group", "reserved")
+    assert params.BWD.names[params.BWD.names.index("q_rows") + 1] == "kv_rows"
 
 
-def _problem(causal=True, nq=100, nk=300):
+def _problem(causal=True, nq=100, nk=300, hkv=3):
     def info(shape):
         it = 2
         strides, acc = [], it
@@ -97,8 +104,8 @@ def _problem(causal=True, nq=100, nk=300):
             acc *= n
         return problem.ArrayInfo(shape, "float16", it, tuple(strides), 1 << 20, 0)
 
-    return problem.resolve_forward(info((2, nq, 3, 64)), info((2, nk, 3, 64)), info((2, nk, 3, 64)),
-                                   MaskOptions.of(causal=causal), None)
+    return problem.resolve_forward(info((2, nq, 3 * 2 if hkv != 3 else 3, 64)), info((2, nk, hkv, 64)),
+                                   info((2, nk, hkv, 64)), MaskOptions.of(causal=causal), None)
 
 
 def test_with_dropout_patches_only_the_dropout_fields():
@@ -134,3 +141,22 @@ def test_geometry_preconditions():
 
     with pytest.raises(ValueError, match="offset"):
         dataclasses.replace(_problem(), offset=2**28)
+
+
+@pytest.mark.parametrize("hkv", [3, 2, 1])  # MHA (3 heads), GQA 6/2, MQA 6/1
+def test_pack_gqa_fields(hkv):
+    """heads_kv and the group in both structs; k, v strides of their own (heads_kv) shape; the
+    backward's dk/dv strides are those of the expanded (per query head) buffers with GQA, and
+    kv_rows the reduction's rows (0 for MHA: no reduction)."""
+    p = _problem(hkv=hkv)
+    h = p.heads
+    f = params.pack_fwd(p, 2)[0]
+    assert (int(f["heads"]), int(f["heads_kv"]), int(f["group"])) == (h, hkv, h // hkv)
+    assert [int(f[f"k_s{x}"]) for x in "bnh"] == [300 * hkv * 64, hkv * 64, 64]
+    assert int(f["tiles"]) == 2 * h * 2 and int(f["reserved"]) == 0
+    g = params.pack_bwd(dataclasses.replace(p, strides={**p.strides, "out": p.strides["q"], "dout": p.strides["q"]}),
+                        128, 3)[0]
+    assert (int(g["heads"]), int(g["heads_kv"]), int(g["group"])) == (h, hkv, h // hkv)
+    assert int(g["kv_rows"]) == (0 if hkv == h else 2 * 300 * hkv)
+    assert [int(g[f"dk_s{x}"]) for x in "bnh"] == [300 * h * 64, h * 64, 64]
+    assert [int(g[f"v_s{x}"]) for x in "bnh"] == [300 * hkv * 64, hkv * 64, 64]

@@ -37,7 +37,12 @@ def test_valid_problem_and_default_scale():
     (info((64, 4, 128)), info(), info(), ValueError, "q must have 4 dimensions"),
     (info((2, 64, 4, 128, 1)), info(), info(), ValueError, "4 dimensions"),
     (info(), info((3, 64, 4, 128)), info((3, 64, 4, 128)), ValueError, "batch size differs"),
-    (info(), info((2, 64, 2, 128)), info((2, 64, 2, 128)), ValueError, "number of heads differs"),
+    (info(), info((2, 64, 3, 128)), info((2, 64, 3, 128)), ValueError,
+     r"number of heads: q has 4, k and v have 3; q's heads must be a multiple of k and v's"),
+    (info((2, 64, 2, 128)), info(), info(), ValueError, "q has 2, k and v have 4"),  # more k/v heads than q's
+    (info(), info((2, 64, 0, 128), strides=(0,) * 4), info((2, 64, 0, 128), strides=(0,) * 4), ValueError,
+     "q has 4, k and v have 0"),
+    (info(), info((2, 64, 2, 128)), info((2, 64, 4, 128)), ValueError, "k and v must have the same shape"),
     (info(), info((2, 64, 4, 64)), info((2, 64, 4, 64)), ValueError, "head_dim differs"),
     (info((2, 64, 4, 96)), info((2, 64, 4, 96)), info((2, 64, 4, 96)), ValueError, "head_dim 96 is not supported; supported head dims: 64, 128"),
     (info(), info(), info((2, 65, 4, 128)), ValueError, "k and v must have the same shape"),
@@ -191,6 +196,26 @@ def test_empty_problems_resolve(qs, ks, causal):
     pointer, the problem is `empty` and nothing is launched (tests/gpu/test_empty_gpu.py)."""
     q = info(qs, strides=Z if 0 in qs else None, ptr=0 if 0 in qs else 1 << 20)
     kv = info(ks, strides=Z if 0 in ks else None, ptr=0 if 0 in ks else 1 << 20)
-    p = resolve_forward(q, kv, kv, causal, None)
+    p = resolve_forward(q, kv, kv, MaskOptions.of(causal=causal), None)
     assert p.empty and (p.batch, p.seqlen_q, p.seqlen_k, p.heads) == (qs[0], qs[1], ks[1], qs[2])
     assert not ok().empty
+
+
+@pytest.mark.parametrize("h,hkv", [(4, 4), (4, 2), (8, 1), (32, 8), (6, 3)])
+@pytest.mark.parametrize("nq,nk", [(64, 64), (17, 130), (130, 17)])
+def test_gqa_problems(h, hkv, nq, nk):
+    """k and v may have fewer heads than q when they divide them (GQA; MQA with one): heads_kv and
+    the group; everything else as for MHA (square or not)."""
+    p = resolve_forward(info((2, nq, h, 64)), info((2, nk, hkv, 64)), info((2, nk, hkv, 64)), CAUSAL, None)
+    assert (p.heads, p.heads_kv, p.group) == (h, hkv, h // hkv)
+    assert (p.seqlen_q, p.seqlen_k, p.offset) == (nq, nk, nk - nq)
+    assert p.strides["k"] == p.strides["v"] == (nk * hkv * 64, hkv * 64, 64)
+    assert p.features == Features("bfloat16", 64, False)  # no new instantiation: the group is a runtime value
+
+
+def test_gqa_empty_problems():
+    p = resolve_forward(info((2, 64, 0, 128), strides=Z), info((2, 64, 2, 128)), info((2, 64, 2, 128)), NO_MASK, None)
+    assert p.empty
+    p = resolve_forward(info((0, 64, 4, 128), strides=Z), info((0, 64, 1, 128), strides=Z),
+                        info((0, 64, 1, 128), strides=Z), NO_MASK, None)
+    assert p.empty and p.group == 4

@@ -114,3 +114,18 @@ def test_deterministic_checked_last():
         call(deterministic="yes")
     with pytest.raises(ValueError, match="dout must have q's shape"):  # array errors first, as before
         call(deterministic="yes", dout=info((B, NQ + 1, H, D)))
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_gqa_backward_problem(hkv):
+    """GQA/MQA: k, v with heads_kv heads; dout, out and lse follow q's heads."""
+    kv = info((B, NK, hkv, D))
+    p = call(k=kv, v=kv)
+    assert (p.heads, p.heads_kv, p.group) == (H, hkv, H // hkv)
+    with pytest.raises(ValueError, match=r"lse must have shape \(batch, heads, seqlen_q\) = \(2, 4, 64\)"):
+        call(k=kv, v=kv, lse=lse_info((B, hkv, NQ)))
+    with pytest.raises(ValueError, match="out must have q's shape"):
+        call(k=kv, v=kv, out=info((B, NQ, hkv, D)))
+    bad = info((B, NK, 3, D))
+    with pytest.raises(ValueError, match="q has 4, k and v have 3"):
+        call(k=bad, v=bad)

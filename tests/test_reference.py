@@ -14,6 +14,8 @@ from cuflash.reference import (
     attention_v1_tiled,
     attention_v2_tiled,
     causal_mask,
+    repeat_kv,
+    sum_groups,
 )
 
 TILED = [attention_v1_tiled, attention_v2_tiled]
@@ -331,3 +333,90 @@ def test_backward_propagates_nan():
     seen = causal_mask(6, 6)[:, 4]  # rows 4 and 5 see key 4: their out and lse are NaN
     assert np.isnan(out[0, :, 0]).any(axis=-1).tolist() == seen.tolist()
     assert np.isnan(dq[0, seen]).all() and np.isnan(dk[0, 4]).all() and np.isnan(dv[0, 4]).any()
+
+
+# --------------------------------------------------------------------------- GQA / MQA
+
+GQA = [(4, 4), (4, 2), (4, 1), (6, 3), (8, 2)]  # (H, H_kv): MHA, GQA, MQA
+
+
+def _gqa_inputs(seed, b, h, hkv, nq, nk, d):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, nq, h, d))
+    k, v = rng.standard_normal((b, nk, hkv, d)), rng.standard_normal((b, nk, hkv, d))
+    return q, k, v, rng.standard_normal((b, nq, h, d))
+
+
+@pytest.mark.parametrize("h,hkv", GQA)
+@pytest.mark.parametrize("nq,nk", [(7, 17), (17, 7), (33, 33)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_forward_is_mha_per_query_head(h, hkv, nq, nk, causal):
+    """Query head i of a GQA call is MHA of q head i with k/v head i // (H / H_kv), for the naive
+    oracle and both tiled algorithms (checked head by head, not through repeat_kv)."""
+    q, k, v, _ = _gqa_inputs(3, 2, h, hkv, nq, nk, 16)
+    group = h // hkv
+    for fwd in (attention_naive, attention_v1_tiled, attention_v2_tiled):
+        kw = {} if fwd is attention_naive else dict(block_q=8, block_k=5)
+        out, lse = fwd(q, k, v, causal=causal, **kw)
+        assert out.shape == q.shape and lse.shape == (2, h, nq)
+        for i in range(h):
+            sl = slice(i, i + 1)
+            kv = slice(i // group, i // group + 1)
+            o1, l1 = attention_naive(q[:, :, sl], k[:, :, kv], v[:, :, kv], causal=causal)
+            np.testing.assert_allclose(out[:, :, sl], o1, **TOL)
+            _assert_lse_equal(lse[:, sl], l1)
+
+
+@pytest.mark.parametrize("h,hkv", GQA)
+@pytest.mark.parametrize("nq,nk", [(7, 17), (17, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_backward_sums_over_the_group(h, hkv, nq, nk, causal):
+    """dQ per query head as MHA; dK, dV of a k/v head = the sum of its group's MHA gradients
+    (attention_backward and the tiled FA2 backward)."""
+    q, k, v, do = _gqa_inputs(5, 2, h, hkv, nq, nk, 16)
+    out, lse = attention_naive(q, k, v, causal=causal)
+    group = h // hkv
+    dq_ref, dk_ref, dv_ref = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    for i in range(h):
+        sl, j = slice(i, i + 1), i // group
+        kv = slice(j, j + 1)
+        g = attention_backward(do[:, :, sl], q[:, :, sl], k[:, :, kv], v[:, :, kv], out[:, :, sl], lse[:, sl],
+                               causal=causal)
+        dq_ref[:, :, sl] = g[0]
+        dk_ref[:, :, kv] += g[1]
+        dv_ref[:, :, kv] += g[2]
+    for bwd in (attention_backward, attention_backward_tiled):
+        kw = {} if bwd is attention_backward else dict(block_q=8, block_k=5)
+        dq, dk, dv = bwd(do, q, k, v, out, lse, causal=causal, **kw)
+        assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+        for got, ref in ((dq, dq_ref), (dk, dk_ref), (dv, dv_ref)):
+            np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_gqa_backward_finite_differences():
+    """The GQA gradients of k and v are those of the loss <dO, O(q, k, v)> (central differences)."""
+    q, k, v, do = _gqa_inputs(7, 1, 4, 2, 5, 6, 8)
+    _, dk, dv = attention_backward(do, q, k, v, *attention_naive(q, k, v, causal=True), causal=True)
+    loss = lambda kk, vv: float((attention_naive(q, kk, vv, causal=True)[0] * do).sum())
+    eps = 1e-6
+    for idx in [(0, 0, 0, 0), (0, 3, 1, 5), (0, 5, 1, 7)]:
+        for x, g, is_k in ((k, dk, True), (v, dv, False)):
+            xp, xm = x.copy(), x.copy()
+            xp[idx] += eps
+            xm[idx] -= eps
+            num = (loss(xp, v) - loss(xm, v)) if is_k else (loss(k, xp) - loss(k, xm))
+            assert math.isclose(num / (2 * eps), g[idx], rel_tol=1e-5, abs_tol=1e-7)
+
+
+def test_gqa_repeat_and_sum_groups():
+    x = np.arange(2 * 3 * 2 * 4, dtype=float).reshape(2, 3, 2, 4)
+    r = repeat_kv(x, 6)
+    assert r.shape == (2, 3, 6, 4) and all((r[:, :, i] == x[:, :, i // 3]).all() for i in range(6))
+    np.testing.assert_array_equal(sum_groups(r, 2), 3 * x)
+    assert repeat_kv(x, 2) is x and sum_groups(x, 2) is x
+
+
+def test_gqa_heads_must_divide():
+    q, k, v, _ = _gqa_inputs(1, 1, 4, 3, 5, 5, 8)
+    with pytest.raises(ValueError, match="heads do not divide"):
+        attention_naive(q, k, v)

@@ -6,22 +6,24 @@ def test_schemas_are_the_registered_ones():
     # The exact text torch.compile caches and opcheck tests were written against.
     assert signature.FWD_SCHEMA == (
         "(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, str algorithm, "
-        "bool deterministic, float dropout_p, int seed, str? backend=None) -> (Tensor, Tensor)")
+        "bool deterministic, float dropout_p, int seed, str? backend=None, int[] window_size=[-1, -1], "
+        'str alignment="bottom_right") -> (Tensor, Tensor)')
     assert signature.BWD_SCHEMA == (
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
-        "float? softmax_scale, bool deterministic, float dropout_p, int seed) -> (Tensor, Tensor, Tensor)")
+        "float? softmax_scale, bool deterministic, float dropout_p, int seed, int[] window_size=[-1, -1], "
+        'str alignment="bottom_right") -> (Tensor, Tensor, Tensor)')
 
 
 def test_parameter_lists():
     assert signature.FWD_ARGS == ("q", "k", "v", "causal", "softmax_scale", "algorithm", "deterministic",
-                                  "dropout_p", "seed", "backend")
+                                  "dropout_p", "seed", "backend", "window_size", "alignment")
     assert signature.BWD_ARGS == ("dout", "q", "k", "v", "out", "lse", "causal", "softmax_scale", "deterministic",
-                                  "dropout_p", "seed")
+                                  "dropout_p", "seed", "window_size", "alignment")
 
 
 def test_autograd_hands_the_forward_options_to_the_backward():
-    fwd_inputs = ("Q", "K", "V", True, 0.5, "v1", True, 0.1, -3, "sm90")
-    assert signature.backward_options(fwd_inputs) == (True, 0.5, True, 0.1, -3)  # neither algorithm nor backend
+    fwd_inputs = ("Q", "K", "V", True, 0.5, "v1", True, 0.1, -3, "sm90", (4, 0), "top_left")
+    assert signature.backward_options(fwd_inputs) == (True, 0.5, True, 0.1, -3, (4, 0), "top_left")  # not algorithm, backend
     # dq, dk, dv and one None per forward option: autograd wants a gradient per forward input
     assert 3 + len(signature.OPTION_GRADS) == len(signature.FWD_ARGS)
     assert set(signature.OPTION_GRADS) == {None}
@@ -31,7 +33,7 @@ def test_mask_options_are_the_record_fields():
     from cuflash.mask import MaskOptions
 
     assert signature.MASK_OPTIONS == MaskOptions.schema_options()
-    assert signature.MASK_NAMES == ("causal",)
+    assert signature.MASK_NAMES == ("causal", "window_size", "alignment")
     for opts in (signature.FWD_OPTIONS, signature.BWD_OPTIONS):
         assert all(o in opts for o in signature.MASK_OPTIONS)
 
@@ -43,17 +45,17 @@ def test_a_new_mask_field_joins_both_schemas(monkeypatch):
 
     from cuflash import mask
 
-    extra = (("window_size", "int[2]", "[-1, -1]"),)
+    extra = (("align_top_left", "bool", "False"),)
     original = mask.MaskOptions.schema_options.__func__
     monkeypatch.setattr(mask.MaskOptions, "schema_options", classmethod(lambda cls: original(cls) + extra))
     spec = importlib.util.spec_from_file_location("cuflash._signature_probe", signature.__file__)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     assert probe.FWD_SCHEMA == signature.FWD_SCHEMA.replace(
-        "str? backend=None)", "str? backend=None, int[2] window_size=[-1, -1])")
+        'str alignment="bottom_right")', 'str alignment="bottom_right", bool align_top_left=False)')
     assert probe.BWD_SCHEMA == signature.BWD_SCHEMA.replace(
-        "int seed)", "int seed, int[2] window_size=[-1, -1])")
-    assert probe.FWD_ARGS[-1] == probe.BWD_ARGS[-1] == "window_size"
+        'str alignment="bottom_right")', 'str alignment="bottom_right", bool align_top_left=False)')
+    assert probe.FWD_ARGS[-1] == probe.BWD_ARGS[-1] == "align_top_left"
     assert len(probe.OPTION_GRADS) == len(signature.OPTION_GRADS) + 1
-    fwd_inputs = ("Q", "K", "V", True, 0.5, "v1", True, 0.1, -3, "sm90", (4, 0))
-    assert probe.backward_options(fwd_inputs) == (True, 0.5, True, 0.1, -3, (4, 0))
+    fwd_inputs = ("Q", "K", "V", True, 0.5, "v1", True, 0.1, -3, "sm90", (4, 0), "top_left", True)
+    assert probe.backward_options(fwd_inputs) == (True, 0.5, True, 0.1, -3, (4, 0), "top_left", True)

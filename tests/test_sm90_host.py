@@ -517,16 +517,18 @@ def test_sm90_backward_family():
 
     f = families.BWD_SM90
     assert f in families.BACKWARDS and families.REGISTRY["bwd_sm90"] is f and not f.tuned_by_default
-    t = Sm90BwdConfig(128, 64, 2, 2)
+    t = Sm90BwdConfig(128, 64, 2, 2, 0)
     assert (t.block_k, t.threads, t.launch_bounds()) == (128, 384, "__launch_bounds__(384, 1)")
-    assert t.template_args() == (128, 64, 2, 2)
+    assert t.template_args() == (128, 64, 2, 2, 0)
     # K, V (128 x 128), 2 x (Q + dO) (64 x 128), two dS^T images (128 x 64), 16-bit; + slack
     assert t.smem_bytes == 2 * 2 * 128 * 128 + 2 * 2 * 2 * 64 * 128 + 2 * 2 * 128 * 64 + 2048
-    assert "block_q must be 64" in Sm90BwdConfig(128, 128, 2, 2).structural_problem()
+    assert "block_q must be 64" in Sm90BwdConfig(128, 128, 2, 2, 0).structural_problem()
+    # with the dQ staging of the store warp: two consumers x 64 rows x (256 + 16) B
+    assert Sm90BwdConfig(128, 64, 2, 2, 1).smem_bytes == t.smem_bytes + 2 * 64 * 272
     assert not f.supports(Features("bfloat16", 128, True)) and f.supports(Features("bfloat16", 128))
     src = _compile.kernel_source(t, Features("float16", 128))
     assert ("const __grid_constant__ cuflash::TmaMap tdo, const float* __restrict__ lse2" in src
-            and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, cuflash::Variant<false, false>>" in src)
+            and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, 0, cuflash::Variant<false, false>>" in src)
 
 
 def test_sm90_backward_binds_four_maps_and_the_workspaces():
@@ -535,7 +537,7 @@ def test_sm90_backward_binds_four_maps_and_the_workspaces():
 
     p = _problem_bwd()
     seen = []
-    slots, bind = _backward_sm90.main_args(p, Sm90BwdConfig(64, 64, 2, 2))
+    slots, bind = _backward_sm90.main_args(p, Sm90BwdConfig(64, 64, 2, 2, 0))
     assert slots == ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv")
     # boxes: block_q rows for q and dout, 128 keys for k and v
     assert [c.geometry.box[1] for c in bind.caches] == [64, 128, 128, 64]
@@ -558,3 +560,52 @@ def test_sm90_backward_is_opt_in_and_says_why_it_cannot_run(monkeypatch):
         _backward._main_family(det, None, "sm90")
     with pytest.raises(ValueError, match="backend must be"):
         _backward._main_family(p, None, "sm100")
+
+
+# ----------------------------------------------------------------------------- GQA / MQA
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_gqa_forward_maps_have_the_kv_heads(calls, hkv):
+    """The k and v maps describe k and v as they are (heads_kv heads: the kernel loads k/v head
+    h / group); q's map keeps q's heads; FwdParams carries heads_kv and the group."""
+    q, kv = info((2, 100, 4, 128)), info((2, 300, hkv, 128))
+    p = problem.resolve_forward(q, kv, kv, CAUSAL, None)
+    assert tma.tensor_layout(p, "k") == ((2, 300, hkv, 128), dense((2, 300, hkv, 128)))
+    assert tma.call_problem(p) is None or "cuda-bindings" in tma.call_problem(p)
+    encoded = []
+    plan = _forward_sm90.plan(p, Sm90FwdConfig(128, 128, 2, 2, 1, 1, 0), np.float16,
+                              encoder=lambda g, ptr: encoded.append(g) or ptr)
+    out, lse = plan.run((arr(0x1000), arr(0x2000), arr(0x3000), None, None))
+    assert out == ("alloc", (2, 100, 4, 128), "float16") and lse == ("alloc", (2, 4, 100), "float32")
+    gq, gk, gv = encoded
+    assert gq.dims == (64, 100, 2, 4, 2) and gk.dims == gv.dims == (64, 300, 2, hkv, 2)
+    assert gk.strides == (hkv * 128 * 2, 128, 128 * 2, 300 * hkv * 128 * 2)
+    f = params.unpack(calls[0][2][5:], "FwdParams")
+    assert (int(f["heads"]), int(f["heads_kv"]), int(f["group"])) == (4, hkv, 4 // hkv)
+    assert int(f["tiles"]) == 1 * 4 * 2  # work tiles over the query heads
+
+
+def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
+    """The Hopper dK/dV kernel in a GQA plan: k, v maps of heads_kv heads, dK/dV slots renamed to the
+    expanded buffers, and bwd_dkdv_reduce after the dQ convert."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import _backward
+    from cuflash.tiles import Sm90BwdConfig
+
+    rec = []
+    monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
+    monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: Recorder(rec))
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
+    q, kv = info((2, 100, 4, 64)), info((2, 300, 1, 64))
+    lse = problem.ArrayInfo((2, 4, 100), "float32", 4, (4 * 100 * 4, 100 * 4, 4), 1 << 20, 0)
+    p = problem.resolve_backward(q, q, kv, kv, q, lse, CAUSAL, None)
+    plan = _backward._plan(p, Sm90BwdConfig(64, 64, 2, 2, 0), None, np.float16)
+    dq, dk, dv = plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(6)))
+    assert dk == dv == ("alloc", (2, 300, 1, 64), "float16") and dq == ("alloc", (2, 100, 4, 64), "float16")
+    main, reduce = rec[1][2], rec[3][2]
+    assert main[1] == ("map", (64, 300, 1, 1, 2), 0x3000) and main[0] == ("map", (64, 100, 1, 4, 2), 0x2000)
+    expanded = ("alloc", (2, 300, 4, 64), "float16")
+    assert main[7:9] == (expanded, expanded) and reduce[:4] == (main[7], main[8], dk, dv)
+    f = params.unpack(main[9:], "BwdParams")
+    assert (int(f["group"]), int(f["heads_kv"]), int(f["kv_rows"])) == (4, 1, 2 * 300)

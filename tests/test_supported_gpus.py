@@ -10,6 +10,8 @@ import pathlib
 
 import pytest
 
+from cuflash.mask import NO_MASK
+
 from cuflash import _backward, _compile, _forward, _forward_v1, device, families, problem, tiles
 from cuflash.device import MIN_CC, DeviceProps, UnsupportedDeviceError
 from cuflash.tune import __main__ as cli
@@ -125,7 +127,7 @@ def test_no_fitting_tile_names_the_gpu(monkeypatch):
 
     monkeypatch.setattr(_tuned, "lookup", lambda *a: None)
     q, lse = info((1, 128, 2, 128)), _bwd_arrays()[-1]
-    p = problem.resolve_backward(q, q, q, q, q, lse, False, None)
+    p = problem.resolve_backward(q, q, q, q, q, lse, NO_MASK, None)
     with pytest.raises(RuntimeError, match=r"no backward config for head_dim 128 fits in 101376 bytes of shared "
                                            r"memory per block on NVIDIA L4 \(cc 8\.9\)"):
         families.select(families.BWD, p)

@@ -94,3 +94,19 @@ def test_cpu_tensors_refused_by_name(registered, monkeypatch):
         cuflash.attention(x, x, [1])
     with pytest.raises(TypeError, match="k must be on a CUDA device, got a numpy.ndarray in host memory"):
         cuflash.attention(x, np.zeros((1, 8, 1, 64)), x)
+
+
+@pytest.mark.parametrize("hkv", [1, 2])
+def test_fake_gqa_shapes(ops, hkv):
+    """GQA/MQA through the ops' fakes: out and lse follow q, dk and dv follow k and v (heads_kv heads);
+    heads that do not divide are refused with problem.py's message."""
+    fwd, _ = ops
+    q = _meta(2, 64, 4, 64, requires_grad=True)
+    k, v = _meta(2, 80, hkv, 64, requires_grad=True), _meta(2, 80, hkv, 64, requires_grad=True)
+    out, lse = fwd(q, k, v, True, None, "v2", False, 0.0, 0)
+    assert out.shape == q.shape and lse.shape == (2, 4, 64)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape == v.grad.shape == (2, 80, hkv, 64)
+    bad = _meta(2, 80, 3, 64)
+    with pytest.raises(ValueError, match="q has 4, k and v have 3"):
+        fwd(q.detach(), bad, bad, False, None, "v2", False, 0.0, 0)

@@ -37,6 +37,8 @@ struct FwdParams {
     int window_left, window_right, offset;
     float scale_log2;  // softmax_scale * log2(e)
     int tiles;         // work tiles m_blocks * heads * batch; a persistent grid (sm90) strides over them
+    int heads_kv;      // heads of k and v (GQA/MQA: fewer than heads, dividing it; MHA: heads)
+    int group;         // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
     int reserved;      // explicit tail padding (alignment 8): no byte of the struct is implicit
 };
 
@@ -45,7 +47,11 @@ struct FwdParams {
 //   flash_bwd_dkdv  q, k, v, do, dk, dv strides, sizes, n_blocks, geometry, scales, dropout
 //   flash_bwd_dq    q, k, v, do, dq strides, sizes, m_blocks, geometry, scales, dropout
 //   bwd_dq_convert  dq strides, heads, seqlen_q, seqlen_q_pad, scale, q_rows
+//   bwd_dkdv_reduce kv_rows, group (GQA only)
 // lse2 / delta / dq_acc are padded to seqlen_q_pad rows per (batch, head).
+// GQA/MQA (group > 1): the dK/dV kernels read k/v head h / group and write dK/dV per QUERY head
+// into expanded (batch, seqlen_k, heads, D) buffers, whose strides dk_s*/dv_s* are;
+// bwd_dkdv_reduce sums each group into the (batch, seqlen_k, heads_kv, D) gradients.
 struct BwdParams {
     long long q_sb, q_sn, q_sh;
     long long k_sb, k_sn, k_sh;
@@ -57,6 +63,7 @@ struct BwdParams {
     long long dv_sb, dv_sn, dv_sh;
     long long ws_rows;  // batch * heads * seqlen_q_pad: the padded rows bwd_prep covers
     long long q_rows;   // batch * heads * seqlen_q: the dQ rows bwd_dq_convert covers
+    long long kv_rows;  // batch * seqlen_k * heads_kv: the dK/dV rows bwd_dkdv_reduce writes (0: MHA, no reduction)
     unsigned long long drop_seed;
     unsigned int drop_threshold;
     float drop_scale;
@@ -65,11 +72,13 @@ struct BwdParams {
     int m_blocks;  // query blocks of the dQ tile (BR rows) per (batch, head); 0 when flash_bwd_dq does not run
     int window_left, window_right, offset;
     float scale_log2, scale;  // softmax_scale * log2(e), softmax_scale
+    int heads_kv;             // heads of k and v (GQA/MQA: fewer than heads, dividing it; MHA: heads)
+    int group;                // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
     int reserved;             // explicit tail padding (alignment 8): no byte of the struct is implicit
 };
 
-static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 152, "FwdParams layout changed: update cuflash/params.py");
-static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 272, "BwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 160, "FwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 288, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)
 

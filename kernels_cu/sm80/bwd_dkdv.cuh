@@ -83,7 +83,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
                     v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, do_sb = params.do_sb, do_sn = params.do_sn, do_sh = params.do_sh,
                     dk_sb = params.dk_sb, dk_sn = params.dk_sn, dk_sh = params.dk_sh, dv_sb = params.dv_sb, dv_sn = params.dv_sn, dv_sh = params.dv_sh;
-    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, seqlen_q_pad = params.seqlen_q_pad, n_blocks = params.n_blocks;
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, seqlen_q_pad = params.seqlen_q_pad, n_blocks = params.n_blocks,
+              group = params.group;
     const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
@@ -111,8 +112,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const int c0 = nb * BC;
 
     const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
-    const elem_t* kg = k + (long long)b * k_sb + (long long)h * k_sh;
-    const elem_t* vg = v + (long long)b * v_sb + (long long)h * v_sh;
+    const int h_kv = h / group;  // GQA/MQA: k/v head of query head h (MHA: group 1); dK/dV go per query head
+    const elem_t* kg = k + (long long)b * k_sb + (long long)h_kv * k_sh;
+    const elem_t* vg = v + (long long)b * v_sb + (long long)h_kv * v_sh;
     const elem_t* dog = dout + (long long)b * do_sb + (long long)h * do_sh;
     const float* lse2g = lse2 + (long long)bh * seqlen_q_pad;
     const float* deltag = delta + (long long)bh * seqlen_q_pad;

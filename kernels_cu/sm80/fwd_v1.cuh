@@ -64,7 +64,8 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
                     v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, o_sb = params.o_sb, o_sn = params.o_sn, o_sh = params.o_sh;
-    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, m_blocks = params.m_blocks;
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, m_blocks = params.m_blocks,
+              group = params.group;
     const float scale_log2 = params.scale_log2, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
@@ -87,8 +88,9 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
     const int bh = blk.bh, b = blk.batch, h = blk.head;
 
     const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
-    const elem_t* kg = k + (long long)b * k_sb + (long long)h * k_sh;
-    const elem_t* vg = v + (long long)b * v_sb + (long long)h * v_sh;
+    const int h_kv = h / group;  // GQA/MQA: the query heads of a group share one k/v head (MHA: group 1)
+    const elem_t* kg = k + (long long)b * k_sb + (long long)h_kv * k_sh;
+    const elem_t* vg = v + (long long)b * v_sb + (long long)h_kv * v_sh;
     elem_t* og = o + (long long)b * o_sb + (long long)h * o_sh;
     float* lse_row = lse + (long long)bh * seqlen_q;
     float* wo = ws_o + (long long)bh * seqlen_q * D;  // this block's rows only

@@ -16,7 +16,9 @@
 //              dS^T -> smem (two buffers, one barrier per block); dQ_i[:, 64c..] = dS K
 //                                                     (SS wgmma, both operands MN-major, N = 64:
 //                                                      consumer c < D/64 takes D columns 64c..)
-//              dQ_i added to dq_acc (red.global.add, fp32; bwd_dq_convert scales and converts)
+//              dQ_i added to dq_acc (fp32; bwd_dq_convert scales and converts): red.global.add by
+//              each thread, or (DQ_BULK) staged in smem and added by a store warp of WG 0 with
+//              1-D bulk reductions, off the consumers' critical path
 //   end      dK = scale dK, dV from registers to global memory.
 // Not yet: dropout (the family does not take it), overlap between the query blocks' GEMMs and
 // their element-wise work, a dQ writer warp with bulk reductions, the deterministic mode.
@@ -46,12 +48,22 @@ __device__ __forceinline__ u32 opaque(u32 x) {
     return x;
 }
 
-template <bool BF16, int D, int BR, int CONSUMERS, int STAGES, class V>
+// 1-D bulk reduction shared -> global (sm_90): dst[i] += src[i] for `bytes` bytes (a multiple of 16,
+// both ends 16-byte aligned), in the bulk-async group of the issuing thread.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until the shared-memory sources of every committed bulk group have been read.
+__device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+template <bool BF16, int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK, class V>
 __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tdo,
                                                const float* __restrict__ lse2, const float* __restrict__ delta,
                                                float* __restrict__ dq_acc, elem_t* __restrict__ dk,
                                                elem_t* __restrict__ dv, const BwdParams& params) {
-    using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES>;
+    using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES, DQ_BULK>;
     constexpr int BC = Tr::kBlockK;
     static_assert(!V::kDropout, "the sm90 backward does not take dropout yet");
 
@@ -66,6 +78,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     const u32 sQ = sV + Tr::kKVBytes;
     const u32 sdO = sQ + STAGES * Tr::kQBytes;
     const u32 sDS = sdO + STAGES * Tr::kQBytes;
+    const u32 sDQ = sDS + Tr::kDSBuffers * Tr::kDSBytes;  // DQ_BULK: the dQ consumers' staging
 
     const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
     const int n_blocks = params.n_blocks;
@@ -95,8 +108,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         setmaxnreg_dec<Tr::kProducerRegs>();
         if (tid == 0 && n_iter > 0) {
             mbar_arrive_expect_tx(bar_kv, 2 * Tr::kKVBytes);
-            tma_load_5d(sK, tk, bar_kv, 0, n0, 0, blk.head, blk.batch);
-            tma_load_5d(sV, tv, bar_kv, 0, n0, 0, blk.head, blk.batch);
+            // GQA/MQA: k/v head h / group (MHA: group 1); dK/dV are written per query head into the
+            // expanded buffers that bwd_dkdv_reduce sums over the group
+            const int h_kv = blk.head / params.group;
+            tma_load_5d(sK, tk, bar_kv, 0, n0, 0, h_kv, blk.batch);
+            tma_load_5d(sV, tv, bar_kv, 0, n0, 0, h_kv, blk.batch);
             for (int it = 0; it < n_iter; ++it) {
                 const int s = it % STAGES;
                 const int m0 = (m_begin + it) * BR;
@@ -104,6 +120,34 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 mbar_arrive_expect_tx(bar_full(s), 2 * Tr::kQBytes);
                 tma_load_5d(sQ + s * Tr::kQBytes, tq, bar_full(s), 0, m0, 0, blk.head, blk.batch);
                 tma_load_5d(sdO + s * Tr::kQBytes, tdo, bar_full(s), 0, m0, 0, blk.head, blk.batch);
+            }
+        }
+        if constexpr (DQ_BULK) {
+            if (tid / 32 == 1 && n_iter > 0) {
+                // the dQ store warp: per query block and dQ consumer, wait for the staged block,
+                // add its 64 rows to dq_acc (one 256-byte bulk reduction per row, two rows per
+                // lane), and free the staging once the reductions have read it
+                const int lane = tid % 32;
+                const long long pad = params.seqlen_q_pad;
+#pragma unroll
+                for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
+                for (int it = 0; it < n_iter; ++it) {
+                    const int m0 = (m_begin + it) * BR;
+#pragma unroll
+                    for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
+                        named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
+                        float* rows = dq_acc + ((long long)blk.bh * pad + m0) * D + 64 * c;
+                        const u32 stage = sDQ + c * 64 * Tr::kDqRowBytes;
+#pragma unroll
+                        for (int r = lane; r < 64; r += 32)
+                            bulk_reduce_add_f32(rows + (long long)r * D, stage + r * Tr::kDqRowBytes, 64 * 4);
+                        bulk_commit();
+                        bulk_wait_read0();
+                        __syncwarp();
+                        // the consumer's last block has no next staging to wait for
+                        if (it + 1 < n_iter) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
+                    }
+                }
             }
         }
     } else {
@@ -148,20 +192,34 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             const u64 ds_off = (u64)((db * Tr::kDSBytes) >> 4);
             mbar_wait(bar_full(s), (it / STAGES) & 1);
 
-            // ---- S^T = K_w Q_i^T; P^T = exp2(S^T c - lse2), 0 where masked ----
-            // (S^T and dP^T are never live together: with dK, dV and the dQ product's accumulator
-            // that would not fit the 240 registers at head_dim 128)
+            // ---- S^T = K_w Q_i^T; P^T = exp2(S^T c - lse2), 0 where masked; dV += P^T dO_i (RS);
+            // dP^T = V_w dO_i^T (SS): issued with S^T where the registers allow (kSdpTogether),
+            // else with dV, so that S^T and dP^T are never live together ----
             u32 p_frag[Tr::kQuerySteps][4];
+            float acc_dp[BR / 8][4];
+            auto issue_dp = [&]() {
+#pragma unroll
+                for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
+                    Wgmma<BR, BF16>::ss(acc_dp, dv_a() + kmajor_step(kk, Tr::kKVChunkBytes),
+                                        ddo_b() + slot_off(s) + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
+                wgmma_commit();
+            };
             {
                 float acc_s[BR / 8][4];
                 fence_regs(acc_s);
+                if constexpr (Tr::kSdpTogether) fence_regs(acc_dp);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
                     Wgmma<BR, BF16>::ss(acc_s, dk_a() + kmajor_step(kk, Tr::kKVChunkBytes),
                                         dq_b() + slot_off(s) + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
                 wgmma_commit();
-                wgmma_wait<0>();
+                if constexpr (Tr::kSdpTogether) {
+                    issue_dp();
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
                 fence_regs(acc_s);
                 // this thread's queries are columns 8 nt + 2 t (+1): their lse2 (padded rows have
                 // +inf, so P = 0 there), read where used (L1-resident; an array of them costs registers)
@@ -181,26 +239,20 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     mask.template apply_transposed<true, true>(acc_s, m0, key_w, lane, 0.f);
                 c_to_a_frags<BF16, Tr::kQuerySteps>(p_frag, acc_s);
             }
-
-            // ---- dV += P^T dO_i (RS) and dP^T = V_w dO_i^T (SS) together ----
             {
-                float acc_dp[BR / 8][4];
-                fence_regs(acc_dp);
+                if constexpr (!Tr::kSdpTogether) fence_regs(acc_dp);
                 fence_regs(acc_dv);
                 fence_regs(p_frag);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
                     Wgmma<D, BF16>::rs(acc_dv, p_frag[kk], ddo_mn() + slot_off(s) + kRowStep * kk, it > 0 || kk > 0);
-#pragma unroll
-                for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
-                    Wgmma<BR, BF16>::ss(acc_dp, dv_a() + kmajor_step(kk, Tr::kKVChunkBytes),
-                                        ddo_b() + slot_off(s) + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
                 wgmma_commit();
-                wgmma_wait<0>();
-                fence_regs(acc_dp);
+                if constexpr (!Tr::kSdpTogether) issue_dp();
+                wgmma_wait<0>();  // dP^T and dV (p_frag, read below, is dV's A operand until then)
                 fence_regs(acc_dv);
                 fence_regs(p_frag);
+                fence_regs(acc_dp);
                 // ---- dS^T = P^T o (dP^T - delta), P^T from its 16-bit copy (the rounding dV used),
                 // straight into the smem image [BC key rows][64 queries] (128B swizzle) that both
                 // the dK product (A, K-major) and the dQ product (A, MN-major) read ----
@@ -249,15 +301,29 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             if (ctid == 0) mbar_arrive(bar_free(s));  // Q_i and dO_i are read
             if (cw < Tr::kDqWarpgroups) {
                 fence_regs(acc_dq);
-                // rows = queries m0 + 16 warp + g (+8), columns = D columns 64 cw + 8 nt + 2 t (+1);
-                // dq_acc has seqlen_q_pad rows per (batch, head), so the block's rows need no guard
-                float* dq_rows = reinterpret_cast<float*>(
-                    opaque((u64)(dq_acc + ((long long)blk.bh * pad + m0 + 16 * warp + g) * D + 64 * cw + 2 * t)));
+                if constexpr (DQ_BULK) {
+                    // stage the block (rows 16 warp + g (+8), columns 8 nt + 2 t) for the store warp
+                    named_bar_sync(Tr::kBarDqEmpty + cw, Tr::kDqBarThreads);
+                    const u32 srow = opaque(sDQ + cw * 64 * Tr::kDqRowBytes) + (16 * warp + g) * Tr::kDqRowBytes + 8 * t;
 #pragma unroll
-                for (int nt = 0; nt < 8; ++nt)
+                    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-                    for (int half = 0; half < 2; ++half)
-                        red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+                        for (int half = 0; half < 2; ++half)
+                            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(srow + 8 * half * Tr::kDqRowBytes + 32 * nt),
+                                         "f"(acc_dq[nt][2 * half]), "f"(acc_dq[nt][2 * half + 1]) : "memory");
+                    fence_proxy_async();  // generic-proxy stores, read next by the bulk reductions
+                    named_bar_arrive(Tr::kBarDqFull + cw, Tr::kDqBarThreads);
+                } else {
+                    // rows = queries m0 + 16 warp + g (+8), columns = D columns 64 cw + 8 nt + 2 t (+1);
+                    // dq_acc has seqlen_q_pad rows per (batch, head), so the block's rows need no guard
+                    float* dq_rows = reinterpret_cast<float*>(
+                        opaque((u64)(dq_acc + ((long long)blk.bh * pad + m0 + 16 * warp + g) * D + 64 * cw + 2 * t)));
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                        for (int half = 0; half < 2; ++half)
+                            red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+                }
             }
         }
 

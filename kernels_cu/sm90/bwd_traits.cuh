@@ -9,7 +9,7 @@ namespace cuflash {
 
 // The sm90 dK/dV (+ atomic dQ) kernel: one CTA per key block of BC = 64 * CONSUMERS keys, K and V
 // loaded once, Q and dO streamed per query block of BR rows through a STAGES-deep TMA ring.
-template <int D, int BR, int CONSUMERS, int STAGES>
+template <int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK = 0>
 struct Sm90BwdTraits {
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(BR == 64, "block_q 64: the dS^T image is one 64-query chunk (the dQ product's A)");
@@ -19,7 +19,8 @@ struct Sm90BwdTraits {
     static constexpr int kWarpgroups = CONSUMERS + 1;
     static constexpr int kThreads = 128 * kWarpgroups;
     static constexpr int kBlockK = 64 * CONSUMERS;  // keys per CTA (BC)
-    static constexpr int kProducerRegs = 24;
+    // the producer warpgroup's store warp (DQ_BULK) needs more than 24: 128 * 32 + 256 * 240 = 65536
+    static constexpr int kProducerRegs = DQ_BULK ? 32 : 24;
     static constexpr int kConsumerRegs = 240;
 
     static constexpr int kKVBytes = kBlockK * D * 2;  // K or V: [D/64 chunk][BC rows][64]
@@ -28,15 +29,27 @@ struct Sm90BwdTraits {
     static constexpr int kDSBuffers = 2;              // block i writes buffer i % 2: no wait for block i-1's readers
     static constexpr int kKVChunkBytes = kBlockK * 128;
     static constexpr int kQChunkBytes = BR * 128;
-    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBuffers * kDSBytes + 1024;  // + alignment slack
+    // DQ_BULK: each dQ consumer stages its 64 x 64 fp32 block here (rows padded by 16 B: the
+    // fragment stores are 2-way bank conflicted at most), and a store warp adds it to dq_acc
+    static constexpr int kDqRowBytes = 64 * 4 + 16;
+    static constexpr int kDqStageBytes = DQ_BULK ? (D / 64) * 64 * kDqRowBytes : 0;
+    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBuffers * kDSBytes + kDqStageBytes + 1024;  // + alignment slack
 
     static constexpr int kHeadSteps = D / 16;        // S^T, dP^T contract over D
     static constexpr int kQuerySteps = BR / 16;      // dV, dK contract over the BR queries
     static constexpr int kKeySteps = kBlockK / 16;   // dQ contracts over the BC keys
     static constexpr int kDqWarpgroups = D / 64;     // consumers that run the dQ product, 64 columns of D each
+    // S^T and dP^T issued back to back (the tensor cores run dP^T under the exp of S^T) where the
+    // registers allow: at D = 128 both next to dK and dV spill ~480 B (ptxas, sm_90a), at 64 none
+    static constexpr bool kSdpTogether = D <= 64;
 
-    // named barrier (0 is __syncthreads): both consumers' halves of dS^T are in smem
+    // named barriers (0 is __syncthreads): both consumers' halves of dS^T are in smem; (DQ_BULK)
+    // consumer c's dQ block staged / its staging free again, between its 128 threads and the
+    // producer warpgroup's store warp (160 threads)
     static constexpr int kBarDsFull = 1;
+    static constexpr int kBarDqFull = 2;   // + consumer
+    static constexpr int kBarDqEmpty = 4;  // + consumer
+    static constexpr int kDqBarThreads = 128 + 32;
 };
 
 }  // namespace cuflash

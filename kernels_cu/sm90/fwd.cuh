@@ -144,15 +144,17 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             prefetch_tma_map(tv);
             RingPos<STAGES> kv{0};
             int local = 0;  // tiles with keys this CTA ran: the Q barriers' phase
+            const int group = params.group;  // GQA/MQA: query head h loads k/v head h / group (MHA: 1)
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
                 const Tile w(tile, geo, m_blocks, n_heads, n_tiles);
                 if (w.range.size() <= 0) continue;
+                const int h_kv = w.blk.head / group;
                 for (int j = w.range.begin; j < w.range.end; ++j, ++kv.count) {
                     const int s = kv.slot();
                     const u32 free_parity = kv.parity() ^ 1;  // a fresh barrier counts as released
                     mbar_wait(bars.k_empty(s), free_parity);
                     mbar_arrive_expect_tx(bars.k_full(s), Tr::kKVBytes);
-                    tma_load_5d(sK + s * Tr::kKVBytes, tk, bars.k_full(s), 0, j * BC, 0, w.blk.head, w.blk.batch);
+                    tma_load_5d(sK + s * Tr::kKVBytes, tk, bars.k_full(s), 0, j * BC, 0, h_kv, w.blk.batch);
                     if (j == w.range.begin) {
                         // Q after the tile's first K: that K load waits only for a free slot, so it
                         // is in flight while the consumers still read the previous tile's Q
@@ -164,7 +166,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     }
                     mbar_wait(bars.v_empty(s), free_parity);
                     mbar_arrive_expect_tx(bars.v_full(s), Tr::kKVBytes);
-                    tma_load_5d(sV + s * Tr::kKVBytes, tv, bars.v_full(s), 0, j * BC, 0, w.blk.head, w.blk.batch);
+                    tma_load_5d(sV + s * Tr::kKVBytes, tv, bars.v_full(s), 0, j * BC, 0, h_kv, w.blk.batch);
                 }
             }
         }

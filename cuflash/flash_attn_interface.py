@@ -1,0 +1,107 @@
+"""flash-attn 2 compatible entry points: switch a code base with one import.
+
+    from cuflash.flash_attn_interface import flash_attn_func   # was: from flash_attn import ...
+
+The functions take flash-attn 2's arguments with its meanings and return conventions and run
+cuflash.attention (so torch tensors get autograd, and CuPy / DLPack arrays work too). Layouts are
+flash-attn's: (batch, seqlen, nheads, headdim); packed qkv (batch, seqlen, 3, nheads, headdim) and
+kv (batch, seqlen, 2, nheads_k, headdim) are split into strided views, not copied. Options cuflash
+does not support raise NotImplementedError naming the option, before any work.
+
+Differences to know:
+- return_attn_probs=True returns (out, softmax_lse, None): the attention probabilities
+  (S_dmask, a testing aid in flash-attn) are never materialised.
+- dropout: flash-attn draws its Philox seed from torch's generator, as cuflash's torch path does
+  (cuflash.attention without a seed); the masks differ (different generators), the statistics
+  do not.
+"""
+from __future__ import annotations
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+]
+
+
+def _unsupported(**options):
+    """NotImplementedError for the first option set to something cuflash cannot do yet."""
+    for name, (value, ok) in options.items():
+        if not ok:
+            raise NotImplementedError(f"cuflash.flash_attn_interface: {name}={value!r} is not supported yet")
+
+
+def _check(softcap, alibi_slopes):
+    _unsupported(softcap=(softcap, softcap in (0, 0.0, None)),
+                 alibi_slopes=(alibi_slopes, alibi_slopes is None))
+
+
+def _run(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_attn_probs):
+    from .api import attention
+
+    window = tuple(window_size) if window_size is not None else (-1, -1)
+    res = attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, dropout_p=float(dropout_p),
+                    deterministic=bool(deterministic), window_size=window, return_lse=bool(return_attn_probs))
+    if return_attn_probs:
+        out, lse = res
+        return out, lse, None
+    return res
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn 2's flash_attn_func: q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k,
+    nheads_k, headdim); causal aligned to the bottom right; window_size (left, right), -1 = infinite.
+    Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) with return_attn_probs."""
+    _check(softcap, alibi_slopes)
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """qkv (batch, seqlen, 3, nheads, headdim): q, k, v as strided views of it (no copy)."""
+    _check(softcap, alibi_slopes)
+    q, k, v = (qkv[:, :, i] for i in range(3))
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
+    _check(softcap, alibi_slopes)
+    return _run(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, deterministic,
+                return_attn_probs)
+
+
+def _varlen(name):
+    def fn(*args, **kwargs):
+        raise NotImplementedError(f"cuflash.flash_attn_interface: {name} (variable-length batches) is not "
+                                  "supported yet")
+    fn.__name__ = name
+    fn.__doc__ = f"flash-attn 2's {name}: not supported yet (raises NotImplementedError)."
+    return fn
+
+
+flash_attn_varlen_func = _varlen("flash_attn_varlen_func")
+flash_attn_varlen_qkvpacked_func = _varlen("flash_attn_varlen_qkvpacked_func")
+flash_attn_varlen_kvpacked_func = _varlen("flash_attn_varlen_kvpacked_func")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """flash-attn 2's flash_attn_with_kvcache. Supported: attention of q over the whole caches
+    (k_cache, v_cache as (batch, seqlen_cache, nheads_k, headdim), no new k/v appended, no
+    cache_seqlens, no paging, no rotary); the rest raises NotImplementedError naming the option."""
+    _unsupported(k=(k, k is None), v=(v, v is None), rotary_cos=(rotary_cos, rotary_cos is None),
+                 rotary_sin=(rotary_sin, rotary_sin is None), cache_seqlens=(cache_seqlens, cache_seqlens is None),
+                 cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
+                 cache_leftpad=(cache_leftpad, cache_leftpad is None), block_table=(block_table, block_table is None))
+    _check(softcap, alibi_slopes)
+    res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, False, return_softmax_lse)
+    return res[:2] if return_softmax_lse else res

@@ -1,0 +1,39 @@
+"""cuflash.flash_attn_interface without a GPU: flash-attn 2's signatures, and unsupported options
+refused before any work (the GPU behaviour: tests/gpu/test_flash_attn_interface_gpu.py)."""
+import inspect
+
+import pytest
+
+from cuflash import flash_attn_interface as fai
+
+# flash-attn 2.7's parameter lists (flash_attn/flash_attn_interface.py)
+SIGNATURES = {
+    "flash_attn_func": ["q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                        "alibi_slopes", "deterministic", "return_attn_probs"],
+    "flash_attn_qkvpacked_func": ["qkv", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                                  "alibi_slopes", "deterministic", "return_attn_probs"],
+    "flash_attn_kvpacked_func": ["q", "kv", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                                 "alibi_slopes", "deterministic", "return_attn_probs"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIGNATURES))
+def test_signatures_are_flash_attn_2s(name):
+    params = list(inspect.signature(getattr(fai, name)).parameters)
+    assert params == SIGNATURES[name]
+    defaults = {p.name: p.default for p in inspect.signature(getattr(fai, name)).parameters.values()}
+    assert defaults["dropout_p"] == 0.0 and defaults["causal"] is False and defaults["window_size"] == (-1, -1)
+
+
+def test_unsupported_options_name_themselves():
+    with pytest.raises(NotImplementedError, match="softcap=30.0"):
+        fai.flash_attn_func(None, None, None, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        fai.flash_attn_func(None, None, None, alibi_slopes=[1.0])
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func"):
+        fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        fai.flash_attn_with_kvcache(None, None, None, block_table=object())
+    with pytest.raises(NotImplementedError, match="cache_seqlens"):
+        fai.flash_attn_with_kvcache(None, None, None, cache_seqlens=3)
+    assert set(fai.__all__) <= set(dir(fai))
