@@ -81,12 +81,28 @@ def test_sdist_builds_the_same_package():
     top = f"cuflash-{cuflash.__version__}"
     assert sdist.name == f"{top}.tar.gz"
     names = set(tarfile.open(sdist).getnames())
-    for f in ("LICENSE", "README.md", "pyproject.toml", "cuflash/py.typed", "cuflash/_version.py",
+    for f in ("LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "cuflash/py.typed", "cuflash/_version.py",
               "kernels_cu/common.cuh", "tuning/README.md"):
         assert f"{top}/{f}" in names, f
     for p in sorted((ROOT / "kernels_cu").rglob("*.cu*")) + sorted((ROOT / "tuning").glob("*.json")) \
             + sorted((ROOT / "tests" / "fixtures" / "devices").glob("*.json")):
         assert f"{top}/{p.relative_to(ROOT).as_posix()}" in names, p
+
+
+def test_docs_do_not_install_from_a_registry():
+    """Until cuflash is published, no instruction installs `cuflash` by name from a package index:
+    the docs install from the checkout ('.[cuda13]') or a built wheel."""
+    import re
+
+    by_name = re.compile(r"""pip install\s+(-\S+\s+)*['"]?cuflash(\[[^\]]*\])?['"]?(\s|$)""")
+    offenders = []
+    for doc in [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        commands = re.findall(r"```(?:bash|sh|console)?\n(.*?)```", text, flags=re.S)
+        commands += [m for m in re.findall(r"`([^`\n]+)`", text) if "pip install" in m and "[" in m]
+        offenders += [f"{doc.name}: {line.strip()}" for block in commands for line in block.splitlines()
+                      if by_name.search(line)]
+    assert not offenders, offenders
 
 
 def test_wheel_ships_kernel_sources(wheel, tmp_path):
