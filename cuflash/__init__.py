@@ -12,9 +12,8 @@ without a GPU, and torch/jax are only imported when their arrays are passed in.
 """
 from __future__ import annotations
 
+from ._version import __version__
 from .api import attention, attention_backward
 from .device import CudaUnavailableError, UnsupportedDeviceError
-
-__version__ = "0.1.0"
 
 __all__ = ["attention", "attention_backward", "UnsupportedDeviceError", "CudaUnavailableError", "__version__"]

@@ -8,6 +8,8 @@ import time
 
 import numpy as np
 
+from ._version import add_version_argument
+
 
 def _gpu_reason() -> str | None:
     from .device import cuda_device_count
@@ -69,6 +71,7 @@ def run_gpu_demo(seqlen: int, head_dim: int) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__.splitlines()[0])
+    add_version_argument(ap)
     ap.add_argument("--seqlen", type=int, default=8192)
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     ap.add_argument("--cpu", action="store_true", help="run the CPU reference demo even if a GPU is present")

@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 from .device import cuda_device_count as _cuda_device_count
 from .device import cuda_torch
 from ._timing import bytes_attention, flops_attention, time_cuda
+from ._version import add_version_argument
 
 BACKENDS = ("cuflash", "sdpa_flash", "sdpa_cudnn")
 # measured beside them where the automatic choice is not the mma.sync family (a Hopper GPU picks the
@@ -59,6 +60,7 @@ def build_cases(head_dims, seqlens, tokens, hidden, causal_modes) -> list[Case]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__.splitlines()[0])
+    add_version_argument(p)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=(64, 128))
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen")

@@ -27,6 +27,7 @@ import sys
 import numpy as np
 
 from ._timing import bytes_attention, flops_attention
+from ._version import add_version_argument
 from .device import cuda_torch
 
 # ----------------------------------------------------------------------------- ceilings
@@ -440,6 +441,7 @@ BRIEF_SEQLEN = 8192  # the brief's shape: bf16, head_dim 128, seqlen 8192, batch
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cuflash.roofline", description=__doc__.splitlines()[0])
+    add_version_argument(p)
     p.add_argument("--out", default="roofline.png", help="picture (PNG/SVG/PDF by extension); needs matplotlib")
     p.add_argument("--json", metavar="PATH", default=None, help="report (default: --out with .json)")
     p.add_argument("--replot", metavar="JSON", default=None, help="draw a saved report, measure nothing")

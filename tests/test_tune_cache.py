@@ -379,13 +379,19 @@ def test_cache_dir_default_and_override(monkeypatch, tmp_path):
     assert tuning_store.cache_path() == tmp_path / tuning_store.FILE_NAME
 
 
-def test_importing_cuflash_does_not_import_optuna():
+def test_importing_cuflash_does_not_import_optuna(tmp_path):
+    import os
     import subprocess
     import sys
 
+    import cuflash
+
     code = ("import sys, cuflash, cuflash._forward, cuflash._tuned, cuflash.tune, cuflash.tuning_store;"
             "print(sorted(m for m in ('optuna', 'matplotlib', 'tqdm') if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=pathlib.Path(__file__).parent.parent)
+    # the child imports the cuflash this process imported (an installed wheel or a checkout), not
+    # whatever its working directory happens to hold
+    where = str(pathlib.Path(cuflash.__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [where, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

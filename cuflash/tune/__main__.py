@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 
 from .. import _compile, families, tuning_store
 from .. import device as _device
+from .._version import add_version_argument
 from ..features import PERF_CLASSES, Features
 from ..tiles import SUPPORTED_HEAD_DIMS
 from . import report, search, space
@@ -45,6 +46,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m cuflash.tune", description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
+    add_version_argument(p)
     g = p.add_argument_group("what to tune")
     g.add_argument("--kernels", nargs="+", choices=list(families.REGISTRY), default=None,
                    help="default: " + " ".join(space.default_kernels()) + " (those present)")
