@@ -103,7 +103,7 @@ struct OnlineSoftmax {
     // bits; see the callers).
     template <bool FUSED = true>
     __device__ __forceinline__ static float lse(float m, float l, float scale_log2) {
-        return l > 0.f ? (FUSED ? __fmaf_rn(m, scale_log2, __log2f(l)) : __fadd_rn(__fmul_rn(m, scale_log2), __log2f(l))) * kLn2
+        return l != 0.f ? (FUSED ? __fmaf_rn(m, scale_log2, __log2f(l)) : __fadd_rn(__fmul_rn(m, scale_log2), __log2f(l))) * kLn2
                        : neg_inf();
     }
 };

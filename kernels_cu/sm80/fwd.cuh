@@ -161,7 +161,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float l = warp_sum4(softmax.row_sum[mt][half]);
-            float inv = l > 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
+            float inv = l != 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
             int tile_row = warp_row0 + mt * 16 + g + 8 * half;
             int row = r0 + tile_row;
             if (t == 0 && row < seqlen_q)

@@ -228,7 +228,7 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
                     for (int half = 0; half < 2; ++half) {
                         const int row = r0 + warp_row0 + mt * 16 + g + 8 * half;
                         const float l = sm.row_sum[mt][half];
-                        const float inv = l > 0.f ? 1.f / l : 0.f;
+                        const float inv = l != 0.f ? 1.f / l : 0.f;
                         if (row < seqlen_q) {
                             float* dst = wo + (long long)row * D + 2 * t;
 #pragma unroll
@@ -249,7 +249,7 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const float l = sm.row_sum[mt][half];
-                        const float inv = l > 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
+                        const float inv = l != 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
                         const int tile_row = warp_row0 + mt * 16 + g + 8 * half;
                         const int row = r0 + tile_row;
                         // lse rounded as in the pre-restructure kernel (golden outputs): one FFMA,

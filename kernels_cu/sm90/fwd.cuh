@@ -363,15 +363,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float l = n_iter > 0 ? softmax.final_sum(0, half) : 0.f;
-                const float inv = l > 0.f ? (V::kDropout ? params.drop_scale : 1.f) / l : 0.f;
+                const float inv = l != 0.f ? (V::kDropout ? params.drop_scale : 1.f) / l : 0.f;
                 const int row = r0 + warp_row0 + g + 8 * half;
                 if (row < seqlen_q) {
                     if (t == 0) lse_row[row] = OnlineSoftmax<1>::lse(softmax.row_max[0][half], l, scale_log2);
                     elem_t* orow = og + (long long)row * params.o_sn + 2 * t;
 #pragma unroll
                     for (int nt = 0; nt < D / 8; ++nt) {
-                        const float x0 = l > 0.f ? acc_o[0][nt][2 * half] * inv : 0.f;
-                        const float x1 = l > 0.f ? acc_o[0][nt][2 * half + 1] * inv : 0.f;
+                        const float x0 = l != 0.f ? acc_o[0][nt][2 * half] * inv : 0.f;
+                        const float x1 = l != 0.f ? acc_o[0][nt][2 * half + 1] * inv : 0.f;
                         *reinterpret_cast<u32*>(orow + 8 * nt) = pack2<BF16>(x0, x1);
                     }
                 }
