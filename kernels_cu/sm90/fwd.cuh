@@ -102,10 +102,10 @@ struct Sm90FwdTile {
     BlockCoord blk;
     int r0;  // first query row
     BlockRange range;
-    __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo, int m_blocks, int heads, int n_tiles) {
+    __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo, int m_blocks, int heads, int bh_count) {
         // heavier later rows (causal): heaviest blocks of every head first, so that a strided
         // (persistent) grid balances; else block-fastest, so concurrent CTAs share a head's K/V
-        blk = geo.later_rows_heavier() ? schedule_tiles_heaviest_first(tile, m_blocks, n_tiles / m_blocks, heads)
+        blk = geo.later_rows_heavier() ? schedule_tiles_heaviest_first(tile, m_blocks, bh_count, heads)
                                        : schedule_blocks(tile, m_blocks, heads, false);
         r0 = blk.block * BR;
         range = key_blocks<BR, BC, LOCAL>(geo, r0);
@@ -128,6 +128,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
     const u32 sV = sK + STAGES * Tr::kKVBytes;
 
     const int n_heads = params.heads, m_blocks = params.m_blocks, n_tiles = params.tiles;
+    const int bh_count = n_tiles / m_blocks;  // batch * heads
     const MaskGeometry geo = MaskGeometry::of<V>(params);
 
     const int tid = threadIdx.x;
@@ -146,7 +147,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             int local = 0;  // tiles with keys this CTA ran: the Q barriers' phase
             const int group = params.group;  // GQA/MQA: query head h loads k/v head h / group (MHA: 1)
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-                const Tile w(tile, geo, m_blocks, n_heads, n_tiles);
+                const Tile w(tile, geo, m_blocks, n_heads, bh_count);
                 if (w.range.size() <= 0) continue;
                 const int h_kv = w.blk.head / group;
                 for (int j = w.range.begin; j < w.range.end; ++j, ++kv.count) {
@@ -215,20 +216,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
         if constexpr (PINGPONG) {
             // the first tile with keys starts the turns (every consumer sees the same tiles)
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x)
-                if (Tile(tile, geo, m_blocks, n_heads, n_tiles).range.size() > 0) {
+                if (Tile(tile, geo, m_blocks, n_heads, bh_count).range.size() > 0) {
                     order.start(kBar);
                     break;
                 }
         }
         for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-            const Tile w(tile, geo, m_blocks, n_heads, n_tiles);
+            const Tile w(tile, geo, m_blocks, n_heads, bh_count);
             const BlockRange range = w.range;
             const int r0 = w.r0, n_iter = range.size();
             // the kernel's last turn: no later tile of this CTA has keys
             bool final_tile = true;
             if constexpr (PINGPONG) {
                 for (int nt = tile + gridDim.x; nt < n_tiles && final_tile; nt += gridDim.x)
-                    final_tile = Tile(nt, geo, m_blocks, n_heads, n_tiles).range.size() <= 0;
+                    final_tile = Tile(nt, geo, m_blocks, n_heads, bh_count).range.size() <= 0;
             }
             const Dropout drop{params.drop_seed, params.drop_threshold, w.blk.bh};
             OnlineSoftmax<1> softmax;
