@@ -242,18 +242,34 @@ def torch_stream(device: int):
     return cupy_stream(torch.cuda.current_stream(device).cuda_stream)
 
 
+def _torch_malloc(size: int):
+    """CuPy allocator backed by torch's caching allocator: `size` bytes as a torch uint8 tensor on the
+    current device and torch's current stream, owned by the returned CuPy memory (freed when CuPy
+    drops it, stream-ordered by torch). torch's allocator is CUDA-graph aware: under
+    torch.cuda.graph the plan's outputs and workspaces come from the graph's private pool, where
+    CuPy's own pool would call cudaMalloc during the capture and break it."""
+    import cupy
+    import torch
+
+    dev = cupy.cuda.runtime.getDevice()
+    t = torch.empty(max(size, 1), dtype=torch.uint8, device=f"cuda:{dev}")
+    return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(t.data_ptr(), size, t, dev), 0)
+
+
 def run(fn, arrays, fw: str, device: int, names=None):
     """fn(*cupy_views) -> tuple of CuPy arrays, run for arrays of framework `fw` on `device`.
 
-    Returns the results in `fw`, zero-copy. Torch: on torch's current stream, no sync. JAX and other
-    DLPack producers: on CuPy's current stream, synchronised before returning (see module docstring).
+    Returns the results in `fw`, zero-copy. Torch: on torch's current stream, no sync, every array the
+    call allocates from torch's caching allocator (_torch_malloc: capturable in a CUDA graph). JAX
+    and other DLPack producers: on CuPy's current stream, synchronised before returning (see module
+    docstring).
     """
     import cupy
 
     names = names or ("array",) * len(arrays)
     with cupy.cuda.Device(device):
         if fw == TORCH:
-            with torch_stream(device):
+            with torch_stream(device), cupy.cuda.using_allocator(_torch_malloc):
                 views = [to_cupy(x, fw, n) for x, n in zip(arrays, names)]
                 return tuple(from_cupy(r, fw) for r in fn(*views))
         views = [to_cupy(x, fw, n) for x, n in zip(arrays, names)]

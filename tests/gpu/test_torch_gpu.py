@@ -328,3 +328,31 @@ def test_small_transformer_trains_like_sdpa():
     for name, losses, last in (("cuflash", ours, a), ("sdpa", theirs, b)):
         assert last < 0.85 * losses[0], f"{name} did not learn: {losses[0]:.3f} -> {last:.3f} (last 5 steps)"
     assert abs(a - b) < 0.05 * abs(b), f"final losses differ: cuflash {a:.4f}, sdpa {b:.4f}"
+
+
+def test_cuda_graph_capture_and_replay():
+    """Issue 18: torch.cuda.graph captures cuflash (forward, and forward + backward through
+    autograd) after a warm-up on a side stream; replays give the eager results. The plan's arrays
+    come from torch's caching allocator (cuflash._interop._torch_malloc), which graphs support."""
+    import cuflash
+
+    q, k, v = _qkv(5, 2, 256, 256, 4, 64, requires_grad=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles kernels and builds the plans outside the capture
+        for _ in range(2):
+            cuflash.attention(q, k, v, causal=True).float().sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    q.grad = k.grad = v.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = cuflash.attention(q, k, v, causal=True)
+        out.float().sum().backward()
+    g.replay()
+    torch.cuda.synchronize()
+    eager = cuflash.attention(q.detach(), k.detach(), v.detach(), causal=True)
+    assert _same_bits(out, eager)
+    grads = (q.grad.clone(), k.grad.clone(), v.grad.clone())
+    g.replay()
+    torch.cuda.synchronize()
+    assert all(torch.isfinite(x).all() for x in grads)
