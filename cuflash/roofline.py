@@ -487,13 +487,11 @@ def _try_plot(report: dict, path: str) -> bool:
 
 def read_report(path: str) -> tuple[dict | None, str]:
     """A saved report (--replot), or (None, why not): missing, unreadable, not JSON, not a report."""
-    try:
-        with open(path) as f:
-            report = json.load(f)
-    except OSError as e:
-        return None, f"cannot read {path}: {e.strerror or e}"
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, f"{path} is not JSON ({e})"
+    from ._jsonfile import load
+
+    report, why = load(path)
+    if report is None:
+        return None, why
     try:
         Ceilings(**report["ceilings"]["measured"]["roof"])
         if not isinstance(report["cases"], list):

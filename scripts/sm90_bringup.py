@@ -1,14 +1,16 @@
-"""Bring-up harness for the sm90 forward kernel, independent of the library's dispatch: builds the
-tensor maps itself (cuda-bindings), compiles the generated-style shell for sm_90a, checks outputs
-against the float64 oracle (cuflash.testing.fa_rule) and times it next to the sm80 kernel and
-PyTorch SDPA (flash, cuDNN) in the same run.
+"""Bring-up harness for the sm90 kernels: runs one explicit tile through the library's own launch
+plan (families.FWD_SM90.plan, cuflash._backward's plan with an Sm90BwdConfig), built once per
+shape, bypassing only the automatic choice of family and tile; checks outputs against the float64
+oracle (cuflash.testing.fa_rule) and times each tile next to the sm80 kernels and PyTorch SDPA
+(flash, cuDNN) in the same run.
 
     python scripts/sm90_bringup.py check            # correctness matrix
     python scripts/sm90_bringup.py bench            # timing table
 """
 from __future__ import annotations
 
-import ctypes
+import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -19,98 +21,60 @@ import numpy as np
 sys.path.insert(0, ".")
 import cupy  # noqa: E402
 
-from cuflash import _compile, params, problem, testing  # noqa: E402
+from cuflash import problem, testing  # noqa: E402
 from cuflash._forward import forward as fwd_sm80  # noqa: E402
 from cuflash.mask import MaskOptions  # noqa: E402
 
-TMAP = np.dtype([("opaque", "<u8", (16,))])
+_plans = {}
 
 
-_maps = {}
+def _plan(key, build, tiny_grid=False):
+    """The launch plan of `key`, built once (so timings hold no host work but the launch); with
+    tiny_grid the plan's persistent grid is 3 CTAs (many tiles per CTA: a check, never timed)."""
+    if key not in _plans:
+        if tiny_grid:
+            from cuflash import _forward_sm90, device
+
+            real = device.query(0)
+            with _patched(_forward_sm90.device, "query", lambda *_a, **_k: dataclasses.replace(real, sm_count=3)):
+                _plans[key] = build()
+        else:
+            _plans[key] = build()
+    return _plans[key]
 
 
-def encode(x, rows):
-    key = (x.data.ptr, x.shape, x.strides, x.dtype.name, rows)
-    if key not in _maps:
-        _maps[key] = _encode(x, rows)
-    return _maps[key]
+@contextlib.contextmanager
+def _patched(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
 
 
-def _encode(x, rows):
-    from cuda.bindings import driver as cu
-
-    b, s, h, d = x.shape
-    e = x.dtype.itemsize
-    sb, sn, sh, sd = (st // e for st in x.strides)
-    assert sd == 1
-    dt = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if x.dtype.name == "bfloat16"
-          else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-    dims = [64, s, d // 64, h, b]
-    strides = [sn * e, 128, sh * e, sb * e]
-    box = [64, rows, d // 64, 1, 1]
-    err, tm = cu.cuTensorMapEncodeTiled(dt, 5, x.data.ptr, [cu.cuuint64_t(v) for v in dims],
-                                        [cu.cuuint64_t(v) for v in strides], [cu.cuuint32_t(v) for v in box],
-                                        [cu.cuuint32_t(1)] * 5, cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-                                        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                                        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-    assert int(err) == 0, err
-    raw = ctypes.string_at(int(tm.getPtr()), 128)
-    return np.frombuffer(raw, dtype=TMAP).copy()
-
-
-_mods = {}
-
-
-def kernel(bf16, d, bc, c, s, pp, ov, drop):
-    key = (bf16, d, bc, c, s, pp, ov, drop)
-    if key in _mods:
-        return _mods[key]
-    fields = params.fields("FwdParams")
-    scalars = ", ".join(f"{ct} {f}_" for f, ct in fields)
-    gather = " ".join(f"p.{f} = {f}_;" for f, _ in fields)
-    thr = (c + 1) * 128
-    tf = lambda x: "true" if x else "false"
-    src = (f'#include "flash_fwd_sm90.cuh"\n'
-           f'extern "C" __global__ void __launch_bounds__({thr}, 1) kern(const __grid_constant__ cuflash::TmaMap tq, '
-           f'const __grid_constant__ cuflash::TmaMap tk, const __grid_constant__ cuflash::TmaMap tv, '
-           f'cuflash::elem_t* __restrict__ out, float* __restrict__ lse, {scalars}) {{\n'
-           f' cuflash::FwdParams p; {gather}\n cuflash::flash_fwd_sm90<{tf(bf16)}, {d}, {bc}, {c}, {s}, {pp}, {ov}, '
-           f'cuflash::Variant<{tf(drop)}, false>>(tq, tk, tv, out, lse, p);\n}}\n')
-    mod = cupy.RawModule(code=src, options=_compile.nvrtc_options(("--gpu-architecture=sm_90a",)), backend="nvrtc")
-    fn = mod.get_function("kern")
-    smem = 2 * d * (64 * c + 2 * s * bc) + 1024
-    fn.max_dynamic_shared_size_bytes = smem
-    _mods[key] = (fn, smem)
-    return fn, smem
+def _arrays_key(*xs):
+    return tuple((x.shape, x.strides, x.dtype.name) for x in xs)
 
 
 def run(cfg, q, k, v, causal, scale=None, dropout_p=0.0, seed=0, out=None, lse=None):
-    d, bc, c, s, pp, ov = cfg[:6]
-    persistent = len(cfg) > 6 and cfg[6]
-    bf16 = q.dtype.name == "bfloat16"
+    """cfg: Sm90FwdConfig fields (head_dim, block_k, consumers, stages, pingpong, overlap,
+    persistent); persistent 2 = the persistent kernel on a 3-CTA grid (check only)."""
+    from cuflash.families import FWD_SM90
+    from cuflash.tiles import Sm90FwdConfig
+
+    tiny = cfg[6] == 2
+    tile = Sm90FwdConfig(*cfg[:6], 1 if tiny else cfg[6])
     drop = problem.resolve_dropout(dropout_p, seed) if dropout_p else None
-    p = problem.resolve_forward(*(problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))), MaskOptions.of(causal=causal), scale,
-                                drop)
-    br = 64 * c
-    m_blocks = -(-p.seqlen_q // br)
-    packed = params.pack_fwd(p, m_blocks)
-    kp = params.KernelParams(packed)
-    args = kp.arg if drop is None else kp.with_dropout(drop.kernel_args)
-    fn, smem = kernel(bf16, d, bc, c, s, pp, ov, drop is not None)
-    if persistent == 2:  # check-only: a grid much smaller than the tile count (many tiles per CTA)
-        persistent = 3
-    b, nq, h, _ = q.shape
-    if out is None:
-        out = cupy.empty_like(q)
-    if lse is None:
-        lse = cupy.empty((b, h, nq), cupy.float32)
-    maps = (encode(q, br), encode(k, bc), encode(v, bc))
-    tiles = m_blocks * h * b
-    grid = (min(tiles, 3) if persistent == 3 else min(tiles, cupy.cuda.Device().attributes["MultiProcessorCount"])
-            if persistent else tiles)
-    fn((grid,), ((c + 1) * 128,), (*maps, out, lse, *args), shared_mem=smem)
-    return out, lse
+
+    def build():
+        infos = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+        p = problem.resolve_forward(*infos, MaskOptions.of(causal=causal), scale, drop)
+        FWD_SM90.check_explicit(tile, p.features)
+        return FWD_SM90.plan(p, tile, q.dtype)
+
+    plan = _plan(("fwd", tile, tiny, _arrays_key(q, k, v), causal, scale, drop is not None), build, tiny)
+    return plan.run((q, k, v, out, lse), None if drop is None else drop.kernel_args)
 
 
 CFGS = {128: [(128, 128, 2, 2, 1, 1, 1), (128, 128, 2, 2, 1, 1, 0), (128, 176, 2, 2, 1, 1, 1), (128, 176, 2, 2, 1, 1, 0),
@@ -219,67 +183,22 @@ if __name__ == "__main__":
 
 
 # ----------------------------------------------------------------------------- backward bring-up
-_bwd_mods = {}
-
-
-def bwd_kernel(bf16, d, br, c, s, dqb=0):
-    key = (bf16, d, br, c, s, dqb)
-    if key in _bwd_mods:
-        return _bwd_mods[key]
-    fields = params.fields("BwdParams")
-    scalars = ", ".join(f"{ct} {f}_" for f, ct in fields)
-    gather = " ".join(f"p.{f} = {f}_;" for f, _ in fields)
-    tf = lambda x: "true" if x else "false"
-    M = "const __grid_constant__ cuflash::TmaMap"
-    src = (f'#include "flash_bwd_sm90.cuh"\n'
-           f'extern "C" __global__ void __launch_bounds__({(c + 1) * 128}, 1) kern({M} tq, {M} tk, {M} tv, {M} tdo, '
-           f'const float* __restrict__ lse2, const float* __restrict__ delta, float* __restrict__ dq_acc, '
-           f'cuflash::elem_t* __restrict__ dk, cuflash::elem_t* __restrict__ dv, {scalars}) {{\n'
-           f' cuflash::BwdParams p; {gather}\n cuflash::flash_bwd_sm90<{tf(bf16)}, {d}, {br}, {c}, {s}, {dqb}, '
-           f'cuflash::Variant<false, false>>(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, p);\n}}\n')
-    mod = cupy.RawModule(code=src, options=_compile.nvrtc_options(("--gpu-architecture=sm_90a",)), backend="nvrtc")
-    fn = mod.get_function("kern")
-    smem = 2 * (64 * c) * d * 2 + 2 * s * br * d * 2 + 2 * (64 * c) * br * 2 + (d // 64) * 64 * 272 * dqb + 1024  # kSmemBytes
-    fn.max_dynamic_shared_size_bytes = smem
-    _bwd_mods[key] = (fn, smem)
-    return fn, smem
-
-
 def run_bwd(cfg, dout, q, k, v, out, lse, causal):
-    """(dq, dk, dv) with the sm90 dK/dV kernel between the sm80 backward's prep and convert kernels."""
+    """(dq, dk, dv) of the backward plan with the sm90 dK/dV tile `cfg` (Sm90BwdConfig fields:
+    head_dim, block_q, consumers, stages, dq_bulk) between the sm80 prep and convert kernels."""
     from cuflash import _backward
-    from cuflash.launch import Buffer, Launch, Plan
     from cuflash.signature import BWD_ARRAYS
+    from cuflash.tiles import Sm90BwdConfig
 
-    d, br, c, s, *rest = cfg
-    dqb = rest[0] if rest else 0
-    bc = 64 * c
-    infos = [problem.describe(x, n) for x, n in zip((dout, q, k, v, out, lse), BWD_ARRAYS)]
-    p = problem.resolve_backward(*infos, MaskOptions.of(causal=causal), None, False, None)
-    b, nq, nk, h = p.batch, p.seqlen_q, p.seqlen_k, p.heads
-    pad = -(-nq // 128) * 128
-    ws_rows = b * h * pad
-    chunks = d // 8
-    prep = _compile.get_aux_kernel("bwd_prep", p.features, p.device)
-    conv = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)
-    fn, smem = bwd_kernel(q.dtype.name == "bfloat16", d, br, c, s, dqb)
-    n_blocks = -(-nk // bc)
+    tile = Sm90BwdConfig(*cfg)
+    arrays = (dout, q, k, v, out, lse)
 
-    def bind(slots):
-        dout_, q_, k_, v_ = slots[:4]
-        return (encode(q_, br), encode(k_, bc), encode(v_, bc), encode(dout_, br), *slots[4:])
+    def build():
+        infos = [problem.describe(x, n) for x, n in zip(arrays, BWD_ARRAYS)]
+        p = problem.resolve_backward(*infos, MaskOptions.of(causal=causal), None, False, None)
+        return _backward._plan(p, _backward._tile(_backward._main_family(p, tile, None), tile, p), None, q.dtype)
 
-    launches = (
-        Launch(prep, (-(-ws_rows * chunks // 256),), (256,), 0, pointers=("out", "dout", "lse", "delta", "lse2", "dq_acc")),
-        Launch(fn, (n_blocks * h * b,), ((c + 1) * 128,), smem,
-               pointers=("dout", "q", "k", "v", "lse2", "delta", "dq_acc", "dk", "dv"), bind=bind),
-        Launch(conv, (-(-b * h * nq * chunks // 256),), (256,), 0, pointers=("dq_acc", "dq")),
-    )
-    buffers = (Buffer("dq", (b, nq, h, d), q.dtype), Buffer("dk", (b, nk, h, d), q.dtype),
-               Buffer("dv", (b, nk, h, d), q.dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
-               Buffer("dq_acc", (ws_rows * d,)))
-    plan = Plan(p.device, BWD_ARRAYS, buffers, launches, ("dq", "dk", "dv"), params.pack_bwd(p, pad, n_blocks, 0))
-    return plan.run((dout, q, k, v, out, lse))
+    return _plan(("bwd", tile, _arrays_key(*arrays), causal), build).run(arrays)
 
 
 BWD_CFGS = {128: [(128, 64, 2, 2, 0), (128, 64, 2, 2, 1)], 64: [(64, 64, 2, 2, 0), (64, 64, 2, 2, 1)]}

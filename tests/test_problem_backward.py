@@ -21,13 +21,8 @@ def info(shape, dtype="bfloat16", strides=None, ptr=1 << 20, device=0):
 
 
 def lse_info(shape=(B, H, NQ), dtype="float32", strides=None, ptr=1 << 21, device=0):
-    itemsize = 4 if dtype == "float32" else 2
-    if strides is None:
-        strides, acc = [], itemsize
-        for n in reversed(shape):
-            strides.insert(0, acc)
-            acc *= n
-    return ArrayInfo(tuple(shape), dtype, itemsize, tuple(strides), ptr, device)
+    """The lse record: float32 (batch, heads, seqlen_q) unless told otherwise."""
+    return info(shape, dtype, strides, ptr, device)
 
 
 def args(**over):

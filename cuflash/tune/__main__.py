@@ -172,13 +172,11 @@ def read_props(path) -> tuple:
     elif not os.path.exists(path):
         return None, (f"no such file {path}, nor a recorded GPU of that name (recorded: "
                       f"{', '.join(shipped) or 'none'})")
-    try:
-        with open(path) as f:
-            doc = json.load(f)
-    except OSError as e:
-        return None, f"cannot read {path}: {e.strerror or e}"
-    except (ValueError, UnicodeDecodeError) as e:
-        return None, f"{path} is not JSON ({e})"
+    from .._jsonfile import load
+
+    doc, why = load(path)
+    if doc is None:
+        return None, why
     try:
         props = DeviceProps.from_dict(doc)
         int(props.smem_optin), int(props.register_budget), props.cc_str  # noqa: B018 - the fields used

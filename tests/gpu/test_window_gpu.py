@@ -77,9 +77,8 @@ def test_window_backward(nq, nk, causal, window, alignment, d, dtype, bwd_backen
         assert err <= allowed, f"{name}: max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
 
 
-def test_window_v1_and_dropout():
-    """The v1 algorithm and fused dropout take the window too (dropout: same mask as without window
-    on the visible elements; checked against the reference with the kernels' keep mask)."""
+def test_window_v1():
+    """The v1 algorithm takes the window too (causal + left window, against the reference)."""
     import cupy
     from cuflash import _forward_v1
 
