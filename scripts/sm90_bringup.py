@@ -64,7 +64,7 @@ def run(cfg, q, k, v, causal, scale=None, dropout_p=0.0, seed=0, out=None, lse=N
     from cuflash.tiles import Sm90FwdConfig
 
     tiny = cfg[6] == 2
-    tile = Sm90FwdConfig(*cfg[:6], 1 if tiny else cfg[6])
+    tile = Sm90FwdConfig(*cfg[:6], 1, 1 if tiny else cfg[6])  # q_stages 1: the CFGS predate the axis
     drop = problem.resolve_dropout(dropout_p, seed) if dropout_p else None
 
     def build():
