@@ -5,7 +5,7 @@
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
-#        families; CI runs the CPU part).
+#        families when serial; with xdist, the default, it fits; CI runs the CPU part).
 # Writes logs and JSON under $OUT (or ./out when $OUT is unset).
 set -uo pipefail
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
@@ -14,6 +14,9 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 # ptxas' resource report from the compile tests and the tuner's pruning.
 export CUDA_CACHE_DISABLE=1
 stages=${*:-tests sanitize bench}
+# pytest-xdist is on the H200 image: the compile-heavy suite spreads over its 16 cores (the tests share
+# the one GPU; none of them times anything it asserts on). XDIST= runs serially.
+XDIST=${XDIST--n 14}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
@@ -22,11 +25,11 @@ python3 -c "import cupy, sys; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda
 for s in $stages; do
   case $s in
     golden) python3 scripts/golden/outputs_golden.py check tests/golden/outputs.json 2>&1 | tee "$OUT/golden.log" | tail -45 ;;
-    alltests) python3 -m pytest -q tests -p no:cacheprovider -rfEs --durations=15 2>&1 | tee "$OUT/all-tests.log" | tail -60 ;;
+    alltests) timeout ${ALLTESTS_TIMEOUT:-500} python3 -m pytest -q tests $XDIST -p no:cacheprovider -rfEs --durations=15 2>&1 | tee "$OUT/all-tests.log" | tail -60 ;;
     tune) python3 -m cuflash.tune --kernels ${TUNE_KERNELS:-fwd bwd bwd_dq fwd_sm90} --dtypes bf16 --seqlens 8192 \
             --perf-classes dense dropout --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/nvidia-h200${TUNE_TAG:-}.json" \
             2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45 ;;
-    tests) python3 -m pytest -q -p no:cacheprovider -rfE --maxfail=30 -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+    tests) python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
            python3 -m pytest -q -p no:cacheprovider -rfE tests/test_torch_meta.py tests/test_signature.py tests/test_interop.py \
              tests/test_mask.py tests/test_reference.py tests/test_bench.py tests/test_roofline.py 2>&1 | tee "$OUT/torch-cpu-tests.log" | tail -15 ;;
     sanitize)
