@@ -572,7 +572,7 @@ def test_gqa_forward_maps_have_the_kv_heads(calls, hkv):
     assert tma.tensor_layout(p, "k") == ((2, 300, hkv, 128), dense((2, 300, hkv, 128)))
     assert tma.call_problem(p) is None or "cuda-bindings" in tma.call_problem(p)
     encoded = []
-    plan = _forward_sm90.plan(p, Sm90FwdConfig(128, 128, 2, 2, 1, 1, 0), np.float16,
+    plan = _forward_sm90.plan(p, Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 0), np.float16,
                               encoder=lambda g, ptr: encoded.append(g) or ptr)
     out, lse = plan.run((arr(0x1000), arr(0x2000), arr(0x3000), None, None))
     assert out == ("alloc", (2, 100, 4, 128), "float16") and lse == ("alloc", (2, 4, 100), "float32")

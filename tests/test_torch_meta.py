@@ -23,7 +23,7 @@ def test_schemas(ops):
     fwd, bwd = ops
     assert str(fwd._schema).startswith("cuflash::attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, "
                                        "float? softmax_scale, str algorithm, bool deterministic, float dropout_p, "
-                                       "int seed)")
+                                       "int seed")
     assert str(bwd._schema).startswith("cuflash::attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, "
                                        "Tensor out, Tensor lse, bool causal, float? softmax_scale, "
                                        "bool deterministic, float dropout_p, int seed)")

@@ -108,7 +108,12 @@ class KernelFamily:
         return [t for t in self.domain(head_dim) if t.fits(smem_optin_bytes)]
 
     def avoids(self, tile, features: Features | None) -> bool:
-        return features is not None and tile in self.spilling.get(features.perf_class(), ())
+        """Whether `tile` spills for these features: its perf class's set, or "local" for windowed calls
+        (a windowed call tunes with its class but its instance carries the left-edge code)."""
+        if features is None:
+            return False
+        return tile in self.spilling.get(features.perf_class(), ()) or (
+            features.local and tile in self.spilling.get("local", ()))
 
     def default(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN, features: Features | None = None):
         """The heuristic tile: the first default that fits the device and does not spill for `features`."""
@@ -145,7 +150,7 @@ class KernelFamily:
             return why
         f = problem.features
         if not self.supports(f):
-            return f"{self.what} kernels do not support {f.dtype} with head_dim {f.head_dim}"
+            return f"{self.what} kernels do not support {self._unsupported_part(f)}"
         if self.call_problem is not None:
             why = self.call_problem(problem)
             if why:
@@ -155,6 +160,17 @@ class KernelFamily:
         except (RuntimeError, KeyError) as e:
             return str(e) if isinstance(e, RuntimeError) else f"no {self.what} config for head_dim {problem.head_dim}"
         return None
+
+    def _unsupported_part(self, f: Features) -> str:
+        """The part of the call's features this family lacks: a variant (dropout, a sliding window) when
+        the plain instantiation would serve, else the dtype and head_dim."""
+        plain = dataclasses.replace(f, **{v.name: False for v in Features.variant_fields()})
+        if self.supports(plain):
+            lacking = [v.name for v in Features.variant_fields()
+                       if getattr(f, v.name) and not self.supports(dataclasses.replace(plain, **{v.name: True}))]
+            names = {"dropout": "dropout", "local": "sliding windows (window_size)"}
+            return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
+        return f"{f.dtype} with head_dim {f.head_dim}"
 
     def can_implement(self, tile, props, features: Features | None = None) -> str | None:
         """Why `tile` cannot run on a device with these properties (decided without compiling), or None."""

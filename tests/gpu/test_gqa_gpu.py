@@ -125,6 +125,8 @@ def _sequential_group_sum(g, hkv):
 
     b, n, h, d = g.shape
     group = h // hkv
+    if group == 1:  # MHA: no reduce launch, the kernel's own bits (a sum from +0 would turn -0 into +0)
+        return g
     g = g.reshape(b, n, hkv, group, d)
     acc = cupy.zeros((b, n, hkv, d), dtype=cupy.float32)
     for i in range(group):

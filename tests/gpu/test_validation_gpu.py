@@ -25,11 +25,12 @@ def test_bad_inputs_rejected_before_launch(monkeypatch):
         ((q, k.astype(cupy.float16), v), {}, TypeError, "one dtype"),
         ((q[0], k, v), {}, ValueError, "4 dimensions"),
         ((q, k[:1], v[:1]), {}, ValueError, "batch"),
-        ((q, k[:, :, :1], v[:, :, :1]), {}, ValueError, "heads"),
+        ((q[:, :, :1], k, v), {}, ValueError, "heads"),  # k's heads must divide q's (GQA)
+        ((q, k, v[:, :, :1]), {}, ValueError, "heads"),  # k and v: the same heads
         ((q[..., :32], k[..., :32], v[..., :32]), {}, ValueError, "head_dim"),
         ((q[..., ::2], k, v), {}, ValueError, "last dimension"),
         ((q[:, :0].astype(cupy.float32), k, v), {}, TypeError, "dtype"),  # empty arrays are still checked
-        ((q[:, :0], k[:, :, :1], v[:, :, :1]), {}, ValueError, "heads"),
+        ((q[:, :0, :1], k, v), {}, ValueError, "heads"),
         ((q.get(), k, v), {}, TypeError, "CuPy array"),
         ((q, k, v), {"softmax_scale": float("nan")}, ValueError, "softmax_scale"),
         ((q, k, v), {"softmax_scale": -1.0}, ValueError, "softmax_scale"),
