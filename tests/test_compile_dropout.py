@@ -42,7 +42,7 @@ def test_dropout_variants_compile(cfg, arch, record_property):
 def test_tiles_a_family_marks_spilling_really_spill(family):
     for perf_class, tiles_ in family.spilling.items():
         for cfg in tiles_:
-            feat = Features("bfloat16", cfg.head_dim, dropout=perf_class == "dropout")
+            feat = Features("bfloat16", cfg.head_dim, dropout=perf_class == "dropout", local=perf_class == "local")
             rep = _compile.compile_report(_compile.kernel_source(cfg, feat), "sm_90a")
             assert rep["spill_stores"] > 0, f"{cfg} no longer spills as {perf_class}: drop it from {family}.spilling"
             assert family.default(cfg.head_dim, features=feat) != cfg

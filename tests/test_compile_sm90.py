@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import _compile, families
+from cuflash import _compile, device, families
 from cuflash.features import Features
 from tests.test_compile import _nvrtc_available
 
@@ -69,4 +69,8 @@ def test_whole_sm90_space_compiles(d, record_property):
 def test_selectable_sm90_backward_configs_compile_for_sm90a(cfg, dtype, record_property):
     """The Hopper backward (no dropout instantiation: supports() refuses it)."""
     assert not families.BWD_SM90.supports(Features(dtype, cfg.head_dim, True))
+    if (cfg.head_dim, cfg.stages, dtype) == (128, 2, "float16") and (device.nvrtc_version() or (0,)) < (13, 5):
+        # measured on the H200 image: NVRTC 13.0's ptxas spills 28 B here, 13.5's does not (the
+        # sm90 backward is opt-in: cuflash._backward.backward(..., backend="sm90"))
+        pytest.xfail("NVRTC 13.0 spills 28 B in the d128 fp16 two-stage sm90 backward")
     check(cfg, Features(dtype, cfg.head_dim), record_property)

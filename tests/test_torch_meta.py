@@ -26,7 +26,7 @@ def test_schemas(ops):
                                        "int seed")
     assert str(bwd._schema).startswith("cuflash::attention_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, "
                                        "Tensor out, Tensor lse, bool causal, float? softmax_scale, "
-                                       "bool deterministic, float dropout_p, int seed)")
+                                       "bool deterministic, float dropout_p, int seed")
 
 
 def test_op_signatures_follow_the_argument_lists(ops):
