@@ -19,7 +19,7 @@ from .. import device as _device
 from .._version import add_version_argument
 from ..features import PERF_CLASSES, Features
 from ..tiles import SUPPORTED_HEAD_DIMS
-from . import report, search, space
+from . import precompile, report, search, space
 from .runner import DTYPES
 from .tuner import Options
 
@@ -77,6 +77,9 @@ def parse_args(argv=None):
     g.add_argument("--allow-spills", type=int, default=0, metavar="BYTES",
                    help="keep configs with up to BYTES of local memory per thread (default 0: prune any spill)")
     g.add_argument("--device", type=int, default=0)
+    g.add_argument("--compile-jobs", type=int, default=None, metavar="N",
+                   help="processes that compile each kernel's candidates before they are checked "
+                        "(default: this machine's CPUs, at most 16; 1: compile one at a time)")
     g.add_argument("--in-process", action="store_true",
                    help="run trials in this process (no crash isolation; for debugging)")
     g.add_argument("--no-cache", action="store_true", help="do not write the results to the user's cache")
@@ -114,7 +117,8 @@ def options_from_args(a) -> Options:
                    seqlens=tuple(a.seqlens), causal=_causal(a.causal), mode=mode, trials=a.trials,
                    time_budget_s=a.time_budget, seed=a.seed, sampler=a.sampler, warmup=a.warmup, reps=a.reps,
                    confirm_rounds=a.confirm_rounds, tokens=a.tokens, hidden=a.hidden,
-                   allow_local_bytes=a.allow_spills, write_cache=not a.no_cache)
+                   allow_local_bytes=a.allow_spills, write_cache=not a.no_cache,
+                   compile_jobs=precompile.default_jobs() if a.compile_jobs is None else a.compile_jobs)
 
 
 def _gpu_props(device):

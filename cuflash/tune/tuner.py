@@ -23,7 +23,7 @@ import time
 from typing import Callable
 
 from .. import _compile, families, tuning_store
-from . import search, space
+from . import precompile, search, space
 from .runner import Shape, make_shape
 
 MODES = ("search", "exhaustive", "compare")
@@ -53,6 +53,7 @@ class Options:
     hidden: int = 2048
     allow_local_bytes: int = 0
     write_cache: bool = True
+    compile_jobs: int = 1  # processes compiling a group's candidates before the checks (precompile.py)
 
 
 def plan_shapes(o: Options) -> list:
@@ -247,6 +248,8 @@ def tune(o: Options, worker, props, *, on_event: Callable | None = None, cache_p
             continue
         t0 = time.monotonic()
         ev("compile_start", kernel=kernel, dtype=dtype, head_dim=d, n=len(sp.candidates))
+        if o.compile_jobs > 1 and getattr(worker, "device", None) is not None:
+            precompile.precompile(sp.candidates, features, worker.device, o.compile_jobs)
         valid, pruned = search.prune(sp.candidates, lambda c: worker.check(c, features, o.allow_local_bytes),
                                      lambda c, why: ev("checked", config=c, reason=why))
         compile_s = time.monotonic() - t0
