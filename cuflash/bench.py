@@ -74,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--passes", nargs="+", choices=sorted(PASS_BENCHES), default=["fwd", "bwd"])
     p.add_argument("--quick", action="store_true", help="only seqlen 2048 and 8192")
+    p.add_argument("--overhead", action="store_true",
+                   help="instead: per-call time at a launch-bound shape (batch 1, 128 tokens, 2 heads, "
+                        "head_dim 64), CuPy and torch paths against SDPA, eager and CUDA-graph replays")
     args = p.parse_args(argv)
     if args.quick:
         args.seqlens = [2048, 8192]
@@ -402,6 +405,15 @@ def main(argv=None) -> int:
     env = env_info(torch)
     path = args.json or default_json_path(env["gpu"], datetime.now(timezone.utc))
     settings = {k: v for k, v in vars(args).items() if k != "json"}
+    if args.overhead:
+        from . import bench_overhead
+
+        rows = bench_overhead.measure(torch, args.dtype)
+        print(f"{env['gpu']}, {args.dtype}")
+        print(bench_overhead.format_table(rows))
+        write_json(path, env, settings | {"shape": bench_overhead.SHAPE}, rows)
+        print(f"results written to {path}")
+        return 0
     cases = cases_from_args(args)
     print(f"{env['gpu']} ({env['sm_count']} SMs), {args.dtype}, {len(cases)} cases"
           + ("" if torch is not None else ", SDPA not measured (torch with CUDA unavailable or --no-sdpa)"))

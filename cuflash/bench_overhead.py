@@ -1,0 +1,159 @@
+"""Per-call overhead at a launch-bound shape (issue 18): `python -m cuflash.bench --overhead`.
+
+At batch 1, 128 tokens, 2 heads, head_dim 64 the kernels take a few microseconds, so the time of a
+call is the host's: argument checks, plan lookup, allocation, launches. This measures it the way a
+decoding loop sees it: many calls back to back, wall time over the loop (the GPU never waits for the
+host to be the bottleneck only if the host is faster than the kernels). Paths: cuflash from CuPy,
+cuflash from torch (forward, and forward + backward through autograd), SDPA's flash and cuDNN
+backends; each also replayed from a CUDA graph (CuPy's stream capture, torch.cuda.graph), which
+removes the host's per-call work and shows the floor.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+SHAPE = {"batch": 1, "seqlen": 128, "heads": 2, "head_dim": 64}
+# issue 18's targets against SDPA flash's per-call time, same run
+TARGETS = {("cupy", "fwd"): 1.2, ("torch", "fwd"): 1.5, ("torch", "fwd+bwd"): 1.5}
+
+
+def per_call_us(fn: Callable, sync: Callable, calls: int = 500, rounds: int = 5, warmup: int = 20) -> float:
+    """Median over `rounds` of (wall time of `calls` back-to-back calls, synchronised at the end) / calls."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(times)
+
+
+def _cupy_rows(dtype: str, calls: int) -> list[dict]:
+    import cupy
+    import numpy as np
+
+    import cuflash
+    from cuflash.testing import dtype_of, random_qkv
+
+    s = SHAPE
+    q, k, v = random_qkv(np.random.default_rng(0), s["batch"], s["seqlen"], s["seqlen"], s["heads"], s["head_dim"],
+                         dtype_of(dtype))
+    sync = cupy.cuda.Device().synchronize
+    rows = [{"path": "cuflash (CuPy)", "lib": "cupy", "pass": "fwd", "graph": False,
+             "us": per_call_us(lambda: cuflash.attention(q, k, v), sync, calls)}]
+    row = {"path": "cuflash (CuPy)", "lib": "cupy", "pass": "fwd", "graph": True}
+    try:  # CuPy stream capture: the warm-up above left the plan built and the output's block pooled
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            cuflash.attention(q, k, v)
+            stream.synchronize()
+            stream.begin_capture()
+            out = cuflash.attention(q, k, v)  # noqa: F841 - kept alive with the graph
+            graph = stream.end_capture()
+        graph.upload(stream)
+        row["us"] = per_call_us(lambda: graph.launch(stream), stream.synchronize, calls)
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        row["error"] = f"{type(e).__name__}: {e}"[:160]
+    rows.append(row)
+    return rows
+
+
+def _torch_rows(torch, dtype: str, calls: int) -> list[dict]:
+    import cuflash
+
+    s = SHAPE
+    tdt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shape = (s["batch"], s["seqlen"], s["heads"], s["head_dim"])
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=tdt, generator=gen) for _ in range(4))
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    sync = torch.cuda.synchronize
+
+    def sdpa(backend):
+        from torch.nn.attention import sdpa_kernel
+
+        def run(a, b, c):  # cuflash's (b, n, h, d) seen as SDPA's (b, h, n, d): views, no copies
+            with sdpa_kernel([backend]):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2)).transpose(1, 2)
+        return run
+
+    from torch.nn.attention import SDPBackend
+
+    impls = {"cuflash (torch)": cuflash.attention, "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION),
+             "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    rows = []
+    for name, attn in impls.items():
+        lib = "torch" if name.startswith("cuflash") else name
+        fwd = lambda attn=attn: attn(q, k, v)  # noqa: E731
+
+        def fwd_bwd(attn=attn):
+            out = attn(qg, kg, vg)
+            return torch.autograd.grad(out, (qg, kg, vg), dout)
+
+        for pass_, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+            for graphed in (False, True):
+                row = {"path": name, "lib": lib, "pass": pass_, "graph": graphed}
+                try:
+                    if not graphed:
+                        row["us"] = per_call_us(fn, sync, calls)
+                    else:
+                        side = torch.cuda.Stream()
+                        side.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(side):  # warm-up outside the capture (compiles, plans)
+                            for _ in range(3):
+                                fn()
+                        torch.cuda.current_stream().wait_stream(side)
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            keep = fn()  # noqa: F841 - the graph's outputs
+                        row["us"] = per_call_us(g.replay, sync, calls)
+                except Exception as e:  # noqa: BLE001 - reported in the table
+                    row["error"] = f"{type(e).__name__}: {e}"[:160]
+                rows.append(row)
+    return rows
+
+
+def measure(torch=None, dtype: str = "bf16", calls: int = 500) -> list[dict]:
+    rows = _cupy_rows(dtype, calls)
+    if torch is not None:
+        rows += _torch_rows(torch, dtype, calls)
+    return rows
+
+
+def ratios(rows: list[dict]) -> dict:
+    """cuflash's per-call time over SDPA flash's, for issue 18's targets (eager calls)."""
+    flash = {r["pass"]: r["us"] for r in rows if r["path"] == "SDPA flash" and not r["graph"] and "us" in r}
+    out = {}
+    for r in rows:
+        key = (r["lib"], r["pass"])
+        if key in TARGETS and not r["graph"] and "us" in r and r["pass"] in flash:
+            out[key] = (r["us"] / flash[r["pass"]], TARGETS[key])
+    return out
+
+
+def format_table(rows: list[dict]) -> str:
+    s = SHAPE
+    lines = [f"per-call time, batch {s['batch']}, seqlen {s['seqlen']}, heads {s['heads']}, head_dim {s['head_dim']} "
+             "(wall time of back-to-back calls / calls; median of 5 rounds)",
+             f"{'path':<18} {'pass':<8} {'eager us':>9} {'graph us':>9}"]
+    keyed = {(r["path"], r["pass"], r["graph"]): r for r in rows}
+    for path, pass_ in dict.fromkeys((r["path"], r["pass"]) for r in rows):
+        cells = []
+        for graphed in (False, True):
+            r = keyed.get((path, pass_, graphed))
+            cells.append("-" if r is None else (f"{r['us']:.1f}" if "us" in r else "error"))
+        lines.append(f"{path:<18} {pass_:<8} {cells[0]:>9} {cells[1]:>9}")
+    for r in rows:
+        if "error" in r:
+            lines.append(f"  {r['path']} {r['pass']}{' (graph)' if r['graph'] else ''}: {r['error']}")
+    for (lib, pass_), (ratio, target) in ratios(rows).items():
+        verdict = "meets" if ratio <= target else "misses"
+        lines.append(f"cuflash ({lib}) {pass_} / SDPA flash: {ratio:.2f}x ({verdict} the {target}x target)")
+    return "\n".join(lines)
