@@ -33,10 +33,13 @@ for s in $stages; do
            python3 -m pytest -q -p no:cacheprovider -rfE tests/test_torch_meta.py tests/test_signature.py tests/test_interop.py \
              tests/test_mask.py tests/test_reference.py tests/test_bench.py tests/test_roofline.py 2>&1 | tee "$OUT/torch-cpu-tests.log" | tail -15 ;;
     sanitize)
-      for tool in memcheck racecheck synccheck; do
+      for tool in memcheck racecheck synccheck initcheck; do
         compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/sanitize_cases.py 2>&1 | tail -6 | tee -a "$OUT/sanitize.log"
       done ;;
     bench) python3 -m cuflash.bench --quick --json "$OUT/bench-quick.json" 2>&1 | tee "$OUT/bench-quick.log" ;;
+    fuzz) CUFLASH_FUZZ_CASES=${FUZZ_CASES:-2000} timeout ${FUZZ_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider \
+            -rfE tests/gpu/test_fuzz_gpu.py tests/gpu/test_concurrency_gpu.py tests/gpu/test_soak_gpu.py 2>&1 \
+            | tee "$OUT/fuzz.log" | tail -25 ;;
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
     sm90bwd) timeout 240 python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 | tee "$OUT/sm90-bwd.log" | grep -v Warning | tail -40 ;;

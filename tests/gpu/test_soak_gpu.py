@@ -1,0 +1,72 @@
+"""Memory (issue 14): many calls with random shapes leave device memory flat after warm-up; running out
+of memory raises CuPy's OutOfMemoryError and the next call works."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from cuflash.testing import dtype_of, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+SOAK_CALLS = int(os.environ.get("CUFLASH_SOAK_CALLS", "400"))
+
+
+def _used_bytes():
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+    free, total = cupy.cuda.runtime.memGetInfo()
+    return total - free, cupy.get_default_memory_pool().used_bytes()
+
+
+def test_soak_memory_is_flat():
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(1)
+    shapes = [(int(rng.integers(1, 3)), int(rng.integers(1, 600)), int(rng.integers(1, 600)), int(rng.integers(1, 4)),
+               int(rng.choice([64, 128])), bool(rng.random() < 0.5)) for _ in range(24)]
+
+    def call(i):
+        b, nq, nk, h, d, causal = shapes[i % len(shapes)]
+        q, k, v = random_qkv(np.random.default_rng(i), b, nq, nk, h, d, dtype_of("bfloat16"))
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        cuflash.attention_backward(out, q, k, v, out, lse, causal=causal)
+
+    for i in range(2 * len(shapes)):  # warm-up: every shape's kernels, plans and pool blocks
+        call(i)
+    before = _used_bytes()
+    for i in range(SOAK_CALLS):
+        call(i)
+    after = _used_bytes()
+    print(f"soak: {SOAK_CALLS} calls, device memory {before[0]} -> {after[0]} B, pool in use {before[1]} -> {after[1]} B")
+    assert after[1] <= before[1], "CuPy's pool holds more live memory after the soak"
+    assert after[0] - before[0] <= 64 << 20, "device memory grew by more than 64 MiB over the soak"
+
+
+def test_out_of_memory_is_clean_and_the_next_call_works():
+    """A pool limit just above what is in use: the call's own output allocation fails inside cuflash
+    with CuPy's OutOfMemoryError (no other exception, no launch half done); with the limit lifted the
+    same call works and is finite."""
+    import cupy
+
+    import cuflash
+
+    pool = cupy.get_default_memory_pool()
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 4096, 4096, 8, 128, dtype_of("float16"))  # 8 MiB each
+    cuflash.attention(q, k, v)  # kernels and plan built
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    old = pool.get_limit()
+    pool.set_limit(size=pool.used_bytes() + (1 << 20))  # 1 MiB headroom: out needs 8 MiB
+    try:
+        with pytest.raises(cupy.cuda.memory.OutOfMemoryError):
+            cuflash.attention(q, k, v)
+    finally:
+        pool.set_limit(size=old)
+    out = cuflash.attention(q, k, v)
+    assert bool(cupy.isfinite(out.astype(cupy.float32)).all())
