@@ -40,6 +40,7 @@ for s in $stages; do
     fuzz) CUFLASH_FUZZ_CASES=${FUZZ_CASES:-2000} timeout ${FUZZ_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider \
             -rfE tests/gpu/test_fuzz_gpu.py tests/gpu/test_concurrency_gpu.py tests/gpu/test_soak_gpu.py 2>&1 \
             | tee "$OUT/fuzz.log" | tail -25 ;;
+    peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
     sm90bwd) timeout 240 python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 | tee "$OUT/sm90-bwd.log" | grep -v Warning | tail -40 ;;
