@@ -70,3 +70,21 @@ def test_out_of_memory_is_clean_and_the_next_call_works():
         pool.set_limit(size=old)
     out = cuflash.attention(q, k, v)
     assert bool(cupy.isfinite(out.astype(cupy.float32)).all())
+
+
+def test_grids_beyond_65535_blocks():
+    """batch x heads x query blocks over 65,535 (the y/z grid limit): the kernels take 1-D grids,
+    forward and backward stay right (2x rule)."""
+    import math
+
+    import cuflash
+    from cuflash.testing import fa_rule, fa_rule_grads
+
+    q, k, v = random_qkv(np.random.default_rng(3), 35000, 17, 23, 2, 64, dtype_of("bfloat16"))
+    dout = random_qkv(np.random.default_rng(4), 35000, 17, 1, 2, 64, dtype_of("bfloat16"))[0]
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    err, pt, allowed = fa_rule(out, q, k, v, True, 1 / math.sqrt(64))
+    assert err <= allowed
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    for name, (err, pt, allowed) in fa_rule_grads(grads, q, k, v, dout, True, 1 / math.sqrt(64)).items():
+        assert err <= allowed, name
