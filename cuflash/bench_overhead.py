@@ -73,51 +73,61 @@ def _torch_rows(torch, dtype: str, calls: int) -> list[dict]:
     shape = (s["batch"], s["seqlen"], s["heads"], s["head_dim"])
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=tdt, generator=gen) for _ in range(4))
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    sync = torch.cuda.synchronize
 
-    def sdpa(backend):
-        from torch.nn.attention import sdpa_kernel
+    def sdpa(a, b, c):  # cuflash's (b, n, h, d) seen as SDPA's (b, h, n, d): views, no copies
+        return torch.nn.functional.scaled_dot_product_attention(
+            a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2)).transpose(1, 2)
 
-        def run(a, b, c):  # cuflash's (b, n, h, d) seen as SDPA's (b, h, n, d): views, no copies
-            with sdpa_kernel([backend]):
-                return torch.nn.functional.scaled_dot_product_attention(
-                    a.transpose(1, 2), b.transpose(1, 2), c.transpose(1, 2)).transpose(1, 2)
-        return run
+    import contextlib
 
-    from torch.nn.attention import SDPBackend
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    impls = {"cuflash (torch)": cuflash.attention, "SDPA flash": sdpa(SDPBackend.FLASH_ATTENTION),
-             "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    # SDPA's backend is chosen once around the whole measurement (entering sdpa_kernel per call costs
+    # more than the call), as a model would set it
+    impls = {"cuflash (torch)": (cuflash.attention, contextlib.nullcontext()),
+             "SDPA flash": (sdpa, sdpa_kernel([SDPBackend.FLASH_ATTENTION])),
+             "SDPA cuDNN": (sdpa, sdpa_kernel([SDPBackend.CUDNN_ATTENTION]))}
     rows = []
-    for name, attn in impls.items():
-        lib = "torch" if name.startswith("cuflash") else name
-        fwd = lambda attn=attn: attn(q, k, v)  # noqa: E731
-
-        def fwd_bwd(attn=attn):
-            out = attn(qg, kg, vg)
-            return torch.autograd.grad(out, (qg, kg, vg), dout)
-
-        for pass_, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-            for graphed in (False, True):
-                row = {"path": name, "lib": lib, "pass": pass_, "graph": graphed}
-                try:
-                    if not graphed:
-                        row["us"] = per_call_us(fn, sync, calls)
-                    else:
-                        side = torch.cuda.Stream()
-                        side.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(side):  # warm-up outside the capture (compiles, plans)
-                            for _ in range(3):
-                                fn()
-                        torch.cuda.current_stream().wait_stream(side)
-                        g = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(g):
-                            keep = fn()  # noqa: F841 - the graph's outputs
-                        row["us"] = per_call_us(g.replay, sync, calls)
-                except Exception as e:  # noqa: BLE001 - reported in the table
-                    row["error"] = f"{type(e).__name__}: {e}"[:160]
-                rows.append(row)
+    for name, (attn, backend_ctx) in impls.items():
+        with backend_ctx:
+            rows += _torch_impl_rows(torch, name, attn, q, k, v, dout, qg, kg, vg, calls)
     return rows
+
+
+def _torch_impl_rows(torch, name, attn, q, k, v, dout, qg, kg, vg, calls) -> list[dict]:
+    """One implementation's rows: forward and forward + backward (autograd), eager and graph-replayed."""
+    lib = "torch" if name.startswith("cuflash") else name
+
+    def fwd():
+        return attn(q, k, v)
+
+    def fwd_bwd():
+        return torch.autograd.grad(attn(qg, kg, vg), (qg, kg, vg), dout)
+
+    rows = []
+    for pass_, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+        for graphed in (False, True):
+            row = {"path": name, "lib": lib, "pass": pass_, "graph": graphed}
+            try:
+                row["us"] = per_call_us(_graphed(torch, fn) if graphed else fn, torch.cuda.synchronize, calls)
+            except Exception as e:  # noqa: BLE001 - reported in the table
+                row["error"] = f"{type(e).__name__}: {e}"[:160]
+            rows.append(row)
+    return rows
+
+
+def _graphed(torch, fn):
+    """fn captured in a torch.cuda.graph after a warm-up on a side stream; returns its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiles and plans outside the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        g.outputs = fn()  # kept alive with the graph
+    return g.replay
 
 
 def measure(torch=None, dtype: str = "bf16", calls: int = 500) -> list[dict]:
