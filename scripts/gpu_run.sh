@@ -43,7 +43,10 @@ for s in $stages; do
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
-    sm90bwd) timeout 240 python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 | tee "$OUT/sm90-bwd.log" | grep -v Warning | tail -40 ;;
+    sm90bwd) for c in 128,64,2,2,0 128,64,2,2,1 64,64,2,2,0 64,64,2,2,1; do
+               SM90_BWD_CFG=$c timeout ${SM90_BWD_TIMEOUT:-90} python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 \
+                 | grep -v Warning | tee -a "$OUT/sm90-bwd.log" | tail -12; echo "[cfg $c rc=${PIPESTATUS[0]}]"
+             done ;;
     sm90fwd) timeout 300 python3 scripts/sm90_bringup.py check bench 2>&1 | tee "$OUT/sm90-fwd.log" | grep -v "^ok" | tail -40 ;;
     roofline) python3 -m cuflash.roofline --out "$OUT/roofline.png" --json "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.log" ;;
     *) echo "unknown stage $s" ;;

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
@@ -202,6 +203,12 @@ def run_bwd(cfg, dout, q, k, v, out, lse, causal):
 
 
 BWD_CFGS = {128: [(128, 64, 2, 2, 0), (128, 64, 2, 2, 1)], 64: [(64, 64, 2, 2, 0), (64, 64, 2, 2, 1)]}
+# SM90_BWD_CFG="128,64,2,2,1" runs one tile alone (scripts/gpu_run.sh runs each under its own
+# timeout: on 2026-11-30 the run printed nothing for 180 s after the first tile, which looked like
+# a hang of the dq_bulk tile, never seen alone)
+if os.environ.get("SM90_BWD_CFG"):
+    _one = tuple(int(x) for x in os.environ["SM90_BWD_CFG"].split(","))
+    BWD_CFGS = {_one[0]: [_one]}
 
 
 def check_bwd():
