@@ -251,7 +251,7 @@ def bench_bwd():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from cuflash._backward import backward as bwd_sm80
 
-    for d in (128, 64):
+    for d in BWD_CFGS:
         h = 2048 // d
         for n in (2048, 8192):
             b = max(1, 16384 // n)
