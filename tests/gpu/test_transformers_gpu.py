@@ -161,11 +161,12 @@ def test_padding_and_packed_sequences_fall_back_to_sdpa(spy):
     assert spy["sdpa"] >= 2 and not spy["cuflash"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same sdpa calls on the same weights
     # two sequences packed in one row, told apart by position_ids: transformers builds a block mask
+    # (it looks for packing only without a cache, hence use_cache=False)
     packed = ids.reshape(1, 128)
     pos = torch.cat([torch.arange(64), torch.arange(64)]).to("cuda")[None]
     with torch.no_grad():
-        got = cu(input_ids=packed, position_ids=pos).logits
-        want = sdpa(input_ids=packed, position_ids=pos).logits
+        got = cu(input_ids=packed, position_ids=pos, use_cache=False).logits
+        want = sdpa(input_ids=packed, position_ids=pos, use_cache=False).logits
     assert not spy["cuflash"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
