@@ -95,11 +95,11 @@ class _T:
 
 @pytest.fixture
 def calls(monkeypatch):
+    monkeypatch.setattr(hf, "sdpa_mask_for", lambda q, k, causal, window: (("dense", causal, window), False))
     log = []
     monkeypatch.setattr(hf, "_cuflash", lambda q, k, v, **o: log.append(("cuflash", q, k, v, o)) or "out")
     monkeypatch.setattr(hf, "_sdpa", lambda m, q, k, v, mask, d, s, c, kw: log.append(("sdpa", mask, c, kw)) or
                         ("sdpa-out", None))
-    monkeypatch.setattr(hf, "dense_mask", lambda q, k, causal, window: ("dense", causal, window))
     monkeypatch.setattr(hf, "_warned", set())
     return log
 
@@ -158,6 +158,13 @@ def test_unsupported_tensors_fall_back_with_cuflash_mask(calls, tensors, why):
         hf.attention_forward(module, *tensors, None, sliding_window=16)
     kind, mask, is_causal, _ = calls[-1]
     assert kind == "sdpa" and mask == ("dense", True, (15, 0)) and is_causal is False
+
+
+def test_sdpa_mask_for_uses_flags_where_they_agree(monkeypatch):
+    q, k = _T((1, 2, 64, 64)), _T((1, 2, 64, 64))
+    assert hf.sdpa_mask_for(q, k, False, (-1, -1)) == (None, False)
+    assert hf.sdpa_mask_for(q, k, True, (-1, -1)) == (None, True)  # seq_q == seq_k: top-left is bottom-right
+    assert hf.sdpa_mask_for(_T((1, 2, 1, 64)), _T((1, 2, 90, 64)), True, (-1, -1)) == (None, True)  # decoding
 
 
 def test_refusals_name_the_option(calls):

@@ -141,8 +141,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     why = unsupported(query, key, value)
     if why:
         _warn_once("shape:" + why, f"cuflash attention: {why}; those calls run on transformers' sdpa attention")
-        return _sdpa(module, query, key, value, dense_mask(query, key, causal, window), dropout, scaling, False,
-                     kwargs)
+        mask, sdpa_causal = sdpa_mask_for(query, key, causal, window)
+        return _sdpa(module, query, key, value, mask, dropout, scaling, sdpa_causal, kwargs)
     out = _cuflash(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
                    softmax_scale=scaling, window_size=window, dropout_p=float(dropout or 0.0))
     return out, None
@@ -164,20 +164,22 @@ def unsupported(query, key, value) -> str | None:
     return None
 
 
-def dense_mask(query, key, causal: bool, window: tuple):
-    """The boolean (1, 1, seq_q, seq_k) mask of cuflash's bottom-right aligned causal/window mask, for
-    sdpa (whose is_causal is top-left aligned); None where no key is masked."""
+def sdpa_mask_for(query, key, causal: bool, window: tuple):
+    """(attn_mask, is_causal) for sdpa that give cuflash's bottom-right aligned causal/window mask
+    (sdpa's own is_causal is top-left aligned): no mask where sdpa's flags say the same (no mask at
+    all; causal with seq_q == seq_k; a single query, which sees every key), else a boolean
+    (1, 1, seq_q, seq_k) mask."""
+    nq, nk = query.shape[-2], key.shape[-2]
+    if window == (-1, -1) and (not causal or nq == nk or nq == 1):
+        return None, bool(causal)
     import torch
 
     from ..mask import MaskOptions
 
-    nq, nk = query.shape[-2], key.shape[-2]
     left, right, offset = MaskOptions.of(causal=causal, window_size=window).geometry(nq, nk)
-    if not causal and window == (-1, -1):
-        return None
     i = torch.arange(nq, device=query.device)[:, None] + offset
     j = torch.arange(nk, device=query.device)[None, :]
-    return ((j >= i - left) & (j <= i + right))[None, None]
+    return ((j >= i - left) & (j <= i + right))[None, None], False
 
 
 def _cuflash(q, k, v, **options):
