@@ -114,6 +114,16 @@ def view(buf):
     return cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
 
+def flat(a, core_ndim: int):
+    """`a` with every leading axis beyond its `core_ndim` merged into the first (a view: XLA's buffers
+    are C-contiguous). Under jax.vmap the callbacks are batched with vmap_method="broadcast_all",
+    so each mapped axis arrives as a leading axis of every buffer; merged into batch, one launch
+    serves the whole vmap."""
+    if a.ndim <= core_ndim:
+        return a
+    return a.reshape((-1,) + tuple(a.shape[a.ndim - core_ndim + 1:]))
+
+
 def _on_stream(ctx, device: int):
     """Context managers: `device` current, XLA's stream (ctx.stream, a cudaStream_t) CuPy's current."""
     import contextlib
@@ -134,8 +144,9 @@ def forward_callback(ctx, outs, q, k, v, *, opts: JaxOptions):
 
     out, lse = outs
     with _on_stream(ctx, device_of(q)):
-        _forward.forward(view(q), view(k), view(v), mask=opts.mask, softmax_scale=opts.softmax_scale,
-                         backend=opts.backend, out=view(out), lse=view(lse))
+        q, k, v, out = (flat(view(b), 4) for b in (q, k, v, out))
+        _forward.forward(q, k, v, mask=opts.mask, softmax_scale=opts.softmax_scale, backend=opts.backend,
+                         out=out, lse=flat(view(lse), 3))
 
 
 def backward_callback(ctx, outs, dout, q, k, v, out, lse, *, opts: JaxOptions):
@@ -146,11 +157,12 @@ def backward_callback(ctx, outs, dout, q, k, v, out, lse, *, opts: JaxOptions):
     from . import _backward
 
     with _on_stream(ctx, device_of(q)):
-        grads = _backward.backward(view(dout), view(q), view(k), view(v), view(out), view(lse), mask=opts.mask,
-                                   softmax_scale=opts.softmax_scale, deterministic=opts.deterministic)
+        arrays = [flat(view(b), 4) for b in (dout, q, k, v, out)] + [flat(view(lse), 3)]
+        grads = _backward.backward(*arrays, mask=opts.mask, softmax_scale=opts.softmax_scale,
+                                   deterministic=opts.deterministic)
         stream = cupy.cuda.get_current_stream()
         for dst, src in zip(outs, grads):
-            dst = view(dst)
+            dst = view(dst)  # the bytes of src's shape (vmapped axes merged), C-contiguous
             if dst.nbytes:
                 src = cupy.ascontiguousarray(src)
                 dst.data.copy_from_device_async(src.data, dst.nbytes, stream)

@@ -17,9 +17,11 @@ stream writing into XLA's buffers, so no host synchronisation and no host round 
 (unlike jax.pure_callback). The forward's lse is the residual the backward uses, with q, k, v and
 out (FlashAttention's backward recomputes the probabilities from it).
 
-Not supported: dropout (NotImplementedError), jax.vmap (fold the mapped axis into batch instead),
-forward-mode differentiation (jax.jvp; only reverse mode, through custom_vjp), several devices in
-one call (shard_map cuflash.jax.attention per device). Shapes and options are checked when the
+jax.vmap works: the callbacks are batched with vmap_method="broadcast_all" (an operand without the
+mapped axis is broadcast to it) and fold the mapped axes into the batch, one launch per call.
+
+Not supported: dropout (NotImplementedError), forward-mode differentiation (jax.jvp; only reverse
+mode, through custom_vjp), several devices in one call (shard_map cuflash.jax.attention per device). Shapes and options are checked when the
 function is traced, with cuflash's messages naming the argument.
 
 Memory: cuflash's workspaces (and the backward's gradients before they are copied into XLA's
@@ -73,7 +75,8 @@ def _attention_bwd(opts, residuals, cotangents):
     dout, _ = cotangents  # lse's cotangent: zero (stop_gradient in attention)
     q, k, v, out, lse = residuals
     shapes = [jax.ShapeDtypeStruct(s, d) for s, d in ops.backward_results(q, k, v)]
-    dq, dk, dv = buffer_callback(_backward_callback(opts), shapes)(dout.astype(out.dtype), q, k, v, out, lse)
+    dq, dk, dv = buffer_callback(_backward_callback(opts), shapes, vmap_method="broadcast_all")(
+        dout.astype(out.dtype), q, k, v, out, lse)
     return dq, dk, dv
 
 
@@ -83,7 +86,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def _forward(q, k, v, opts):
     (out_shape, out_dtype), (lse_shape, lse_dtype) = ops.forward_results(q)
     shapes = [jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct(lse_shape, jnp.dtype(lse_dtype))]
-    out, lse = buffer_callback(_forward_callback(opts), shapes)(q, k, v)
+    out, lse = buffer_callback(_forward_callback(opts), shapes, vmap_method="broadcast_all")(q, k, v)
     return out, lse
 
 

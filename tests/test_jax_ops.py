@@ -114,7 +114,7 @@ def test_callbacks_map_buffers_and_stream(monkeypatch):
         return stack
 
     monkeypatch.setattr(ops, "_on_stream", fake_on_stream)
-    monkeypatch.setattr(ops, "view", lambda buf: ("view", buf._ptr))
+    monkeypatch.setattr(ops, "view", lambda buf: _View(buf._ptr, buf.shape))
 
     def fake_forward(q, k, v, **kw):
         seen["fwd"] = (q, k, v, kw)
@@ -127,9 +127,9 @@ def test_callbacks_map_buffers_and_stream(monkeypatch):
     out, lse = _FakeBuffer((1, 16, 2, 64), "float16", 8192, 1), _FakeBuffer((1, 2, 16), "float32", 9216, 1)
     ops.forward_callback(ctx, (out, lse), *bufs, opts=o)
     q, k, v, kw = seen["fwd"]
-    assert (q, k, v) == (("view", 1024), ("view", 2048), ("view", 3072))
-    assert kw == {"mask": o.mask, "softmax_scale": 0.25, "backend": "sm80", "out": ("view", 8192),
-                  "lse": ("view", 9216)}
+    assert (q, k, v) == (("view", 1024, (1, 16, 2, 64)), ("view", 2048, (1, 16, 2, 64)), ("view", 3072, (1, 16, 2, 64)))
+    assert kw == {"mask": o.mask, "softmax_scale": 0.25, "backend": "sm80", "out": ("view", 8192, (1, 16, 2, 64)),
+                  "lse": ("view", 9216, (1, 2, 16))}
     assert entered[:2] == [("device", 1), ("stream", 0xABC)]
 
     copies = []
@@ -144,17 +144,47 @@ def test_callbacks_map_buffers_and_stream(monkeypatch):
 
     monkeypatch.setattr(_backward, "backward", fake_backward)
     # the copy into XLA's results: checked through a fake view with a fake data pointer
-    monkeypatch.setattr(ops, "view", lambda buf: _FakeDst(buf, copies) if buf._ptr >= 1 << 20 else ("view", buf._ptr))
+    monkeypatch.setattr(ops, "view", lambda buf: _FakeDst(buf, copies) if buf._ptr >= 1 << 20 else
+                        _View(buf._ptr, buf.shape))
     fake_cupy = types.SimpleNamespace(ascontiguousarray=lambda a: types.SimpleNamespace(data=a.name),
                                       cuda=types.SimpleNamespace(get_current_stream=lambda: "xla-stream"))
     monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
     grads = [_FakeBuffer((1, 16, 2, 64), "float16", (1 << 20) * i, 1) for i in range(1, 4)]
     ops.backward_callback(ctx, grads, bufs[0], *bufs, out, lse, opts=ops.options(deterministic=True))
     arrays, kw = seen["bwd"]
-    assert arrays == (("view", 1024), ("view", 1024), ("view", 2048), ("view", 3072), ("view", 8192), ("view", 9216))
+    assert [a[:2] for a in arrays] == [("view", 1024), ("view", 1024), ("view", 2048), ("view", 3072), ("view", 8192),
+                                       ("view", 9216)]
     assert kw == {"mask": MaskOptions.of(), "softmax_scale": None, "deterministic": True}
     assert copies == [(1 << 20, "dq", 4096, "xla-stream"), (2 << 20, "dk", 4096, "xla-stream"),
                       (3 << 20, "dv", 4096, "xla-stream")]
+
+
+class _View(tuple):
+    """A fake CuPy view: ("view", ptr, shape), with ndim and reshape."""
+
+    def __new__(cls, ptr, shape):
+        return super().__new__(cls, ("view", ptr, tuple(shape)))
+
+    @property
+    def shape(self):
+        return self[2]
+
+    @property
+    def ndim(self):
+        return len(self[2])
+
+    def reshape(self, shape):
+        n = int(np.prod(self.shape))
+        shape = tuple(n // -int(np.prod(shape)) if s == -1 else s for s in shape)
+        assert int(np.prod(shape)) == n
+        return _View(self[1], shape)
+
+
+def test_vmapped_axes_fold_into_batch():
+    assert ops.flat(_View(0, (1, 16, 2, 64)), 4) == ("view", 0, (1, 16, 2, 64))
+    assert ops.flat(_View(0, (3, 2, 16, 2, 64)), 4) == ("view", 0, (6, 16, 2, 64))  # vmap over 3
+    assert ops.flat(_View(0, (5, 3, 2, 16, 2, 64)), 4) == ("view", 0, (30, 16, 2, 64))  # nested vmaps
+    assert ops.flat(_View(0, (3, 2, 2, 16)), 3) == ("view", 0, (6, 2, 16))  # lse
 
 
 class _FakeDst:

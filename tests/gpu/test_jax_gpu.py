@@ -8,6 +8,7 @@ default, and float32's error is orders of magnitude below bf16/fp16's.)
 """
 from __future__ import annotations
 
+import functools
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # CuPy's pool needs room next to XLA's
@@ -220,3 +221,32 @@ def test_bad_input_raises_when_traced():
         jax.jit(lambda q, k, v: cuflash.jax.attention(q.astype(jnp.float32), k, v))(q, k, v)
     with pytest.raises(NotImplementedError, match="dropout_p"):
         cuflash.jax.attention(q, k, v, dropout_p=0.1)
+
+
+def test_vmap_folds_into_one_call():
+    """vmap: the mapped axis is merged into batch inside the callbacks (vmap_method="broadcast_all");
+    gradients of k, v shared across the mapped axis are summed over it (custom_vjp's batching)."""
+    import cuflash.jax
+
+    q, k, v = _qkv(9, 2, 64, 80, 4, 2, 64)
+    qs = jnp.stack([q, q * 0.5, -q])
+    ks, vs = jnp.stack([k, -k, k]), jnp.stack([v, v, -v])
+    attn = functools.partial(cuflash.jax.attention, causal=True)
+    got = jax.jit(jax.vmap(attn))(qs, ks, vs)
+    want = jnp.stack([attn(qs[i], ks[i], vs[i]) for i in range(3)])
+    assert got.shape == (3, *q.shape) and bool(jnp.all(got == want))  # the same blocks, the same bits
+
+    w = jax.random.normal(jax.random.key(10), qs.shape)
+
+    def vmapped(qs, k, v):
+        return jnp.sum(jax.vmap(lambda q: attn(q, k, v))(qs).astype(jnp.float32) * w)
+
+    def looped(qs, k, v):
+        return sum(jnp.sum(attn(qs[i], k, v).astype(jnp.float32) * w[i]) for i in range(3))
+
+    got = jax.jit(jax.grad(vmapped, argnums=(0, 1, 2)))(qs, k, v)
+    want = jax.grad(looped, argnums=(0, 1, 2))(qs, k, v)
+    for name, g, r in zip(("dq", "dk", "dv"), got, want):
+        assert g.shape == r.shape
+        err, scale = _err(g, r), float(jnp.max(jnp.abs(r.astype(jnp.float32))))
+        assert err <= 2e-2 * scale, f"{name}: err {err:.3e} vs max {scale:.3e}"
