@@ -209,7 +209,7 @@ def test_view_reads_the_cuda_array_interface():
 
 
 def test_importing_cuflash_imports_neither_jax_nor_torch_nor_transformers():
-    code = ("import sys, cuflash, cuflash._jax_ops, cuflash.api; "
+    code = ("import sys, cuflash, cuflash._jax_ops, cuflash.api, cuflash.integrations.transformers; "
             "print(sorted(m for m in ('jax', 'torch', 'transformers') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
