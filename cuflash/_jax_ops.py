@@ -18,6 +18,7 @@ that touch CuPy import it when a callback runs.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import numpy as np
 
@@ -47,7 +48,7 @@ def options(causal=False, softmax_scale=None, window_size=(-1, -1), alignment="b
     scale = problem.check_softmax_scale(softmax_scale)
     deterministic = check_flag(deterministic, "deterministic")
     families.check_backend(backend)
-    if dropout_p is None or isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
         raise TypeError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if dropout_p != 0:
         raise NotImplementedError(f"cuflash.jax.attention: dropout_p={dropout_p!r} is not supported yet (dropout "
