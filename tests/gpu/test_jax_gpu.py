@@ -27,8 +27,10 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 @pytest.fixture(scope="module", autouse=True)
 def _jax_gpu():
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        pytest.skip("jax has no GPU backend here (install jax[cuda])")
+    try:
+        jax.devices("cuda")
+    except RuntimeError as e:
+        pytest.skip(f"jax has no CUDA backend here ({e})")
 
 
 def plain_attention(q, k, v, causal=False, window=(-1, -1), scale=None, dtype=None):
