@@ -133,7 +133,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                                   f"builds a mask and the call runs on sdpa)")
     window = (-1, -1)
     if sliding_window is not None and sliding_window > 0:
-        if not causal:  # bidirectional windows reach here only with a mask, which went to sdpa above
+        # A bidirectional window comes without a mask only where sdpa_mask skipped it (it covers every
+        # key): plain attention, left to sdpa as transformers would run it.
+        if not causal:
             _warn_once("bidir-window", "cuflash attention: a bidirectional sliding window without a mask runs on "
                                        "transformers' sdpa attention")
             return _sdpa(module, query, key, value, None, dropout, scaling, is_causal, kwargs)
