@@ -8,6 +8,9 @@
 `cuflash.attention` on torch tensors calls attention_fwd; its registered autograd formula calls
 attention_bwd, so `out.backward()` works when q, k or v require grad. Both ops have fake (meta)
 implementations, so torch.compile traces around them (they stay opaque calls in the graph).
+Eager calls with plain tensors (no tracer, fake tensors, functorch transform or dispatch mode)
+skip the dispatcher: the same implementations under a plain autograd.Function (_EagerAttention),
+which saves the custom op's Python dispatch on every call.
 `deterministic` is an argument of the forward op only so that autograd can hand it to the backward.
 
 The kernels run on torch's current stream of the tensors' device (no synchronisation added), on
@@ -99,9 +102,8 @@ def _dropout_options(dropout_p, seed):
 
 # ------------------------------------------------------------------------------------------ the ops
 
-@_custom_op("cuflash::attention_fwd", FWD_SCHEMA)
 @_signed(_FWD_SIGNATURE)
-def attention_fwd(q, k, v, *options):
+def _fwd_impl(q, k, v, *options):
     mask, o = mask_and_options(FWD_OPTIONS, options)
     fwd = forward_fn(o["algorithm"])
     dev = _device((q, k, v), FWD_ARRAYS)
@@ -115,9 +117,8 @@ def attention_fwd(q, k, v, *options):
     return out.contiguous(), lse.contiguous()  # as the fake promises (no-ops: fresh arrays)
 
 
-@_custom_op("cuflash::attention_bwd", BWD_SCHEMA)
 @_signed(_BWD_SIGNATURE)
-def attention_bwd(dout, q, k, v, out, lse, *options):
+def _bwd_impl(dout, q, k, v, out, lse, *options):
     mask, o = mask_and_options(BWD_OPTIONS, options)
     dev = _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
@@ -130,6 +131,12 @@ def attention_bwd(dout, q, k, v, out, lse, *options):
 
     dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, BWD_ARRAYS)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()  # the fake's layout, whatever the kernel's
+
+
+# The ops: the implementations above behind torch's dispatcher (torch.compile, fake tensors, the
+# schema); eager calls take the fast path below instead.
+attention_fwd = _custom_op("cuflash::attention_fwd", FWD_SCHEMA)(_fwd_impl)
+attention_bwd = _custom_op("cuflash::attention_bwd", BWD_SCHEMA)(_bwd_impl)
 
 
 # ----------------------------------------------------------------------------- fake (meta) versions
@@ -199,6 +206,42 @@ _fwd_op = torch.ops.cuflash.attention_fwd.default
 _bwd_op = torch.ops.cuflash.attention_bwd.default
 
 
+# ------------------------------------------------------------------------------ eager fast path
+# Measured on the H200 (docs/perf-notes.md, per-call overhead): a custom op's Python dispatch (the
+# autograd wrapper, redispatch, the dynamo-disable wrapper around the implementation) was about a
+# quarter of a small forward call's host time. Outside tracing, with plain tensors, the same
+# implementations run under a plain autograd.Function: same kernels, outputs and gradients.
+
+class _EagerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, *options):
+        out, lse = _fwd_impl(q, k, v, *options)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.options = backward_options((q, k, v, *options))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_bwd_impl(dout, q, k, v, out, lse, *ctx.options), *OPTION_GRADS)
+
+
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
+def _eager(tensors) -> bool:
+    """Whether a call may skip the dispatcher: not under torch.compile or another tracer, plain
+    torch.Tensor arguments (no fake or subclass tensors), no functorch transform, no dispatch mode."""
+    if torch.compiler.is_compiling() or _functorch_active():
+        return False
+    if any(type(t) is not Tensor for t in tensors):
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is None
+
+
 # ------------------------------------------------------------------------------ public entry points
 # The options are checked here, once, because the ops' schema types cannot carry a wrong one to
 # the checks below them (a str for `causal` would fail in the dispatcher, not with our message):
@@ -212,9 +255,9 @@ def attention(q, k, v, mask: MaskOptions, softmax_scale, return_lse, algorithm, 
     _device((q, k, v), FWD_ARRAYS)
     scale = problem.check_softmax_scale(softmax_scale)
     dropout_p, seed = _dropout_options(dropout_p, seed)
-    out, lse = _fwd_op(q, k, v, *op_options(FWD_OPTIONS, mask, softmax_scale=scale, algorithm=algorithm,
-                                            deterministic=bool(deterministic), dropout_p=dropout_p, seed=seed,
-                                            backend=backend))
+    options = op_options(FWD_OPTIONS, mask, softmax_scale=scale, algorithm=algorithm,
+                         deterministic=bool(deterministic), dropout_p=dropout_p, seed=seed, backend=backend)
+    out, lse = _EagerAttention.apply(q, k, v, *options) if _eager((q, k, v)) else _fwd_op(q, k, v, *options)
     return (out, lse) if return_lse else out
 
 
@@ -226,7 +269,8 @@ def attention_backward(dout, q, k, v, out, lse, mask: MaskOptions, softmax_scale
         raise ValueError("seed is required with dropout_p > 0: pass the seed the forward used")
     scale = problem.check_softmax_scale(softmax_scale)
     dropout_p, seed = _dropout_options(dropout_p, seed)
+    options = op_options(BWD_OPTIONS, mask, softmax_scale=scale, deterministic=bool(deterministic),
+                         dropout_p=dropout_p, seed=seed)
     with torch.no_grad():
-        return _bwd_op(dout, q, k, v, out, lse, *op_options(BWD_OPTIONS, mask, softmax_scale=scale,
-                                                           deterministic=bool(deterministic),
-                                                           dropout_p=dropout_p, seed=seed))
+        arrays = (dout, q, k, v, out, lse)
+        return _bwd_impl(*arrays, *options) if _eager(arrays) else _bwd_op(*arrays, *options)

@@ -356,3 +356,25 @@ def test_cuda_graph_capture_and_replay():
     g.replay()
     torch.cuda.synchronize()
     assert all(torch.isfinite(x).all() for x in grads)
+
+
+def test_eager_fast_path_matches_the_ops():
+    """Eager calls run the implementations under a plain autograd.Function; the custom ops (used
+    under torch.compile) give the same bits, forward and gradients, and the fast path is the one
+    taken for plain tensors."""
+    import cuflash
+    from cuflash import _torch
+    from cuflash.mask import MaskOptions
+
+    assert _torch._eager((torch.zeros(1, device="cuda"),))
+    q, k, v = _qkv(7, 2, 200, 300, 4, 64, requires_grad=True)
+    dout = torch.randn_like(q)
+    out = cuflash.attention(q, k, v, causal=True)
+    fast = (out, *torch.autograd.grad(out, (q, k, v), dout))
+    opts = _torch.op_options(_torch.FWD_OPTIONS, MaskOptions.of(causal=True), softmax_scale=None,
+                             algorithm="v2", deterministic=False, dropout_p=0.0, seed=0, backend=None)
+    out2, _ = _torch._fwd_op(q, k, v, *opts)
+    ops = (out2, *torch.autograd.grad(out2, (q, k, v), dout))
+    assert _same_bits(fast[0], ops[0])
+    for a, b in zip(fast[1:], ops[1:]):  # dq by atomics: the same to rounding, not bitwise
+        assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0)
