@@ -108,12 +108,13 @@ class KernelFamily:
         return [t for t in self.domain(head_dim) if t.fits(smem_optin_bytes)]
 
     def avoids(self, tile, features: Features | None) -> bool:
-        """Whether `tile` spills for these features: its perf class's set, or "local" for windowed calls
-        (a windowed call tunes with its class but its instance carries the left-edge code)."""
+        """Whether `tile` spills for these features: its perf class's set, or the set of a variant the
+        call has that keeps its class ("local" for windowed calls, "softcap"): such a call tunes
+        with its class but its instance carries the variant's code."""
         if features is None:
             return False
-        return tile in self.spilling.get(features.perf_class(), ()) or (
-            features.local and tile in self.spilling.get("local", ()))
+        return tile in self.spilling.get(features.perf_class(), ()) or any(
+            getattr(features, v.name) and tile in self.spilling.get(v.name, ()) for v in Features.variant_fields())
 
     def default(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN, features: Features | None = None):
         """The heuristic tile: the first default that fits the device and does not spill for `features`."""
@@ -168,7 +169,7 @@ class KernelFamily:
         if self.supports(plain):
             lacking = [v.name for v in Features.variant_fields()
                        if getattr(f, v.name) and not self.supports(dataclasses.replace(plain, **{v.name: True}))]
-            names = {"dropout": "dropout", "local": "sliding windows (window_size)"}
+            names = {"dropout": "dropout", "local": "sliding windows (window_size)", "softcap": "softcap"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         return f"{f.dtype} with head_dim {f.head_dim}"
 

@@ -12,6 +12,8 @@
 // once). The policies see S^T through a transposed fragment view (core/frag.cuh, Transposed).
 // The dropout instances (V::kDropout) regenerate the forward's Philox mask: dV uses P o mask, and
 // dS = P o (dP o Z - delta) with Z = mask / (1 - p).
+// The softcap instances (V::kSoftcap, attn/score_mod.cuh) cap S^T before the exp and keep the
+// tanh's derivative, packed like P^T, for dS = P o (dP - delta) o (1 - t^2).
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
@@ -20,6 +22,7 @@
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
+#include "attn/score_mod.cuh"
 #include "sm80/tile_copy.cuh"
 #include "sm80/traits.cuh"
 #include "sm80/warp_gemm.cuh"
@@ -123,6 +126,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const int m_blocks = (seqlen_q + BR - 1) / BR;
     const BlockRange range = query_blocks<BR, BC, V::kLocal>(geo, nb, m_blocks);
     const Mask<V::kLocal> mask{geo};
+    const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int m_begin = range.begin, n_iter = range.size();
 
@@ -199,11 +203,24 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         const float* sLf = reinterpret_cast<const float*>(smem + (sL - sK) + slot * S_::kStatBytes);
         const float* sDf = reinterpret_cast<const float*>(smem + (sDelta - sK) + slot * S_::kStatBytes);
         u32 frag[KQ][4];  // P^T, then dS^T, as A fragments (k = queries)
+        // softcap: the derivative 1 - t^2 of each element, in frag's order, packed as fp16 whatever
+        // the inputs' dtype (it lies in [0, 1], where fp16 has 3 more mantissa bits than bf16)
+        u32 dmod[V::kSoftcap ? KQ : 1][4];
 
-        // ---- S^T = K_w Q^T; P^T = exp2(S^T c - lse2), 0 where masked ----
+        // ---- S^T = K_w Q^T; score modifier; P^T = exp2(S^T c - lse2), 0 where masked ----
         {
             float acc[SN][4];
             tile_mma_abt<BF16, CH, KD, SN, S_::kHeadUnroll>(acc, sK, a_off, sQs, bn_off);
+            score_mod.apply_tile(acc);
+            if constexpr (V::kSoftcap) {
+#pragma unroll
+                for (int kq = 0; kq < KQ; ++kq)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {  // c_to_a_frags' order: tile 2 kq + r / 2, elements 2 (r % 2) (+1)
+                        const float* c = acc[2 * kq + r / 2] + 2 * (r % 2);
+                        dmod[kq][r] = pack2<false>(ScoreMod<V>::grad(c[0]), ScoreMod<V>::grad(c[1]));
+                    }
+            }
 #pragma unroll
             for (int nt = 0; nt < SN; ++nt) {
                 const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
@@ -231,7 +248,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                     float dp = acc[nt][e];
                     if constexpr (V::kDropout)  // dP o Z, Z = mask / (1 - p)
                         dp = ((keep[nt / 8] >> (((nt / 2) % 4) * 8 + (nt % 2) * 4 + e)) & 1u) ? dp * drop_scale : 0.f;
-                    acc[nt][e] = a_frag_elem<BF16, KQ>(frag, nt, e) * (dp - ((e & 1) ? Dl.y : Dl.x));
+                    float ds = a_frag_elem<BF16, KQ>(frag, nt, e) * (dp - ((e & 1) ? Dl.y : Dl.x));
+                    if constexpr (V::kSoftcap) ds *= a_frag_elem<false, KQ>(dmod, nt, e);  // o (1 - t^2)
+                    acc[nt][e] = ds;
                 }
             }
             c_to_a_frags<BF16, KQ>(frag, acc);
