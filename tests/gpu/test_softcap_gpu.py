@@ -197,3 +197,24 @@ def test_softcap_through_torch_autograd():
     assert bool((cupy.from_dlpack(out_t.detach()).view(cupy.uint16) == out.view(cupy.uint16)).all())
     for gt, g in zip((qt.grad, kt.grad, vt.grad), grads):
         assert float(cupy.abs(cupy.from_dlpack(gt).astype(cupy.float32) - g.astype(cupy.float32)).max()) < 1e-2
+
+
+@pytest.mark.parametrize("bwd", ["sm80", "sm90"])
+@pytest.mark.parametrize("heads_kv", [2, 1])  # GQA 6/2, MQA 6/1
+def test_softcap_with_gqa(heads_kv, bwd, backend):  # noqa: F811
+    """GQA/MQA compose with softcap: forward on every forward backend, backward on both dK/dV kernels."""
+    import cupy
+    from cuflash import _backward, _forward, device
+
+    if bwd == "sm90" and tuple(device.query(0).cc) != (9, 0):
+        pytest.skip("the sm90 backward needs cc 9.0")
+    mask, d = _mask(True, (-1, -1), 5.0), 128
+    rng = np.random.default_rng(_seed("gqa", heads_kv, bwd, backend))
+    q, k, v = random_qkv(rng, 2, 203, 300, 6, d, dtype_of("bfloat16"), scale=INPUT_SCALE, heads_kv=heads_kv)
+    dout, _, _ = random_qkv(rng, 2, 203, 1, 6, d, dtype_of("bfloat16"))
+    out, lse = _poisoned_forward(_forward.forward, q, k, v, mask, backend=backend)
+    _check_forward(out, lse, q, k, v, mask, d)
+    grads = _backward.backward(dout, q, k, v, out, lse, mask=mask, backend=bwd)
+    assert grads[1].shape == k.shape and not bool(cupy.isnan(grads[1].astype(cupy.float32)).any())
+    for name, (err, pt, allowed) in fa_rule_grads(grads, q, k, v, dout, mask, 1 / math.sqrt(d)).items():
+        assert err <= allowed, f"{name}: max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
