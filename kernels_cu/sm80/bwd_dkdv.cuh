@@ -217,26 +217,32 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
             float acc[SN][4];
             tile_mma_abt<BF16, CH, KD, SN, S_::kHeadUnroll>(acc, sK, a_off, sQs, bn_off);
             // in query order the masked head is the right edge + seqlen_k tail, the tail the left
-            // edge (local instances only): one pass checks both edges on either kind of tile.
-            // Softcap: t masked to -inf before the exp (P = 0 and 1 - t^2 -> 0 there); else P after it.
-            const bool masked = range.masked_head(m) || (V::kLocal && range.masked_tail(m));
+            // edge (local instances only): one pass checks both edges on either kind of tile
             if constexpr (V::kSoftcap) {
+                // t = the capped S^T, masked to -inf before the exp (P = 0 and 1 - t^2 = 0 there);
+                // P^T o (1 - t^2) parked for the dS^T phase
                 score_mod.apply_tile(acc);
-                if (masked) mask.apply_transposed<true, true>(acc, q0, key_w, lane, neg_inf());
-            }
+                if (range.masked_head(m) || (V::kLocal && range.masked_tail(m))) mask.apply_transposed<true, true>(acc, q0, key_w, lane, neg_inf());
 #pragma unroll
-            for (int nt = 0; nt < SN; ++nt) {
-                const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
+                for (int nt = 0; nt < SN; ++nt) {
+                    const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
 #pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const float g0 = ScoreMod<V>::grad(acc[nt][2 * half]), g1 = ScoreMod<V>::grad(acc[nt][2 * half + 1]);
-                    acc[nt][2 * half] = fast_exp2(fmaf(acc[nt][2 * half], scale_log2, -L.x));
-                    acc[nt][2 * half + 1] = fast_exp2(fmaf(acc[nt][2 * half + 1], scale_log2, -L.y));
-                    if constexpr (V::kSoftcap)
+                    for (int half = 0; half < 2; ++half) {
+                        const float g0 = ScoreMod<V>::grad(acc[nt][2 * half]), g1 = ScoreMod<V>::grad(acc[nt][2 * half + 1]);
+                        acc[nt][2 * half] = fast_exp2(fmaf(acc[nt][2 * half], scale_log2, -L.x));
+                        acc[nt][2 * half + 1] = fast_exp2(fmaf(acc[nt][2 * half + 1], scale_log2, -L.y));
                         st_shared_u32(park_slot(nt, half), pack2<BF16>(acc[nt][2 * half] * g0, acc[nt][2 * half + 1] * g1));
+                    }
                 }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < SN; ++nt) {
+                    const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
+                }
+                if (range.masked_head(m) || (V::kLocal && range.masked_tail(m))) mask.apply_transposed<true, true>(acc, q0, key_w, lane, 0.f);
             }
-            if (!V::kSoftcap && masked) mask.apply_transposed<true, true>(acc, q0, key_w, lane, 0.f);
             c_to_a_frags<BF16, KQ>(frag, acc);
         }
         // ---- dV += (P o mask)^T dO (the 1/(1-p) scale is applied to dV once, at the end) ----
@@ -249,26 +255,25 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 #pragma unroll
             for (int nt = 0; nt < SN; ++nt) {
                 const float2 Dl = *reinterpret_cast<const float2*>(sDf + nt * 8 + 2 * t);
-                // P^T from its packed 16-bit copy: the same rounding the dV product used (softcap:
-                // P^T o (1 - t^2), parked by the S^T phase)
-                float pe[4];
+                float pg[V::kSoftcap ? 4 : 1];  // softcap: P^T o (1 - t^2), parked by the S^T phase
                 if constexpr (V::kSoftcap) {
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         u32 w;
                         asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(park_slot(nt, half)) : "memory");
-                        unpack2<BF16>(w, pe[2 * half], pe[2 * half + 1]);
+                        unpack2<BF16>(w, pg[2 * half], pg[2 * half + 1]);
                     }
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) pe[e] = a_frag_elem<BF16, KQ>(frag, nt, e);
                 }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
+                    // P^T from its packed 16-bit copy: the same rounding the dV product used.
                     float dp = acc[nt][e];
                     if constexpr (V::kDropout)  // dP o Z, Z = mask / (1 - p)
                         dp = ((keep[nt / 8] >> (((nt / 2) % 4) * 8 + (nt % 2) * 4 + e)) & 1u) ? dp * drop_scale : 0.f;
-                    acc[nt][e] = pe[e] * (dp - ((e & 1) ? Dl.y : Dl.x));
+                    if constexpr (V::kSoftcap)
+                        acc[nt][e] = pg[e] * (dp - ((e & 1) ? Dl.y : Dl.x));
+                    else
+                        acc[nt][e] = a_frag_elem<BF16, KQ>(frag, nt, e) * (dp - ((e & 1) ? Dl.y : Dl.x));
                 }
             }
             c_to_a_frags<BF16, KQ>(frag, acc);

@@ -246,14 +246,18 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                 for (int nt = 0; nt < BR / 8; ++nt) {
                     const float2 L = *reinterpret_cast<const float2*>(lrow + 8 * nt);
+                    if constexpr (V::kSoftcap) {
 #pragma unroll
-                    for (int e = 0; e < 4; e += 2) {
-                        const float g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
-                        acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -L.x));
-                        acc_s[nt][e + 1] = fast_exp2(fmaf(acc_s[nt][e + 1], scale_log2, -L.y));
-                        if constexpr (V::kSoftcap)
+                        for (int e = 0; e < 4; e += 2) {
+                            const float g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
+                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -L.x));
+                            acc_s[nt][e + 1] = fast_exp2(fmaf(acc_s[nt][e + 1], scale_log2, -L.y));
                             st_shared_u32(pg_rows + 8 * (e / 2) * 128 + ((nt ^ g) << 4) + 4 * t,
                                           pack2<BF16>(acc_s[nt][e] * g0, acc_s[nt][e + 1] * g1));
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
                     }
                 }
                 // in query order the masked head is the right edge + seqlen_k tail, the tail the
@@ -291,18 +295,18 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         // key row 64 cw + 16 warp + g + 8 half (row % 8 = g), query column 8 nt + 2 t
-                        const u32 slot = ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t;
-                        u32 pw;  // P^T (softcap: P^T o (1 - t^2), parked in this slot by the S^T phase)
-                        if constexpr (V::kSoftcap) {
+                        if constexpr (V::kSoftcap) {  // P^T o (1 - t^2), parked in this slot by the S^T phase
+                            const u32 slot = ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t;
+                            u32 pw;
                             asm volatile("ld.shared.u32 %0, [%1];" : "=r"(pw) : "r"(slot) : "memory");
+                            float p0, p1;
+                            unpack2<BF16>(pw, p0, p1);
+                            st_shared_u32(slot, pack2<BF16>(p0 * (acc_dp[nt][2 * half] - Dl.x), p1 * (acc_dp[nt][2 * half + 1] - Dl.y)));
                         } else {
-                            pw = p_frag[nt / 2][(nt % 2) * 2 + half];  // a_frag_elem's word of elements 2 half, 2 half + 1
+                            const float d0 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half) * (acc_dp[nt][2 * half] - Dl.x);
+                            const float d1 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half + 1) * (acc_dp[nt][2 * half + 1] - Dl.y);
+                            st_shared_u32(ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t, pack2<BF16>(d0, d1));
                         }
-                        float p0, p1;
-                        unpack2<BF16>(pw, p0, p1);
-                        const float d0 = p0 * (acc_dp[nt][2 * half] - Dl.x);
-                        const float d1 = p1 * (acc_dp[nt][2 * half + 1] - Dl.y);
-                        st_shared_u32(slot, pack2<BF16>(d0, d1));
                     }
                 }
             }
