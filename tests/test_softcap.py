@@ -211,3 +211,38 @@ def test_scale_identity_of_the_folding():
     t = math.tanh(s * (tau / c))
     assert math.isclose(c * math.tanh(tau * s / c), c * t, rel_tol=1e-15)
     assert math.isclose(2 ** (t * c * params.LOG2E), math.exp(c * t), rel_tol=1e-12)
+
+
+def test_kernel_formulas_with_the_packed_fields_give_the_reference():
+    """The kernels' algebra (attn/score_mod.cuh, sm80/bwd_dkdv.cuh, sm90/bwd.cuh) written in NumPy
+    with the fields params.pack_* hands them: t = tanh(S softcap_scale) on raw S = Q K^T, the
+    softmax of t in exp2 units scale_log2, lse = (max t scale_log2 + log2 l) ln 2, the backward's
+    P = exp2(t scale_log2 - lse log2 e), dS = P o (1 - t^2) o (dP - delta), dQ = scale dS K,
+    dK = scale dS^T Q, against the float64 reference (to the fields' float32 rounding)."""
+    rng = np.random.default_rng(7)
+    nq, nk, h, d = 9, 13, 2, 64
+    q, k, v, dout = (rng.standard_normal((1, n, h, d)) * 1.5 for n in (nq, nk, nk, nq))
+    mask = MaskOptions.of(causal=True, softcap=3.0)
+    p = resolve_forward(_info((1, nq, h, d)), _info((1, nk, h, d)), _info((1, nk, h, d)), mask, None)
+    b = params.pack_bwd(dataclasses.replace(p, strides={**p.strides, "out": p.strides["q"], "dout": p.strides["q"]}),
+                        16, 1)[0]
+    scale_log2, tanh_scale, scale = (float(b[f]) for f in ("scale_log2", "softcap_scale", "scale"))
+    qh, kh, vh, doh = (x[0].transpose(1, 0, 2) for x in (q, k, v, dout))  # (h, n, d)
+    t = np.tanh((qh @ kh.swapaxes(-1, -2)) * tanh_scale)
+    ok = visible(nq, nk, mask)
+    t = np.where(ok, t, -np.inf)  # the mask after the modifier
+    m = t.max(-1, keepdims=True)
+    e = np.exp2(t * scale_log2 - m * scale_log2)
+    l = e.sum(-1, keepdims=True)
+    out = (e / l) @ vh
+    lse = ((m * scale_log2 + np.log2(l)) * math.log(2))[..., 0]
+    ref_out, ref_lse = attention_naive(q, k, v, causal=mask)
+    np.testing.assert_allclose(out.transpose(1, 0, 2)[None], ref_out, rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(lse[None], ref_lse, rtol=2e-6, atol=2e-6)
+    pm = np.exp2(t * scale_log2 - lse[..., None] * params.LOG2E)
+    delta = (doh * out).sum(-1, keepdims=True)
+    ds = pm * np.maximum(1 - t * t, 0) * (doh @ vh.swapaxes(-1, -2) - delta)
+    dq, dk, dv = scale * ds @ kh, scale * ds.swapaxes(-1, -2) @ qh, pm.swapaxes(-1, -2) @ doh
+    ref = attention_backward(dout, q, k, v, ref_out, ref_lse, causal=mask)
+    for got, want in zip((dq, dk, dv), ref):
+        np.testing.assert_allclose(got.transpose(1, 0, 2)[None], want, rtol=2e-5, atol=2e-5)
