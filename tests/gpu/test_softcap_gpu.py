@@ -195,8 +195,10 @@ def test_softcap_through_torch_autograd():
     out, lse = cuflash.attention(q, k, v, causal=True, softcap=5.0, return_lse=True)
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, softcap=5.0)
     assert bool((cupy.from_dlpack(out_t.detach()).view(cupy.uint16) == out.view(cupy.uint16)).all())
-    for gt, g in zip((qt.grad, kt.grad, vt.grad), grads):
-        assert float(cupy.abs(cupy.from_dlpack(gt).astype(cupy.float32) - g.astype(cupy.float32)).max()) < 1e-2
+    for gt, g in zip((qt.grad, kt.grad, vt.grad), grads):  # dQ's fp32 atomics may order differently: an ulp or so
+        g32 = g.astype(cupy.float32)
+        diff = float(cupy.abs(cupy.from_dlpack(gt).astype(cupy.float32) - g32).max())
+        assert diff <= 1e-2 * float(cupy.abs(g32).max()) + 1e-3
 
 
 @pytest.mark.parametrize("bwd", ["sm80", "sm90"])
