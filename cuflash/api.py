@@ -17,7 +17,8 @@ _tmod = None  # the cuflash._torch module (registers the torch ops), once a torc
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
-              backend: str | None = None, window_size: tuple = (-1, -1), alignment: str = "bottom_right"):
+              backend: str | None = None, window_size: tuple = (-1, -1), alignment: str = "bottom_right",
+              softcap: float | None = 0.0):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16 or
@@ -47,6 +48,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         "bottom_right" (key i + seqlen_k - seqlen_q; FlashAttention >= 2.1, the default) or "top_left"
         (key i; PyTorch SDPA's is_causal).
     softmax_scale: defaults to 1/sqrt(head_dim).
+    softcap: c > 0 caps the scores, Gemma 2 style (FlashAttention >= 2.6's softcap): each score
+        s = softmax_scale * q.k becomes c * tanh(s / c) before the mask and the softmax (lse is that
+        of the capped scores); 0 or None (the default): no cap. Forward and backward, every kernel.
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.
     algorithm: "v2" (FlashAttention-2 loop order, the default) or "v1" (FlashAttention-1). The
@@ -71,7 +75,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     Raises TypeError/ValueError naming the argument before any launch on bad input.
     """
-    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment)  # checked, one record
+    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)  # checked
     t = type(q)
     if (t is _ndarray and type(k) is t and type(v) is t and algorithm == "v2"
             and (deterministic is False or deterministic is True)):
@@ -110,11 +114,11 @@ def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministi
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                        deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
-                       window_size: tuple = (-1, -1), alignment: str = "bottom_right"):
+                       window_size: tuple = (-1, -1), alignment: str = "bottom_right", softcap: float | None = 0.0):
     """Gradients (dq, dk, dv) of attention(q, k, v) for the output gradient `dout`.
 
     `out` and `lse` are the forward's outputs (attention(..., return_lse=True)) for the same q, k, v,
-    causal, window_size, alignment and softmax_scale. dout and out: q's shape and dtype, contiguous in the last dimension;
+    causal, window_size, alignment, softcap and softmax_scale. dout and out: q's shape and dtype, contiguous in the last dimension;
     lse: float32 (batch, heads, seqlen_q), contiguous. dq, dk, dv have the shapes and dtype of q, k, v.
     GQA/MQA (k, v with heads_kv heads dividing q's): dk and dv have heads_kv heads, each the sum of
     the gradients through its group of query heads (computed per query head, then summed in fp32).
@@ -125,7 +129,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     the op `torch.ops.cuflash.attention_bwd`, which is not itself differentiable). Raises
     TypeError/ValueError naming the argument before any launch on bad input.
     """
-    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment)
+    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     args = (dout, q, k, v, out, lse)
     t = type(q)
     if t is _ndarray and all(type(a) is t for a in args) and (deterministic is False or deterministic is True):

@@ -8,7 +8,7 @@ and keys the tuned tables (tuning every feature combination is impossible, tunin
 
 The boolean variant fields (declared with `_variant`) are the kernels' compile-time feature set:
 the generated shell passes them, in field order, as ONE template argument,
-`cuflash::Variant<dropout, local>` (kernels_cu/attn/features.cuh), and asserts that each C++
+`cuflash::Variant<dropout, local, softcap>` (kernels_cu/attn/features.cuh), and asserts that each C++
 member holds the value of its field (`cxx_asserts`), so the two lists cannot drift apart. Adding a
 feature is: one `_variant` field here, one parameter and member there, and the policy header that
 reads it; the shells, kernel names and fingerprints follow.
@@ -39,6 +39,9 @@ class Features:
     # the mask has a bounded LEFT window edge (sliding window): only these instances read
     # window_left and run the left-edge block-range and mask code (attn/mask.cuh, block_range.cuh)
     local: bool = _variant("_local", "kLocal")
+    # softcapped scores (c tanh(scale S / c)): a tanh per score element on every tile and the
+    # tanh's derivative in the backward (kernels_cu/attn/score_mod.cuh)
+    softcap: bool = _variant("_softcap", "kSoftcap")
 
     @classmethod
     @functools.cache
@@ -60,7 +63,7 @@ class Features:
         return "".join(f.metadata["tag"] for f in self.variant_fields() if getattr(self, f.name))
 
     def cxx(self) -> str:
-        """The kernels' feature-set template argument, e.g. cuflash::Variant<true, false>."""
+        """The kernels' feature-set template argument, e.g. cuflash::Variant<true, false, false>."""
         return f"cuflash::Variant<{', '.join(_cxx_bool(getattr(self, f.name)) for f in self.variant_fields())}>"
 
     def cxx_asserts(self) -> str:
@@ -72,7 +75,12 @@ class Features:
 
     def perf_class(self) -> str:
         """The tuning class: features that move the optimum get their own tuned tables (a bounded
-        left edge only removes work from the masked ends, so `local` keeps its class)."""
+        left edge only removes work from the masked ends, so `local` keeps its class). `softcap`
+        keeps its class too, until measurements ask otherwise: in the forward it adds one FMUL and
+        one MUFU op per score element and no registers, so the tile trade-offs (shared memory,
+        registers, occupancy) stay those of its class; in the backward it adds a packed 16-bit
+        fragment (the tanh's derivative), and tiles whose softcap instance spills are avoided
+        through the families' `spilling["softcap"]` (as `local`), not a tuned class."""
         return "dropout" if self.dropout else "dense"
 
 

@@ -11,6 +11,8 @@ does not support raise NotImplementedError naming the option, before any work.
 Differences to know:
 - return_attn_probs=True returns (out, softmax_lse, None): the attention probabilities
   (S_dmask, a testing aid in flash-attn) are never materialised.
+- softcap: flash-attn's (c tanh(softmax_scale q.k / c)), forward and backward; unlike flash-attn 2
+  it composes with dropout (flash-attn 2 refuses softcap with dropout_p > 0).
 - dropout: flash-attn draws its Philox seed from torch's generator, as cuflash's torch path does
   (cuflash.attention without a seed); the masks differ (different generators), the statistics
   do not.
@@ -35,17 +37,17 @@ def _unsupported(**options):
             raise NotImplementedError(f"cuflash.flash_attn_interface: {name}={value!r} is not supported yet")
 
 
-def _check(softcap, alibi_slopes):
-    _unsupported(softcap=(softcap, softcap in (0, 0.0, None)),
-                 alibi_slopes=(alibi_slopes, alibi_slopes is None))
+def _check(alibi_slopes):
+    _unsupported(alibi_slopes=(alibi_slopes, alibi_slopes is None))
 
 
-def _run(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_attn_probs):
+def _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
     from .api import attention
 
     window = tuple(window_size) if window_size is not None else (-1, -1)
     res = attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, dropout_p=float(dropout_p),
-                    deterministic=bool(deterministic), window_size=window, return_lse=bool(return_attn_probs))
+                    deterministic=bool(deterministic), window_size=window, softcap=softcap,
+                    return_lse=bool(return_attn_probs))
     if return_attn_probs:
         out, lse = res
         return out, lse, None
@@ -57,23 +59,23 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """flash-attn 2's flash_attn_func: q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k,
     nheads_k, headdim); causal aligned to the bottom right; window_size (left, right), -1 = infinite.
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) with return_attn_probs."""
-    _check(softcap, alibi_slopes)
-    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_attn_probs)
+    _check(alibi_slopes)
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """qkv (batch, seqlen, 3, nheads, headdim): q, k, v as strided views of it (no copy)."""
-    _check(softcap, alibi_slopes)
+    _check(alibi_slopes)
     q, k, v = (qkv[:, :, i] for i in range(3))
-    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, deterministic, return_attn_probs)
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
-    _check(softcap, alibi_slopes)
-    return _run(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, deterministic,
+    _check(alibi_slopes)
+    return _run(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                 return_attn_probs)
 
 
@@ -102,6 +104,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                  rotary_sin=(rotary_sin, rotary_sin is None), cache_seqlens=(cache_seqlens, cache_seqlens is None),
                  cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
                  cache_leftpad=(cache_leftpad, cache_leftpad is None), block_table=(block_table, block_table is None))
-    _check(softcap, alibi_slopes)
-    res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, False, return_softmax_lse)
+    _check(alibi_slopes)
+    res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse)
     return res[:2] if return_softmax_lse else res

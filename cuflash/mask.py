@@ -3,6 +3,11 @@
     mask = MaskOptions.of(causal=True)            # the public API's keywords, checked
     mask.geometry(seqlen_q, seqlen_k)             # (window_left, window_right, offset)
 
+The record carries every option that decides a score before the softmax: which keys a row sees
+(causal, window_size, alignment) and the score modifier that runs before the mask (softcap). The
+modifier rides here, not in a record of its own, because it needs exactly the same plumbing
+(public keyword, torch schema argument, plan key, resolve_*) and nothing else.
+
 The public entry points (cuflash/api.py) build the record once from their keywords and hand it on:
 the CuPy forwards and backward take it whole (and put it in their plan keys), the torch ops carry
 its fields as flat schema arguments (cuflash/signature.py derives them from the fields below), and
@@ -53,6 +58,22 @@ def check_window(value, name: str) -> tuple:
     return tuple(out)
 
 
+def check_softcap(value, name: str) -> float:
+    """Softcap c (Gemma 2, FlashAttention >= 2.6): 0 or None for none, else a finite float > 0."""
+    if value is None:
+        return 0.0
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float (> 0, or 0 / None for no softcap), got {value!r}")
+    c = float(value)
+    if c == 0.0:
+        return 0.0
+    if not (c > 0.0 and c != float("inf")):  # also NaN
+        raise ValueError(f"{name} must be a finite float > 0 (or 0 / None for no softcap), got {value!r}")
+    return c
+
+
 ALIGNMENTS = ("bottom_right", "top_left")
 
 
@@ -93,6 +114,9 @@ class MaskOptions:
     # where query row i's diagonal is: key i + seqlen_k - seqlen_q (bottom_right, FlashAttention
     # >= 2.1, the default) or key i (top_left, PyTorch SDPA's is_causal); the window is centred on it
     alignment: str = _option("bottom_right", "str", check_alignment, schema_default='"bottom_right"')
+    # softcap c > 0 (0: none): the scores s = softmax_scale q.k become c tanh(s / c) before the mask
+    # and the softmax (Gemma 2; FlashAttention >= 2.6's softcap); kernels_cu/attn/score_mod.cuh
+    softcap: float = _option(0.0, "float", check_softcap, schema_default="0.0")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -102,16 +126,17 @@ class MaskOptions:
         object.__setattr__(self, "key", dataclasses.astuple(self))
 
     @classmethod
-    def of(cls, causal=False, window_size=(-1, -1), alignment="bottom_right") -> MaskOptions:
+    def of(cls, causal=False, window_size=(-1, -1), alignment="bottom_right", softcap=0.0) -> MaskOptions:
         """The record of the public API's mask keywords, checked. The two bottom-right masks without
-        a window are built once (NO_MASK, CAUSAL): the common call allocates nothing."""
-        if alignment == "bottom_right" and (window_size == (-1, -1) or window_size == [-1, -1]):
+        a window or softcap are built once (NO_MASK, CAUSAL): the common call allocates nothing."""
+        if (alignment == "bottom_right" and (window_size == (-1, -1) or window_size == [-1, -1])
+                and (softcap is None or (type(softcap) in (float, int) and softcap == 0))):
             if causal is False:
                 return NO_MASK
             if causal is True:
                 return CAUSAL
             return cls(causal=causal)
-        return cls(causal=causal, window_size=window_size, alignment=alignment)
+        return cls(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
 
     @classmethod
     def given(cls, mask, keywords: dict) -> MaskOptions:

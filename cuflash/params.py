@@ -29,7 +29,7 @@ import numpy as np
 
 from .problem import UNBOUNDED, AttnProblem
 
-LOG2E = 1.4426950408889634  # the kernels use exp2: scores are scaled by softmax_scale * log2(e)
+LOG2E = 1.4426950408889634  # the kernels use exp2: scores are scaled by softmax_scale * log2(e) (softcap * log2(e) with softcap)
 
 _I64, _U64, _I32, _U32, _F32 = "<i8", "<u8", "<i4", "<u4", "<f4"
 # NumPy field type -> the C++ type params.cuh declares it with
@@ -52,7 +52,7 @@ FWD_FIELDS = [
     ("scale_log2", _F32),
     ("tiles", _I32),  # work tiles: m_blocks * heads * batch (a persistent grid strides over them)
     ("heads_kv", _I32), ("group", _I32),  # GQA/MQA: k/v heads, heads // heads_kv (query head h reads h // group)
-    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
+    ("softcap_scale", _F32),  # softcap: softmax_scale / softcap, the raw score's factor in the tanh (0: off)
 ]
 
 BWD_FIELDS = [
@@ -65,7 +65,7 @@ BWD_FIELDS = [
     *GEOMETRY_FIELDS,
     ("scale_log2", _F32), ("scale", _F32),
     ("heads_kv", _I32), ("group", _I32),  # GQA/MQA, as FwdParams'
-    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
+    ("softcap_scale", _F32),  # as FwdParams'
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)
@@ -90,7 +90,12 @@ def _set_common(a, p: AttnProblem) -> None:
     a["heads"], a["seqlen_q"], a["seqlen_k"] = p.heads, p.seqlen_q, p.seqlen_k
     a["heads_kv"], a["group"] = p.heads_kv, p.group
     a["window_left"], a["window_right"], a["offset"] = p.window_left, p.window_right, p.offset
-    a["scale_log2"] = np.float32(p.softmax_scale * LOG2E)
+    if p.softcap:  # score = c tanh(S softcap_scale), softmax over it: exp2 units c log2(e) (attn/score_mod.cuh)
+        a["scale_log2"] = np.float32(p.softcap * LOG2E)
+        a["softcap_scale"] = np.float32(p.softmax_scale / p.softcap)
+    else:
+        a["scale_log2"] = np.float32(p.softmax_scale * LOG2E)
+        a["softcap_scale"] = 0.0
     # no dropout: what the DROPOUT=false instantiations would ignore anyway
     a["drop_seed"], a["drop_threshold"], a["drop_scale"] = 0, 0, np.float32(1.0)
 

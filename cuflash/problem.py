@@ -60,7 +60,8 @@ class AttnProblem:
     Mask: query row i sees key k iff i + offset - window_left <= k <= i + offset + window_right
     (and k < seqlen_k). Bottom-right causal is (UNBOUNDED, 0, seqlen_k - seqlen_q), no mask is
     (UNBOUNDED, UNBOUNDED, seqlen_k - seqlen_q) (MaskOptions.geometry). The compile-time features
-    follow the geometry: a bounded left edge selects the `local` kernels.
+    follow the geometry: a bounded left edge selects the `local` kernels; softcap > 0 the
+    `softcap` kernels.
     """
 
     batch: int
@@ -80,6 +81,7 @@ class AttnProblem:
     offset: int
     dropout: Dropout | None = None
     deterministic: bool = False  # the backward's dQ without atomics
+    softcap: float = 0.0  # scores s = softmax_scale q.k become softcap * tanh(s / softcap); 0: none
 
     def __post_init__(self):
         check_geometry(self.window_left, self.window_right, self.offset)
@@ -91,7 +93,8 @@ class AttnProblem:
 
     @property
     def features(self) -> Features:
-        return Features(self.dtype, self.head_dim, self.dropout is not None, local=self.window_left != UNBOUNDED)
+        return Features(self.dtype, self.head_dim, self.dropout is not None, local=self.window_left != UNBOUNDED,
+                        softcap=self.softcap > 0)
 
     @property
     def empty(self) -> bool:
@@ -231,7 +234,7 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
         batch=b, seqlen_q=nq, seqlen_k=nk, heads=h, heads_kv=hk, head_dim=d, dtype=q.dtype, device=q.device,
         strides={"q": _element_strides(q), "k": _element_strides(k), "v": _element_strides(v)},
         softmax_scale=1.0 / math.sqrt(d) if scale is None else scale,
-        window_left=left, window_right=right, offset=offset, dropout=dropout)
+        window_left=left, window_right=right, offset=offset, dropout=dropout, softcap=mask.softcap)
 
 
 def resolve_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,

@@ -28,6 +28,20 @@ enters through the product P V, where 0 x NaN = NaN: a NaN in V reaches every ro
 head) that attends anything, as in PyTorch's math path (the tiled models and the kernels only
 multiply the key tiles a row block visits). The backward propagates the same way.
 
+Softcap (Gemma 2; FlashAttention >= 2.6's ``softcap``): with c = ``softcap`` > 0 the scores are
+
+    S = c tanh(tau Q K^T / c)
+
+before the mask and the softmax (FlashAttention folds tau into the tanh's argument: it computes
+tanh(Q K^T * (tau / c)) and scales the softmax by c, which is the same function); L is the
+log-sum-exp of these capped scores. The backward's dS (with respect to S) is multiplied by the
+tanh's derivative before the products with tau:
+
+    T = tanh(tau Q K^T / c),   dS' = dS o (1 - T^2),   dQ = tau dS' K,   dK = tau dS'^T Q.
+
+c = 0 (or None) is no softcap. If ``causal`` is a cuflash.mask.MaskOptions record, its softcap
+applies unless ``softcap`` is given.
+
 Dropout is described by an explicit boolean keep-mask of shape (B, H, N_q, N_k) (True =
 kept) and its probability p: with Z = mask / (1 - p), O = (P o Z) V, while L stays the
 log-sum-exp of the undropped scores, as in FlashAttention.
@@ -157,9 +171,22 @@ def _lse(m, l):
     return np.where(attended, m + np.log(np.where(attended, l, 1.0)), -np.inf)
 
 
-def _scores(qi, kj, scale, allowed):
-    """S_ij = tau Q_i K_j^T with disallowed entries set to -inf (allowed=None: no mask)."""
+def _softcap(causal, softcap) -> float:
+    """The softcap c of a call: `softcap` if given, else a MaskOptions record's, else 0 (none)."""
+    if softcap is None:
+        softcap = getattr(causal, "softcap", 0.0)
+    c = float(softcap or 0.0)
+    if not (c >= 0.0 and math.isfinite(c)):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: none), got {softcap!r}")
+    return c
+
+
+def _scores(qi, kj, scale, allowed, softcap=0.0):
+    """S_ij = tau Q_i K_j^T, or c tanh(tau Q_i K_j^T / c) with softcap c > 0, with disallowed
+    entries set to -inf after it (allowed=None: no mask)."""
     s = scale * (qi @ kj.swapaxes(-1, -2))
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
     return s if allowed is None else np.where(allowed, s, -np.inf)
 
 
@@ -171,11 +198,12 @@ def _out_layout(*xs):
 # --------------------------------------------------------------------------- forward
 
 
-def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1)):
+def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1),
+                    softcap=None):
     """Standard attention, materialising the N_q x N_k matrices.
 
-    S = tau Q K^T (masked entries -inf), P = softmax(S), O = (P o Z) V with Z the dropout
-    scale (Z = 1 without dropout), L = log rowsum(e^S).
+    S = tau Q K^T (c tanh(tau Q K^T / c) with softcap c; masked entries -inf), P = softmax(S),
+    O = (P o Z) V with Z the dropout scale (Z = 1 without dropout), L = log rowsum(e^S).
 
     Returns ``(out, lse)``: out (B, N_q, H, d) and lse (B, H, N_q), float64.
     """
@@ -184,7 +212,7 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=N
     nk = k.shape[2]
     z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
 
-    s = _scores(q, k, scale, visible(nq, nk, causal, window_size))
+    s = _scores(q, k, scale, visible(nq, nk, causal, window_size), _softcap(causal, softcap))
     m = s.max(axis=-1)
     e = np.exp(s - _finite_or_zero(m)[..., None])
     l = e.sum(axis=-1)
@@ -331,7 +359,8 @@ def _prepare_backward(dout, q, k, v, out, lse, softmax_scale):
 
 
 def attention_backward(
-    dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1)
+    dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1),
+    softcap=None,
 ):
     """Gradients of O = attention(Q, K, V) for the loss whose output gradient is dO.
 
@@ -341,7 +370,7 @@ def attention_backward(
         dV = (P o Z)^T dO
         dP = (dO V^T) o Z
         D  = rowsum(dO o O)
-        dS = P o (dP - D)
+        dS = P o (dP - D)            (o (1 - T^2), T = tanh(tau Q K^T / c), with softcap c)
         dQ = tau dS K,   dK = tau dS^T Q
 
     with Z = mask / (1 - p) under dropout (Z = 1 otherwise). ``out`` and ``lse`` are the
@@ -354,13 +383,16 @@ def attention_backward(
     nk = k.shape[2]
     z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
 
-    s = _scores(q, k, scale, visible(nq, nk, causal, window_size))
+    c = _softcap(causal, softcap)
+    s = _scores(q, k, scale, visible(nq, nk, causal, window_size), c)
     p = np.exp(s - lse_safe[..., None])
     pz = p if z is None else p * z
     dp = do @ v.swapaxes(-1, -2)
     if z is not None:
         dp = dp * z
     ds = p * (dp - dvec[..., None])
+    if c:  # the chain rule through c tanh(x / c): 1 - tanh^2(x / c), x = tau Q K^T (finite everywhere)
+        ds = ds * (1.0 - np.tanh(scale * (q @ k.swapaxes(-1, -2)) / c) ** 2)
 
     dv = pz.swapaxes(-1, -2) @ do
     dq = scale * (ds @ k)

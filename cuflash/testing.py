@@ -3,7 +3,8 @@
 Used by the GPU tests, the scripts (sweeps, overhead, sanitizer cases) and anyone checking a kernel
 change. A kernel's error against a float64 reference must stay within `factor` (2) times the error
 of a plain same-dtype attention (PyTorch's math path in bf16/fp16) against the same reference, plus
-2 ulps at the output's magnitude (FA3's data-derived floor). The mask is cuflash.reference's.
+2 ulps at the output's magnitude (FA3's data-derived floor). The mask is cuflash.reference's;
+a MaskOptions given as `causal` also brings its softcap (scores c tanh(scale q.k / c)).
 
 GQA/MQA (k, v with fewer heads than q, dividing them): both sides repeat each k/v head for its
 group of query heads and sum the repeated heads' dK, dV over the group (the same-dtype side rounds
@@ -62,18 +63,28 @@ def _rounder(compute_dtype, round_dtype):
     return lambda x: x.astype(round_dtype).astype(compute_dtype)
 
 
-def _masked_scores(qf, kf, causal, scale, rnd):
+def _masked_scores(qf, kf, causal, scale, rnd, with_tanh=False):
+    """Scores scale Q K^T, softcapped (c tanh(. / c)) when `causal` is a MaskOptions with softcap c
+    (the same-dtype side rounds s / c, the tanh and its product with c, as a 16-bit PyTorch
+    computation would), then masked (-inf). with_tanh: also the tanh (None without softcap), for
+    the gradient's 1 - tanh^2."""
     import cupy
 
     s = rnd(cupy.matmul(qf, kf.transpose(0, 1, 3, 2))) * scale
+    c = float(getattr(causal, "softcap", 0.0) or 0.0)
+    t = None
+    if c:
+        t = rnd(cupy.tanh(rnd(s / c)))
+        s = rnd(t * c)
     ok = visible(*s.shape[-2:], causal)  # causal: a bool or a cuflash.mask.MaskOptions (with its window)
     if ok is not None:
         s = cupy.where(cupy.asarray(ok), s, -cupy.inf)
-    return s
+    return (s, t) if with_tanh else s
 
 
 def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=None):
-    """softmax(scale Q K^T) V on the GPU in `compute_dtype`, bottom-right causal. k, v may have
+    """softmax(scale Q K^T) V on the GPU in `compute_dtype`, bottom-right causal (`causal` may be a
+    cuflash.mask.MaskOptions: its window, alignment and softcap apply). k, v may have
     fewer heads than q, dividing them (GQA/MQA: repeated for each group of query heads).
 
     With round_dtype set, S, P and O are rounded to it the way a plain same-dtype attention (e.g.
@@ -116,7 +127,7 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])  # GQA/MQA: dK, dV summed back below
     qf, kf, vf, dof = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v, dout))  # b h n d
-    s = _masked_scores(qf, kf, causal, scale, rnd)
+    s, t = _masked_scores(qf, kf, causal, scale, rnd, with_tanh=True)
     m = s.max(axis=-1, keepdims=True)
     e = cupy.exp(s - cupy.where(cupy.isneginf(m), 0, m))
     l = e.sum(axis=-1, keepdims=True)
@@ -130,6 +141,8 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
         dp = rnd(dp * z)
     delta = (dof * o).sum(axis=-1, keepdims=True)
     ds = rnd(p * (dp - delta))
+    if t is not None:  # softcap: through c tanh(x / c), the factor 1 - tanh^2 (p = 0 where masked)
+        ds = rnd(ds * (1 - t * t))
     dq = rnd(cupy.matmul(ds, kf)) * scale
     dk = rnd(cupy.matmul(ds.transpose(0, 1, 3, 2), qf)) * scale
     back = lambda x: x.transpose(0, 2, 1, 3)

@@ -25,9 +25,25 @@ def test_signatures_are_flash_attn_2s(name):
     assert defaults["dropout_p"] == 0.0 and defaults["causal"] is False and defaults["window_size"] == (-1, -1)
 
 
+def test_softcap_reaches_attention(monkeypatch):
+    """softcap is supported (issue 13): every entry point hands it to cuflash.attention."""
+    from cuflash import api
+
+    seen = []
+    monkeypatch.setattr(api, "attention", lambda *a, **kw: seen.append(kw["softcap"]) or "out")
+    assert fai.flash_attn_func(1, 2, 3, softcap=30.0) == "out"
+    fai.flash_attn_qkvpacked_func(FakePacked(), softcap=5.0)
+    fai.flash_attn_kvpacked_func(1, FakePacked(), softcap=0.0)
+    fai.flash_attn_with_kvcache(1, 2, 3, softcap=2.5)
+    assert seen == [30.0, 5.0, 0.0, 2.5]
+
+
+class FakePacked:
+    def __getitem__(self, index):
+        return index
+
+
 def test_unsupported_options_name_themselves():
-    with pytest.raises(NotImplementedError, match="softcap=30.0"):
-        fai.flash_attn_func(None, None, None, softcap=30.0)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         fai.flash_attn_func(None, None, None, alibi_slopes=[1.0])
     with pytest.raises(NotImplementedError, match="flash_attn_varlen_func"):

@@ -91,7 +91,8 @@ def test_resolve_wants_the_record():
 
 def test_schema_mask_arguments_are_the_fields():
     opts = MaskOptions.schema_options()
-    assert opts == (("causal", "bool"), ("window_size", "int[]", "[-1, -1]"), ("alignment", "str", '"bottom_right"'))
+    assert opts == (("causal", "bool"), ("window_size", "int[]", "[-1, -1]"), ("alignment", "str", '"bottom_right"'),
+                    ("softcap", "float", "0.0"))
     for options in (signature.FWD_OPTIONS, signature.BWD_OPTIONS):
         for o in opts:
             assert o in options
@@ -104,12 +105,12 @@ def test_op_options_round_trip():
     others = dict(softmax_scale=0.5, algorithm="v1", deterministic=True, dropout_p=0.1, seed=-3, backend="sm80")
     for mask in (NO_MASK, CAUSAL):
         values = signature.op_options(signature.FWD_OPTIONS, mask, **others)
-        assert values == (mask.causal, 0.5, "v1", True, 0.1, -3, "sm80", (-1, -1), "bottom_right")
+        assert values == (mask.causal, 0.5, "v1", True, 0.1, -3, "sm80", (-1, -1), "bottom_right", 0.0)
         got, rest = signature.mask_and_options(signature.FWD_OPTIONS, values)
         assert got is mask and rest == others
     bwd = signature.op_options(signature.BWD_OPTIONS, CAUSAL, softmax_scale=None, deterministic=False,
                                dropout_p=0.0, seed=0)
-    assert bwd == (True, None, False, 0.0, 0, (-1, -1), "bottom_right")
+    assert bwd == (True, None, False, 0.0, 0, (-1, -1), "bottom_right", 0.0)
     # the dispatcher may drop trailing arguments equal to their schema default (backend=None)
     got, rest = signature.mask_and_options(signature.FWD_OPTIONS, (True, None, "v2", False, 0.0, 0))
     assert got is CAUSAL and rest["backend"] is None

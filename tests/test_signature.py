@@ -7,23 +7,23 @@ def test_schemas_are_the_registered_ones():
     assert signature.FWD_SCHEMA == (
         "(Tensor q, Tensor k, Tensor v, bool causal, float? softmax_scale, str algorithm, "
         "bool deterministic, float dropout_p, int seed, str? backend=None, int[] window_size=[-1, -1], "
-        'str alignment="bottom_right") -> (Tensor, Tensor)')
+        'str alignment="bottom_right", float softcap=0.0) -> (Tensor, Tensor)')
     assert signature.BWD_SCHEMA == (
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, "
         "float? softmax_scale, bool deterministic, float dropout_p, int seed, int[] window_size=[-1, -1], "
-        'str alignment="bottom_right") -> (Tensor, Tensor, Tensor)')
+        'str alignment="bottom_right", float softcap=0.0) -> (Tensor, Tensor, Tensor)')
 
 
 def test_parameter_lists():
     assert signature.FWD_ARGS == ("q", "k", "v", "causal", "softmax_scale", "algorithm", "deterministic",
-                                  "dropout_p", "seed", "backend", "window_size", "alignment")
+                                  "dropout_p", "seed", "backend", "window_size", "alignment", "softcap")
     assert signature.BWD_ARGS == ("dout", "q", "k", "v", "out", "lse", "causal", "softmax_scale", "deterministic",
-                                  "dropout_p", "seed", "window_size", "alignment")
+                                  "dropout_p", "seed", "window_size", "alignment", "softcap")
 
 
 def test_autograd_hands_the_forward_options_to_the_backward():
-    fwd_inputs = ("Q", "K", "V", True, 0.5, "v1", True, 0.1, -3, "sm90", (4, 0), "top_left")
-    assert signature.backward_options(fwd_inputs) == (True, 0.5, True, 0.1, -3, (4, 0), "top_left")  # not algorithm, backend
+    fwd_inputs = ("Q", "K", "V", True, 0.5, "v1", True, 0.1, -3, "sm90", (4, 0), "top_left", 30.0)
+    assert signature.backward_options(fwd_inputs) == (True, 0.5, True, 0.1, -3, (4, 0), "top_left", 30.0)  # not algorithm, backend
     # dq, dk, dv and one None per forward option: autograd wants a gradient per forward input
     assert 3 + len(signature.OPTION_GRADS) == len(signature.FWD_ARGS)
     assert set(signature.OPTION_GRADS) == {None}
@@ -33,7 +33,7 @@ def test_mask_options_are_the_record_fields():
     from cuflash.mask import MaskOptions
 
     assert signature.MASK_OPTIONS == MaskOptions.schema_options()
-    assert signature.MASK_NAMES == ("causal", "window_size", "alignment")
+    assert signature.MASK_NAMES == ("causal", "window_size", "alignment", "softcap")
     for opts in (signature.FWD_OPTIONS, signature.BWD_OPTIONS):
         assert all(o in opts for o in signature.MASK_OPTIONS)
 
@@ -52,10 +52,10 @@ def test_a_new_mask_field_joins_both_schemas(monkeypatch):
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     assert probe.FWD_SCHEMA == signature.FWD_SCHEMA.replace(
-        'str alignment="bottom_right")', 'str alignment="bottom_right", bool align_top_left=False)')
+        'float softcap=0.0)', 'float softcap=0.0, bool align_top_left=False)')
     assert probe.BWD_SCHEMA == signature.BWD_SCHEMA.replace(
-        'str alignment="bottom_right")', 'str alignment="bottom_right", bool align_top_left=False)')
+        'float softcap=0.0)', 'float softcap=0.0, bool align_top_left=False)')
     assert probe.FWD_ARGS[-1] == probe.BWD_ARGS[-1] == "align_top_left"
     assert len(probe.OPTION_GRADS) == len(signature.OPTION_GRADS) + 1
-    fwd_inputs = ("Q", "K", "V", True, 0.5, "v1", True, 0.1, -3, "sm90", (4, 0), "top_left", True)
-    assert probe.backward_options(fwd_inputs) == (True, 0.5, True, 0.1, -3, (4, 0), "top_left", True)
+    fwd_inputs = ("Q", "K", "V", True, 0.5, "v1", True, 0.1, -3, "sm90", (4, 0), "top_left", 30.0, True)
+    assert probe.backward_options(fwd_inputs) == (True, 0.5, True, 0.1, -3, (4, 0), "top_left", 30.0, True)

@@ -75,8 +75,9 @@ class KernelFamily:
     # problem -> why this family cannot serve a call that its features allow (e.g. a tensor layout
     # its TMA descriptors cannot describe, a missing Python package), or None. Decided once per plan.
     call_problem: Callable | None = None
-    # perf class -> tiles whose instantiation of that class spills registers (ptxas, sm_80 and
-    # sm_90a); tests/test_compile_dropout.py keeps this data honest
+    # perf class, variant name ("local", "softcap") or "+"-joined variant names ("dropout+softcap":
+    # the instance with all of them) -> tiles whose instantiation spills registers (ptxas, sm_80
+    # and sm_90a); tests/test_compile_dropout.py and tests/test_softcap.py keep this data honest
     spilling: Mapping[str, frozenset] = dataclasses.field(default_factory=dict)
     # --- execution
     # (problem, tile, dtype) -> launch.Plan of one call (the passes' plan builders); None: the pass
@@ -108,12 +109,16 @@ class KernelFamily:
         return [t for t in self.domain(head_dim) if t.fits(smem_optin_bytes)]
 
     def avoids(self, tile, features: Features | None) -> bool:
-        """Whether `tile` spills for these features: its perf class's set, or "local" for windowed calls
-        (a windowed call tunes with its class but its instance carries the left-edge code)."""
+        """Whether `tile` spills for these features: its perf class's set, or the set of a variant (or
+        a "+"-joined combination of variants) the call has, e.g. "local" for windowed calls,
+        "softcap", "dropout+softcap": such a call tunes with its class but its instance carries the
+        variants' code."""
         if features is None:
             return False
-        return tile in self.spilling.get(features.perf_class(), ()) or (
-            features.local and tile in self.spilling.get("local", ()))
+        if tile in self.spilling.get(features.perf_class(), ()):
+            return True
+        on = {v.name for v in Features.variant_fields() if getattr(features, v.name)}
+        return any(tile in tiles and set(key.split("+")) <= on for key, tiles in self.spilling.items())
 
     def default(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN, features: Features | None = None):
         """The heuristic tile: the first default that fits the device and does not spill for `features`."""
@@ -168,7 +173,7 @@ class KernelFamily:
         if self.supports(plain):
             lacking = [v.name for v in Features.variant_fields()
                        if getattr(f, v.name) and not self.supports(dataclasses.replace(plain, **{v.name: True}))]
-            names = {"dropout": "dropout", "local": "sliding windows (window_size)"}
+            names = {"dropout": "dropout", "local": "sliding windows (window_size)", "softcap": "softcap"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         return f"{f.dtype} with head_dim {f.head_dim}"
 

@@ -97,7 +97,11 @@ FWD = KernelFamily(
               FwdConfig(128, 64, 64, 4, 2)),
     },
     accumulator_registers=_fwd_acc,
-    spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2)})},
+    # softcap with a window spills 32 B (d64) and 12 B (d128) on sm_80, with dropout too 4 B on the
+    # d128 two-stage tile; the next defaults compile clean (tests/test_softcap.py)
+    spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2)}),
+              "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(128, 128, 128, 8, 3)}),
+              "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)})},
     plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1),
 )
 
@@ -114,6 +118,8 @@ BWD = KernelFamily(
         128: (BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2)),
     },
     accumulator_registers=_bwd_acc,
+    # the d64 128-query tiles with softcap and dropout: 12 B (three stages) and 8 B (two) on sm_80
+    spilling={"dropout+softcap": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)})},
     run=_run_bwd, deterministic_outputs=(1, 2),  # dK, dV (dQ is summed by atomics)
 )
 
@@ -147,5 +153,7 @@ FWD_V1 = KernelFamily(
         128: (V1Config(128, 128, 128, 8, 2), V1Config(128, 128, 64, 8, 2), V1Config(128, 64, 64, 4, 2)),
     },
     accumulator_registers=_fwd_acc,
+    # softcap at d128 128x128: 8-12 B on sm_80 (255 registers); 128x64 compiles clean
+    spilling={"softcap": frozenset({V1Config(128, 128, 128, 8, 2)})},
     plan=_plan_fwd_v1, run=_run_fwd_v1, deterministic_outputs=(0, 1), tuned_by_default=False,
 )

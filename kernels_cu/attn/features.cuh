@@ -9,7 +9,7 @@
 
 namespace cuflash {
 
-template <bool DROPOUT, bool LOCAL>
+template <bool DROPOUT, bool LOCAL, bool SOFTCAP>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -17,6 +17,10 @@ struct Variant {
     // window_left and run the left-edge block-range and mask code (attn/mask.cuh,
     // attn/block_range.cuh); the others compile it out (it costs up to +46 registers).
     static constexpr bool kLocal = LOCAL;
+    // Softcapped scores (Gemma 2, FlashAttention >= 2.6): S <- tanh(S * softcap_scale) before the
+    // mask, the softmax scaled by softcap (attn/score_mod.cuh); the backward multiplies dS by the
+    // tanh's derivative. A per-element MUFU op on every tile, so its own instantiation.
+    static constexpr bool kSoftcap = SOFTCAP;
 };
 
 }  // namespace cuflash

@@ -15,6 +15,11 @@
 // Strides are in elements and 64-bit, per tensor (batch, seqlen, head); head_dim's stride is 1.
 // Mask geometry: the canonical (window_left, window_right, offset) of attn/mask.cuh, computed on
 // the host (cuflash/problem.py, which enforces mask.cuh's integer-range preconditions).
+// Scales: scale_log2 is the softmax's factor of the score in exp2 units: softmax_scale * log2(e)
+// on raw scores S = Q K^T, or, with softcap c (V::kSoftcap, attn/score_mod.cuh), c * log2(e) on
+// the capped scores tanh(S * softcap_scale), softcap_scale = softmax_scale / c (FlashAttention's
+// folding: c tanh(softmax_scale S / c) = c * tanh(S * softcap_scale)). `scale` (backward) stays
+// softmax_scale: dQ and dK are softmax_scale * dS' K / Q with dS' = dS o (1 - tanh^2).
 //
 // v1 workspace (pointers, not here): ws_o fp32 (batch*heads, seqlen_q, D) contiguous; ws_ml fp32
 // (batch*heads, seqlen_q, 2) = (m, l), m in raw (unscaled) score units. Neither needs initialising.
@@ -35,11 +40,11 @@ struct FwdParams {
     int heads, seqlen_q, seqlen_k;
     int m_blocks;  // query blocks of BR rows per (batch, head): ceil(seqlen_q / BR) of the launched tile
     int window_left, window_right, offset;
-    float scale_log2;  // softmax_scale * log2(e)
+    float scale_log2;  // softmax_scale * log2(e); softcap * log2(e) with softcap (see Scales above)
     int tiles;         // work tiles m_blocks * heads * batch; a persistent grid (sm90) strides over them
     int heads_kv;      // heads of k and v (GQA/MQA: fewer than heads, dividing it; MHA: heads)
     int group;         // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
-    int reserved;      // explicit tail padding (alignment 8): no byte of the struct is implicit
+    float softcap_scale;  // softcap: softmax_scale / softcap, the raw score's factor inside the tanh (0: off; attn/score_mod.cuh)
 };
 
 // The backward pass, one struct for its four kernels; each reads what it needs:
@@ -71,10 +76,10 @@ struct BwdParams {
     int n_blocks;  // key blocks of the dK/dV tile (BC keys) per (batch, head)
     int m_blocks;  // query blocks of the dQ tile (BR rows) per (batch, head); 0 when flash_bwd_dq does not run
     int window_left, window_right, offset;
-    float scale_log2, scale;  // softmax_scale * log2(e), softmax_scale
+    float scale_log2, scale;  // as FwdParams' (softcap * log2(e) with softcap), softmax_scale
     int heads_kv;             // heads of k and v (GQA/MQA: fewer than heads, dividing it; MHA: heads)
     int group;                // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
-    int reserved;             // explicit tail padding (alignment 8): no byte of the struct is implicit
+    float softcap_scale;      // softcap: softmax_scale / softcap, as FwdParams' (0: off)
 };
 
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 160, "FwdParams layout changed: update cuflash/params.py");

@@ -12,6 +12,9 @@
 // once). The policies see S^T through a transposed fragment view (core/frag.cuh, Transposed).
 // The dropout instances (V::kDropout) regenerate the forward's Philox mask: dV uses P o mask, and
 // dS = P o (dP o Z - delta) with Z = mask / (1 - p).
+// The softcap instances (V::kSoftcap, attn/score_mod.cuh) cap S^T before the exp (t), mask t
+// (-inf) instead of P, and park P^T o (1 - t^2), which is all dS^T needs of P, in this tile's dS^T
+// buffer until the dS^T phase: dS = P o (1 - t^2) o (dP - delta).
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
@@ -20,6 +23,7 @@
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
+#include "attn/score_mod.cuh"
 #include "sm80/tile_copy.cuh"
 #include "sm80/traits.cuh"
 #include "sm80/warp_gemm.cuh"
@@ -123,6 +127,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const int m_blocks = (seqlen_q + BR - 1) / BR;
     const BlockRange range = query_blocks<BR, BC, V::kLocal>(geo, nb, m_blocks);
     const Mask<V::kLocal> mask{geo};
+    const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int m_begin = range.begin, n_iter = range.size();
 
@@ -199,20 +204,45 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         const float* sLf = reinterpret_cast<const float*>(smem + (sL - sK) + slot * S_::kStatBytes);
         const float* sDf = reinterpret_cast<const float*>(smem + (sDelta - sK) + slot * S_::kStatBytes);
         u32 frag[KQ][4];  // P^T, then dS^T, as A fragments (k = queries)
+        // softcap: the dS^T slot of C tile nt, element pair `half` (frag[nt / 2][2 (nt % 2) + half],
+        // see the dS^T stores below), where P^T o (1 - t^2) waits for the dS^T phase. Not in
+        // registers (KQ * 4 more: the d64 tile reached 255 and spilled with dropout). The buffer
+        // is free (its last reader, tile it-2's dQ product, ran before this step's barrier; the
+        // deterministic mode never uses it) and only this thread touches these slots until it
+        // overwrites them with dS^T.
+        auto park_slot = [&](int nt, int half) { return sdS_it + swz<SCH>(warp * 16 + g + 8 * half, nt) + 4 * t; };
 
-        // ---- S^T = K_w Q^T; P^T = exp2(S^T c - lse2), 0 where masked ----
+        // ---- S^T = K_w Q^T; score modifier; P^T = exp2(S^T c - lse2), 0 where masked ----
         {
             float acc[SN][4];
             tile_mma_abt<BF16, CH, KD, SN, S_::kHeadUnroll>(acc, sK, a_off, sQs, bn_off);
-#pragma unroll
-            for (int nt = 0; nt < SN; ++nt) {
-                const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
-            }
             // in query order the masked head is the right edge + seqlen_k tail, the tail the left
             // edge (local instances only): one pass checks both edges on either kind of tile
-            if (range.masked_head(m) || (V::kLocal && range.masked_tail(m))) mask.apply_transposed<true, true>(acc, q0, key_w, lane, 0.f);
+            if constexpr (V::kSoftcap) {
+                // t = the capped S^T, masked to -inf before the exp (P = 0 and 1 - t^2 = 0 there);
+                // P^T o (1 - t^2) parked for the dS^T phase
+                score_mod.apply_tile(acc);
+                if (range.masked_head(m) || (V::kLocal && range.masked_tail(m))) mask.apply_transposed<true, true>(acc, q0, key_w, lane, neg_inf());
+#pragma unroll
+                for (int nt = 0; nt < SN; ++nt) {
+                    const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        const float g0 = ScoreMod<V>::grad(acc[nt][2 * half]), g1 = ScoreMod<V>::grad(acc[nt][2 * half + 1]);
+                        acc[nt][2 * half] = fast_exp2(fmaf(acc[nt][2 * half], scale_log2, -L.x));
+                        acc[nt][2 * half + 1] = fast_exp2(fmaf(acc[nt][2 * half + 1], scale_log2, -L.y));
+                        st_shared_u32(park_slot(nt, half), pack2<BF16>(acc[nt][2 * half] * g0, acc[nt][2 * half + 1] * g1));
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int nt = 0; nt < SN; ++nt) {
+                    const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
+                }
+                if (range.masked_head(m) || (V::kLocal && range.masked_tail(m))) mask.apply_transposed<true, true>(acc, q0, key_w, lane, 0.f);
+            }
             c_to_a_frags<BF16, KQ>(frag, acc);
         }
         // ---- dV += (P o mask)^T dO (the 1/(1-p) scale is applied to dV once, at the end) ----
@@ -225,13 +255,25 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 #pragma unroll
             for (int nt = 0; nt < SN; ++nt) {
                 const float2 Dl = *reinterpret_cast<const float2*>(sDf + nt * 8 + 2 * t);
+                float pg[V::kSoftcap ? 4 : 1];  // softcap: P^T o (1 - t^2), parked by the S^T phase
+                if constexpr (V::kSoftcap) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+                        u32 w;
+                        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(w) : "r"(park_slot(nt, half)) : "memory");
+                        unpack2<BF16>(w, pg[2 * half], pg[2 * half + 1]);
+                    }
+                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     // P^T from its packed 16-bit copy: the same rounding the dV product used.
                     float dp = acc[nt][e];
                     if constexpr (V::kDropout)  // dP o Z, Z = mask / (1 - p)
                         dp = ((keep[nt / 8] >> (((nt / 2) % 4) * 8 + (nt % 2) * 4 + e)) & 1u) ? dp * drop_scale : 0.f;
-                    acc[nt][e] = a_frag_elem<BF16, KQ>(frag, nt, e) * (dp - ((e & 1) ? Dl.y : Dl.x));
+                    if constexpr (V::kSoftcap)
+                        acc[nt][e] = pg[e] * (dp - ((e & 1) ? Dl.y : Dl.x));
+                    else
+                        acc[nt][e] = a_frag_elem<BF16, KQ>(frag, nt, e) * (dp - ((e & 1) ? Dl.y : Dl.x));
                 }
             }
             c_to_a_frags<BF16, KQ>(frag, acc);

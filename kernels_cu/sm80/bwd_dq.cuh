@@ -10,6 +10,7 @@
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
+#include "attn/score_mod.cuh"
 #include "sm80/tile_copy.cuh"
 #include "sm80/traits.cuh"
 #include "sm80/warp_gemm.cuh"
@@ -55,6 +56,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 
     const BlockRange range = key_blocks<BR, BC, V::kLocal>(geo, r0);  // the forward's key blocks and masks
     const Mask<V::kLocal> mask{geo};
+    const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_begin = range.begin, n_iter = range.size();
 
@@ -136,8 +138,10 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 #pragma unroll
             for (int kb = 0; kb < KB; ++kb) dbits[kb] = drop.bits8((r0 + warp * 16) / 16, (j * BC) / 16 + kb, g, t);
         }
-        // mask S (-inf, so P = exp2(-inf) = 0 there; c > 0), then P = exp2(S c - lse2) and
-        // dS = P o (dP o Z - delta), Z = dropout keep / (1 - p)
+        // score modifier (softcap: t = tanh(S softcap_scale)), mask S (-inf, so P = exp2(-inf) = 0
+        // there; c > 0), then P = exp2(S c - lse2) and dS = P o (dP o Z - delta) o grad(t), Z =
+        // dropout keep / (1 - p), grad the modifier's derivative (attn/score_mod.cuh; 1 without)
+        score_mod.apply_tile(acc_s);
         if (range.masked_tail(j)) mask.apply_tile<false, true>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
         if (range.masked_head(j)) mask.apply_tile<true, false>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
 #pragma unroll
@@ -147,7 +151,9 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
                 const float p = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -(e < 2 ? L0 : L1)));
                 float dp = acc_dp[nt][e];
                 if constexpr (V::kDropout) dp = Dropout::kept(dbits[nt / 2], nt, e) ? dp * drop_scale : 0.f;
-                acc_dp[nt][e] = p * (dp - (e < 2 ? D0 : D1));
+                float ds = p * (dp - (e < 2 ? D0 : D1));
+                if constexpr (V::kSoftcap) ds *= ScoreMod<V>::grad(acc_s[nt][e]);
+                acc_dp[nt][e] = ds;
             }
 
         // ---- dQ += dS K ----

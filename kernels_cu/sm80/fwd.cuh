@@ -7,7 +7,7 @@
 //   block: WARPS warps; warp w owns Q rows [w*BR/WARPS, (w+1)*BR/WARPS) of the tile, so the
 //          softmax statistics of a row live in one warp and need no shared-memory reduction
 //   loop : over the K/V tiles of BlockRange, STAGES-deep cp.async ring (sm80/tile_copy.cuh)
-//   step : S = Q K^T (raw) -> mask (boundary tiles only) -> online softmax (P = exp2(S c - m c),
+//   step : S = Q K^T (raw) -> score modifier (softcap: tanh, attn/score_mod.cuh) -> mask (boundary tiles only) -> online softmax (P = exp2(S c - m c),
 //          O~ and l rescaled) -> dropout (P o mask, P V only) -> P to A fragments -> O~ += P V
 //   end  : O = O~ / l (x 1/(1-p) with dropout), lse = (m c + log2 l) ln 2 (attn/epilogue.cuh)
 // Rows that see no key get O = 0 and lse = -inf.
@@ -19,6 +19,7 @@
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
+#include "attn/score_mod.cuh"
 #include "attn/softmax.cuh"
 #include "sm80/tile_copy.cuh"
 #include "sm80/traits.cuh"
@@ -64,6 +65,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
 
     const BlockRange range = key_blocks<BR, BC, V::kLocal>(geo, r0);  // may start past key block 0 (window)
     const Mask<V::kLocal> mask{geo};
+    const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_begin = range.begin, n_iter = range.size();
 
@@ -124,6 +126,9 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
         float acc_s[kRowTiles][kScoreTiles][4];
         warp_mma_abt<BF16, kRowChunks, kHeadSteps, kRowTiles, kScoreTiles, Tr::kQInRegs>(acc_s, q_frag, sQ, q_frag_off,
                                                                                        sKj, k_frag_off);
+
+        // ---- score modifier (softcap: t = tanh(S softcap_scale); nothing without one) ----
+        score_mod.apply(acc_s);
 
         // ---- mask (only tiles that cross the seqlen_k tail or a window edge, at either end) ----
         if (range.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());

@@ -48,6 +48,7 @@
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
+#include "attn/score_mod.cuh"
 #include "attn/softmax.cuh"
 #include "core/convert.cuh"
 #include "sm80/tile_copy.cuh"
@@ -98,6 +99,7 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
 
     const MaskGeometry geo = MaskGeometry::of<V>(params);
     const Mask<V::kLocal> mask{geo};
+    const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_kv = (seqlen_k + BC - 1) / BC;
 
@@ -185,7 +187,9 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
             float acc_s[MT][SN][4];
             warp_mma_abt<BF16, CH, KD, MT, SN, false>(acc_s, no_q_regs, sQi, q_frag_off, sK, k_frag_off);
 
-            // ---- mask (seqlen_k tail / right window edge; left window edge) ----
+            // ---- score modifier (softcap, attn/score_mod.cuh), then the mask (seqlen_k tail /
+            // right window edge; left window edge); m in the workspace is in modified units ----
+            score_mod.apply(acc_s);
             if (kr.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, NEG_INF);
             if (kr.masked_head(j)) mask.apply<true, false>(acc_s, r0 + warp_row0, j * BC, lane, NEG_INF);
 

@@ -12,6 +12,9 @@
 //                                                      dS^T come out as the A operands dV and
 //                                                      dK need, in registers)
 //              P^T = exp2(S^T c - lse2), 0 where masked; dS^T = P^T o (dP^T - delta)
+//                                                     (softcap: S^T capped first, attn/score_mod.cuh,
+//                                                     masked before the exp, and P^T o (1 - t^2)
+//                                                     parked in the dS^T image for dS^T)
 //              dV += P^T dO_i, dK += dS^T Q_i          (RS wgmma, N = D)
 //              dS^T -> smem (two buffers, one barrier per block); dQ_i[:, 64c..] = dS K
 //                                                     (SS wgmma, both operands MN-major, N = 64:
@@ -28,6 +31,7 @@
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
+#include "attn/score_mod.cuh"
 #include "core/ptx_sm90.cuh"
 #include "core/wgmma_sm90_mn.cuh"
 #include "sm80/warp_gemm.cuh"
@@ -159,6 +163,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         const int key_w = n0 + 64 * cw + 16 * warp;  // this warp's first key
         const float scale_log2 = params.scale_log2;
         const Mask<V::kLocal> mask{geo};
+        const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
         const long long pad = params.seqlen_q_pad;
         const float* lse2g = lse2 + (long long)blk.bh * pad;
         const float* deltag = delta + (long long)blk.bh * pad;
@@ -221,21 +226,43 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     wgmma_wait<0>();
                 }
                 fence_regs(acc_s);
+                score_mod.apply_tile(acc_s);
+                // softcap: the mask goes on t (-inf) before the exp, so that P = 0 and grad = 0 there
+                if constexpr (V::kSoftcap) {
+                    if (range.masked_head(m) || (V::kLocal && range.masked_tail(m)))
+                        mask.template apply_transposed<true, true>(acc_s, m0, key_w, lane, neg_inf());
+                }
                 // this thread's queries are columns 8 nt + 2 t (+1): their lse2 (padded rows have
                 // +inf, so P = 0 there), read where used (L1-resident; an array of them costs registers)
                 // one opaque row pointer per block: its 8 nt offsets become immediates of the loads
                 // (else the per-nt pointers, loop invariants, are hoisted: 16 registers each for
                 // lse2 and delta)
                 const float* lrow = reinterpret_cast<const float*>(opaque((u64)(lse2g + m0 + 2 * t)));
+                // softcap: P o (1 - t^2), which is what dS^T needs of P, waits for dS^T (after dV) in
+                // this block's dS^T image, in the very slots this thread writes dS^T to below: in
+                // registers (16 more per thread) the d128 consumers spilled. The buffer is free here
+                // (see the dS^T stores) and only this thread touches these slots until then.
+                const u32 pg_rows = V::kSoftcap ? opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128 : 0u;
 #pragma unroll
                 for (int nt = 0; nt < BR / 8; ++nt) {
                     const float2 L = *reinterpret_cast<const float2*>(lrow + 8 * nt);
+                    if constexpr (V::kSoftcap) {
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
+                        for (int e = 0; e < 4; e += 2) {
+                            const float g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
+                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -L.x));
+                            acc_s[nt][e + 1] = fast_exp2(fmaf(acc_s[nt][e + 1], scale_log2, -L.y));
+                            st_shared_u32(pg_rows + 8 * (e / 2) * 128 + ((nt ^ g) << 4) + 4 * t,
+                                          pack2<BF16>(acc_s[nt][e] * g0, acc_s[nt][e + 1] * g1));
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
+                    }
                 }
                 // in query order the masked head is the right edge + seqlen_k tail, the tail the
-                // left edge (local instances only)
-                if (range.masked_head(m) || (V::kLocal && range.masked_tail(m)))
+                // left edge (local instances only; the softcap ones masked t above)
+                if (!V::kSoftcap && (range.masked_head(m) || (V::kLocal && range.masked_tail(m))))
                     mask.template apply_transposed<true, true>(acc_s, m0, key_w, lane, 0.f);
                 c_to_a_frags<BF16, Tr::kQuerySteps>(p_frag, acc_s);
             }
@@ -267,10 +294,19 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     const float2 Dl = *reinterpret_cast<const float2*>(drow + 8 * nt);
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
-                        const float d0 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half) * (acc_dp[nt][2 * half] - Dl.x);
-                        const float d1 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half + 1) * (acc_dp[nt][2 * half + 1] - Dl.y);
                         // key row 64 cw + 16 warp + g + 8 half (row % 8 = g), query column 8 nt + 2 t
-                        st_shared_u32(ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t, pack2<BF16>(d0, d1));
+                        if constexpr (V::kSoftcap) {  // P^T o (1 - t^2), parked in this slot by the S^T phase
+                            const u32 slot = ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t;
+                            u32 pw;
+                            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(pw) : "r"(slot) : "memory");
+                            float p0, p1;
+                            unpack2<BF16>(pw, p0, p1);
+                            st_shared_u32(slot, pack2<BF16>(p0 * (acc_dp[nt][2 * half] - Dl.x), p1 * (acc_dp[nt][2 * half + 1] - Dl.y)));
+                        } else {
+                            const float d0 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half) * (acc_dp[nt][2 * half] - Dl.x);
+                            const float d1 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half + 1) * (acc_dp[nt][2 * half + 1] - Dl.y);
+                            st_shared_u32(ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t, pack2<BF16>(d0, d1));
+                        }
                     }
                 }
             }

@@ -12,7 +12,7 @@
 //            The ring runs on across tiles, so the next tile's first K/V arrive while this one
 //            finishes.
 //   WG 1..C  consumers, 64 query rows each (wgmma M = 64), registers raised by setmaxnreg:
-//              S = Q K_j^T   (SS wgmma, N = BC)  -> mask (boundary blocks) -> online softmax
+//              S = Q K_j^T   (SS wgmma, N = BC)  -> score mod (softcap) -> mask (boundary blocks) -> online softmax
 //              -> dropout -> P to A registers -> O += P V_j (RS wgmma, N = D)
 //            OVERLAP: block j's P V_j is issued right after S_{j+1} = Q K_{j+1}^T, so the
 //            softmax of block j+1 runs while the tensor cores do P V_j (FA3 §3.2)
@@ -31,6 +31,7 @@
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
 #include "attn/tile_order.cuh"
+#include "attn/score_mod.cuh"
 #include "attn/softmax.cuh"
 #include "core/ptx_sm90.cuh"
 #include "sm80/warp_gemm.cuh"
@@ -179,6 +180,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
         const int warp_row0 = 64 * cw + 16 * warp;  // this warp's first row in the Q tile
         const float scale_log2 = params.scale_log2;
         const Mask<V::kLocal> mask{geo};
+        const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
         const IssueOrder<CONSUMERS, PINGPONG != 0> order{cw};
         constexpr int kBar = Tr::kBarSchedule;
 
@@ -235,9 +237,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             OnlineSoftmax<1> softmax;
             softmax.init();
 
-            // After S of key block j landed: mask, softmax statistics, P = exp2(S c - m c) in
-            // place; corr[half] is O's rescale factor for this block.
+            // After S of key block j landed: score modifier (softcap), mask, softmax statistics,
+            // P = exp2(S c - m c) in place; corr[half] is O's rescale factor for this block.
             auto softmax_block = [&](int j, float (&corr)[2]) {
+                score_mod.apply(acc_s);
                 if (range.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
                 if (range.masked_head(j)) mask.apply<true, false>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
 #pragma unroll

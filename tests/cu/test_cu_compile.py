@@ -21,6 +21,7 @@ HARNESS_HEADERS = {
     "mask": ["attn/mask.cuh"],
     "softmax": ["attn/softmax.cuh"],
     "dropout": ["attn/dropout.cuh"],
+    "score_mod": ["attn/score_mod.cuh"],
 }
 
 

@@ -1,0 +1,91 @@
+// cuflash/kernels_cu/attn/score_mod.cuh
+// Score modifiers: what happens to a raw score S = Q K^T between the Q K^T product and the mask,
+// in fragment coordinates (any C-fragment tile acc[NT][4], core/frag.cuh; S^T alike, the
+// modifier is element-wise). Every mainloop calls it at one hook point:
+//   forward (sm80 v2, v1, sm90):   S -> ScoreMod::apply -> Mask -> OnlineSoftmax
+//   backward (dK/dV, dQ, sm90):    S -> ScoreMod::apply -> P = exp2(. c - lse2) -> Mask
+//                                  dS = P o (dP - delta) o ScoreMod::grad(modified score)
+// Today's one modifier is softcap (Gemma 2; FlashAttention >= 2.6), V::kSoftcap:
+//
+//   score = c * tanh(softmax_scale * S / c)                (c = softcap > 0)
+//
+// computed as FlashAttention does, with softmax_scale folded into the tanh's argument:
+// apply() leaves t = tanh(S * softcap_scale) in the tile, softcap_scale = softmax_scale / c (a
+// params field), and the host sets the softmax's scale_log2 to c * log2(e), so OnlineSoftmax,
+// the lse and the backward's exp2(t c log2e - lse2) run unchanged on t. The backward's dS is
+// with respect to softmax_scale * S (the kernels apply softmax_scale to dQ and dK at the end), so
+// the chain rule adds the factor d(c tanh(x / c)) / dx = 1 - t^2 (grad). t is recomputed from
+// the recomputed S in the backward (nothing is stored by the forward).
+//
+// Masks apply after the modifier: a masked element is -inf (forward, dQ kernel: after apply) or
+// has P = 0 (dK/dV kernels: P zeroed after the exp), and grad(-inf) = 0 so that dS stays 0 there,
+// never 0 * inf.
+//
+// Without V::kSoftcap every member compiles to nothing (apply) or the constant 1 (grad).
+#pragma once
+#include "attn/features.cuh"
+
+namespace cuflash {
+
+// tanh on the special function unit (MUFU.TANH, sm_75+): one instruction, where tanhf is a ~20
+// instruction sequence with a branch. Softcap adds this op to EVERY score element of every tile,
+// next to the softmax's ex2 on the same unit, so its cost is what decides softcap's speed.
+// Accuracy: the PTX ISA bounds it at about 2^-11 relative; measured over all floats it is ~1.1e-5
+// relative (~16.5 bits, N. Juffa on the NVIDIA developer forums), so a score c t is off by at most
+// ~1e-5 |softmax_scale S|, far below the 16-bit rounding of P. FlashAttention uses the same
+// instruction (cutlass fast_tanh). tanh(+-inf) = +-1.
+__device__ __forceinline__ float tanh_approx(float x) {
+    float y;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+template <class V>
+struct ScoreMod {
+    static constexpr bool kOn = V::kSoftcap;
+    float tanh_scale;  // softmax_scale / softcap (the params' softcap_scale); unused without softcap
+
+    // From a pass's parameter struct (attn/params.cuh); the plain instances read nothing.
+    template <class Params>
+    __device__ __forceinline__ static ScoreMod of(const Params& p) {
+        ScoreMod m;
+        m.tanh_scale = kOn ? p.softcap_scale : 0.f;
+        return m;
+    }
+
+    // One element: the modified score in the softmax's units (t; the softmax scales it by c).
+    __device__ __forceinline__ float value(float s) const {
+        if constexpr (kOn) return tanh_approx(s * tanh_scale);
+        return s;
+    }
+
+    // S <- modified score in place over an m16 tile acc[NT][4] (rows and columns are irrelevant:
+    // the Direct view of the forward and the dQ kernel, and the dK/dV kernels' S^T alike).
+    template <int NT>
+    __device__ __forceinline__ void apply_tile(float (&acc)[NT][4]) const {
+        if constexpr (kOn) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[nt][e] = value(acc[nt][e]);
+        }
+    }
+
+    // A warp tile acc[MT][NT][4].
+    template <int MT, int NT>
+    __device__ __forceinline__ void apply(float (&acc)[MT][NT][4]) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) apply_tile(acc[mt]);
+    }
+
+    // d score / d (softmax_scale S) from the modified score t = value(S): 1 - t^2, which the
+    // backward multiplies into dS. Clamped at 0: exact for |t| <= 1 (tanh.approx stays in
+    // [-1, 1]) and 0 for a masked t = -inf (1 - inf would give dS = 0 * -inf = NaN). 1 without
+    // a modifier (the multiply then folds away).
+    __device__ __forceinline__ static float grad(float t) {
+        if constexpr (kOn) return fmaxf(fmaf(-t, t, 1.f), 0.f);
+        return 1.f;
+    }
+};
+
+}  // namespace cuflash
