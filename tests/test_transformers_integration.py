@@ -122,13 +122,13 @@ def test_gqa_causal_maps_to_cuflash_layout(calls):
     _, cq, ck, cv, opts = calls[0]
     assert (cq.shape, ck.shape, cv.shape) == ((2, 128, 8, 64), (2, 128, 2, 64), (2, 128, 2, 64))  # k/v not repeated
     assert cq.transposed and ck.transposed and cv.transposed
-    assert opts == {"causal": True, "softmax_scale": 0.125, "window_size": (-1, -1), "dropout_p": 0.0}
+    assert opts == {"causal": True, "softmax_scale": 0.125, "window_size": (-1, -1), "dropout_p": 0.0, "softcap": 0.0}
 
 
 def test_sliding_window_dropout_and_is_causal(calls):
     module = types.SimpleNamespace(is_causal=True)
     hf.attention_forward(module, *_qkv(), None, dropout=0.1, sliding_window=4096)
-    assert calls[-1][4] == {"causal": True, "softmax_scale": None, "window_size": (4095, 0), "dropout_p": 0.1}
+    assert calls[-1][4] == {"causal": True, "softmax_scale": None, "window_size": (4095, 0), "dropout_p": 0.1, "softcap": 0.0}
     hf.attention_forward(types.SimpleNamespace(is_causal=False), *_qkv(), None)  # an encoder's attention
     assert calls[-1][4]["causal"] is False
     hf.attention_forward(module, *_qkv(), None, is_causal=False)  # the call's is_causal wins
@@ -169,8 +169,10 @@ def test_sdpa_mask_for_uses_flags_where_they_agree(monkeypatch):
 
 def test_refusals_name_the_option(calls):
     module = types.SimpleNamespace(is_causal=True)
-    with pytest.raises(NotImplementedError, match="softcap=50.0"):
-        hf.attention_forward(module, *_qkv(), None, softcap=50.0)
+    hf.attention_forward(module, *_qkv(), None, softcap=50.0)  # cuflash's softcap
+    assert calls[-1][0] == "cuflash" and calls.pop()[4]["softcap"] == 50.0
+    with pytest.raises(NotImplementedError, match="softcap=50.0"):  # sdpa would drop it
+        hf.attention_forward(module, *_qkv(), object(), softcap=50.0)
     with pytest.raises(NotImplementedError, match="s_aux"):
         hf.attention_forward(module, *_qkv(), None, s_aux=object())
     with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):

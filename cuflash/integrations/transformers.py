@@ -30,10 +30,12 @@ What runs where:
   causal or bidirectional with nothing padded, and the query's last position is the last key's
   (bottom-right alignment holds); otherwise it returns sdpa's mask, and the attention function
   hands any mask it gets to sdpa.
+- `softcap` (Gemma 2's attention logit soft-capping) runs on cuflash's softcap; a softcapped call
+  that would have to fall back (a mask, an unsupported shape) raises instead, since sdpa ignores
+  softcap.
 - **NotImplementedError**, naming the option, for what neither cuflash nor sdpa would compute
-  correctly: `softcap` (attention logit soft-capping, Gemma 2; transformers' sdpa would ignore it:
-  use attn_implementation="eager"), `s_aux` (attention sinks), and flash-attention-style packed
-  sequences given as `cu_seq_lens_q`/`cu_seq_lens_k` without a mask.
+  correctly: `s_aux` (attention sinks), softcap where cuflash cannot run (above), and
+  flash-attention-style packed sequences given as `cu_seq_lens_q`/`cu_seq_lens_k` without a mask.
 
 Neither torch nor transformers is imported until register() or a call.
 """
@@ -114,13 +116,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       **kwargs):
     """transformers attention function: query (batch, heads, seq_q, head_dim), key and value (batch,
     heads_kv, seq_k, head_dim); returns (attn_output (batch, seq_q, heads, head_dim), None)."""
-    if softcap not in (None, 0, 0.0):
-        raise NotImplementedError(f"cuflash attention: softcap={softcap!r} (attention logit soft-capping) is not "
-                                  f"supported yet; use attn_implementation='eager' for this model")
+    softcap = float(softcap or 0.0)  # Gemma 2's attn_logit_softcapping: cuflash's softcap (0: off)
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("cuflash attention: s_aux (attention sinks) is not supported yet; use "
                                   "attn_implementation='eager'")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if attention_mask is not None and softcap:
+        raise NotImplementedError(f"cuflash attention: softcap={softcap!r} with an attention mask (padding, packed "
+                                  f"sequences) would fall back to sdpa, which ignores softcap; use "
+                                  f"attn_implementation='eager' for such batches")
     if attention_mask is not None:
         _warn_once("mask", "cuflash attention: this call has an attention mask (padding, packed sequences, chunked "
                            "attention, a mask overlay or a custom mask), which cuflash's kernels do not take; it runs "
@@ -141,12 +145,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
             return _sdpa(module, query, key, value, None, dropout, scaling, is_causal, kwargs)
         window = (int(sliding_window) - 1, 0)
     why = unsupported(query, key, value)
+    if why and softcap:
+        raise NotImplementedError(f"cuflash attention: softcap={softcap!r} on a call cuflash cannot take ({why}) would "
+                                  f"fall back to sdpa, which ignores softcap; use attn_implementation='eager'")
     if why:
         _warn_once("shape:" + why, f"cuflash attention: {why}; those calls run on transformers' sdpa attention")
         mask, sdpa_causal = sdpa_mask_for(query, key, causal, window)
         return _sdpa(module, query, key, value, mask, dropout, scaling, sdpa_causal, kwargs)
     out = _cuflash(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                   softmax_scale=scaling, window_size=window, dropout_p=float(dropout or 0.0))
+                   softmax_scale=scaling, window_size=window, dropout_p=float(dropout or 0.0), softcap=softcap)
     return out, None
 
 

@@ -2,7 +2,8 @@
 
 Randomly initialised small models: Llama-style (GQA: 4 query heads, 2 k/v heads), Mistral-style
 (MQA and a sliding window shorter than the sequence) and Gemma-2-style (hybrid sliding/full layers,
-query_pre_attn_scalar scaling; its attention softcap is refused, tested separately).
+query_pre_attn_scalar scaling); Gemma 2 with its attention softcap against transformers' eager
+attention (sdpa ignores softcap).
 
 Tolerance: FlashAttention's 2x rule at the model level. A float32 copy of the model running sdpa
 is the reference; the half-precision model with cuflash may be at most twice as far from it as
@@ -65,13 +66,13 @@ def spy(monkeypatch):
     return log
 
 
-def _models(config_fn, dtype):
-    """(float32 sdpa reference, half-precision sdpa, half-precision cuflash), the same weights."""
+def _models(config_fn, dtype, impl="sdpa"):
+    """(float32 `impl` reference, half-precision `impl`, half-precision cuflash), the same weights."""
     name = cuflash_hf.register()
     torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(config_fn(), attn_implementation="sdpa").cuda().float()
+    ref = transformers.AutoModelForCausalLM.from_config(config_fn(), attn_implementation=impl).cuda().float()
     models = [ref]
-    for impl in ("sdpa", name):
+    for impl in (impl, name):
         m = transformers.AutoModelForCausalLM.from_config(config_fn(), attn_implementation=impl)
         m.load_state_dict(copy.deepcopy(ref.state_dict()))
         m = m.cuda().to(dtype)
@@ -171,14 +172,25 @@ def test_padding_and_packed_sequences_fall_back_to_sdpa(spy):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_attention_softcap_is_refused():
-    name = cuflash_hf.register()
-    cfg = transformers.Gemma2Config(num_key_value_heads=2, sliding_window=48, attn_logit_softcapping=50.0,
-                                    query_pre_attn_scalar=64, **COMMON)
-    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name).cuda().to(torch.bfloat16)
-    ids = torch.randint(0, 256, (1, 32), device="cuda")
-    with pytest.raises(NotImplementedError, match="softcap=50.0"):
-        m(input_ids=ids)
+def gemma2_softcap():
+    return transformers.Gemma2Config(num_key_value_heads=2, sliding_window=48, attn_logit_softcapping=50.0,
+                                     final_logit_softcapping=None, query_pre_attn_scalar=64, **COMMON)
+
+
+def test_attention_softcap_runs_on_cuflash_and_matches_eager(spy):
+    """Gemma 2's attention logit soft-capping on cuflash's softcap: logits and gradients by the 2x
+    rule against transformers' eager attention (sdpa ignores softcap), float32 eager the reference."""
+    ref, eager, cu = _models(gemma2_softcap, torch.bfloat16, impl="eager")
+    ids = torch.randint(0, 256, (2, 192), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    ref_logits, ref_grads = _step(ref, ids)
+    eager_logits, eager_grads = _step(eager, ids)
+    cu_logits, cu_grads = _step(cu, ids)
+    assert spy["cuflash"] and all(o["softcap"] == 50.0 for o in spy["cuflash"])
+    err, pt, allowed = _allowed(cu_logits, ref_logits, eager_logits)
+    assert err <= allowed, f"logits: {err:.3e} > {allowed:.3e} (eager {pt:.3e})"
+    for n in ref_grads:
+        err, pt, allowed = _allowed(cu_grads[n], ref_grads[n], eager_grads[n])
+        assert err <= allowed, f"grad {n}: {err:.3e} > {allowed:.3e} (eager {pt:.3e})"
 
 
 def test_float32_model_falls_back_with_a_correct_mask(spy):
