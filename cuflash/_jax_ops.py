@@ -40,11 +40,11 @@ class JaxOptions:
 
 
 def options(causal=False, softmax_scale=None, window_size=(-1, -1), alignment="bottom_right", deterministic=False,
-            dropout_p=0.0, backend=None) -> JaxOptions:
+            dropout_p=0.0, backend=None, softcap=0.0) -> JaxOptions:
     """The checked options of a call; TypeError / ValueError naming the argument, NotImplementedError
     for dropout (its Philox seed would have to be a traced value read on the host inside the
     callback, which needs a device-to-host copy; not done yet)."""
-    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment)
+    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     scale = problem.check_softmax_scale(softmax_scale)
     deterministic = check_flag(deterministic, "deterministic")
     families.check_backend(backend)

@@ -46,7 +46,7 @@ __all__ = ["attention"]
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, window_size: tuple = (-1, -1),
               alignment: str = "bottom_right", deterministic: bool = False, dropout_p: float = 0.0,
-              backend: str | None = None, return_lse: bool = False):
+              backend: str | None = None, return_lse: bool = False, softcap: float = 0.0):
     """Exact softmax attention of jax arrays, jit-compatible and differentiable (reverse mode).
 
     Arguments as cuflash.attention's (see its docstring); dropout_p must be 0. Returns out (like q),
@@ -55,7 +55,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     backward (deterministic=True: bitwise reproducible dq).
     """
     opts = ops.options(causal=causal, softmax_scale=softmax_scale, window_size=window_size, alignment=alignment,
-                       deterministic=deterministic, dropout_p=dropout_p, backend=backend)
+                       deterministic=deterministic, dropout_p=dropout_p, backend=backend, softcap=softcap)
     ops.check_forward(q, k, v, opts)
     out, lse = _attention(q, k, v, opts)
     return (out, jax.lax.stop_gradient(lse)) if return_lse else out

@@ -213,3 +213,12 @@ def test_importing_cuflash_imports_neither_jax_nor_torch_nor_transformers():
             "print(sorted(m for m in ('jax', 'torch', 'transformers') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
+
+
+def test_softcap_travels_in_the_mask_record():
+    from cuflash import _jax_ops as ops
+
+    assert ops.options(softcap=30.0).mask.softcap == 30.0
+    assert ops.options().mask.softcap == 0.0
+    with pytest.raises(ValueError, match="softcap"):
+        ops.options(softcap=-1.0)
