@@ -20,7 +20,6 @@ import dataclasses
 from typing import Callable, Mapping
 
 from ..features import SUPPORTED_DTYPES, Features
-from ..tiles import SUPPORTED_HEAD_DIMS
 
 MAX_REGS_PER_THREAD = 255
 REG_ALLOC_UNIT = 8  # registers are allocated per thread in multiples of 8 (256 per warp)
@@ -100,7 +99,8 @@ class KernelFamily:
 
     # --- selection
     def supports(self, features: Features) -> bool:
-        return (features.dtype in SUPPORTED_DTYPES and features.head_dim in SUPPORTED_HEAD_DIMS
+        # the head dims the family is instantiated for are the keys of its defaults
+        return (features.dtype in SUPPORTED_DTYPES and features.head_dim in self.defaults
                 and (self.takes_dropout or not features.dropout))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:

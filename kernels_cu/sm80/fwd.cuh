@@ -116,7 +116,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             if (it == 0) {  // Q landed with the first step's group
 #pragma unroll
                 for (int kd = 0; kd < kHeadSteps; ++kd)
-                    ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + (q_frag_off ^ (32 * kd)));
+                    ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + chunk_step<kRowChunks>(q_frag_off, 2 * kd));
             }
         }
 

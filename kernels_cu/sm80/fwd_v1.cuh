@@ -116,7 +116,7 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
     }
 
     const int warp_row0 = warp * S_::kRowsPerWarp;
-    // ldmatrix per-lane offsets at k-chunk 0; chunk c is (offset) ^ (16 c), as in v2.
+    // ldmatrix per-lane offsets at k-chunk 0; chunk c is chunk_step(offset, c), as in v2.
     using Ld = LdmatrixOffsets<CH>;
     const u32 q_frag_off = Ld::a_operand(warp_row0, lane);
     const u32 k_frag_off = Ld::b_operand(lane);
