@@ -53,10 +53,11 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     hkv, gqa = p.heads_kv, p.group > 1
     pad = -(-nq // _ROW_PAD) * _ROW_PAD
     ws_rows = b * h * pad
-    chunks = d // 8  # the aux kernels' threads each take 8 elements of a row
+    kd = p.features.head_dim  # the instantiated head dim (>= d): dq_acc's row length
+    chunks = kd // 8  # the aux kernels' threads each take 8 elements of a row (idle past d)
 
     prep = _compile.get_aux_kernel("bwd_prep", p.features, p.device)
-    launches = [Launch(prep, (-(-ws_rows * prep_threads_per_row(d) // _AUX_THREADS),), (_AUX_THREADS,), 0,
+    launches = [Launch(prep, (-(-ws_rows * prep_threads_per_row(kd) // _AUX_THREADS),), (_AUX_THREADS,), 0,
                        pointers=_aux_pointers("bwd_prep"))]
 
     # key tiles x head-dim column splits (an sm80 tile past d=128: BwdConfig.column_splits), the
@@ -94,7 +95,7 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
 
     buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, hkv, d), dtype),
                Buffer("dv", (b, nk, hkv, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
-               Buffer("dq_acc", None if p.deterministic else (ws_rows * d,)), *expanded)
+               Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
     return Plan(p.device, BWD_ARRAYS, buffers, tuple(launches), OUTPUTS, pack_bwd(p, pad, n_blocks, m_blocks))
 
 

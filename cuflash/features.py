@@ -8,7 +8,7 @@ and keys the tuned tables (tuning every feature combination is impossible, tunin
 
 The boolean variant fields (declared with `_variant`) are the kernels' compile-time feature set:
 the generated shell passes them, in field order, as ONE template argument,
-`cuflash::Variant<dropout, local>` (kernels_cu/attn/features.cuh), and asserts that each C++
+`cuflash::Variant<dropout, local, partial_d>` (kernels_cu/attn/features.cuh), and asserts that each C++
 member holds the value of its field (`cxx_asserts`), so the two lists cannot drift apart. Adding a
 feature is: one `_variant` field here, one parameter and member there, and the policy header that
 reads it; the shells, kernel names and fingerprints follow.
@@ -39,6 +39,9 @@ class Features:
     # the mask has a bounded LEFT window edge (sliding window): only these instances read
     # window_left and run the left-edge block-range and mask code (attn/mask.cuh, block_range.cuh)
     local: bool = _variant("_local", "kLocal")
+    # the call's head dim is less than head_dim, the instantiated one (cuflash.tiles.kernel_head_dim):
+    # loads zero-fill the columns past it and stores skip them (params.head_dim holds it)
+    partial_d: bool = _variant("_pd", "kPartialD")
 
     @classmethod
     @functools.cache
@@ -72,7 +75,8 @@ class Features:
 
     def perf_class(self) -> str:
         """The tuning class: features that move the optimum get their own tuned tables (a bounded
-        left edge only removes work from the masked ends, so `local` keeps its class)."""
+        left edge only removes work from the masked ends, so `local` keeps its class, and so does
+        `partial_d`: it runs the tiles of its instantiated head dim)."""
         return "dropout" if self.dropout else "dense"
 
 

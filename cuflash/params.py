@@ -52,7 +52,7 @@ FWD_FIELDS = [
     ("scale_log2", _F32),
     ("tiles", _I32),  # work tiles: m_blocks * heads * batch (a persistent grid strides over them)
     ("heads_kv", _I32), ("group", _I32),  # GQA/MQA: k/v heads, heads // heads_kv (query head h reads h // group)
-    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
+    ("head_dim", _I32),  # the call's head dim (an instance of a larger D masks the columns past it)
 ]
 
 BWD_FIELDS = [
@@ -65,7 +65,7 @@ BWD_FIELDS = [
     *GEOMETRY_FIELDS,
     ("scale_log2", _F32), ("scale", _F32),
     ("heads_kv", _I32), ("group", _I32),  # GQA/MQA, as FwdParams'
-    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
+    ("head_dim", _I32),  # as FwdParams'
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)
@@ -89,6 +89,7 @@ def _set_common(a, p: AttnProblem) -> None:
                                   f"built with Features.local; these features are {p.features}")
     a["heads"], a["seqlen_q"], a["seqlen_k"] = p.heads, p.seqlen_q, p.seqlen_k
     a["heads_kv"], a["group"] = p.heads_kv, p.group
+    a["head_dim"] = p.head_dim
     a["window_left"], a["window_right"], a["offset"] = p.window_left, p.window_right, p.offset
     a["scale_log2"] = np.float32(p.softmax_scale * LOG2E)
     # no dropout: what the DROPOUT=false instantiations would ignore anyway

@@ -14,9 +14,25 @@ from __future__ import annotations
 import dataclasses
 
 # The head dims the sm80 kernels are instantiated for (the Hopper families take a subset:
-# SM90_HEAD_DIMS). Other multiples of 8 are not accepted yet (cuflash/problem.py says so).
+# SM90_HEAD_DIMS). A call may have any multiple of 8 in [8, 256]: it runs the instance of the next
+# instantiated head dim (kernel_head_dim), which masks the columns past the call's (Features.partial_d).
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 SM90_HEAD_DIMS = (64, 128)
+HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
+
+
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why a call's head dim cannot run, or None: a multiple of 8 (16-byte rows) from 8 to 256."""
+    if head_dim % HEAD_DIM_STEP or not HEAD_DIM_STEP <= head_dim <= MAX_HEAD_DIM:
+        return (f"head_dim must be a multiple of {HEAD_DIM_STEP} between {HEAD_DIM_STEP} and {MAX_HEAD_DIM}, "
+                f"got {head_dim}")
+    return None
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The instantiated head dim a call of `head_dim` (valid per head_dim_problem) runs with: the
+    smallest of SUPPORTED_HEAD_DIMS at least as large."""
+    return next(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
 
 
 def smem_row_bytes(head_dim: int) -> int:

@@ -85,6 +85,7 @@ class KernelFamily:
     # call from the plan's slots (TMA maps embed data pointers): the backward's main kernel on sm90
     main_args: Callable | None = None
     takes_dropout: bool = True  # False: no dropout instantiation exists (supports() says so)
+    takes_partial_d: bool = True  # False: no column-masking instance (a call's head dim must be instantiated)
     # the tuner:
     run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
     deterministic_outputs: tuple = ()  # indices of run()'s outputs that must be bitwise reproducible
@@ -101,10 +102,14 @@ class KernelFamily:
     def supports(self, features: Features) -> bool:
         # the head dims the family is instantiated for are the keys of its defaults
         return (features.dtype in SUPPORTED_DTYPES and features.head_dim in self.defaults
-                and (self.takes_dropout or not features.dropout))
+                and (self.takes_dropout or not features.dropout)
+                and (self.takes_partial_d or not features.partial_d))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
-        """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order."""
+        """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order
+        (none for a head dim the family is not instantiated for: not a key of its defaults)."""
+        if head_dim not in self.defaults:
+            return []
         return [t for t in self.domain(head_dim) if t.fits(smem_optin_bytes)]
 
     def avoids(self, tile, features: Features | None) -> bool:
@@ -156,7 +161,7 @@ class KernelFamily:
             if why:
                 return why
         try:
-            self.default(problem.head_dim, props.smem_optin, f)
+            self.default(f.head_dim, props.smem_optin, f)
         except (RuntimeError, KeyError) as e:
             return str(e) if isinstance(e, RuntimeError) else f"no {self.what} config for head_dim {problem.head_dim}"
         return None
@@ -168,7 +173,8 @@ class KernelFamily:
         if self.supports(plain):
             lacking = [v.name for v in Features.variant_fields()
                        if getattr(f, v.name) and not self.supports(dataclasses.replace(plain, **{v.name: True}))]
-            names = {"dropout": "dropout", "local": "sliding windows (window_size)"}
+            names = {"dropout": "dropout", "local": "sliding windows (window_size)",
+                     "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         return f"{f.dtype} with head_dim {f.head_dim}"
 

@@ -65,7 +65,7 @@ FWD_SM90 = KernelFamily(
     pointers=((TMA_MAP, "tq"), (TMA_MAP, "tk"), (TMA_MAP, "tv"), (OUT, "out"), (F32, "lse")),
     params="FwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
-    arch_specific=True, backend="sm90",
+    arch_specific=True, backend="sm90", takes_partial_d=False,
     domain=lambda d: (_product(d, (96, 128, 176, 192), (2,), (2,)) if d == 128
                       else _product(d, (96, 128, 192), (2, 3), (2,))),
     # measured on the H200 (bf16, seqlen 2k-16k, docs/bench/h200-sm90-bringup-2026-11-30.jsonl):
@@ -119,7 +119,7 @@ BWD_SM90 = KernelFamily(
               (F32_IN, "delta"), (F32, "dq_acc"), (OUT, "dk"), (OUT, "dv")),
     params="BwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
-    arch_specific=True, backend="sm90",
+    arch_specific=True, backend="sm90", takes_partial_d=False,
     domain=lambda d: [Sm90BwdConfig(d, 64, 2, s, b) for s in (2, 3) for b in (0, 1)],
     # dq_bulk 0 (atomics) is the version measured on the H200; 1 (store warp) compiles, not yet run
     defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 0),), 128: (Sm90BwdConfig(128, 64, 2, 2, 0),)},

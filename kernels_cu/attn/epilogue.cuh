@@ -13,18 +13,18 @@
 namespace cuflash {
 
 // Copy 16-byte chunks [c0, c0 + NCH) (all CH by default) of ROWS rows (tile rows row0.., CH
-// chunks each) from a shared tile to global rows grow0.., skipping rows at or past n_rows. Called
-// by one warp.
-template <int CH, int ROWS, int NCH = CH>
+// chunks each) from a shared tile to global rows grow0.., skipping rows at or past n_rows and, with
+// PARTIAL, chunks at or past d_chunks (the call's head dim / 8). Called by one warp.
+template <int CH, int ROWS, int NCH = CH, bool PARTIAL = false>
 __device__ __forceinline__ void store_rows_warp(u32 s_base, int row0, elem_t* g, long long row_stride,
-                                                int grow0, int n_rows, int lane, int c0 = 0) {
+                                                int grow0, int n_rows, int lane, int c0 = 0, int d_chunks = CH) {
     constexpr int CHUNKS = ROWS * NCH;
 #pragma unroll
     for (int it = 0; it < (CHUNKS + 31) / 32; ++it) {
         int idx = it * 32 + lane;
         if (idx < CHUNKS) {
             int tr = idx / NCH, c = c0 + idx % NCH;
-            if (grow0 + tr < n_rows) {
+            if (grow0 + tr < n_rows && (!PARTIAL || c < d_chunks)) {
                 const uint4 val = ld_shared_v4(s_base + swz<CH>(row0 + tr, c));
                 *reinterpret_cast<uint4*>(g + (long long)(grow0 + tr) * row_stride + c * 8) = val;
             }

@@ -9,7 +9,7 @@
 
 namespace cuflash {
 
-template <bool DROPOUT, bool LOCAL>
+template <bool DROPOUT, bool LOCAL, bool PARTIAL_D>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -17,6 +17,10 @@ struct Variant {
     // window_left and run the left-edge block-range and mask code (attn/mask.cuh,
     // attn/block_range.cuh); the others compile it out (it costs up to +46 registers).
     static constexpr bool kLocal = LOCAL;
+    // The call's head dim (params.head_dim, a multiple of 8) is less than the instance's D: tile
+    // loads zero-fill the columns past it (cp.async src-size 0) and stores skip them, so q, k, v
+    // and the outputs are used in place. Zero columns add nothing to Q K^T, dP = dO V^T or delta.
+    static constexpr bool kPartialD = PARTIAL_D;
 };
 
 }  // namespace cuflash

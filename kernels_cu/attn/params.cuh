@@ -13,6 +13,8 @@
 // per call: the host replaces them when dropout is on).
 //
 // Strides are in elements and 64-bit, per tensor (batch, seqlen, head); head_dim's stride is 1.
+// head_dim is the call's (a multiple of 8); an instance of head dim D > head_dim (V::kPartialD)
+// zero-fills the columns >= head_dim of its tiles on load and skips them on store.
 // Mask geometry: the canonical (window_left, window_right, offset) of attn/mask.cuh, computed on
 // the host (cuflash/problem.py, which enforces mask.cuh's integer-range preconditions).
 //
@@ -39,7 +41,7 @@ struct FwdParams {
     int tiles;         // work tiles m_blocks * heads * batch; a persistent grid (sm90) strides over them
     int heads_kv;      // heads of k and v (GQA/MQA: fewer than heads, dividing it; MHA: heads)
     int group;         // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
-    int reserved;      // explicit tail padding (alignment 8): no byte of the struct is implicit
+    int head_dim;      // the call's head dim (<= the instance's D; less only in V::kPartialD instances)
 };
 
 // The backward pass, one struct for its four kernels; each reads what it needs:
@@ -74,7 +76,7 @@ struct BwdParams {
     float scale_log2, scale;  // softmax_scale * log2(e), softmax_scale
     int heads_kv;             // heads of k and v (GQA/MQA: fewer than heads, dividing it; MHA: heads)
     int group;                // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
-    int reserved;             // explicit tail padding (alignment 8): no byte of the struct is implicit
+    int head_dim;             // the call's head dim (<= the instance's D; less only in V::kPartialD instances)
 };
 
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 160, "FwdParams layout changed: update cuflash/params.py");

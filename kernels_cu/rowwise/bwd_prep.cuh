@@ -24,7 +24,9 @@ __device__ __forceinline__ void bwd_prep(const elem_t* __restrict__ o, const ele
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long r = gt / TPR;  // padded row index over (batch*heads) x seqlen_q_pad
     const int c = (int)(gt % TPR);
-    const bool in_range = r < n_rows, has_chunk = c < CH;
+    // the call's chunks (params.head_dim <= D: o and dout rows hold only those; dq_acc rows all CH)
+    const int d_chunks = params.head_dim / 8;
+    const bool in_range = r < n_rows, has_chunk = c < d_chunks;
     const int bh = in_range ? (int)(r / seqlen_q_pad) : 0;
     const int i = in_range ? (int)(r - (long long)bh * seqlen_q_pad) : seqlen_q;
     float dot = 0.f;
@@ -50,7 +52,7 @@ __device__ __forceinline__ void bwd_prep(const elem_t* __restrict__ o, const ele
         delta[r] = dot;
         lse2[r] = (l == -POS_INF) ? POS_INF : l * kLog2e;
     }
-    if (dq_acc != nullptr && has_chunk) {
+    if (dq_acc != nullptr && c < CH) {
         float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
         float4* p = reinterpret_cast<float4*>(dq_acc + r * D + c * 8);
         p[0] = z;

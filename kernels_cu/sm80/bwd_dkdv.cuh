@@ -88,6 +88,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
+    // the call's 16-byte chunks per row (V::kPartialD: fewer than the instance's; else all of them)
+    const int d_chunks = V::kPartialD ? params.head_dim / 8 : D / 8;
     using S_ = Sm80BwdTraits<D, BR, BC, WARPS, STAGES, V::kDropout>;
     constexpr int CH = S_::kRowChunks, SCH = S_::kDsRowChunks, KD = S_::kHeadSteps, SN = S_::kQueryTiles, KQ = S_::kQuerySteps, DN = S_::kOutTiles;
     constexpr int THREADS = S_::kNumThreads;
@@ -131,8 +133,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     auto load_q_tile = [&](int it) {
         const int slot = it % STAGES;
         const int r0 = (m_begin + it) * BR;
-        load_tile<BR, CH, THREADS>(sQ + slot * S_::kQTileBytes, qg, q_sn, r0, seqlen_q, tid);
-        load_tile<BR, CH, THREADS>(sdO + slot * S_::kQTileBytes, dog, do_sn, r0, seqlen_q, tid);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sQ + slot * S_::kQTileBytes, qg, q_sn, r0, seqlen_q, tid, d_chunks);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sdO + slot * S_::kQTileBytes, dog, do_sn, r0, seqlen_q, tid, d_chunks);
         // lse2 and delta: BR/4 chunks each, from buffers padded past seqlen_q (no guard needed)
         constexpr int SC = BR / 4;
         static_assert(2 * SC <= THREADS, "one thread per stats chunk");
@@ -150,8 +152,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
 
     if (n_iter > 0) {
-        load_tile<BC, CH, THREADS>(sK, kg, k_sn, c0, seqlen_k, tid);
-        load_tile<BC, CH, THREADS>(sV, vg, v_sn, c0, seqlen_k, tid);
+        load_tile<BC, CH, THREADS, V::kPartialD>(sK, kg, k_sn, c0, seqlen_k, tid, d_chunks);
+        load_tile<BC, CH, THREADS, V::kPartialD>(sV, vg, v_sn, c0, seqlen_k, tid, d_chunks);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter) load_q_tile(s);
@@ -268,8 +270,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     __syncwarp();
     elem_t* dkg = dk + (long long)b * dk_sb + (long long)h * dk_sh;
     elem_t* dvg = dv + (long long)b * dv_sb + (long long)h * dv_sh;
-    store_rows_warp<CH, 16, DN>(sK, warp * 16, dkg, dk_sn, key_w, seqlen_k, lane, col0 / 8);
-    store_rows_warp<CH, 16, DN>(sV, warp * 16, dvg, dv_sn, key_w, seqlen_k, lane, col0 / 8);
+    store_rows_warp<CH, 16, DN, V::kPartialD>(sK, warp * 16, dkg, dk_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
+    store_rows_warp<CH, 16, DN, V::kPartialD>(sV, warp * 16, dvg, dv_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
 }
 
 }  // namespace cuflash

@@ -30,6 +30,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
+    // the call's 16-byte chunks per row (V::kPartialD: fewer than the instance's; else all of them)
+    const int d_chunks = V::kPartialD ? params.head_dim / 8 : D / 8;
     using S_ = Sm80DqTraits<D, BR, BC, WARPS, STAGES>;
     constexpr int CH = S_::kRowChunks, KD = S_::kHeadSteps, SN = S_::kScoreTiles, KB = S_::kKeySteps, DN = S_::kOutTiles;
     constexpr int THREADS = S_::kNumThreads;
@@ -69,13 +71,13 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 
     if (n_iter > 0) {
         // Prologue (ring contract, sm80/tile_copy.cuh): Q and dO join the first K/V group.
-        load_tile<BR, CH, THREADS>(sQ, qg, q_sn, r0, seqlen_q, tid);
-        load_tile<BR, CH, THREADS>(sdO, dog, do_sn, r0, seqlen_q, tid);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sQ, qg, q_sn, r0, seqlen_q, tid, d_chunks);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sdO, dog, do_sn, r0, seqlen_q, tid, d_chunks);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter)
-                load_kv_tile<BC, CH, THREADS>(sK + s * S_::kKVBytes, sV + s * S_::kKVBytes, kg, k_sn, vg, v_sn, n_begin + s,
-                                              seqlen_k, tid);
+                load_kv_tile<BC, CH, THREADS, V::kPartialD>(sK + s * S_::kKVBytes, sV + s * S_::kKVBytes, kg, k_sn, vg, v_sn, n_begin + s,
+                                              seqlen_k, tid, d_chunks);
             cp_async_commit();
         }
     }
@@ -94,8 +96,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
             int in = it + STAGES - 1;
             if (in < n_iter) {
                 int slot = in % STAGES;
-                load_kv_tile<BC, CH, THREADS>(sK + slot * S_::kKVBytes, sV + slot * S_::kKVBytes, kg, k_sn, vg, v_sn,
-                                              n_begin + in, seqlen_k, tid);
+                load_kv_tile<BC, CH, THREADS, V::kPartialD>(sK + slot * S_::kKVBytes, sV + slot * S_::kKVBytes, kg, k_sn, vg, v_sn,
+                                              n_begin + in, seqlen_k, tid, d_chunks);
             }
             cp_async_commit();
         }
@@ -179,7 +181,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     stash_c_tile<BF16, CH, DN>(sQ, warp * 16, acc_q, scale, lane);
     __syncwarp();
     elem_t* dqg = dq + (long long)b * dq_sb + (long long)h * dq_sh;
-    store_rows_warp<CH, 16>(sQ, warp * 16, dqg, dq_sn, r0 + warp * 16, seqlen_q, lane);
+    store_rows_warp<CH, 16, CH, V::kPartialD>(sQ, warp * 16, dqg, dq_sn, r0 + warp * 16, seqlen_q, lane, 0, d_chunks);
 }
 
 }  // namespace cuflash
