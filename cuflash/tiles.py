@@ -17,7 +17,8 @@ import dataclasses
 # SM90_HEAD_DIMS). A call may have any multiple of 8 in [8, 256]: it runs the instance of the next
 # instantiated head dim (kernel_head_dim), which masks the columns past the call's (Features.partial_d).
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
-SM90_HEAD_DIMS = (64, 128)
+SM90_HEAD_DIMS = (64, 128, 256)  # the Hopper forward
+SM90_BWD_HEAD_DIMS = (64, 128)  # the Hopper backward
 HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
 
 
@@ -338,8 +339,8 @@ class Sm90BwdConfig(Tile):
                 + dq_stage + SM90_SMEM_SLACK)
 
     def structural_problem(self) -> str | None:
-        if self.head_dim not in SM90_HEAD_DIMS:
-            return f"head_dim {self.head_dim} not in {SM90_HEAD_DIMS}"
+        if self.head_dim not in SM90_BWD_HEAD_DIMS:
+            return f"head_dim {self.head_dim} not in {SM90_BWD_HEAD_DIMS}"
         if self.block_q != 64:
             return f"block_q must be 64 (the dS^T image is one 64-query chunk), got {self.block_q}"
         if self.consumers != 2:
