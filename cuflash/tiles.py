@@ -16,8 +16,8 @@ import dataclasses
 # The head dims the sm80 kernels are instantiated for (the Hopper families take a subset:
 # SM90_HEAD_DIMS). A call may have any multiple of 8 in [8, 256]: it runs the instance of the next
 # instantiated head dim (kernel_head_dim), which masks the columns past the call's (Features.partial_d).
-SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
-SM90_HEAD_DIMS = (64, 128, 256)  # the Hopper forward
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+SM90_HEAD_DIMS = (64, 128, 192, 256)  # the Hopper forward
 SM90_BWD_HEAD_DIMS = (64, 128)  # the Hopper backward
 HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
 

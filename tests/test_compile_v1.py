@@ -76,8 +76,8 @@ def test_registered_and_named():
 
 
 def test_v1_space_and_defaults():
-    assert sorted(families.FWD_V1.defaults) == [32, 64, 96, 128]  # no d256: every v1 tile spills there
-    assert families.FWD_V1.space(256) == []
+    assert sorted(families.FWD_V1.defaults) == [32, 64, 96, 128]  # no d192, d256: every v1 tile spills there
+    assert families.FWD_V1.space(256) == [] == families.FWD_V1.space(192)
     for limit in (99 * 1024, 163 * 1024, 227 * 1024):
         for d in families.FWD_V1.defaults:
             space = families.FWD_V1.space(d, limit)

@@ -30,9 +30,9 @@ def lse_info(b, h, n):
 
 
 def test_kernel_head_dim_ladder():
-    assert tiles.SUPPORTED_HEAD_DIMS == (32, 64, 96, 128, 256)
-    assert [tiles.kernel_head_dim(d) for d in (8, 32, 40, 64, 72, 96, 104, 128, 136, 200, 256)] == \
-        [32, 32, 64, 64, 96, 96, 128, 128, 256, 256, 256]
+    assert tiles.SUPPORTED_HEAD_DIMS == (32, 64, 96, 128, 192, 256)
+    assert [tiles.kernel_head_dim(d) for d in (8, 32, 40, 64, 72, 96, 104, 128, 136, 192, 200, 256)] == \
+        [32, 32, 64, 64, 96, 96, 128, 128, 192, 192, 256, 256]
 
 
 @pytest.mark.parametrize("d", (0, 4, 12, 84, 260, 264, 512))
@@ -77,8 +77,8 @@ def test_every_head_dim_gets_a_forward_and_backward_that_fit(name, monkeypatch):
         assert fam.can_implement(tile, props, p.features) is None
         for det in (False, True):
             pb = problem.resolve_backward(q, q, q, q, q, lse, NO_MASK, None, det)
-            if kd == 256 and props.smem_optin < 100 * 1024:  # known gap: no d256 backward tile fits ~99 KB
-                with pytest.raises(RuntimeError, match=f"no backward config for head_dim 256 fits in {props.smem_optin}"):
+            if kd > 128 and props.smem_optin < 100 * 1024:  # known gap: no d192/d256 backward tile fits ~99 KB
+                with pytest.raises(RuntimeError, match=f"no backward config for head_dim {kd} fits in {props.smem_optin}"):
                     families.select(families.BWD, pb)
                 continue
             for bfam in (families.BWD, families.BWD_DQ) if det else (families.BWD,):
@@ -96,12 +96,13 @@ def test_hopper_families_refuse_other_head_dims_with_a_reason():
         assert why and "sm90 forward kernels do not support" in why, why
     q = info((1, 128, 2, 48))  # on the d64 instance, but with masked columns: no sm90 kernel takes that
     why = families.FWD_SM90.cannot_run(problem.resolve_forward(q, q, q, NO_MASK, None), h200)
-    assert "head_dim other than 64, 128, 256" in why
+    assert "head_dim other than 64, 128, 192, 256" in why
     q = info((1, 128, 2, 256))  # d256 is instantiated on Hopper (FlashAttention-3's 128 x 80, two consumers)
     p = problem.resolve_forward(q, q, q, NO_MASK, None)
     why = families.FWD_SM90.cannot_run(p, h200)
     assert why is None or why == families.FWD_SM90.call_problem(p)  # only the host's TMA bindings may be missing
     assert families.FWD_SM90.default(256, h200.smem_optin).label() == "128x80 c2 s2 pp1 ov1 q1 p1"
+    assert families.FWD_SM90.default(192, h200.smem_optin).label() == "128x112 c2 s2 pp1 ov1 q1 p1"
 
 
 def test_d256_backward_runs_as_two_column_splits():
@@ -114,4 +115,4 @@ def test_d256_backward_runs_as_two_column_splits():
 def test_prep_threads_per_row_mirror():
     from cuflash._backward import prep_threads_per_row
 
-    assert [prep_threads_per_row(d) for d in (32, 64, 96, 128, 256)] == [4, 8, 16, 16, 32]
+    assert [prep_threads_per_row(d) for d in (32, 64, 96, 128, 192, 256)] == [4, 8, 16, 16, 32, 32]

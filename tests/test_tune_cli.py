@@ -75,7 +75,7 @@ def test_options_from_args():
     assert o.mode == "compare" and o.trials == 7 and o.allow_local_bytes == 32
     d = cli.options_from_args(cli.parse_args([]))
     assert d.mode == "search" and d.dtypes == ("bfloat16", "float16") and d.causal == (False, True)
-    assert d.seqlens == cli.DEFAULT_SEQLENS and d.head_dims == (32, 64, 96, 128, 256)
+    assert d.seqlens == cli.DEFAULT_SEQLENS and d.head_dims == (32, 64, 96, 128, 192, 256)
     assert "fwd" in d.kernels
     with pytest.raises(SystemExit):
         cli.parse_args(["--exhaustive", "--exhaustive-compare"])
@@ -243,7 +243,7 @@ def test_unsupported_head_dim_is_an_error(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--dry-run", "--props", str(FIX / "l4.json"), "--head-dims", "80"])
     assert e.value.code == 2
-    assert "--head-dims: invalid choice: 80 (choose from 32, 64, 96, 128, 256)" in capsys.readouterr().err
+    assert "--head-dims: invalid choice: 80 (choose from 32, 64, 96, 128, 192, 256)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arg", [["--seqlens", "0"], ["--tokens", "-1"], ["--hidden", "x"]])

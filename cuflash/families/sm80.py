@@ -99,6 +99,7 @@ FWD = KernelFamily(
         96: (FwdConfig(96, 128, 128, 8, 2), FwdConfig(96, 128, 64, 8, 2)),
         128: (FwdConfig(128, 128, 128, 8, 3), FwdConfig(128, 128, 128, 8, 2), FwdConfig(128, 128, 64, 8, 2),
               FwdConfig(128, 64, 64, 4, 2)),
+        192: (FwdConfig(192, 128, 64, 8, 3), FwdConfig(192, 128, 64, 8, 2), FwdConfig(192, 128, 32, 8, 2)),
         256: (FwdConfig(256, 128, 32, 8, 3), FwdConfig(256, 128, 32, 8, 2), FwdConfig(256, 64, 32, 4, 2)),
     },
     accumulator_registers=_fwd_acc,
@@ -117,12 +118,13 @@ BWD = KernelFamily(
     domain=lambda d: _product(lambda bq, w, s: BwdConfig(d, bq, 16 * w, w, s), (32, 64, 128), (4, 8), (2, 3)),
     # d 32, 96, 256 and the 32-query tiles (ptxas-checked, not yet measured): block_q 32 makes the
     # dQ product's warp tile 16 x d/2, which is what lets 4 warps fit (the ~99 KB fallback of d128).
-    # d256 runs as two column splits per key tile (BwdConfig.column_splits); no d256 tile fits ~99 KB.
+    # d192 and d256 run as two column splits per key tile (BwdConfig.column_splits); neither fits ~99 KB.
     defaults={
         32: (BwdConfig(32, 128, 128, 8, 2), BwdConfig(32, 64, 128, 8, 2)),
         64: (BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2), BwdConfig(64, 64, 128, 8, 2)),
         96: (BwdConfig(96, 64, 128, 8, 2), BwdConfig(96, 32, 64, 4, 2)),
         128: (BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2), BwdConfig(128, 32, 64, 4, 2)),
+        192: (BwdConfig(192, 64, 128, 8, 2), BwdConfig(192, 32, 64, 4, 2)),
         256: (BwdConfig(256, 32, 128, 8, 2), BwdConfig(256, 32, 64, 4, 2)),
     },
     accumulator_registers=_bwd_acc,
@@ -140,9 +142,11 @@ BWD_DQ = KernelFamily(
         64: (DqConfig(64, 64, 64, 4, 2), DqConfig(64, 128, 64, 8, 2)),
         96: (DqConfig(96, 64, 64, 4, 2), DqConfig(96, 128, 64, 8, 2)),
         128: (DqConfig(128, 64, 64, 4, 2), DqConfig(128, 128, 64, 8, 2)),
+        192: (DqConfig(192, 128, 64, 8, 2), DqConfig(192, 64, 32, 4, 2)),
         256: (DqConfig(256, 128, 32, 8, 2), DqConfig(256, 64, 32, 4, 2), DqConfig(256, 32, 16, 2, 2)),
     },
     accumulator_registers=_dq_acc,
+    spilling={"dropout": frozenset({DqConfig(192, 128, 64, 8, 2)})},  # 8 B on sm_90a
     run=_run_bwd_dq, deterministic_outputs=(0, 1, 2),
 )
 
@@ -162,8 +166,8 @@ FWD_V1 = KernelFamily(
         64: (V1Config(64, 128, 96, 8, 2), V1Config(64, 128, 64, 8, 2), V1Config(64, 64, 64, 4, 2)),
         96: (V1Config(96, 128, 64, 8, 2), V1Config(96, 64, 64, 4, 2)),
         128: (V1Config(128, 128, 128, 8, 2), V1Config(128, 128, 64, 8, 2), V1Config(128, 64, 64, 4, 2)),
-        # no d256: every v1 tile spills there (72-132 B: O read back from the workspace next to 128
-        # accumulator registers), so calls of head_dim > 128 have no v1 kernel
+        # no d192, d256: every v1 tile spills there (56-250 B: O read back from the workspace next to
+        # 96-128 accumulator registers), so calls of head_dim > 128 have no v1 kernel
     },
     accumulator_registers=_fwd_acc,
     plan=_plan_fwd_v1, run=_run_fwd_v1, deterministic_outputs=(0, 1), tuned_by_default=False,

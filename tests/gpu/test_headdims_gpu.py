@@ -1,10 +1,10 @@
 """Head dims of real models (issue 12) on the GPU: every multiple of 8 from 8 to 256 through the
-forward (sm80 v2 always; the sm90 forward where it is instantiated, 64, 128 and 256, and the automatic
+forward (sm80 v2 always; the sm90 forward where it is instantiated, 64, 128, 192 and 256, and the automatic
 choice, which falls back to sm80 elsewhere), and a representative set through the backward (atomic
 and deterministic dQ, GQA), against the float64 reference by FlashAttention's 2x rule, both dtypes,
 causal and not, ragged seqlens, outputs poisoned with NaN.
 
-Head dims between the instantiated ones (32, 64, 96, 128, 256) run the next one's partial_d
+Head dims between the instantiated ones (32, 64, 96, 128, 192, 256) run the next one's partial_d
 instance in place: the tests feed q, k, v as views of wider arrays whose extra columns hold huge
 values, so a kernel that read a column past the call's head dim would fail the reference check, and
 the gradients are fresh arrays whose rows abut (a store past the head dim would clobber the next row).
@@ -23,7 +23,7 @@ from tests.gpu.test_gqa_gpu import _poison_pool
 pytestmark = pytest.mark.gpu
 
 ALL_DIMS = list(range(8, 257, 8))
-BWD_DIMS = [8, 24, 32, 40, 64, 80, 96, 112, 128, 136, 160, 200, 256]
+BWD_DIMS = [8, 24, 32, 40, 64, 80, 96, 112, 128, 136, 160, 192, 200, 256]
 SEQLENS = [(17, 17), (113, 203), (239, 1), (1, 239), (300, 257)]
 GUARD = 8  # extra columns of the wider arrays q, k, v are views of (filled with GUARD_VALUE)
 GUARD_VALUE = 3.0e4
@@ -95,7 +95,7 @@ def test_forward_every_head_dim_sm80(d, causal, dtype):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_forward_instantiated_head_dims_each_backend(d, causal, dtype, backend):  # noqa: F811
     for nq, nk in SEQLENS:
         q, k, v, _ = _inputs(hash((d, causal, dtype, nq, nk, "hd-fwd-be")) % 2**32, 2, nq, nk, 3, d, dtype, guard=False)
@@ -124,7 +124,7 @@ def test_forward_v1_head_dims(d, causal, dtype):
 
     if d > 128:
         q, k, v, _ = _inputs(1, 1, 64, 64, 2, d, dtype)
-        with pytest.raises(RuntimeError, match="head_dim 256"):  # v1 has no d256 instance (its tiles spill)
+        with pytest.raises(RuntimeError, match="head_dim 256"):  # v1 has nothing past d128 (its tiles spill)
             forward_v1(q, k, v, causal=causal)
         return
     for nq, nk in SEQLENS:
