@@ -116,3 +116,22 @@ def test_prep_threads_per_row_mirror():
     from cuflash._backward import prep_threads_per_row
 
     assert [prep_threads_per_row(d) for d in (32, 64, 96, 128, 192, 256)] == [4, 8, 16, 16, 32, 32]
+
+
+def test_backward_column_splits_and_dq_warp_grid_partition_the_tile():
+    """NumPy-free twin of Sm80BwdTraits' split arithmetic: the column splits of a key tile cover the
+    head dim once, and the dQ product's wm x wn warp grid covers block_q x (d / splits) once, in
+    16 x 16 multiples (what the kernel's static_asserts and index math assume)."""
+    for t in families.BWD.selectable():
+        d, s = t.head_dim, t.column_splits
+        cols = d // s
+        assert s * cols == d and cols % 16 == 0
+        covered = sorted(c for split in range(s) for c in range(split * cols, (split + 1) * cols))
+        assert covered == list(range(d))
+        wm = min(t.warps, t.block_q // 16)
+        wn = t.warps // wm
+        rows_w, cols_w = t.block_q // wm, cols // wn
+        assert wm * wn == t.warps and rows_w % 16 == 0 and cols_w % 16 == 0
+        cells = {(r, c) for w in range(t.warps) for r in range((w % wm) * rows_w, (w % wm + 1) * rows_w, 16)
+                 for c in range((w // wm) * cols_w, (w // wm + 1) * cols_w, 16)}
+        assert len(cells) == (t.block_q // 16) * (cols // 16)
