@@ -135,3 +135,11 @@ def test_backward_column_splits_and_dq_warp_grid_partition_the_tile():
         cells = {(r, c) for w in range(t.warps) for r in range((w % wm) * rows_w, (w % wm + 1) * rows_w, 16)
                  for c in range((w // wm) * cols_w, (w // wm + 1) * cols_w, 16)}
         assert len(cells) == (t.block_q // 16) * (cols // 16)
+
+
+def test_refusals_name_the_call_head_dim():
+    h200 = DEVICES["h200"]
+    q = info((1, 64, 2, 200))
+    p = problem.resolve_forward(q, q, q, NO_MASK, None)
+    assert families.FWD_V1.cannot_run(p, h200) == \
+        "v1 forward kernels do not support bfloat16 with head_dim 200 (on the kernels of head dim 256)"

@@ -155,7 +155,7 @@ class KernelFamily:
             return why
         f = problem.features
         if not self.supports(f):
-            return f"{self.what} kernels do not support {self._unsupported_part(f)}"
+            return f"{self.what} kernels do not support {self._unsupported_part(f, problem.head_dim)}"
         if self.call_problem is not None:
             why = self.call_problem(problem)
             if why:
@@ -166,7 +166,7 @@ class KernelFamily:
             return str(e) if isinstance(e, RuntimeError) else f"no {self.what} config for head_dim {problem.head_dim}"
         return None
 
-    def _unsupported_part(self, f: Features) -> str:
+    def _unsupported_part(self, f: Features, call_head_dim: int | None = None) -> str:
         """The part of the call's features this family lacks: a variant (dropout, a sliding window) when
         the plain instantiation would serve, else the dtype and head_dim."""
         plain = dataclasses.replace(f, **{v.name: False for v in Features.variant_fields()})
@@ -176,7 +176,8 @@ class KernelFamily:
             names = {"dropout": "dropout", "local": "sliding windows (window_size)",
                      "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
-        return f"{f.dtype} with head_dim {f.head_dim}"
+        run_as = f" (on the kernels of head dim {f.head_dim})" if call_head_dim not in (None, f.head_dim) else ""
+        return f"{f.dtype} with head_dim {call_head_dim or f.head_dim}{run_as}"
 
     def can_implement(self, tile, props, features: Features | None = None) -> str | None:
         """Why `tile` cannot run on a device with these properties (decided without compiling), or None."""
