@@ -88,7 +88,8 @@ def test_tile_copy_covers_every_chunk_once(d, threads):
             r, c = tid // ch, tid % ch
             dst = swz(r, c, ch)
             for i in range(rows // step):
-                a = (dst ^ (16 * ((i * step) & 7))) + i * step * row_bytes(ch) if ch % 8 == 0 else dst + i * step * row_bytes(ch)
+                a = dst ^ (16 * ((i * step) & 7)) if ch % 8 == 0 else dst
+                a = a + i * step * row_bytes(ch)
                 assert a == swz(r + i * step, c, ch), (d, threads, tid, i)
                 written.append(a)
         else:
