@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cuflash", description=__doc__.splitlines()[0])
     add_version_argument(ap)
     ap.add_argument("--seqlen", type=int, default=8192)
-    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    ap.add_argument("--head-dim", type=int, default=128, choices=range(8, 257, 8), metavar="D")
     ap.add_argument("--cpu", action="store_true", help="run the CPU reference demo even if a GPU is present")
     args = ap.parse_args(argv)
     reason = None if not args.cpu else "--cpu given"

@@ -33,6 +33,13 @@ OUTPUTS = ("dq", "dk", "dv")
 _EXPANDED = {"dk": "dk_exp", "dv": "dv_exp"}
 
 
+def prep_threads_per_row(head_dim: int) -> int:
+    """bwd_prep's threads per row: its 16-byte chunks rounded up to a power of two (the row's
+    shuffle reduction; mirrors TPR in kernels_cu/rowwise/bwd_prep.cuh)."""
+    chunks = head_dim // 8
+    return 1 << (chunks - 1).bit_length()
+
+
 def _pointers(family) -> tuple:
     return tuple(name for _, name in family.pointers)
 
@@ -46,13 +53,16 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     hkv, gqa = p.heads_kv, p.group > 1
     pad = -(-nq // _ROW_PAD) * _ROW_PAD
     ws_rows = b * h * pad
-    chunks = d // 8  # the aux kernels' threads each take 8 elements of a row
+    kd = p.features.head_dim  # the instantiated head dim (>= d): dq_acc's row length
+    chunks = kd // 8  # the aux kernels' threads each take 8 elements of a row (idle past d)
 
     prep = _compile.get_aux_kernel("bwd_prep", p.features, p.device)
-    launches = [Launch(prep, (-(-ws_rows * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
+    launches = [Launch(prep, (-(-ws_rows * prep_threads_per_row(kd) // _AUX_THREADS),), (_AUX_THREADS,), 0,
                        pointers=_aux_pointers("bwd_prep"))]
 
-    n_blocks = -(-nk // cfg.block_k)
+    # key tiles x head-dim column splits (an sm80 tile past d=128: BwdConfig.column_splits), the
+    # kernel's BwdParams.n_blocks
+    n_blocks = -(-nk // cfg.block_k) * getattr(cfg, "column_splits", 1)
     check_grid(n_blocks * h * b)
     fam = families.of(cfg)
     main = _compile.get_kernel(cfg, p.features, p.device)
@@ -85,7 +95,7 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
 
     buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, hkv, d), dtype),
                Buffer("dv", (b, nk, hkv, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
-               Buffer("dq_acc", None if p.deterministic else (ws_rows * d,)), *expanded)
+               Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
     return Plan(p.device, BWD_ARRAYS, buffers, tuple(launches), OUTPUTS, pack_bwd(p, pad, n_blocks, m_blocks))
 
 

@@ -42,7 +42,8 @@ def lookup(family, problem, props):
     seqlen_q, seqlen_k and features) on a device with properties `props`, or None when nothing
     tuned applies."""
     bucket = tuning_store.seqlen_bucket(problem.seqlen_q, problem.seqlen_k)
-    shape = tuning_store.shape_key(family.name, problem.dtype, problem.head_dim, problem.features.perf_class(),
+    # the instantiated head dim: a call of a smaller one runs (and is served by) its tiles
+    shape = tuning_store.shape_key(family.name, problem.dtype, problem.features.head_dim, problem.features.perf_class(),
                                    problem.causal)
     key = (problem.device, shape, bucket)
     try:

@@ -23,7 +23,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16 or
     bfloat16, on one CUDA device, contiguous in the last dimension (other strides are free, e.g.
-    slices of a packed qkv array; used without copies). head_dim 64 or 128. heads_kv is heads
+    slices of a packed qkv array; used without copies). head_dim: any multiple of 8 from 8 to 256
+    (32, 64, 96, 128, 192 and 256 have their own kernels; others run the next one's, which reads and
+    writes only the call's columns, still in place); the default softmax_scale is 1/sqrt(head_dim)
+    of the call. heads_kv is heads
     (multi-head attention) or a divisor of it: grouped-query attention (GQA; MQA with heads_kv 1),
     where query head h attends with k/v head h // (heads // heads_kv), on every kernel (both
     algorithms, both backends) and in the backward. Accepted arrays:
@@ -64,7 +67,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         1/(1 - p). lse is that of the undropped scores.
     backend: which forward kernel runs (the backward is the mma.sync one either way). None (the
         default): on a compute capability 9.0 GPU (H100, H200) the Hopper kernel ("sm90": TMA,
-        wgmma, warp-specialised) whenever it can take the call (fp16/bf16, head_dim 64/128, q, k, v
+        wgmma, warp-specialised) whenever it can take the call (fp16/bf16, head_dim 64/128/192/256, q, k, v
         describable by TMA: positive strides, which cuflash's layout rules nearly always give;
         NVIDIA's cuda-bindings package installed), else the mma.sync kernel ("sm80", any GPU of
         compute capability >= 8.0). "sm80" or "sm90" forces one; forcing "sm90" where it cannot run

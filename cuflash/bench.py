@@ -61,7 +61,8 @@ def build_cases(head_dims, seqlens, tokens, hidden, causal_modes) -> list[Case]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__.splitlines()[0])
     add_version_argument(p)
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=(64, 128))
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128], choices=range(8, 257, 8), metavar="D",
+                   help="multiples of 8 from 8 to 256 (default 64 128)")
     p.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--tokens", type=int, default=16384, help="batch = tokens // seqlen")
     p.add_argument("--hidden", type=int, default=2048, help="heads = hidden // head_dim")

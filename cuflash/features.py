@@ -8,7 +8,7 @@ and keys the tuned tables (tuning every feature combination is impossible, tunin
 
 The boolean variant fields (declared with `_variant`) are the kernels' compile-time feature set:
 the generated shell passes them, in field order, as ONE template argument,
-`cuflash::Variant<dropout, local, softcap>` (kernels_cu/attn/features.cuh), and asserts that each C++
+`cuflash::Variant<dropout, local, softcap, partial_d>` (kernels_cu/attn/features.cuh), and asserts that each C++
 member holds the value of its field (`cxx_asserts`), so the two lists cannot drift apart. Adding a
 feature is: one `_variant` field here, one parameter and member there, and the policy header that
 reads it; the shells, kernel names and fingerprints follow.
@@ -42,6 +42,9 @@ class Features:
     # softcapped scores (c tanh(scale S / c)): a tanh per score element on every tile and the
     # tanh's derivative in the backward (kernels_cu/attn/score_mod.cuh)
     softcap: bool = _variant("_softcap", "kSoftcap")
+    # the call's head dim is less than head_dim, the instantiated one (cuflash.tiles.kernel_head_dim):
+    # loads zero-fill the columns past it and stores skip them (params.head_dim holds it)
+    partial_d: bool = _variant("_pd", "kPartialD")
 
     @classmethod
     @functools.cache
@@ -80,7 +83,8 @@ class Features:
         one MUFU op per score element and no registers, so the tile trade-offs (shared memory,
         registers, occupancy) stay those of its class; in the backward it adds a packed 16-bit
         fragment (the tanh's derivative), and tiles whose softcap instance spills are avoided
-        through the families' `spilling["softcap"]` (as `local`), not a tuned class."""
+        through the families' `spilling["softcap"]` (as `local`), not a tuned class.
+        `partial_d` keeps its class too: it runs the tiles of its instantiated head dim."""
         return "dropout" if self.dropout else "dense"
 
 

@@ -53,6 +53,8 @@ FWD_FIELDS = [
     ("tiles", _I32),  # work tiles: m_blocks * heads * batch (a persistent grid strides over them)
     ("heads_kv", _I32), ("group", _I32),  # GQA/MQA: k/v heads, heads // heads_kv (query head h reads h // group)
     ("softcap_scale", _F32),  # softcap: softmax_scale / softcap, the raw score's factor in the tanh (0: off)
+    ("head_dim", _I32),  # the call's head dim (an instance of a larger D masks the columns past it)
+    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
 ]
 
 BWD_FIELDS = [
@@ -66,6 +68,8 @@ BWD_FIELDS = [
     ("scale_log2", _F32), ("scale", _F32),
     ("heads_kv", _I32), ("group", _I32),  # GQA/MQA, as FwdParams'
     ("softcap_scale", _F32),  # as FwdParams'
+    ("head_dim", _I32),  # as FwdParams'
+    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)
@@ -89,6 +93,7 @@ def _set_common(a, p: AttnProblem) -> None:
                                   f"built with Features.local; these features are {p.features}")
     a["heads"], a["seqlen_q"], a["seqlen_k"] = p.heads, p.seqlen_q, p.seqlen_k
     a["heads_kv"], a["group"] = p.heads_kv, p.group
+    a["head_dim"] = p.head_dim
     a["window_left"], a["window_right"], a["offset"] = p.window_left, p.window_right, p.offset
     if p.softcap:  # score = c tanh(S softcap_scale), softmax over it: exp2 units c log2(e) (attn/score_mod.cuh)
         a["scale_log2"] = np.float32(p.softcap * LOG2E)

@@ -23,7 +23,7 @@ import numpy as np
 
 from .features import SUPPORTED_DTYPES, Features
 from .mask import UNBOUNDED, MaskOptions, check_flag  # noqa: F401  (check_flag, UNBOUNDED: re-exported)
-from .tiles import SUPPORTED_HEAD_DIMS
+from .tiles import head_dim_problem, kernel_head_dim
 
 # cp.async moves 16 bytes at a time: base pointers and row strides must be 16-byte aligned.
 ALIGN_BYTES = 16
@@ -93,8 +93,11 @@ class AttnProblem:
 
     @property
     def features(self) -> Features:
-        return Features(self.dtype, self.head_dim, self.dropout is not None, local=self.window_left != UNBOUNDED,
-                        softcap=self.softcap > 0)
+        # head_dim: the instantiated one; the call's own (self.head_dim) reaches the kernels in the
+        # params struct, and a smaller one selects the column-masking instances (partial_d)
+        d = kernel_head_dim(self.head_dim)
+        return Features(self.dtype, d, self.dropout is not None, local=self.window_left != UNBOUNDED,
+                        softcap=self.softcap > 0, partial_d=self.head_dim != d)
 
     @property
     def empty(self) -> bool:
@@ -167,6 +170,8 @@ def _check_layout(a: ArrayInfo, name: str) -> None:
         raise ValueError(f"{name} must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {a.shape}")
     if a.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} has dtype {a.dtype}; supported dtypes are float16 and bfloat16")
+    if why := head_dim_problem(a.shape[-1]):  # before the alignment checks, which it would trip
+        raise ValueError(f"{name}: {why}")
     if 0 in a.shape:  # no element is read or written (CuPy gives empty arrays zero strides)
         return
     if a.shape[-1] > 1 and a.strides[-1] != a.itemsize:
@@ -226,8 +231,8 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
                          f"(grouped-query attention: heads_kv divides heads)")
     if dk != d:
         raise ValueError(f"head_dim differs: q has {d}, k and v have {dk}")
-    if d not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {d} is not supported; supported head dims: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    if why := head_dim_problem(d):
+        raise ValueError(why)
     scale = check_softmax_scale(softmax_scale)
     left, right, offset = mask.geometry(nq, nk)
     return AttnProblem(

@@ -445,7 +445,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="roofline.png", help="picture (PNG/SVG/PDF by extension); needs matplotlib")
     p.add_argument("--json", metavar="PATH", default=None, help="report (default: --out with .json)")
     p.add_argument("--replot", metavar="JSON", default=None, help="draw a saved report, measure nothing")
-    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    p.add_argument("--head-dim", type=int, default=128, choices=range(8, 257, 8), metavar="D")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--tokens", type=int, default=16384, help="batch = max(1, tokens // seqlen)")
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])

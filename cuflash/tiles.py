@@ -13,7 +13,34 @@ from __future__ import annotations
 
 import dataclasses
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+# The head dims the sm80 kernels are instantiated for (the Hopper families take a subset:
+# SM90_HEAD_DIMS). A call may have any multiple of 8 in [8, 256]: it runs the instance of the next
+# instantiated head dim (kernel_head_dim), which masks the columns past the call's (Features.partial_d).
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+SM90_HEAD_DIMS = (64, 128, 192, 256)  # the Hopper forward
+SM90_BWD_HEAD_DIMS = (64, 128)  # the Hopper backward
+HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
+
+
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why a call's head dim cannot run, or None: a multiple of 8 (16-byte rows) from 8 to 256."""
+    if head_dim % HEAD_DIM_STEP or not HEAD_DIM_STEP <= head_dim <= MAX_HEAD_DIM:
+        return (f"head_dim must be a multiple of {HEAD_DIM_STEP} between {HEAD_DIM_STEP} and {MAX_HEAD_DIM}, "
+                f"got {head_dim}")
+    return None
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The instantiated head dim a call of `head_dim` (valid per head_dim_problem) runs with: the
+    smallest of SUPPORTED_HEAD_DIMS at least as large."""
+    return next(d for d in SUPPORTED_HEAD_DIMS if d >= head_dim)
+
+
+def smem_row_bytes(head_dim: int) -> int:
+    """Bytes of one tile row in shared memory (kernels_cu/core/swizzle.cuh, SmemRow::kBytes): rows of
+    a multiple of 8 16-byte chunks are XOR-swizzled and packed, others padded by one chunk."""
+    chunks = head_dim // 8
+    return 16 * (chunks if chunks % 8 == 0 else chunks + 1)
 
 
 def _axis(tag: str, doc: str):
@@ -88,13 +115,6 @@ class Sm80Tile(Tile):
         return None
 
 
-def _copy_problem(threads: int, head_dim: int, *tiles: int) -> str | None:
-    step = threads // (head_dim // 8)  # rows one pass of a tile copy covers
-    if step % 8 or any(t % step for t in tiles):
-        return f"tiles of {'/'.join(map(str, tiles))} rows do not split into copy passes of {step} rows"
-    return None
-
-
 def _rows_problem(tile) -> str | None:
     """The forward-style rule: warps split block_q rows, K/V tiles of block_k rows (v2, v1)."""
     if problem := tile._common_problem():
@@ -103,7 +123,7 @@ def _rows_problem(tile) -> str | None:
         return f"block_q {tile.block_q} is not a multiple of 16*warps ({16 * tile.warps})"
     if tile.block_k % 16:
         return f"block_k {tile.block_k} is not a multiple of 16"
-    return _copy_problem(tile.threads, tile.head_dim, tile.block_q, tile.block_k)
+    return None  # any tile copies (sm80/tile_copy.cuh has a general form besides the fast one)
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -116,8 +136,8 @@ class FwdConfig(Sm80Tile):
 
     @property
     def smem_bytes(self) -> int:
-        # Q tile + STAGES x (K tile + V tile), 16-bit elements (mirrors FwdShape::SMEM_BYTES).
-        return 2 * self.head_dim * (self.block_q + 2 * self.stages * self.block_k)
+        # Q tile + STAGES x (K tile + V tile) (mirrors Sm80FwdTraits::kSmemBytes).
+        return smem_row_bytes(self.head_dim) * (self.block_q + 2 * self.stages * self.block_k)
 
     def structural_problem(self) -> str | None:
         return _rows_problem(self)
@@ -132,24 +152,31 @@ class BwdConfig(Sm80Tile):
     """
 
     @property
+    def column_splits(self) -> int:
+        """Thread blocks per key tile, each owning head_dim / column_splits columns of dK, dV and dQ
+        (Sm80BwdTraits::kColSplits: past d=128 one warp's dK and dV would not fit in registers)."""
+        return 2 if self.head_dim > 128 else 1
+
+    @property
     def smem_bytes(self) -> int:
         # K, V tiles + STAGES x (Q, dO tiles) + 2 x dS^T tile (16-bit, double-buffered)
-        # + STAGES x (lse, delta) rows (fp32)  (mirrors BwdShape::SMEM_BYTES)
+        # + STAGES x (lse, delta) rows (fp32)  (mirrors Sm80BwdTraits::kSmemBytes)
         d, br, bc, s = self.head_dim, self.block_q, self.block_k, self.stages
-        return 2 * d * (2 * bc + 2 * s * br) + 2 * 2 * bc * br + 2 * s * br * 4
+        return smem_row_bytes(d) * (2 * bc + 2 * s * br) + 2 * bc * smem_row_bytes(br) + 2 * s * br * 4
 
     def structural_problem(self) -> str | None:
         if problem := self._common_problem():
             return problem
         if self.block_k != 16 * self.warps:
             return f"block_k must be 16*warps ({16 * self.warps}), got {self.block_k}"
-        if self.block_q % 64:
-            return f"block_q {self.block_q} is not a multiple of 64"
+        if self.block_q % 32:
+            return f"block_q {self.block_q} is not a multiple of 32"
         wm = min(self.warps, self.block_q // 16)  # dQ = dS K split over warps: wm x wn
         wn = self.warps // wm
-        if self.warps % wm or (self.head_dim // wn) % 16:
-            return f"dQ tile {self.block_q}x{self.head_dim} does not split over {self.warps} warps"
-        return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
+        cols = self.head_dim // self.column_splits
+        if self.warps % wm or cols % wn or (cols // wn) % 16:
+            return f"dQ tile {self.block_q}x{cols} does not split over {self.warps} warps"
+        return None
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -162,8 +189,8 @@ class DqConfig(Sm80Tile):
 
     @property
     def smem_bytes(self) -> int:
-        # Q, dO tiles + STAGES x (K, V tiles) (mirrors DqShape::SMEM_BYTES)
-        return 2 * self.head_dim * (2 * self.block_q + 2 * self.stages * self.block_k)
+        # Q, dO tiles + STAGES x (K, V tiles) (mirrors Sm80DqTraits::kSmemBytes)
+        return smem_row_bytes(self.head_dim) * (2 * self.block_q + 2 * self.stages * self.block_k)
 
     def structural_problem(self) -> str | None:
         if problem := self._common_problem():
@@ -172,7 +199,7 @@ class DqConfig(Sm80Tile):
             return f"block_q must be 16*warps ({16 * self.warps}), got {self.block_q}"
         if self.block_k % 16:
             return f"block_k {self.block_k} is not a multiple of 16"
-        return _copy_problem(self.threads, self.head_dim, self.block_q, self.block_k)
+        return None
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -186,8 +213,8 @@ class V1Config(Sm80Tile):
 
     @property
     def smem_bytes(self) -> int:
-        # K tile + V tile + STAGES Q tiles, 16-bit elements (mirrors FwdV1Shape::SMEM_BYTES)
-        return 2 * self.head_dim * (2 * self.block_k + self.stages * self.block_q)
+        # K tile + V tile + STAGES Q tiles (mirrors Sm80FwdV1Traits::kSmemBytes)
+        return smem_row_bytes(self.head_dim) * (2 * self.block_k + self.stages * self.block_q)
 
     def structural_problem(self) -> str | None:
         return _rows_problem(self)
@@ -253,8 +280,8 @@ class Sm90FwdConfig(Tile):
         return 2 * self.head_dim * (self.q_stages * self.block_q + 2 * self.stages * self.block_k) + SM90_SMEM_SLACK
 
     def structural_problem(self) -> str | None:
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.head_dim not in SM90_HEAD_DIMS:
+            return f"head_dim {self.head_dim} not in {SM90_HEAD_DIMS}"
         if self.consumers not in (1, 2, 3):
             return f"consumers must be 1, 2 or 3 (block_q = 64 * consumers <= 192), got {self.consumers}"
         if self.block_k % 16 or not 64 <= self.block_k <= SM90_MAX_BOX_ROWS:
@@ -312,8 +339,8 @@ class Sm90BwdConfig(Tile):
                 + dq_stage + SM90_SMEM_SLACK)
 
     def structural_problem(self) -> str | None:
-        if self.head_dim not in SUPPORTED_HEAD_DIMS:
-            return f"head_dim {self.head_dim} not in {SUPPORTED_HEAD_DIMS}"
+        if self.head_dim not in SM90_BWD_HEAD_DIMS:
+            return f"head_dim {self.head_dim} not in {SM90_BWD_HEAD_DIMS}"
         if self.block_q != 64:
             return f"block_q must be 64 (the dS^T image is one 64-query chunk), got {self.block_q}"
         if self.consumers != 2:

@@ -41,7 +41,8 @@ def test_backward_spaces_respect_shared_memory_and_structure():
 
 def test_backward_structure_rules():
     assert BwdConfig(128, 64, 96, 8, 2).structural_problem()  # block_k must be 16*warps
-    assert BwdConfig(128, 32, 128, 8, 2).structural_problem()  # dS^T rows must span 128 bytes
+    assert BwdConfig(128, 48, 128, 8, 2).structural_problem()  # dS^T rows: whole 64-byte halves
+    assert BwdConfig(128, 32, 128, 8, 2).structural_problem() is None  # a padded 32-query dS^T row
     assert BwdConfig(128, 64, 128, 8, 1).structural_problem()  # single-barrier ring needs 2 stages
     assert DqConfig(128, 64, 64, 8, 2).structural_problem()  # block_q must be 16*warps
     assert BwdConfig(128, 64, 128, 8, 2).structural_problem() is None

@@ -97,11 +97,11 @@ def test_layout_has_no_implicit_padding():
         # 8-byte fields first
         sizes = [dt.fields[n][0].itemsize for n in dt.names]
         assert sizes == sorted(sizes, reverse=True), name
-    assert (params.FWD.itemsize, params.BWD.itemsize) == (160, 288)
+    assert (params.FWD.itemsize, params.BWD.itemsize) == (168, 296)
     # GQA/MQA (issue 12): new 4-byte fields at the end; BwdParams' kv_rows with the other 8-byte
-    # fields; softcap's scale (issue 13) took the explicit tail padding's place
-    assert params.FWD.names[-4:] == ("tiles", "heads_kv", "group", "softcap_scale")
-    assert params.BWD.names[-3:] == ("heads_kv", "group", "softcap_scale")
+    # fields; softcap's scale (issue 13) and the call's head dim (issue 12), then the tail padding
+    assert params.FWD.names[-6:] == ("tiles", "heads_kv", "group", "softcap_scale", "head_dim", "reserved")
+    assert params.BWD.names[-5:] == ("heads_kv", "group", "softcap_scale", "head_dim", "reserved")
     assert params.BWD.names[params.BWD.names.index("q_rows") + 1] == "kv_rows"
 
 
@@ -163,7 +163,7 @@ def test_pack_gqa_fields(hkv):
     f = params.pack_fwd(p, 2)[0]
     assert (int(f["heads"]), int(f["heads_kv"]), int(f["group"])) == (h, hkv, h // hkv)
     assert [int(f[f"k_s{x}"]) for x in "bnh"] == [300 * hkv * 64, hkv * 64, 64]
-    assert int(f["tiles"]) == 2 * h * 2 and float(f["softcap_scale"]) == 0.0
+    assert int(f["tiles"]) == 2 * h * 2 and float(f["softcap_scale"]) == 0.0 and int(f["head_dim"]) == p.head_dim
     g = params.pack_bwd(dataclasses.replace(p, strides={**p.strides, "out": p.strides["q"], "dout": p.strides["q"]}),
                         128, 3)[0]
     assert (int(g["heads"]), int(g["heads_kv"]), int(g["group"])) == (h, hkv, h // hkv)

@@ -75,7 +75,7 @@ def test_options_from_args():
     assert o.mode == "compare" and o.trials == 7 and o.allow_local_bytes == 32
     d = cli.options_from_args(cli.parse_args([]))
     assert d.mode == "search" and d.dtypes == ("bfloat16", "float16") and d.causal == (False, True)
-    assert d.seqlens == cli.DEFAULT_SEQLENS and d.head_dims == (64, 128)
+    assert d.seqlens == cli.DEFAULT_SEQLENS and d.head_dims == (32, 64, 96, 128, 192, 256)
     assert "fwd" in d.kernels
     with pytest.raises(SystemExit):
         cli.parse_args(["--exhaustive", "--exhaustive-compare"])
@@ -123,7 +123,7 @@ def test_tune_search_and_compare_end_to_end(env):
 def test_tune_reports_missing_kernels_and_empty_spaces(env, monkeypatch):
     monkeypatch.setattr(_compile, "kernel_fingerprint", lambda f: None if f.name == "bwd" else "f" * 16)
     l4 = DeviceProps.from_json(FIX / "l4.json")
-    o = tuner.Options(kernels=("bwd",), head_dims=(128,), seqlens=(1024,), causal=(False,))
+    o = tuner.Options(kernels=("bwd",), head_dims=(256,), seqlens=(1024,), causal=(False,))  # d256: none fits 99 KB
     (r,) = tuner.tune(o, FakeWorker(), l4)
     assert "no sources" in r.error and r.winner is None
     monkeypatch.setattr(_compile, "kernel_fingerprint", lambda f: "f" * 16)
@@ -187,10 +187,11 @@ def test_plot_without_matplotlib_says_how_to_get_it(env, monkeypatch, capsys):
 
 def test_dry_run_from_recorded_properties(capsys):
     assert cli.main(["--dry-run", "--props", str(FIX / "l4.json"), "--kernels", "fwd", "bwd",
-                     "--head-dims", "128"]) == 0
+                     "--head-dims", "128", "256"]) == 0
     out = capsys.readouterr().out
     assert "NVIDIA L4" in out and "shared memory" in out and "fwd d128" in out
-    assert "bwd d128: 8 configs, 0 pass the static checks, default none fits" in out
+    assert "bwd d128: 12 configs, 2 pass the static checks, default 32x64 w4 s2" in out
+    assert "bwd d256: 12 configs, 0 pass the static checks, default none fits" in out
 
 
 def test_worker_process_survives_a_dying_and_a_hanging_child():
@@ -240,9 +241,9 @@ def test_plot_studies_if_matplotlib_is_installed(env):
 
 def test_unsupported_head_dim_is_an_error(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["--dry-run", "--props", str(FIX / "l4.json"), "--head-dims", "96"])
+        cli.main(["--dry-run", "--props", str(FIX / "l4.json"), "--head-dims", "80"])
     assert e.value.code == 2
-    assert "--head-dims: invalid choice: 96 (choose from 64, 128)" in capsys.readouterr().err
+    assert "--head-dims: invalid choice: 80 (choose from 32, 64, 96, 128, 192, 256)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arg", [["--seqlens", "0"], ["--tokens", "-1"], ["--hidden", "x"]])

@@ -62,8 +62,12 @@ def test_shared_memory_prunes_what_fits_on_hopper_but_not_on_ada():
     assert space.static_problem(cfg, DEVICES["h200"]) is None
     assert "shared memory" in space.static_problem(cfg, DEVICES["a100-80gb"])
     assert "shared memory" in space.static_problem(cfg, DEVICES["l4"])
-    # the backward at d128 does not fit in 99 KB at all: no candidates, no default, no crash
+    # the backward at d128 fits 99 KB only with 32-query tiles (4 warps)
     sp = space.build_space(families.get("bwd"), 128, DEVICES["l4"])
+    assert sp.candidates and all(c.block_q == 32 for c in sp.candidates)
+    assert sp.default == tiles.BwdConfig(128, 32, 64, 4, 2)
+    # d256's backward does not fit in 99 KB at all: no candidates, no default, no crash
+    sp = space.build_space(families.get("bwd"), 256, DEVICES["l4"])
     assert not sp.candidates and sp.default is None
 
 

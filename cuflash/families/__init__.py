@@ -61,7 +61,7 @@ def select(family: KernelFamily, problem):
     if tile is not None:
         return tile
     try:
-        return family.default(problem.head_dim, props.smem_optin, problem.features)
+        return family.default(problem.features.head_dim, props.smem_optin, problem.features)
     except RuntimeError as e:  # e.g. the d128 backward on a ~99 KB GPU: say which GPU
         raise RuntimeError(f"{e} per block on {props.name} (cc {props.cc_str})") from None
 

@@ -20,7 +20,6 @@ import dataclasses
 from typing import Callable, Mapping
 
 from ..features import SUPPORTED_DTYPES, Features
-from ..tiles import SUPPORTED_HEAD_DIMS
 
 MAX_REGS_PER_THREAD = 255
 REG_ALLOC_UNIT = 8  # registers are allocated per thread in multiples of 8 (256 per warp)
@@ -87,6 +86,7 @@ class KernelFamily:
     # call from the plan's slots (TMA maps embed data pointers): the backward's main kernel on sm90
     main_args: Callable | None = None
     takes_dropout: bool = True  # False: no dropout instantiation exists (supports() says so)
+    takes_partial_d: bool = True  # False: no column-masking instance (a call's head dim must be instantiated)
     # the tuner:
     run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
     deterministic_outputs: tuple = ()  # indices of run()'s outputs that must be bitwise reproducible
@@ -101,11 +101,16 @@ class KernelFamily:
 
     # --- selection
     def supports(self, features: Features) -> bool:
-        return (features.dtype in SUPPORTED_DTYPES and features.head_dim in SUPPORTED_HEAD_DIMS
-                and (self.takes_dropout or not features.dropout))
+        # the head dims the family is instantiated for are the keys of its defaults
+        return (features.dtype in SUPPORTED_DTYPES and features.head_dim in self.defaults
+                and (self.takes_dropout or not features.dropout)
+                and (self.takes_partial_d or not features.partial_d))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
-        """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order."""
+        """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order
+        (none for a head dim the family is not instantiated for: not a key of its defaults)."""
+        if head_dim not in self.defaults:
+            return []
         return [t for t in self.domain(head_dim) if t.fits(smem_optin_bytes)]
 
     def avoids(self, tile, features: Features | None) -> bool:
@@ -155,27 +160,29 @@ class KernelFamily:
             return why
         f = problem.features
         if not self.supports(f):
-            return f"{self.what} kernels do not support {self._unsupported_part(f)}"
+            return f"{self.what} kernels do not support {self._unsupported_part(f, problem.head_dim)}"
         if self.call_problem is not None:
             why = self.call_problem(problem)
             if why:
                 return why
         try:
-            self.default(problem.head_dim, props.smem_optin, f)
+            self.default(f.head_dim, props.smem_optin, f)
         except (RuntimeError, KeyError) as e:
             return str(e) if isinstance(e, RuntimeError) else f"no {self.what} config for head_dim {problem.head_dim}"
         return None
 
-    def _unsupported_part(self, f: Features) -> str:
+    def _unsupported_part(self, f: Features, call_head_dim: int | None = None) -> str:
         """The part of the call's features this family lacks: a variant (dropout, a sliding window) when
         the plain instantiation would serve, else the dtype and head_dim."""
         plain = dataclasses.replace(f, **{v.name: False for v in Features.variant_fields()})
         if self.supports(plain):
             lacking = [v.name for v in Features.variant_fields()
                        if getattr(f, v.name) and not self.supports(dataclasses.replace(plain, **{v.name: True}))]
-            names = {"dropout": "dropout", "local": "sliding windows (window_size)", "softcap": "softcap"}
+            names = {"dropout": "dropout", "local": "sliding windows (window_size)", "softcap": "softcap",
+                     "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
-        return f"{f.dtype} with head_dim {f.head_dim}"
+        run_as = f" (on the kernels of head dim {f.head_dim})" if call_head_dim not in (None, f.head_dim) else ""
+        return f"{f.dtype} with head_dim {call_head_dim or f.head_dim}{run_as}"
 
     def can_implement(self, tile, props, features: Features | None = None) -> str | None:
         """Why `tile` cannot run on a device with these properties (decided without compiling), or None."""

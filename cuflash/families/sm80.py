@@ -29,8 +29,8 @@ def _fwd_acc(t) -> int:  # O (block_q x d) + S (block_q x block_k)
     return (t.block_q * t.head_dim + t.block_q * t.block_k) // t.threads
 
 
-def _bwd_acc(t) -> int:  # dK + dV (block_k x d each) + S^T (block_k x block_q)
-    return (2 * t.block_k * t.head_dim + t.block_k * t.block_q) // t.threads
+def _bwd_acc(t) -> int:  # dK + dV (block_k x this block's d / column_splits columns each) + S^T (block_k x block_q)
+    return (2 * t.block_k * t.head_dim // t.column_splits + t.block_k * t.block_q) // t.threads
 
 
 def _dq_acc(t) -> int:  # dQ (block_q x d) + S (block_q x block_k)
@@ -91,15 +91,22 @@ FWD = KernelFamily(
     params="FwdParams", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY, arch_specific=False,
     domain=lambda d: _product(lambda bq, bk, w, s: FwdConfig(d, bq, bk, w, s),
                               (64, 128, 192), (32, 48, 64, 96, 128), (4, 8), (2, 3)),
+    # d 32, 96, 256 (ptxas-checked, not yet measured): d256 keeps 16 query rows per warp and 32-key
+    # tiles (O alone is 128 fp32 registers per thread; 64-key tiles spill on sm_90a at 8 warps)
     defaults={
+        32: (FwdConfig(32, 128, 128, 4, 3), FwdConfig(32, 128, 64, 4, 2)),
         64: (FwdConfig(64, 128, 96, 4, 2), FwdConfig(64, 128, 64, 4, 2), FwdConfig(64, 64, 64, 4, 2)),
+        96: (FwdConfig(96, 128, 128, 8, 2), FwdConfig(96, 128, 64, 8, 2)),
         128: (FwdConfig(128, 128, 128, 8, 3), FwdConfig(128, 128, 128, 8, 2), FwdConfig(128, 128, 64, 8, 2),
               FwdConfig(128, 64, 64, 4, 2)),
+        192: (FwdConfig(192, 128, 64, 8, 3), FwdConfig(192, 128, 64, 8, 2), FwdConfig(192, 128, 32, 8, 2)),
+        256: (FwdConfig(256, 128, 32, 8, 3), FwdConfig(256, 128, 32, 8, 2), FwdConfig(256, 64, 32, 4, 2)),
     },
     accumulator_registers=_fwd_acc,
     # softcap with a window spills 32 B (d64) and 12 B (d128) on sm_80, with dropout too 4 B on the
-    # d128 two-stage tile; the next defaults compile clean (tests/test_softcap.py)
-    spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2)}),
+    # d128 two-stage tile; the next defaults compile clean (tests/test_softcap.py); (the partial_d
+    # instances, run for head dims between the instantiated ones, spill where these do)
+    spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(32, 128, 128, 4, 3)}),
               "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(128, 128, 128, 8, 3)}),
               "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)})},
     plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1),
@@ -112,10 +119,17 @@ BWD = KernelFamily(
     tile_cls=BwdConfig, header="flash_bwd.cuh", template="cuflash::flash_bwd_dkdv",
     pointers=(*_BWD_INPUTS, (F32, "dq_acc"), (OUT, "dk"), (OUT, "dv")), params="BwdParams", min_cc=_MIN_CC,
     min_cc_why=_MIN_CC_WHY, arch_specific=False,
-    domain=lambda d: _product(lambda bq, w, s: BwdConfig(d, bq, 16 * w, w, s), (64, 128), (4, 8), (2, 3)),
+    domain=lambda d: _product(lambda bq, w, s: BwdConfig(d, bq, 16 * w, w, s), (32, 64, 128), (4, 8), (2, 3)),
+    # d 32, 96, 256 and the 32-query tiles (ptxas-checked, not yet measured): block_q 32 makes the
+    # dQ product's warp tile 16 x d/2, which is what lets 4 warps fit (the ~99 KB fallback of d128).
+    # d192 and d256 run as two column splits per key tile (BwdConfig.column_splits); neither fits ~99 KB.
     defaults={
+        32: (BwdConfig(32, 128, 128, 8, 2), BwdConfig(32, 64, 128, 8, 2)),
         64: (BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2), BwdConfig(64, 64, 128, 8, 2)),
-        128: (BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2)),
+        96: (BwdConfig(96, 64, 128, 8, 2), BwdConfig(96, 32, 64, 4, 2)),
+        128: (BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2), BwdConfig(128, 32, 64, 4, 2)),
+        192: (BwdConfig(192, 64, 128, 8, 2), BwdConfig(192, 32, 64, 4, 2)),
+        256: (BwdConfig(256, 32, 128, 8, 2), BwdConfig(256, 32, 64, 4, 2)),
     },
     accumulator_registers=_bwd_acc,
     # the d64 128-query tiles with softcap and dropout: 12 B (three stages) and 8 B (two) on sm_80
@@ -128,12 +142,17 @@ BWD_DQ = KernelFamily(
     tile_cls=DqConfig, header="flash_bwd.cuh", template="cuflash::flash_bwd_dq",
     pointers=(*_BWD_INPUTS, (OUT, "dq")), params="BwdParams", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY,
     arch_specific=False,
-    domain=lambda d: _product(lambda w, bk, s: DqConfig(d, 16 * w, bk, w, s), (4, 8), (32, 64, 128), (2, 3)),
+    domain=lambda d: _product(lambda w, bk, s: DqConfig(d, 16 * w, bk, w, s), (2, 4, 8), (16, 32, 64, 128), (2, 3)),
     defaults={
+        32: (DqConfig(32, 64, 64, 4, 2), DqConfig(32, 128, 64, 8, 2)),
         64: (DqConfig(64, 64, 64, 4, 2), DqConfig(64, 128, 64, 8, 2)),
+        96: (DqConfig(96, 64, 64, 4, 2), DqConfig(96, 128, 64, 8, 2)),
         128: (DqConfig(128, 64, 64, 4, 2), DqConfig(128, 128, 64, 8, 2)),
+        192: (DqConfig(192, 128, 64, 8, 2), DqConfig(192, 64, 32, 4, 2)),
+        256: (DqConfig(256, 128, 32, 8, 2), DqConfig(256, 64, 32, 4, 2), DqConfig(256, 32, 16, 2, 2)),
     },
     accumulator_registers=_dq_acc,
+    spilling={"dropout": frozenset({DqConfig(192, 128, 64, 8, 2)})},  # 8 B on sm_90a
     run=_run_bwd_dq, deterministic_outputs=(0, 1, 2),
 )
 
@@ -149,8 +168,12 @@ FWD_V1 = KernelFamily(
     domain=lambda d: _product(lambda bq, bk, w, s: V1Config(d, bq, bk, w, s),
                               (64, 128), (32, 64, 96, 128), (4, 8), (2, 3)),
     defaults={
+        32: (V1Config(32, 128, 128, 8, 2), V1Config(32, 64, 64, 4, 2)),
         64: (V1Config(64, 128, 96, 8, 2), V1Config(64, 128, 64, 8, 2), V1Config(64, 64, 64, 4, 2)),
+        96: (V1Config(96, 128, 64, 8, 2), V1Config(96, 64, 64, 4, 2)),
         128: (V1Config(128, 128, 128, 8, 2), V1Config(128, 128, 64, 8, 2), V1Config(128, 64, 64, 4, 2)),
+        # no d192, d256: every v1 tile spills there (56-250 B: O read back from the workspace next to
+        # 96-128 accumulator registers), so calls of head_dim > 128 have no v1 kernel
     },
     accumulator_registers=_fwd_acc,
     # softcap at d128 128x128: 8-12 B on sm_80 (255 registers); 128x64 compiles clean

@@ -65,8 +65,10 @@ FWD_SM90 = KernelFamily(
     pointers=((TMA_MAP, "tq"), (TMA_MAP, "tk"), (TMA_MAP, "tv"), (OUT, "out"), (F32, "lse")),
     params="FwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
-    arch_specific=True, backend="sm90",
+    arch_specific=True, backend="sm90", takes_partial_d=False,
     domain=lambda d: (_product(d, (96, 128, 176, 192), (2,), (2,)) if d == 128
+                      else _product(d, (64, 80), (2,), (2,)) if d == 256
+                      else _product(d, (96, 112), (2,), (2,)) if d == 192
                       else _product(d, (96, 128, 192), (2, 3), (2,))),
     # measured on the H200 (bf16, seqlen 2k-16k, docs/bench/h200-sm90-bringup-2026-11-30.jsonl):
     # d128 128x128 ping-pong on a persistent grid; d64 three consumers (192 query rows), whose
@@ -74,6 +76,10 @@ FWD_SM90 = KernelFamily(
     defaults={
         64: (Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1), Sm90FwdConfig(64, 128, 2, 2, 1, 1, 1, 1)),
         128: (Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 1), Sm90FwdConfig(128, 128, 2, 2, 0, 1, 1, 1)),
+        # d256: FlashAttention-3's 128 x 80 with two consumers (O is 128 of a consumer's 240 registers;
+        # Q 64 KB + two 80-key K/V stages 160 KB fill the 227 KB); ptxas-checked, not yet run
+        256: (Sm90FwdConfig(256, 80, 2, 2, 1, 1, 1, 1), Sm90FwdConfig(256, 64, 2, 2, 1, 1, 1, 1)),
+        192: (Sm90FwdConfig(192, 112, 2, 2, 1, 1, 1, 1), Sm90FwdConfig(192, 96, 2, 2, 1, 1, 1, 1)),  # FA3: 128 x 112
     },
     accumulator_registers=_acc, register_limit=_consumer_cap,
     # ptxas, sm_90a (tests/test_compile_sm90.py keeps this honest): three consumers have 160
@@ -121,7 +127,7 @@ BWD_SM90 = KernelFamily(
               (F32_IN, "delta"), (F32, "dq_acc"), (OUT, "dk"), (OUT, "dv")),
     params="BwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
-    arch_specific=True, backend="sm90",
+    arch_specific=True, backend="sm90", takes_partial_d=False,
     domain=lambda d: [Sm90BwdConfig(d, 64, 2, s, b) for s in (2, 3) for b in (0, 1)],
     # dq_bulk 0 (atomics) is the version measured on the H200; 1 (store warp) compiles, not yet run
     defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 0),), 128: (Sm90BwdConfig(128, 64, 2, 2, 0),)},

@@ -54,6 +54,7 @@ def parse_args(argv=None):
                    help="feature classes to tune, each keyed separately (default: %(default)s)")
     g.add_argument("--head-dims", type=int, nargs="+", default=list(SUPPORTED_HEAD_DIMS), choices=SUPPORTED_HEAD_DIMS,
                    metavar="D", help="head dims to tune, of " + ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+                   + " (the instantiated ones: a call of another head dim runs, and is tuned as, the next one)"
                    + " (default: all)")
     g.add_argument("--dtypes", nargs="+", choices=["bf16", "fp16"], default=["bf16", "fp16"])
     g.add_argument("--seqlens", type=_positive, nargs="+", default=list(DEFAULT_SEQLENS),

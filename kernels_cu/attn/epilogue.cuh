@@ -12,18 +12,19 @@
 
 namespace cuflash {
 
-// Copy 16-byte chunks of ROWS rows (tile rows row0.., CH chunks each) from a swizzled shared
-// tile to global rows grow0.., skipping rows at or past n_rows. Called by one warp.
-template <int CH, int ROWS>
+// Copy 16-byte chunks [c0, c0 + NCH) (all CH by default) of ROWS rows (tile rows row0.., CH
+// chunks each) from a shared tile to global rows grow0.., skipping rows at or past n_rows and, with
+// PARTIAL, chunks at or past d_chunks (the call's head dim / 8). Called by one warp.
+template <int CH, int ROWS, int NCH = CH, bool PARTIAL = false>
 __device__ __forceinline__ void store_rows_warp(u32 s_base, int row0, elem_t* g, long long row_stride,
-                                                int grow0, int n_rows, int lane) {
-    constexpr int CHUNKS = ROWS * CH;
+                                                int grow0, int n_rows, int lane, int c0 = 0, int d_chunks = CH) {
+    constexpr int CHUNKS = ROWS * NCH;
 #pragma unroll
     for (int it = 0; it < (CHUNKS + 31) / 32; ++it) {
         int idx = it * 32 + lane;
         if (idx < CHUNKS) {
-            int tr = idx / CH, c = idx % CH;
-            if (grow0 + tr < n_rows) {
+            int tr = idx / NCH, c = c0 + idx % NCH;
+            if (grow0 + tr < n_rows && (!PARTIAL || c < d_chunks)) {
                 const uint4 val = ld_shared_v4(s_base + swz<CH>(row0 + tr, c));
                 *reinterpret_cast<uint4*>(g + (long long)(grow0 + tr) * row_stride + c * 8) = val;
             }
@@ -31,16 +32,17 @@ __device__ __forceinline__ void store_rows_warp(u32 s_base, int row0, elem_t* g,
     }
 }
 
-// C fragments of a 16 x (8*NT) fp32 tile -> 16-bit, into rows row0.. of a swizzled smem tile.
+// C fragments of a 16 x (8*NT) fp32 tile -> 16-bit, into rows row0.., chunks c0.. of a smem tile.
 template <bool BF16, int CH, int NT>
-__device__ __forceinline__ void stash_c_tile(u32 s_base, int row0, const float (&acc)[NT][4], float mul, int lane) {
+__device__ __forceinline__ void stash_c_tile(u32 s_base, int row0, const float (&acc)[NT][4], float mul, int lane,
+                                             int c0 = 0) {
     const int g = lane / 4, t = lane % 4;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
         for (int i = 0; i < NT; ++i) {
             u32 packed = pack2<BF16>(acc[i][2 * half] * mul, acc[i][2 * half + 1] * mul);
-            st_shared_u32(s_base + swz<CH>(row0 + g + 8 * half, i) + 4 * t, packed);
+            st_shared_u32(s_base + swz<CH>(row0 + g + 8 * half, c0 + i) + 4 * t, packed);
         }
 }
 

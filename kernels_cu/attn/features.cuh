@@ -9,7 +9,7 @@
 
 namespace cuflash {
 
-template <bool DROPOUT, bool LOCAL, bool SOFTCAP>
+template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -21,6 +21,10 @@ struct Variant {
     // mask, the softmax scaled by softcap (attn/score_mod.cuh); the backward multiplies dS by the
     // tanh's derivative. A per-element MUFU op on every tile, so its own instantiation.
     static constexpr bool kSoftcap = SOFTCAP;
+    // The call's head dim (params.head_dim, a multiple of 8) is less than the instance's D: tile
+    // loads zero-fill the columns past it (cp.async src-size 0) and stores skip them, so q, k, v
+    // and the outputs are used in place. Zero columns add nothing to Q K^T, dP = dO V^T or delta.
+    static constexpr bool kPartialD = PARTIAL_D;
 };
 
 }  // namespace cuflash

@@ -13,6 +13,8 @@
 // per call: the host replaces them when dropout is on).
 //
 // Strides are in elements and 64-bit, per tensor (batch, seqlen, head); head_dim's stride is 1.
+// head_dim is the call's (a multiple of 8); an instance of head dim D > head_dim (V::kPartialD)
+// zero-fills the columns >= head_dim of its tiles on load and skips them on store.
 // Mask geometry: the canonical (window_left, window_right, offset) of attn/mask.cuh, computed on
 // the host (cuflash/problem.py, which enforces mask.cuh's integer-range preconditions).
 // Scales: scale_log2 is the softmax's factor of the score in exp2 units: softmax_scale * log2(e)
@@ -45,6 +47,8 @@ struct FwdParams {
     int heads_kv;      // heads of k and v (GQA/MQA: fewer than heads, dividing it; MHA: heads)
     int group;         // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
     float softcap_scale;  // softcap: softmax_scale / softcap, the raw score's factor inside the tanh (0: off; attn/score_mod.cuh)
+    int head_dim;      // the call's head dim (<= the instance's D; less only in V::kPartialD instances)
+    int reserved;      // explicit tail padding (alignment 8): no byte of the struct is implicit
 };
 
 // The backward pass, one struct for its four kernels; each reads what it needs:
@@ -80,10 +84,12 @@ struct BwdParams {
     int heads_kv;             // heads of k and v (GQA/MQA: fewer than heads, dividing it; MHA: heads)
     int group;                // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
     float softcap_scale;      // softcap: softmax_scale / softcap, as FwdParams' (0: off)
+    int head_dim;             // the call's head dim (<= the instance's D; less only in V::kPartialD instances)
+    int reserved;             // explicit tail padding (alignment 8): no byte of the struct is implicit
 };
 
-static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 160, "FwdParams layout changed: update cuflash/params.py");
-static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 288, "BwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 168, "FwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 296, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)
 

@@ -46,13 +46,15 @@ __device__ __forceinline__ void bwd_dkdv_reduce(const elem_t* __restrict__ dk_ex
     const long long r = gt / CH;
     if (r >= n_rows) return;
     const int c = (int)(gt % CH);
-    const long long src = r * group * D + c * 8;
+    const int d = params.head_dim;  // the call's (<= D): the rows of both buffers are d wide
+    if (c >= d / 8) return;
+    const long long src = r * group * d + c * 8;
     float ak[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, av[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int g = 0; g < group; ++g) {
-        add8<BF16>(ak, *reinterpret_cast<const uint4*>(dk_exp + src + (long long)g * D));
-        add8<BF16>(av, *reinterpret_cast<const uint4*>(dv_exp + src + (long long)g * D));
+        add8<BF16>(ak, *reinterpret_cast<const uint4*>(dk_exp + src + (long long)g * d));
+        add8<BF16>(av, *reinterpret_cast<const uint4*>(dv_exp + src + (long long)g * d));
     }
-    const long long dst = r * D + c * 8;
+    const long long dst = r * d + c * 8;
     *reinterpret_cast<uint4*>(dk + dst) = pack8<BF16>(ak);
     *reinterpret_cast<uint4*>(dv + dst) = pack8<BF16>(av);
 }

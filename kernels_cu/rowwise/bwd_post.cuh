@@ -18,6 +18,7 @@ __device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ dq_acc,
     const long long r = gt / CH;  // unpadded row index over (batch*heads) x seqlen_q
     if (r >= n_rows) return;
     const int c = (int)(gt % CH);
+    if (c >= params.head_dim / 8) return;  // dq_acc rows are D wide, dq's the call's head dim
     const int bh = (int)(r / seqlen_q), i = (int)(r - (long long)bh * seqlen_q);
     const int b = bh / n_heads, h = bh - b * n_heads;
     const float4* src = reinterpret_cast<const float4*>(dq_acc + ((long long)bh * seqlen_q_pad + i) * D + c * 8);

@@ -16,16 +16,21 @@ __device__ __forceinline__ void bwd_prep(const elem_t* __restrict__ o, const ele
     const long long o_sb = params.o_sb, o_sn = params.o_sn, o_sh = params.o_sh, do_sb = params.do_sb, do_sn = params.do_sn, do_sh = params.do_sh;
     const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_q_pad = params.seqlen_q_pad;
     const long long n_rows = params.ws_rows;  // padded rows over (batch*heads)
-    constexpr int CH = D / 8;  // threads per row, one 16-byte chunk each
-    static_assert(32 % CH == 0, "a row's threads must sit in one warp");
+    constexpr int CH = D / 8;  // 16-byte chunks per row
+    // threads per row: CH rounded up to a power of two (the shuffle reduction's width; the host's
+    // grid, cuflash/_backward.py prep_threads_per_row, mirrors it), one chunk each, the rest idle
+    constexpr int TPR = CH <= 1 ? 1 : CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
+    static_assert(CH <= 32, "a row's threads must sit in one warp");
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long r = gt / CH;  // padded row index over (batch*heads) x seqlen_q_pad
-    const int c = (int)(gt % CH);
-    const bool in_range = r < n_rows;
+    const long long r = gt / TPR;  // padded row index over (batch*heads) x seqlen_q_pad
+    const int c = (int)(gt % TPR);
+    // the call's chunks (params.head_dim <= D: o and dout rows hold only those; dq_acc rows all CH)
+    const int d_chunks = params.head_dim / 8;
+    const bool in_range = r < n_rows, has_chunk = c < d_chunks;
     const int bh = in_range ? (int)(r / seqlen_q_pad) : 0;
     const int i = in_range ? (int)(r - (long long)bh * seqlen_q_pad) : seqlen_q;
     float dot = 0.f;
-    if (i < seqlen_q) {
+    if (i < seqlen_q && has_chunk) {
         const int b = bh / n_heads, h = bh - b * n_heads;
         uint4 x = *reinterpret_cast<const uint4*>(o + b * o_sb + i * o_sn + h * o_sh + c * 8);
         uint4 y = *reinterpret_cast<const uint4*>(dout + b * do_sb + i * do_sn + h * do_sh + c * 8);
@@ -39,7 +44,7 @@ __device__ __forceinline__ void bwd_prep(const elem_t* __restrict__ o, const ele
         }
     }
 #pragma unroll
-    for (int s = 1; s < CH; s *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, s);
+    for (int s = 1; s < TPR; s *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, s);
     if (!in_range) return;
     if (c == 0) {
         const float POS_INF = __int_as_float(0x7f800000);
@@ -47,7 +52,7 @@ __device__ __forceinline__ void bwd_prep(const elem_t* __restrict__ o, const ele
         delta[r] = dot;
         lse2[r] = (l == -POS_INF) ? POS_INF : l * kLog2e;
     }
-    if (dq_acc != nullptr) {
+    if (dq_acc != nullptr && c < CH) {
         float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
         float4* p = reinterpret_cast<float4*>(dq_acc + r * D + c * 8);
         p[0] = z;

@@ -30,13 +30,13 @@
 
 namespace cuflash {
 
-// dQ rows [q0, q0+BR) += dS K over this block's BC keys, into the fp32 accumulator (atomics).
-// A = dS (rows = queries, k = keys) is read transposed out of dS^T (rows = keys); warps split
-// the BR x D product as a WM x WN grid.
+// dQ rows [q0, q0+BR), columns [col0, col0 + kSplitCols) += dS K over this block's BC keys, into
+// the fp32 accumulator (atomics). A = dS (rows = queries, k = keys) is read transposed out of dS^T
+// (rows = keys); warps split the BR x kSplitCols product as a WM x WN grid.
 template <bool BF16, class S_>
-__device__ __forceinline__ void bwd_dq_product(u32 sdS_buf, u32 sK, float* dq_rows, int warp, int lane) {
+__device__ __forceinline__ void bwd_dq_product(u32 sdS_buf, u32 sK, float* dq_rows, int col0, int warp, int lane) {
     constexpr int QM = S_::kDqRowTiles, QN = S_::kDqColTiles, KK = S_::kKeySteps, SCH = S_::kDsRowChunks, CH = S_::kRowChunks, D = S_::kRowChunks * 8;
-    constexpr u32 ROW16 = 16 * CH * 16;
+    constexpr u32 ROW16 = 16 * SmemRow<CH>::kBytes;
     const int g = lane / 4, t = lane % 4, lane_row = lane % 8;
     const int wm = warp % S_::kDqWarpsM, wn = warp / S_::kDqWarpsM;
     const u32 bt_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
@@ -54,11 +54,11 @@ __device__ __forceinline__ void bwd_dq_product(u32 sdS_buf, u32 sK, float* dq_ro
         u32 a[QM][4];
 #pragma unroll
         for (int mi = 0; mi < QM; ++mi)
-            ldmatrix_x4_trans(a[mi][0], a[mi][1], a[mi][2], a[mi][3], sdS_buf + kk * 16 * SCH * 16 + (ds_off ^ (32 * mi)));
+            ldmatrix_x4_trans(a[mi][0], a[mi][1], a[mi][2], a[mi][3], sdS_buf + kk * 16 * SmemRow<SCH>::kBytes + chunk_step<SCH>(ds_off, 2 * mi));
 #pragma unroll
         for (int dp = 0; dp < QN / 2; ++dp) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4_trans(b0, b1, b2, b3, sK + kk * ROW16 + (bt_off ^ (16 * (wn * S_::kDqColsPerWarp / 8) + 32 * dp)));
+            ldmatrix_x4_trans(b0, b1, b2, b3, sK + kk * ROW16 + chunk_step<CH>(bt_off, (col0 + wn * S_::kDqColsPerWarp) / 8 + 2 * dp));
 #pragma unroll
             for (int mi = 0; mi < QM; ++mi) {
                 mma_16816<BF16>(acc_q[mi][2 * dp], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b0, b1);
@@ -66,7 +66,7 @@ __device__ __forceinline__ void bwd_dq_product(u32 sdS_buf, u32 sK, float* dq_ro
             }
         }
     }
-    float* dqg = dq_rows + wm * S_::kDqRowsPerWarp * D + wn * S_::kDqColsPerWarp;
+    float* dqg = dq_rows + wm * S_::kDqRowsPerWarp * D + col0 + wn * S_::kDqColsPerWarp;
 #pragma unroll
     for (int mi = 0; mi < QM; ++mi)
 #pragma unroll
@@ -92,6 +92,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
+    // the call's 16-byte chunks per row (V::kPartialD: fewer than the instance's; else all of them)
+    const int d_chunks = V::kPartialD ? params.head_dim / 8 : D / 8;
     using S_ = Sm80BwdTraits<D, BR, BC, WARPS, STAGES, V::kDropout>;
     constexpr int CH = S_::kRowChunks, SCH = S_::kDsRowChunks, KD = S_::kHeadSteps, SN = S_::kQueryTiles, KQ = S_::kQuerySteps, DN = S_::kOutTiles;
     constexpr int THREADS = S_::kNumThreads;
@@ -111,8 +113,10 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     // Block -> (key block, head, batch); key blocks fastest, in natural order: under a causal
     // mask the early key blocks see the most query tiles, so the heaviest blocks start first.
     const MaskGeometry geo = MaskGeometry::of<V>(params);
+    // n_blocks counts key blocks x kColSplits: the column splits of one key block are neighbours.
     const BlockCoord blk = schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
-    const int bh = blk.bh, b = blk.batch, h = blk.head, nb = blk.block;
+    const int bh = blk.bh, b = blk.batch, h = blk.head, nb = blk.block / S_::kColSplits;
+    const int col0 = (blk.block % S_::kColSplits) * S_::kSplitCols;  // this block's dK/dV/dQ columns
     const int c0 = nb * BC;
 
     const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
@@ -134,8 +138,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     auto load_q_tile = [&](int it) {
         const int slot = it % STAGES;
         const int r0 = (m_begin + it) * BR;
-        load_tile<BR, CH, THREADS>(sQ + slot * S_::kQTileBytes, qg, q_sn, r0, seqlen_q, tid);
-        load_tile<BR, CH, THREADS>(sdO + slot * S_::kQTileBytes, dog, do_sn, r0, seqlen_q, tid);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sQ + slot * S_::kQTileBytes, qg, q_sn, r0, seqlen_q, tid, d_chunks);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sdO + slot * S_::kQTileBytes, dog, do_sn, r0, seqlen_q, tid, d_chunks);
         // lse2 and delta: BR/4 chunks each, from buffers padded past seqlen_q (no guard needed)
         constexpr int SC = BR / 4;
         static_assert(2 * SC <= THREADS, "one thread per stats chunk");
@@ -153,8 +157,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         for (int e = 0; e < 4; ++e) acc_dk[i][e] = acc_dv[i][e] = 0.f;
 
     if (n_iter > 0) {
-        load_tile<BC, CH, THREADS>(sK, kg, k_sn, c0, seqlen_k, tid);
-        load_tile<BC, CH, THREADS>(sV, vg, v_sn, c0, seqlen_k, tid);
+        load_tile<BC, CH, THREADS, V::kPartialD>(sK, kg, k_sn, c0, seqlen_k, tid, d_chunks);
+        load_tile<BC, CH, THREADS, V::kPartialD>(sV, vg, v_sn, c0, seqlen_k, tid, d_chunks);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter) load_q_tile(s);
@@ -169,7 +173,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const u32 a_off = swz<CH>(warp * 16 + lane_row + ((lane / 8) % 2) * 8, lane / 16);
     const u32 bn_off = swz<CH>(lane_row + (lane / 16) * 8, (lane / 8) % 2);
     const u32 bt_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
-    constexpr u32 ROW16 = 16 * CH * 16;
+    const u32 bt_col_off = chunk_step<CH>(bt_off, col0 / 8);  // at this block's first dK/dV column
     const int key_w = c0 + warp * 16;  // first key of this warp
 
     for (int it = 0; it < n_iter; ++it) {
@@ -186,7 +190,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         // barrier above. Deferring it by one tile saves the second barrier per tile.
         if (dq_acc != nullptr && it > 0)
             bwd_dq_product<BF16, S_>(sdS + ((it - 1) % 2) * S_::kDsBytes, sK,
-                                     dq_acc + ((long long)bh * seqlen_q_pad + q0 - BR) * D, warp, lane);
+                                     dq_acc + ((long long)bh * seqlen_q_pad + q0 - BR) * D, col0, warp, lane);
 
         // ---- dropout keep bits (first, while few registers are live), in S^T's A-fragment order
         // (Dropout::bits8_transposed): byte kq % 4 of keep[kq / 4], bit 4s + 2h + e, is key g + 8h,
@@ -246,7 +250,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
             c_to_a_frags<BF16, KQ>(frag, acc);
         }
         // ---- dV += (P o mask)^T dO (the 1/(1-p) scale is applied to dV once, at the end) ----
-        tile_mma_ab<BF16, CH, KQ, DN, V::kDropout>(acc_dv, frag, sdOs, bt_off, keep);
+        tile_mma_ab<BF16, CH, KQ, DN, V::kDropout>(acc_dv, frag, sdOs, bt_col_off, keep);
 
         // ---- dP^T = V_w dO^T; dS^T = P^T (dP^T - delta), P^T recomputed from S^T ----
         {
@@ -291,25 +295,25 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                 }
         }
         // ---- dK += dS^T Q ----
-        tile_mma_ab<BF16, CH, KQ, DN>(acc_dk, frag, sQs, bt_off);
+        tile_mma_ab<BF16, CH, KQ, DN>(acc_dk, frag, sQs, bt_col_off);
 
     }
     cp_async_wait<0>();
     __syncthreads();  // the last dS^T is complete
     if (dq_acc != nullptr && n_iter > 0) {
         bwd_dq_product<BF16, S_>(sdS + ((n_iter - 1) % 2) * S_::kDsBytes, sK,
-                                 dq_acc + ((long long)bh * seqlen_q_pad + (m_begin + n_iter - 1) * BR) * D, warp, lane);
+                                 dq_acc + ((long long)bh * seqlen_q_pad + (m_begin + n_iter - 1) * BR) * D, col0, warp, lane);
         __syncthreads();  // every warp is done reading K: its rows take dK for the store
     }
 
     // ---- epilogue: dK = scale * dK~, dV; through this warp's own K/V rows ----
-    stash_c_tile<BF16, CH, DN>(sK, warp * 16, acc_dk, scale, lane);
-    stash_c_tile<BF16, CH, DN>(sV, warp * 16, acc_dv, V::kDropout ? drop_scale : 1.f, lane);
+    stash_c_tile<BF16, CH, DN>(sK, warp * 16, acc_dk, scale, lane, col0 / 8);
+    stash_c_tile<BF16, CH, DN>(sV, warp * 16, acc_dv, V::kDropout ? drop_scale : 1.f, lane, col0 / 8);
     __syncwarp();
     elem_t* dkg = dk + (long long)b * dk_sb + (long long)h * dk_sh;
     elem_t* dvg = dv + (long long)b * dv_sb + (long long)h * dv_sh;
-    store_rows_warp<CH, 16>(sK, warp * 16, dkg, dk_sn, key_w, seqlen_k, lane);
-    store_rows_warp<CH, 16>(sV, warp * 16, dvg, dv_sn, key_w, seqlen_k, lane);
+    store_rows_warp<CH, 16, DN, V::kPartialD>(sK, warp * 16, dkg, dk_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
+    store_rows_warp<CH, 16, DN, V::kPartialD>(sV, warp * 16, dvg, dv_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
 }
 
 }  // namespace cuflash

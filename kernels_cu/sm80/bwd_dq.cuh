@@ -31,6 +31,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
+    // the call's 16-byte chunks per row (V::kPartialD: fewer than the instance's; else all of them)
+    const int d_chunks = V::kPartialD ? params.head_dim / 8 : D / 8;
     using S_ = Sm80DqTraits<D, BR, BC, WARPS, STAGES>;
     constexpr int CH = S_::kRowChunks, KD = S_::kHeadSteps, SN = S_::kScoreTiles, KB = S_::kKeySteps, DN = S_::kOutTiles;
     constexpr int THREADS = S_::kNumThreads;
@@ -71,13 +73,13 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 
     if (n_iter > 0) {
         // Prologue (ring contract, sm80/tile_copy.cuh): Q and dO join the first K/V group.
-        load_tile<BR, CH, THREADS>(sQ, qg, q_sn, r0, seqlen_q, tid);
-        load_tile<BR, CH, THREADS>(sdO, dog, do_sn, r0, seqlen_q, tid);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sQ, qg, q_sn, r0, seqlen_q, tid, d_chunks);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sdO, dog, do_sn, r0, seqlen_q, tid, d_chunks);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter)
-                load_kv_tile<BC, CH, THREADS>(sK + s * S_::kKVBytes, sV + s * S_::kKVBytes, kg, k_sn, vg, v_sn, n_begin + s,
-                                              seqlen_k, tid);
+                load_kv_tile<BC, CH, THREADS, V::kPartialD>(sK + s * S_::kKVBytes, sV + s * S_::kKVBytes, kg, k_sn, vg, v_sn, n_begin + s,
+                                              seqlen_k, tid, d_chunks);
             cp_async_commit();
         }
     }
@@ -86,8 +88,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     const u32 a_off = swz<CH>(warp * 16 + lane_row + ((lane / 8) % 2) * 8, lane / 16);
     const u32 bn_off = swz<CH>(lane_row + (lane / 16) * 8, (lane / 8) % 2);
     const u32 bt_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
-    constexpr u32 ROW16 = 16 * CH * 16;
-    u32 q_frag[KD][4];
+    constexpr u32 ROW16 = 16 * SmemRow<CH>::kBytes;
+    u32 q_frag[S_::kQInRegs ? KD : 1][4];
     for (int it = 0; it < n_iter; ++it) {
         const int j = n_begin + it;  // key block of this step
         cp_async_wait<STAGES - 2>();
@@ -96,17 +98,17 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
             int in = it + STAGES - 1;
             if (in < n_iter) {
                 int slot = in % STAGES;
-                load_kv_tile<BC, CH, THREADS>(sK + slot * S_::kKVBytes, sV + slot * S_::kKVBytes, kg, k_sn, vg, v_sn,
-                                              n_begin + in, seqlen_k, tid);
+                load_kv_tile<BC, CH, THREADS, V::kPartialD>(sK + slot * S_::kKVBytes, sV + slot * S_::kKVBytes, kg, k_sn, vg, v_sn,
+                                              n_begin + in, seqlen_k, tid, d_chunks);
             }
             cp_async_commit();
         }
         const int slot = it % STAGES;
         const u32 sKj = sK + slot * S_::kKVBytes, sVj = sV + slot * S_::kKVBytes;
-        if (it == 0) {
+        if (S_::kQInRegs && it == 0) {
 #pragma unroll
-            for (int kd = 0; kd < KD; ++kd)
-                ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + (a_off ^ (32 * kd)));
+            for (int kd = 0; kd < (S_::kQInRegs ? KD : 0); ++kd)
+                ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + chunk_step<CH>(a_off, 2 * kd));
         }
 
         // ---- S = Q K^T, dP = dO V^T ----
@@ -118,15 +120,21 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 #pragma unroll
         for (int kd = 0; kd < KD; ++kd) {
             u32 d0, d1, d2, d3;
-            ldmatrix_x4(d0, d1, d2, d3, sdO + (a_off ^ (32 * kd)));
+            ldmatrix_x4(d0, d1, d2, d3, sdO + chunk_step<CH>(a_off, 2 * kd));
+            u32 qa[4];  // Q's A fragment of step kd: held since step 0, or read here past d=128
+            if constexpr (S_::kQInRegs) {
+                qa[0] = q_frag[kd][0], qa[1] = q_frag[kd][1], qa[2] = q_frag[kd][2], qa[3] = q_frag[kd][3];
+            } else {
+                ldmatrix_x4(qa[0], qa[1], qa[2], qa[3], sQ + chunk_step<CH>(a_off, 2 * kd));
+            }
 #pragma unroll
             for (int np = 0; np < SN / 2; ++np) {
                 u32 b0, b1, b2, b3;
-                ldmatrix_x4(b0, b1, b2, b3, sKj + np * ROW16 + (bn_off ^ (32 * kd)));
-                const u32* a = q_frag[kd];
+                ldmatrix_x4(b0, b1, b2, b3, sKj + np * ROW16 + chunk_step<CH>(bn_off, 2 * kd));
+                const u32* a = qa;
                 mma_16816<BF16>(acc_s[2 * np], a[0], a[1], a[2], a[3], b0, b1);
                 mma_16816<BF16>(acc_s[2 * np + 1], a[0], a[1], a[2], a[3], b2, b3);
-                ldmatrix_x4(b0, b1, b2, b3, sVj + np * ROW16 + (bn_off ^ (32 * kd)));
+                ldmatrix_x4(b0, b1, b2, b3, sVj + np * ROW16 + chunk_step<CH>(bn_off, 2 * kd));
                 mma_16816<BF16>(acc_dp[2 * np], d0, d1, d2, d3, b0, b1);
                 mma_16816<BF16>(acc_dp[2 * np + 1], d0, d1, d2, d3, b2, b3);
             }
@@ -166,7 +174,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 #pragma unroll
             for (int dp = 0; dp < DN / 2; ++dp) {
                 u32 b0, b1, b2, b3;
-                ldmatrix_x4_trans(b0, b1, b2, b3, sKj + kb * ROW16 + (bt_off ^ (32 * dp)));
+                ldmatrix_x4_trans(b0, b1, b2, b3, sKj + kb * ROW16 + chunk_step<CH>(bt_off, 2 * dp));
                 mma_16816<BF16>(acc_q[2 * dp], a0, a1, a2, a3, b0, b1);
                 mma_16816<BF16>(acc_q[2 * dp + 1], a0, a1, a2, a3, b2, b3);
             }
@@ -179,7 +187,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     stash_c_tile<BF16, CH, DN>(sQ, warp * 16, acc_q, scale, lane);
     __syncwarp();
     elem_t* dqg = dq + (long long)b * dq_sb + (long long)h * dq_sh;
-    store_rows_warp<CH, 16>(sQ, warp * 16, dqg, dq_sn, r0 + warp * 16, seqlen_q, lane);
+    store_rows_warp<CH, 16, CH, V::kPartialD>(sQ, warp * 16, dqg, dq_sn, r0 + warp * 16, seqlen_q, lane, 0, d_chunks);
 }
 
 }  // namespace cuflash

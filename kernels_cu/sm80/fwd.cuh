@@ -40,6 +40,8 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const float scale_log2 = params.scale_log2, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
+    // the call's 16-byte chunks per row (V::kPartialD: fewer than the instance's; else all of them)
+    const int d_chunks = V::kPartialD ? params.head_dim / 8 : D / 8;
     using Tr = Sm80FwdTraits<D, BR, BC, WARPS, STAGES>;
     constexpr int kRowTiles = Tr::kRowTiles, kScoreTiles = Tr::kScoreTiles, kOutTiles = Tr::kOutTiles;
     constexpr int kHeadSteps = Tr::kHeadSteps, kKeySteps = Tr::kKeySteps, kRowChunks = Tr::kRowChunks;
@@ -79,12 +81,12 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
 
     if (n_iter > 0) {
         // Prologue: Q joins the first K/V group; steps 0..STAGES-2 (key blocks n_begin..) in flight.
-        load_tile<BR, kRowChunks, kNumThreads>(sQ, qg, q_sn, r0, seqlen_q, tid);
+        load_tile<BR, kRowChunks, kNumThreads, V::kPartialD>(sQ, qg, q_sn, r0, seqlen_q, tid, d_chunks);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter)
-                load_kv_tile<BC, kRowChunks, kNumThreads>(sK + s * Tr::kKVTileBytes, sV + s * Tr::kKVTileBytes, kg, k_sn,
-                                                          vg, v_sn, n_begin + s, seqlen_k, tid);
+                load_kv_tile<BC, kRowChunks, kNumThreads, V::kPartialD>(sK + s * Tr::kKVTileBytes, sV + s * Tr::kKVTileBytes, kg, k_sn,
+                                                          vg, v_sn, n_begin + s, seqlen_k, tid, d_chunks);
             cp_async_commit();  // empty groups keep the wait count uniform
         }
     }
@@ -105,8 +107,8 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             int in = it + STAGES - 1;
             if (in < n_iter) {
                 int slot = in % STAGES;
-                load_kv_tile<BC, kRowChunks, kNumThreads>(sK + slot * Tr::kKVTileBytes, sV + slot * Tr::kKVTileBytes, kg,
-                                                          k_sn, vg, v_sn, n_begin + in, seqlen_k, tid);
+                load_kv_tile<BC, kRowChunks, kNumThreads, V::kPartialD>(sK + slot * Tr::kKVTileBytes, sV + slot * Tr::kKVTileBytes, kg,
+                                                          k_sn, vg, v_sn, n_begin + in, seqlen_k, tid, d_chunks);
             }
             cp_async_commit();
         }
@@ -118,7 +120,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             if (it == 0) {  // Q landed with the first step's group
 #pragma unroll
                 for (int kd = 0; kd < kHeadSteps; ++kd)
-                    ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + (q_frag_off ^ (32 * kd)));
+                    ldmatrix_x4(q_frag[kd][0], q_frag[kd][1], q_frag[kd][2], q_frag[kd][3], sQ + chunk_step<kRowChunks>(q_frag_off, 2 * kd));
             }
         }
 
@@ -187,7 +189,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
         if (idx < WARP_CHUNKS) {
             int tr = warp_row0 + idx / kRowChunks, c = idx % kRowChunks;
             int row = r0 + tr;
-            if (row < seqlen_q) {
+            if (row < seqlen_q && (!V::kPartialD || c < d_chunks)) {
                 uint4 val;
                 asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                              : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(sQ + swz<kRowChunks>(tr, c)));

@@ -70,6 +70,8 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
     const float scale_log2 = params.scale_log2, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
+    // the call's 16-byte chunks per row (V::kPartialD: fewer than the instance's; else all of them)
+    const int d_chunks = V::kPartialD ? params.head_dim / 8 : D / 8;
     using S_ = Sm80FwdV1Traits<D, BR, BC, WARPS, STAGES>;
     constexpr int MT = S_::kRowTiles, SN = S_::kScoreTiles, ON = S_::kOutTiles, KD = S_::kHeadSteps, KB = S_::kKeySteps, CH = S_::kRowChunks;
     constexpr int THREADS = S_::kNumThreads;
@@ -112,13 +114,14 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
         for (int idx = tid; idx < dead_rows * CH; idx += THREADS) {
             const int r = idx / CH, c = idx % CH;
             const int row = r < head_rows ? r : tail_row + (r - head_rows);
-            *reinterpret_cast<uint4*>(og + (long long)row * o_sn + c * 8) = make_uint4(0u, 0u, 0u, 0u);
+            if (!V::kPartialD || c < d_chunks)
+                *reinterpret_cast<uint4*>(og + (long long)row * o_sn + c * 8) = make_uint4(0u, 0u, 0u, 0u);
         }
         for (int r = tid; r < dead_rows; r += THREADS) lse_row[r < head_rows ? r : tail_row + (r - head_rows)] = NEG_INF;
     }
 
     const int warp_row0 = warp * S_::kRowsPerWarp;
-    // ldmatrix per-lane offsets at k-chunk 0; chunk c is (offset) ^ (16 c), as in v2.
+    // ldmatrix per-lane offsets at k-chunk 0; chunk c is chunk_step(offset, c), as in v2.
     using Ld = LdmatrixOffsets<CH>;
     const u32 q_frag_off = Ld::a_operand(warp_row0, lane);
     const u32 k_frag_off = Ld::b_operand(lane);
@@ -133,11 +136,11 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
         // Every warp has finished the previous outer step: K/V and all Q slots may be refilled.
         __syncthreads();
         // Prologue: K_j, V_j join the first Q tile's group; Q tiles i0 .. i0+STAGES-2 in flight.
-        load_tile<BC, CH, THREADS>(sK, kg, k_sn, j * BC, seqlen_k, tid);
-        load_tile<BC, CH, THREADS>(sV, vg, v_sn, j * BC, seqlen_k, tid);
+        load_tile<BC, CH, THREADS, V::kPartialD>(sK, kg, k_sn, j * BC, seqlen_k, tid, d_chunks);
+        load_tile<BC, CH, THREADS, V::kPartialD>(sV, vg, v_sn, j * BC, seqlen_k, tid, d_chunks);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
-            if (s < n_i) load_tile<BR, CH, THREADS>(sQ + s * S_::kQTileBytes, qg, q_sn, (i0 + s) * BR, seqlen_q, tid);
+            if (s < n_i) load_tile<BR, CH, THREADS, V::kPartialD>(sQ + s * S_::kQTileBytes, qg, q_sn, (i0 + s) * BR, seqlen_q, tid, d_chunks);
             cp_async_commit();  // empty groups keep the wait count uniform
         }
 
@@ -149,8 +152,8 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
             {
                 const int in = ii + STAGES - 1;
                 if (in < n_i)
-                    load_tile<BR, CH, THREADS>(sQ + (in % STAGES) * S_::kQTileBytes, qg, q_sn, (i0 + in) * BR,
-                                               seqlen_q, tid);
+                    load_tile<BR, CH, THREADS, V::kPartialD>(sQ + (in % STAGES) * S_::kQTileBytes, qg, q_sn, (i0 + in) * BR,
+                                               seqlen_q, tid, d_chunks);
                 cp_async_commit();
             }
             const int r0 = (i0 + ii) * BR;
@@ -275,7 +278,7 @@ __device__ __forceinline__ void flash_fwd_v1(const elem_t* __restrict__ q, const
                     if (idx < WARP_CHUNKS) {
                         const int tr = warp_row0 + idx / CH, c = idx % CH;
                         const int row = r0 + tr;
-                        if (row < seqlen_q) {
+                        if (row < seqlen_q && (!V::kPartialD || c < d_chunks)) {
                             uint4 val;
                             asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                                          : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(sQi + swz<CH>(tr, c)));

@@ -12,32 +12,54 @@
 
 namespace cuflash {
 
-// Copy rows [row0, row0+ROWS) of one (batch, head) slice into a swizzled shared tile; rows
-// at or past `n_rows` are zero-filled. Thread t copies chunk t % CH of rows t / CH + i*STEP:
-// STEP is a multiple of 8, so every row a thread touches has the same swizzle and one pointer
-// plus one 64-bit stride serve all of them.
-template <int ROWS, int CH, int THREADS>
+// Copy rows [row0, row0+ROWS) of one (batch, head) slice into a shared tile (core/swizzle.cuh);
+// rows at or past `n_rows` are zero-filled. Fast form (CH divides THREADS): thread t copies chunk
+// t % CH of rows r + i*STEP (r = t / CH < STEP), so one pointer plus one 64-bit stride serve all of
+// them; in the swizzled form STEP is a power of two, so row r + i*STEP has row % 8 =
+// r ^ (i*STEP % 8) and its address is a constant XOR and offset away from row r's.
+// General form (e.g. CH = 12, head dim 96): chunk idx = t + i*THREADS of the tile, row idx / CH.
+// PARTIAL (Variant::kPartialD): the slice's rows hold only d_chunks chunks (the call's head dim / 8);
+// chunks at or past it are zero-filled too, so the tile reads as the row padded with zeros.
+template <int ROWS, int CH, int THREADS, bool PARTIAL = false>
 __device__ __forceinline__ void load_tile(u32 s_base, const elem_t* g, long long row_stride,
-                                          int row0, int n_rows, int tid) {
+                                          int row0, int n_rows, int tid, int d_chunks = CH) {
     constexpr int STEP = THREADS / CH;
-    static_assert(THREADS % CH == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "tile copy layout");
-    const int r = tid / CH, c = tid % CH;
-    const elem_t* src = g + (long long)(row0 + r) * row_stride + c * 8;
-    const long long src_step = (long long)STEP * row_stride;
-    const u32 dst = s_base + swz<CH>(r, c);
+    constexpr bool kFast = THREADS % CH == 0 && STEP > 0 && ROWS % STEP == 0 &&
+                           (!SmemRow<CH>::kSwizzled || (STEP & (STEP - 1)) == 0);
+    if constexpr (kFast) {
+        const int r = tid / CH, c = tid % CH;
+        const elem_t* src = g + (long long)(row0 + r) * row_stride + c * 8;
+        const long long src_step = (long long)STEP * row_stride;
+        const u32 dst = s_base + swz<CH>(r, c);
+        const bool col_ok = !PARTIAL || c < d_chunks;
 #pragma unroll
-    for (int i = 0; i < ROWS / STEP; ++i) {
-        bool ok = row0 + r + i * STEP < n_rows;
-        cp_async_16(dst + i * STEP * CH * 16, ok ? src + i * src_step : g, ok);
+        for (int i = 0; i < ROWS / STEP; ++i) {
+            bool ok = row0 + r + i * STEP < n_rows && col_ok;
+            const u32 dst_i = SmemRow<CH>::kSwizzled ? (dst ^ (16u * ((i * STEP) & 7))) + i * STEP * SmemRow<CH>::kBytes
+                                                     : dst + i * STEP * SmemRow<CH>::kBytes;
+            cp_async_16(dst_i, ok ? src + i * src_step : g, ok);
+        }
+    } else {
+        constexpr int CHUNKS = ROWS * CH;
+#pragma unroll
+        for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
+            const int idx = tid + i * THREADS;
+            if (CHUNKS % THREADS == 0 || idx < CHUNKS) {
+                const int r = idx / CH, c = idx % CH;
+                const bool ok = row0 + r < n_rows && (!PARTIAL || c < d_chunks);
+                cp_async_16(s_base + swz<CH>(r, c), ok ? g + (long long)(row0 + r) * row_stride + c * 8 : g, ok);
+            }
+        }
     }
 }
 
 // K and V tiles of one ring slot (the forward's and the dQ kernel's stage).
-template <int BC, int CH, int THREADS>
+template <int BC, int CH, int THREADS, bool PARTIAL = false>
 __device__ __forceinline__ void load_kv_tile(u32 sK_slot, u32 sV_slot, const elem_t* kg, long long k_sn,
-                                             const elem_t* vg, long long v_sn, int n_block, int seqlen_k, int tid) {
-    load_tile<BC, CH, THREADS>(sK_slot, kg, k_sn, n_block * BC, seqlen_k, tid);
-    load_tile<BC, CH, THREADS>(sV_slot, vg, v_sn, n_block * BC, seqlen_k, tid);
+                                             const elem_t* vg, long long v_sn, int n_block, int seqlen_k, int tid,
+                                             int d_chunks = CH) {
+    load_tile<BC, CH, THREADS, PARTIAL>(sK_slot, kg, k_sn, n_block * BC, seqlen_k, tid, d_chunks);
+    load_tile<BC, CH, THREADS, PARTIAL>(sV_slot, vg, v_sn, n_block * BC, seqlen_k, tid, d_chunks);
 }
 
 // Per-lane byte offsets of the ldmatrix rows at k-chunk 0 (chunk c is offset ^ (16 c), see

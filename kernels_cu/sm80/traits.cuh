@@ -1,11 +1,12 @@
 // cuflash/kernels_cu/sm80/traits.cuh
 // Every compile-time number of the sm80 kernels, derived from the tile integers in one place,
-// with the divisibility rules as static_asserts. Python mirrors kSmemBytes in cuflash/_configs.py
-// (the *Config.smem_bytes properties); tests/test_compile_v1.py checks one mirror under NVRTC.
+// with the divisibility rules as static_asserts. Python mirrors kSmemBytes in cuflash/tiles.py
+// (the *Config.smem_bytes properties, with tiles.smem_row_bytes for SmemRow::kBytes); tests/test_compile_v1.py checks one mirror under NVRTC.
 //
 // Fragment-count vocabulary (core/frag.cuh): an "m16 tile" is 16 rows of an MMA A/C fragment,
 // an "n8 tile" 8 columns of a C fragment, a "k16 step" one mma.sync reduction step.
 #pragma once
+#include "core/swizzle.cuh"
 
 namespace cuflash {
 
@@ -20,13 +21,14 @@ struct Sm80FwdTraits {
     static constexpr int kHeadSteps = D / 16;            // k16 steps of Q K^T (over head dim)
     static constexpr int kKeySteps = BC / 16;            // k16 steps of P V (over keys)
     static constexpr int kRowChunks = D / 8;             // 16-byte chunks per row
-    static constexpr int kQBytes = BR * D * 2;
-    static constexpr int kKVTileBytes = BC * D * 2;
+    static constexpr int kQBytes = BR * SmemRow<kRowChunks>::kBytes;
+    static constexpr int kKVTileBytes = BC * SmemRow<kRowChunks>::kBytes;
     static constexpr int kSmemBytes = kQBytes + 2 * STAGES * kKVTileBytes;
     // With one m16 tile per warp, Q's A fragments (kHeadSteps x 4 registers) stay in registers for
     // the whole loop: an eighth less shared-memory traffic, which bounds the kRowTiles == 1 configs.
-    static constexpr bool kQInRegs = (kRowTiles == 1);
-    static_assert(D % 64 == 0, "head_dim must be a multiple of 64 (rows of >= 128 bytes)");
+    // Not past d=128: at d=256 Q's fragments (64 registers) next to O (128) spill.
+    static constexpr bool kQInRegs = (kRowTiles == 1) && D <= 128;
+    static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head_dim must be a multiple of 16 in [16, 256]");
     static_assert(kRowsPerWarp % 16 == 0 && kRowTiles >= 1, "BR must be a multiple of 16*WARPS");
     static_assert(BC % 16 == 0, "BC must be a multiple of 16");
     static_assert(STAGES >= 2, "the single-barrier pipeline needs at least 2 stages");
@@ -43,13 +45,13 @@ struct Sm80FwdV1Traits {
     static constexpr int kHeadSteps = D / 16;
     static constexpr int kKeySteps = BC / 16;
     static constexpr int kRowChunks = D / 8;
-    static constexpr int kQTileBytes = BR * D * 2;
-    static constexpr int kKVTileBytes = BC * D * 2;
+    static constexpr int kQTileBytes = BR * SmemRow<kRowChunks>::kBytes;
+    static constexpr int kKVTileBytes = BC * SmemRow<kRowChunks>::kBytes;
     // K tile + V tile (single-buffered: they change once per outer step) + STAGES Q slots
     // (mirrors V1Config.smem_bytes in cuflash/_configs.py)
     static constexpr int kSmemBytes = 2 * kKVTileBytes + STAGES * kQTileBytes;
     static constexpr int SMEM_BYTES = kSmemBytes;  // the name tests/test_compile_v1.py checks
-    static_assert(D % 64 == 0, "head_dim must be a multiple of 64 (rows of >= 128 bytes)");
+    static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head_dim must be a multiple of 16 in [16, 256]");
     static_assert(kRowsPerWarp % 16 == 0 && kRowTiles >= 1, "BR must be a multiple of 16*WARPS");
     static_assert(BC % 16 == 0, "BC must be a multiple of 16");
     static_assert(STAGES >= 2, "the single-barrier Q ring needs at least 2 stages");
@@ -68,26 +70,32 @@ struct Sm80BwdTraits {
     static constexpr int kHeadSteps = D / 16;      // k16 steps over the head dim
     static constexpr int kQueryTiles = BR / 8;     // n8 tiles of S^T (queries)
     static constexpr int kQuerySteps = BR / 16;    // k16 steps over queries (dV, dK products)
-    static constexpr int kOutTiles = D / 8;        // n8 tiles of dK, dV
+    // Head-dim column splits: past d=128 a warp's dK and dV (16 keys x D fp32 each, 256 registers
+    // at d=256) do not fit, so kColSplits blocks share a key tile, each recomputing S^T and dP^T
+    // (full head dim) and owning kSplitCols columns of dK, dV and of the dQ product.
+    static constexpr int kColSplits = D > 128 ? 2 : 1;
+    static constexpr int kSplitCols = D / kColSplits;
+    static constexpr int kOutTiles = kSplitCols / 8;  // n8 tiles of this block's dK, dV columns
     static constexpr int kKeySteps = BC / 16;      // k16 steps over keys (dQ product)
-    // dQ product warp grid: kDqWarpsM x kDqWarpsN warps over the BR x D tile
+    // dQ product warp grid: kDqWarpsM x kDqWarpsN warps over the BR x kSplitCols tile
     static constexpr int kDqWarpsM = (WARPS < BR / 16) ? WARPS : BR / 16;
     static constexpr int kDqWarpsN = WARPS / kDqWarpsM;
     static constexpr int kDqRowsPerWarp = BR / kDqWarpsM;
     static constexpr int kDqRowTiles = kDqRowsPerWarp / 16;  // m16 tiles of dQ per warp
-    static constexpr int kDqColsPerWarp = D / kDqWarpsN;
+    static constexpr int kDqColsPerWarp = kSplitCols / kDqWarpsN;
     static constexpr int kDqColTiles = kDqColsPerWarp / 8;   // n8 tiles of dQ per warp
-    static constexpr int kKVBytes = BC * D * 2;
-    static constexpr int kQTileBytes = BR * D * 2;
-    static constexpr int kDsBytes = BC * BR * 2;
+    static constexpr int kKVBytes = BC * SmemRow<kRowChunks>::kBytes;
+    static constexpr int kQTileBytes = BR * SmemRow<kRowChunks>::kBytes;
+    static constexpr int kDsBytes = BC * SmemRow<kDsRowChunks>::kBytes;
     static constexpr int kStatBytes = BR * 4;
     static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQTileBytes + 2 * kDsBytes + 2 * STAGES * kStatBytes;
     // Unroll factor of the head-dim loop of the S^T / dP^T products (sm80/warp_gemm.cuh,
     // tile_mma_abt). Fully unrolled, ptxas hoists every B fragment ahead of the MMAs and the dK,
     // dV accumulators no longer fit; with dropout the keep bits take the room of the second step.
     static constexpr int kHeadUnroll = DROPOUT ? 1 : 2;
+    static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head_dim must be a multiple of 16 in [16, 256]");
     static_assert(BC == 16 * WARPS, "each warp owns 16 keys");
-    static_assert(BR % 64 == 0, "dS^T rows must span at least 128 bytes");
+    static_assert(BR % 32 == 0, "BR must be a multiple of 32 (dS^T rows of whole 64-byte halves)");
     static_assert(WARPS % kDqWarpsM == 0 && kDqColsPerWarp % 16 == 0 && kDqRowsPerWarp % 16 == 0, "dQ warp grid");
     static_assert(STAGES >= 2, "the single-barrier pipeline needs at least 2 stages");
 };
@@ -101,9 +109,13 @@ struct Sm80DqTraits {
     static constexpr int kScoreTiles = BC / 8;  // n8 tiles of S (keys)
     static constexpr int kKeySteps = BC / 16;   // k16 steps over keys (dQ product)
     static constexpr int kOutTiles = D / 8;     // n8 tiles of dQ
-    static constexpr int kQTileBytes = BR * D * 2;
-    static constexpr int kKVBytes = BC * D * 2;
+    static constexpr int kQTileBytes = BR * SmemRow<kRowChunks>::kBytes;
+    static constexpr int kKVBytes = BC * SmemRow<kRowChunks>::kBytes;
     static constexpr int kSmemBytes = 2 * kQTileBytes + 2 * STAGES * kKVBytes;
+    // Q's A fragments stay in registers for the whole loop up to d=128; at d=256 (64 registers next
+    // to dQ's 128) they are read from shared memory per k16 step like dO's.
+    static constexpr bool kQInRegs = D <= 128;
+    static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head_dim must be a multiple of 16 in [16, 256]");
     static_assert(BR == 16 * WARPS, "each warp owns 16 query rows");
     static_assert(BC % 16 == 0 && STAGES >= 2, "tile shape");
 };

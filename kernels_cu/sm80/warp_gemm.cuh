@@ -4,17 +4,18 @@
 #pragma once
 #include "core/convert.cuh"
 #include "core/ptx_sm80.cuh"
+#include "core/swizzle.cuh"
 
 namespace cuflash {
 
 // acc[MT][SN] (16 MT x 8 SN) = A (16 MT x 16 KD) * B^T, B's rows (8 SN of them, 16 KD wide) in
 // smem at b_base: the S = Q K^T shape. A is either ldmatrix'ed from a_base (rows 16 mt ..
 // at a_base + mt * 16 rows) or, with A_IN_REGS, given as a_regs[KD][4] (MT == 1). Offsets are
-// the per-lane ldmatrix offsets at k-chunk 0; stepping along k is an XOR (core/swizzle.cuh).
+// the per-lane ldmatrix offsets at k-chunk 0; stepping along k is chunk_step (core/swizzle.cuh).
 template <bool BF16, int CH, int KD, int MT, int SN, bool A_IN_REGS>
 __device__ __forceinline__ void warp_mma_abt(float (&acc)[MT][SN][4], const u32 (&a_regs)[A_IN_REGS ? KD : 1][4],
                                              u32 a_base, u32 a_off, u32 b_base, u32 b_off) {
-    constexpr u32 ROW16 = 16 * CH * 16;  // bytes of 16 tile rows
+    constexpr u32 ROW16 = 16 * SmemRow<CH>::kBytes;  // bytes of 16 tile rows
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -27,13 +28,13 @@ __device__ __forceinline__ void warp_mma_abt(float (&acc)[MT][SN][4], const u32 
             if constexpr (A_IN_REGS) {
                 a[mt][0] = a_regs[kd][0], a[mt][1] = a_regs[kd][1], a[mt][2] = a_regs[kd][2], a[mt][3] = a_regs[kd][3];
             } else {
-                ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3], a_base + mt * ROW16 + (a_off ^ (32 * kd)));
+                ldmatrix_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3], a_base + mt * ROW16 + chunk_step<CH>(a_off, 2 * kd));
             }
         }
 #pragma unroll
         for (int np = 0; np < SN / 2; ++np) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4(b0, b1, b2, b3, b_base + np * ROW16 + (b_off ^ (32 * kd)));
+            ldmatrix_x4(b0, b1, b2, b3, b_base + np * ROW16 + chunk_step<CH>(b_off, 2 * kd));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 mma_16816<BF16>(acc[mt][2 * np], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
@@ -47,13 +48,13 @@ __device__ __forceinline__ void warp_mma_abt(float (&acc)[MT][SN][4], const u32 
 // b_base, read with ldmatrix.trans: the O += P V shape.
 template <bool BF16, int CH, int KB, int MT, int DN>
 __device__ __forceinline__ void warp_mma_ab(float (&acc)[MT][DN][4], const u32 (&p)[MT][KB][4], u32 b_base, u32 b_off) {
-    constexpr u32 ROW16 = 16 * CH * 16;
+    constexpr u32 ROW16 = 16 * SmemRow<CH>::kBytes;
 #pragma unroll
     for (int kb = 0; kb < KB; ++kb) {
 #pragma unroll
         for (int dp = 0; dp < DN / 2; ++dp) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4_trans(b0, b1, b2, b3, b_base + kb * ROW16 + (b_off ^ (32 * dp)));
+            ldmatrix_x4_trans(b0, b1, b2, b3, b_base + kb * ROW16 + chunk_step<CH>(b_off, 2 * dp));
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 const u32* a = p[mt][kb];
@@ -76,11 +77,11 @@ __device__ __forceinline__ void tile_mma_abt(float (&acc)[SN][4], u32 a_base, u3
 #pragma unroll UNROLL
     for (int kd = 0; kd < KD; ++kd) {
         u32 a0, a1, a2, a3;
-        ldmatrix_x4(a0, a1, a2, a3, a_base + (a_off ^ (32 * kd)));
+        ldmatrix_x4(a0, a1, a2, a3, a_base + chunk_step<CH>(a_off, 2 * kd));
 #pragma unroll
         for (int np = 0; np < SN / 2; ++np) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4(b0, b1, b2, b3, b_base + np * 16 * CH * 16 + (b_off ^ (32 * kd)));
+            ldmatrix_x4(b0, b1, b2, b3, b_base + np * 16 * SmemRow<CH>::kBytes + chunk_step<CH>(b_off, 2 * kd));
             mma_16816<BF16>(acc[2 * np], a0, a1, a2, a3, b0, b1);
             mma_16816<BF16>(acc[2 * np + 1], a0, a1, a2, a3, b2, b3);
         }
@@ -108,7 +109,7 @@ __device__ __forceinline__ void tile_mma_ab(float (&acc)[DN][4], const u32 (&a_i
 #pragma unroll
         for (int dp = 0; dp < DN / 2; ++dp) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4_trans(b0, b1, b2, b3, b_base + kq * 16 * CH * 16 + (b_off ^ (32 * dp)));
+            ldmatrix_x4_trans(b0, b1, b2, b3, b_base + kq * 16 * SmemRow<CH>::kBytes + chunk_step<CH>(b_off, 2 * dp));
             mma_16816<BF16>(acc[2 * dp], a[0], a[1], a[2], a[3], b0, b1);
             mma_16816<BF16>(acc[2 * dp + 1], a[0], a[1], a[2], a[3], b2, b3);
         }

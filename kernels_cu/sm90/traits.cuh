@@ -8,7 +8,7 @@ namespace cuflash {
 
 template <int D, int BC, int CONSUMERS, int STAGES, int QSTAGES = 1>
 struct Sm90FwdTraits {
-    static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+    static_assert(D == 64 || D == 128 || D == 192 || D == 256, "head_dim 64, 128, 192 or 256 (whole 128-byte swizzle chunks; 256 is wgmma's largest N for O += P V)");
     static_assert(BC % 16 == 0 && BC >= 64 && BC <= 256, "block_k: a multiple of 16 in [64, 256] (TMA box, wgmma N)");
     static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "1 to 3 consumer warpgroups (block_q <= 192)");
     static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 K/V stages");

@@ -30,15 +30,19 @@ def bank_group(addr):
 # --------------------------------------------------------------------------------------- GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ch", ROW_CHUNKS)
+@pytest.mark.parametrize("ch", ROW_CHUNKS + (4, 12))
 def test_swz_matches_formula(ch):
+    """The swizzled form (CH a multiple of 8) and the padded one (head dims 32, 96: rows of CH + 1
+    chunks, tests/test_smem_layout_twin.py checks its properties on the CPU)."""
     import cupy
+
+    from tests.test_smem_layout_twin import swz as swz_any
 
     out = cupy.full(ROWS * ch, -1, dtype=cupy.int32)
     kernel("swizzle", f"swz_table_{ch}")(((ROWS * ch + 127) // 128,), (128,), (out, np.int32(ROWS)))
     got = cupy.asnumpy(out).reshape(ROWS, ch)
     rows, chunks = np.meshgrid(np.arange(ROWS), np.arange(ch), indexing="ij")
-    np.testing.assert_array_equal(got, swz(rows, chunks, ch))
+    np.testing.assert_array_equal(got, swz_any(rows, chunks, ch))
 
 
 # --------------------------------------------------------------------------------------- CPU
@@ -96,9 +100,9 @@ def test_stepping_along_the_head_dim_is_one_xor(ch):
 
 
 def test_xor_step_needs_a_power_of_two_row_chunks():
-    # swz's static_assert admits any multiple of 8 (e.g. CH = 24, head dim 192), but the XOR step
-    # above then breaks: row r's base r * CH * 16 is not aligned to the XOR's reach. Pinned here
-    # so a head dim with a non-power-of-two CH is noticed (swz itself is still a valid layout).
+    # swz admits any multiple of 8 (e.g. CH = 24, head dim 192), but the plain XOR step above then
+    # breaks: row r's base r * CH * 16 is not aligned to the XOR's reach. chunk_step therefore XORs
+    # within the 8-chunk group and adds across groups for such CH (tests/test_smem_layout_twin.py).
     ch = 24
     rows, chunks = np.meshgrid(np.arange(16), np.arange(ch), indexing="ij")
     assert (swz(rows, chunks, ch) != (swz(rows, 0, ch) ^ (16 * chunks))).any()

@@ -1,0 +1,101 @@
+"""NumPy twin of the generalised sm80 shared-memory layout (kernels_cu/core/swizzle.cuh) and of the
+tile copy's address stepping (kernels_cu/sm80/tile_copy.cuh), for every head dim a kernel may be
+instantiated with (multiples of 16 up to 256; 32, 64, 96, 128, 256 are).
+
+    ROW_CHUNKS % 8 == 0: swizzled, swz(r, c) = (r * CH + (c ^ (r % 8))) * 16
+    otherwise:           padded,   swz(r, c) = r * (CH + 1) * 16 + c * 16
+    chunk_step(swz(r, c0), k) = swz(r, c0 + k) for c0 in {0, 1}, k even
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cuflash.tiles import smem_row_bytes
+
+ROWS = 128
+HEAD_DIMS = tuple(range(16, 257, 16))
+
+
+def row_bytes(ch):
+    return ch * 16 if ch % 8 == 0 else (ch + 1) * 16
+
+
+def swz(row, chunk, ch):
+    row, chunk = np.asarray(row), np.asarray(chunk)
+    if ch % 8 == 0:
+        return (row * ch + (chunk ^ (row & 7))) * 16
+    return row * row_bytes(ch) + chunk * 16
+
+
+def chunk_step(off, k, ch):
+    off = np.asarray(off)
+    if ch % 8 == 0 and ch & (ch - 1) == 0:
+        return off ^ (16 * k)
+    if ch % 8 == 0:
+        return (off ^ (16 * (k % 8))) + 16 * (k - k % 8)
+    return off + 16 * k
+
+
+def bank_group(addr):
+    return (np.asarray(addr) // 16) % 8
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_row_bytes_mirror(d):
+    assert smem_row_bytes(d) == row_bytes(d // 8)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_layout_is_injective_and_rows_stay_in_their_stride(d):
+    ch = d // 8
+    rows, chunks = np.meshgrid(np.arange(ROWS), np.arange(ch), indexing="ij")
+    a = swz(rows, chunks, ch)
+    assert len(np.unique(a)) == a.size and (a % 16 == 0).all()
+    np.testing.assert_array_equal(a // row_bytes(ch), rows)
+    assert a.max() + 16 <= ROWS * row_bytes(ch)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_ldmatrix_phases_are_conflict_free(d):
+    # 8 consecutive rows at one chunk (one 8x8 matrix of ldmatrix) land in 8 distinct 16-byte bank groups
+    ch = d // 8
+    for r0 in range(0, ROWS - 7):
+        for c in range(ch):
+            assert len(set(bank_group(swz(np.arange(r0, r0 + 8), c, ch)).tolist())) == 8, (d, r0, c)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_stepping_along_the_head_dim(d):
+    ch = d // 8
+    rows = np.arange(ROWS)
+    for c0 in (0, 1):
+        for k in range(0, ch - c0, 2):
+            np.testing.assert_array_equal(chunk_step(swz(rows, c0, ch), k, ch), swz(rows, c0 + k, ch))
+
+
+@pytest.mark.parametrize("d", (32, 64, 96, 128, 256))
+@pytest.mark.parametrize("threads", (32, 64, 128, 256))
+def test_tile_copy_covers_every_chunk_once(d, threads):
+    """load_tile's two forms write each (row, chunk) of a tile exactly once; the fast form's
+    per-iteration address is the XOR-and-offset step of row r's (swizzled, STEP a power of two)."""
+    ch, rows = d // 8, 64
+    step = threads // ch if threads % ch == 0 else 0
+    fast = step > 0 and rows % step == 0 and (ch % 8 or step & (step - 1) == 0)
+    written = []
+    for tid in range(threads):
+        if fast:
+            r, c = tid // ch, tid % ch
+            dst = swz(r, c, ch)
+            for i in range(rows // step):
+                a = dst ^ (16 * ((i * step) & 7)) if ch % 8 == 0 else dst
+                a = a + i * step * row_bytes(ch)
+                assert a == swz(r + i * step, c, ch), (d, threads, tid, i)
+                written.append(a)
+        else:
+            for i in range(-(-rows * ch // threads)):
+                idx = tid + i * threads
+                if idx < rows * ch:
+                    written.append(int(swz(idx // ch, idx % ch, ch)))
+    rr, cc = np.meshgrid(np.arange(rows), np.arange(ch), indexing="ij")
+    assert sorted(int(x) for x in written) == sorted(swz(rr, cc, ch).ravel().tolist())
