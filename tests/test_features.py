@@ -24,7 +24,7 @@ def test_variant_fields_tags_and_perf_class():
     for (drop, local), (tag, pc) in cases.items():
         f = Features("bfloat16", 64, dropout=drop, local=local)
         assert (f.tag(), f.perf_class()) == (tag, pc)
-        assert f.cxx() == f"cuflash::Variant<{str(drop).lower()}, {str(local).lower()}, false>"
+        assert f.cxx() == f"cuflash::Variant<{str(drop).lower()}, {str(local).lower()}, false, false>"
     assert Features("float16", 128) == Features("float16", 128, False, False, False, False)
     # softcap keeps the class of its call (dense / dropout), as local does
     sc = Features("bfloat16", 64, dropout=True, local=True, softcap=True)
@@ -50,7 +50,7 @@ def test_the_assert_catches_a_mirror_that_drifted():
     ok, log = _compile_ok('#include "attn/features.cuh"\n' + f.cxx_asserts())
     assert ok, log
     # the Python side listing the members in another order than the C++ template
-    swapped = f.cxx_asserts().replace("Variant<true, false, false>", "Variant<false, true, false>")
+    swapped = f.cxx_asserts().replace("Variant<true, false, false, false>", "Variant<false, true, false, false>")
     ok, log = _compile_ok('#include "attn/features.cuh"\n' + swapped)
     assert not ok and "cuflash::Variant differs from cuflash/features.py" in log
 
