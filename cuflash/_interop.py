@@ -1,8 +1,9 @@
 """Arrays from other frameworks: zero-copy to CuPy through DLPack, results handed back zero-copy.
 
-Supported callers: CuPy (used as is), PyTorch (`torch.Tensor`), JAX (`jax.Array`, eager only) and
-any other object with `__dlpack__`/`__dlpack_device__` on a CUDA device (results stay CuPy arrays,
-which implement `__dlpack__` themselves). torch and jax are never imported here unless the caller's
+Supported callers: CuPy (used as is), PyTorch (`torch.Tensor`), JAX (`jax.Array`, eager only; under
+jax.jit, cuflash/jax.py runs inside XLA's program instead) and any other object with
+`__dlpack__`/`__dlpack_device__` on a CUDA device (results stay CuPy arrays, which implement
+`__dlpack__` themselves). torch and jax are never imported here unless the caller's
 objects come from them (the type's module is looked at first).
 
 Streams and synchronisation:
@@ -78,9 +79,9 @@ def framework_of(x, name: str) -> str:
     if root in ("jax", "jaxlib") or _isinstance_of(x, "jax", "Array"):
         if _is_jax_tracer(x):
             raise TypeError(
-                f"{name} is a JAX tracer ({t.__name__}): cuflash runs eagerly on concrete device buffers and "
-                f"cannot be traced by jax.jit, grad or vmap. Call it outside jit, or wrap it in "
-                f"jax.pure_callback (see docs/frameworks.md)")
+                f"{name} is a JAX tracer ({t.__name__}): cuflash.attention runs eagerly on concrete device "
+                f"buffers and cannot be traced by jax.jit, grad or vmap; under jit and grad use "
+                f"cuflash.jax.attention (import cuflash.jax; see docs/frameworks.md)")
         if not hasattr(t, "__dlpack_device__"):
             raise TypeError(f"{name} must be {_SUPPORTED}, got {t.__module__}.{t.__qualname__}")
         return JAX

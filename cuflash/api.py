@@ -32,9 +32,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     - torch.Tensor: runs as the custom op `torch.ops.cuflash.attention_fwd` on torch's current
       stream (no sync); differentiable when q, k or v require grad (the backward is
       `cuflash::attention_bwd`); works under torch.compile. Results are torch tensors.
-    - jax.Array (eager, not under jax.jit) and other DLPack arrays on a CUDA device: converted
-      zero-copy, results handed back as jax arrays (CuPy arrays for other producers); the call
-      synchronises CuPy's current stream before returning (see cuflash/_interop.py for why).
+    - jax.Array (eager; under jax.jit use cuflash.jax.attention) and other DLPack arrays on a CUDA
+      device: converted zero-copy, results handed back as jax arrays (CuPy arrays for other
+      producers); the call synchronises CuPy's current stream before returning (see
+      cuflash/_interop.py for why).
 
     causal: mask aligned to the bottom-right when seqlen_q != seqlen_k (FlashAttention >= 2.1);
         rows that see no key give 0 (and lse -inf).

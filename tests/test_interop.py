@@ -93,7 +93,7 @@ def test_jax_array_detected_tracer_rejected():
     assert _interop.device_of(FakeJaxArray((2, 3)), "q", _interop.JAX) == 3
     with pytest.raises(TypeError, match="q must be on a CUDA device, got a jax.Array on cpu"):
         _interop.common_framework([FakeJaxArray((1, 0))], ["q"])
-    with pytest.raises(TypeError, match=r"k is a JAX tracer.*jax.jit.*pure_callback"):
+    with pytest.raises(TypeError, match=r"k is a JAX tracer.*jax.jit.*cuflash.jax.attention"):
         _interop.framework_of(FakeTracer(), "k")
 
 

@@ -1,0 +1,203 @@
+"""cuflash as a Hugging Face transformers attention implementation (transformers >= 5).
+
+The one-liner:
+
+    import cuflash.integrations.transformers as cuflash_hf
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=cuflash_hf.register(), dtype=torch.bfloat16)
+    # or, for a model already loaded: model.set_attn_implementation(cuflash_hf.register())
+
+register() adds "cuflash" to transformers' AttentionInterface (the attention function below) and to
+its AttentionMaskInterface (the mask function below), and returns the name.
+
+What runs where:
+
+- **cuflash** runs every call whose mask it can express: causal or not, no padding, grouped-query
+  attention (k/v with fewer heads: used as they are, no repeat_kv), sliding windows (the
+  `sliding_window` the model passes: a query sees itself and the sliding_window - 1 keys before it,
+  as transformers' sliding masks and its flash-attention integration), dropout (module.attention_dropout
+  in training), a KV cache (cuflash aligns masks to the bottom right: a query's diagonal is the last
+  key it may see, so decoding and chunked prefill need no mask). Tensors (batch, heads, seq, head_dim)
+  are transposed to cuflash's (batch, seq, heads, head_dim) layout as views, without copies;
+  autograd runs cuflash's backward.
+- **transformers' sdpa**, with a one-time warning saying why, runs calls cuflash's kernels cannot:
+  an attention mask with padding, packed sequences detected from position_ids (transformers builds
+  a block-diagonal mask for them), chunked attention (Llama 4), mask overlays (e.g. bidirectional
+  image tokens), a custom 4D mask, static caches (their masks are built ahead), and shapes or dtypes
+  cuflash does not take (float32, head_dim other than 64 and 128, tensors not on a CUDA GPU). A
+  fallback gives sdpa's results, so the model stays correct. The choice is made by the mask
+  function: it returns no mask (None) exactly when the call's mask is plain causal, sliding-window
+  causal or bidirectional with nothing padded, and the query's last position is the last key's
+  (bottom-right alignment holds); otherwise it returns sdpa's mask, and the attention function
+  hands any mask it gets to sdpa.
+- **NotImplementedError**, naming the option, for what neither cuflash nor sdpa would compute
+  correctly: `softcap` (attention logit soft-capping, Gemma 2; transformers' sdpa would ignore it:
+  use attn_implementation="eager"), `s_aux` (attention sinks), and flash-attention-style packed
+  sequences given as `cu_seq_lens_q`/`cu_seq_lens_k` without a mask.
+
+Neither torch nor transformers is imported until register() or a call.
+"""
+from __future__ import annotations
+
+import warnings
+
+NAME = "cuflash"
+HEAD_DIMS = (64, 128)
+DTYPES = ("torch.float16", "torch.bfloat16")
+# kwargs of flash-attention style packing (transformers' FlashAttentionKwargs)
+_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+_warned: set = set()
+
+
+def register(name: str = NAME) -> str:
+    """Register cuflash's attention and mask functions with transformers under `name`; returns `name`
+    (pass it as attn_implementation). Idempotent."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, attention_mask)
+    return name
+
+
+# ------------------------------------------------------------------------------------------------- mask
+
+def attention_mask(batch_size, q_length, kv_length, **kwargs):
+    """transformers mask function: None where cuflash applies the mask itself (see kernel_masks),
+    otherwise the 4D boolean mask transformers' sdpa_mask builds (the attention function then falls
+    back to sdpa)."""
+    from transformers import masking_utils
+
+    if kernel_masks(masking_utils, q_length, kv_length, kwargs):
+        return None
+    return masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, **kwargs)
+
+
+def kernel_masks(mu, q_length, kv_length, kw: dict) -> bool:
+    """Whether the mask transformers asks for is one cuflash's kernels apply from the attention
+    call's own arguments (is_causal, sliding_window), so no mask tensor is needed.
+
+    mu: transformers.masking_utils. kw: the mask function's keyword arguments (mask_function,
+    attention_mask: the 2D padding mask, q_offset, kv_offset, local_size, allow_is_causal_skip,
+    allow_is_bidirectional_skip, config). transformers turns allow_is_causal_skip off whenever it
+    adds anything to the causal pattern (packed sequences, overlays, block ids) or uses a static
+    cache, so with it on the pattern is the plain causal one or, from
+    create_sliding_window_causal_mask (local_size = config.sliding_window), the sliding one; chunked
+    attention also passes a local_size (config.attention_chunk_size) and is told apart by it.
+    """
+    mask_function = kw.get("mask_function", mu.causal_mask_function)
+    q_offset, kv_offset = kw.get("q_offset", 0), kw.get("kv_offset", 0)
+    if not all(type(x) is int for x in (q_length, kv_length, q_offset, kv_offset)):
+        return False  # tensors: compiled static caches, tracing
+    padding = kw.get("attention_mask")
+    if padding is not None:
+        is_tracing = getattr(mu, "is_tracing", None)
+        if (is_tracing is not None and is_tracing(padding)) or getattr(padding, "ndim", 2) != 2:
+            return False
+        if not bool(padding.all()):
+            return False
+    if kw.get("allow_is_causal_skip", True) and q_offset + q_length == kv_offset + kv_length:
+        if mask_function is mu.causal_mask_function:
+            return True
+        local, config = kw.get("local_size"), kw.get("config")
+        if (local is not None and local == getattr(config, "sliding_window", None)
+                and local != getattr(config, "attention_chunk_size", None)):
+            return True
+    return bool(kw.get("allow_is_bidirectional_skip", False)) and mask_function is mu.bidirectional_mask_function
+
+
+# -------------------------------------------------------------------------------------------- attention
+
+def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                      **kwargs):
+    """transformers attention function: query (batch, heads, seq_q, head_dim), key and value (batch,
+    heads_kv, seq_k, head_dim); returns (attn_output (batch, seq_q, heads, head_dim), None)."""
+    if softcap not in (None, 0, 0.0):
+        raise NotImplementedError(f"cuflash attention: softcap={softcap!r} (attention logit soft-capping) is not "
+                                  f"supported yet; use attn_implementation='eager' for this model")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("cuflash attention: s_aux (attention sinks) is not supported yet; use "
+                                  "attn_implementation='eager'")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if attention_mask is not None:
+        _warn_once("mask", "cuflash attention: this call has an attention mask (padding, packed sequences, chunked "
+                           "attention, a mask overlay or a custom mask), which cuflash's kernels do not take; it runs "
+                           "on transformers' sdpa attention")
+        return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
+    varlen = [n for n in _VARLEN_KWARGS if kwargs.get(n) is not None]
+    if varlen:
+        raise NotImplementedError(f"cuflash attention: packed sequences given as {varlen[0]} (variable-length "
+                                  f"batches) are not supported yet; pass position_ids instead (transformers then "
+                                  f"builds a mask and the call runs on sdpa)")
+    window = (-1, -1)
+    if sliding_window is not None and sliding_window > 0:
+        # A bidirectional window comes without a mask only where sdpa_mask skipped it (it covers every
+        # key): plain attention, left to sdpa as transformers would run it.
+        if not causal:
+            _warn_once("bidir-window", "cuflash attention: a bidirectional sliding window without a mask runs on "
+                                       "transformers' sdpa attention")
+            return _sdpa(module, query, key, value, None, dropout, scaling, is_causal, kwargs)
+        window = (int(sliding_window) - 1, 0)
+    why = unsupported(query, key, value)
+    if why:
+        _warn_once("shape:" + why, f"cuflash attention: {why}; those calls run on transformers' sdpa attention")
+        mask, sdpa_causal = sdpa_mask_for(query, key, causal, window)
+        return _sdpa(module, query, key, value, mask, dropout, scaling, sdpa_causal, kwargs)
+    out = _cuflash(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
+                   softmax_scale=scaling, window_size=window, dropout_p=float(dropout or 0.0))
+    return out, None
+
+
+def unsupported(query, key, value) -> str | None:
+    """Why cuflash's kernels cannot take these tensors, or None."""
+    if str(query.dtype) not in DTYPES:
+        return f"dtype {str(query.dtype).replace('torch.', '')} is not supported by cuflash (float16, bfloat16)"
+    if not (query.dtype == key.dtype == value.dtype):
+        return "query, key and value differ in dtype"
+    if getattr(query.device, "type", None) != "cuda":
+        return f"tensors on {query.device} (cuflash runs on CUDA GPUs)"
+    d = query.shape[-1]
+    if d not in HEAD_DIMS or key.shape[-1] != d or value.shape[-1] != d:
+        return f"head_dim {d} (value {value.shape[-1]}) is not supported by cuflash (64, 128)"
+    if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
+        return f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads"
+    return None
+
+
+def sdpa_mask_for(query, key, causal: bool, window: tuple):
+    """(attn_mask, is_causal) for sdpa that give cuflash's bottom-right aligned causal/window mask
+    (sdpa's own is_causal is top-left aligned): no mask where sdpa's flags say the same (no mask at
+    all; causal with seq_q == seq_k; a single query, which sees every key), else a boolean
+    (1, 1, seq_q, seq_k) mask."""
+    nq, nk = query.shape[-2], key.shape[-2]
+    if window == (-1, -1) and (not causal or nq == nk or nq == 1):
+        return None, bool(causal)
+    import torch
+
+    from ..mask import MaskOptions
+
+    left, right, offset = MaskOptions.of(causal=causal, window_size=window).geometry(nq, nk)
+    i = torch.arange(nq, device=query.device)[:, None] + offset
+    j = torch.arange(nk, device=query.device)[None, :]
+    return ((j >= i - left) & (j <= i + right))[None, None], False
+
+
+def _cuflash(q, k, v, **options):
+    from ..api import attention
+
+    return attention(q, k, v, **options)
+
+
+def _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)

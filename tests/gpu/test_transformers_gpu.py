@@ -1,0 +1,197 @@
+"""cuflash as a transformers attention implementation, on the GPU, against transformers' sdpa.
+
+Randomly initialised small models: Llama-style (GQA: 4 query heads, 2 k/v heads), Mistral-style
+(MQA and a sliding window shorter than the sequence) and Gemma-2-style (hybrid sliding/full layers,
+query_pre_attn_scalar scaling; its attention softcap is refused, tested separately).
+
+Tolerance: FlashAttention's 2x rule at the model level. A float32 copy of the model running sdpa
+is the reference; the half-precision model with cuflash may be at most twice as far from it as
+the same half-precision model with sdpa, plus the half-precision rounding at the tensor's
+magnitude (2 eps * max|ref|), for the logits and for every parameter's gradient after one
+backward pass. Most of either model's error comes from the layers they share (matmuls, norms in
+bf16/fp16), so the rule has room for attention's own error and no more.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch not installed: transformers integration not tested")
+transformers = pytest.importorskip("transformers", reason="transformers not installed: integration not tested")
+
+from cuflash.integrations import transformers as cuflash_hf  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+COMMON = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              head_dim=64, max_position_embeddings=1024)
+
+
+def llama():
+    return transformers.LlamaConfig(num_key_value_heads=2, **COMMON)
+
+
+def mistral():
+    return transformers.MistralConfig(num_key_value_heads=1, sliding_window=48, **COMMON)
+
+
+def gemma2():
+    return transformers.Gemma2Config(num_key_value_heads=2, sliding_window=48, attn_logit_softcapping=None,
+                                     final_logit_softcapping=None, query_pre_attn_scalar=128, **COMMON)
+
+
+CONFIGS = {"llama-gqa": (llama, torch.bfloat16), "mistral-window-fp16": (mistral, torch.float16),
+           "gemma2-hybrid": (gemma2, torch.bfloat16)}
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the calls that ran on cuflash (with their options) and those that fell back to sdpa."""
+    log = {"cuflash": [], "sdpa": 0}
+    real_cuflash, real_sdpa = cuflash_hf._cuflash, cuflash_hf._sdpa
+
+    def run_cuflash(q, k, v, **options):
+        log["cuflash"].append(options)
+        return real_cuflash(q, k, v, **options)
+
+    def run_sdpa(*args):
+        log["sdpa"] += 1
+        return real_sdpa(*args)
+
+    monkeypatch.setattr(cuflash_hf, "_cuflash", run_cuflash)
+    monkeypatch.setattr(cuflash_hf, "_sdpa", run_sdpa)
+    monkeypatch.setattr(cuflash_hf, "_warned", set())
+    return log
+
+
+def _models(config_fn, dtype):
+    """(float32 sdpa reference, half-precision sdpa, half-precision cuflash), the same weights."""
+    name = cuflash_hf.register()
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config_fn(), attn_implementation="sdpa").cuda().float()
+    models = [ref]
+    for impl in ("sdpa", name):
+        m = transformers.AutoModelForCausalLM.from_config(config_fn(), attn_implementation=impl)
+        m.load_state_dict(copy.deepcopy(ref.state_dict()))
+        m = m.cuda().to(dtype)
+        assert m.config._attn_implementation == impl
+        models.append(m)
+    for m in models:
+        m.train()  # dropout is 0 in these configs; train mode as in a training step
+    return models
+
+
+def _allowed(got, ref, same, factor=2.0):
+    ref = ref.float()
+    err = (got.float() - ref).abs().max().item()
+    pt = (same.float() - ref).abs().max().item()
+    atol = 2 * torch.finfo(got.dtype).eps * ref.abs().max().item()
+    return err, pt, factor * pt + atol
+
+
+def _step(model, ids, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids, **kw)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_logits_and_gradients_match_sdpa(which, spy):
+    config_fn, dtype = CONFIGS[which]
+    ref, sdpa, cu = _models(config_fn, dtype)
+    ids = torch.randint(0, 256, (2, 192), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ref_logits, ref_grads = _step(ref, ids)
+    sdpa_logits, sdpa_grads = _step(sdpa, ids)
+    n_sdpa = spy["sdpa"]
+    cu_logits, cu_grads = _step(cu, ids)
+    assert spy["sdpa"] == n_sdpa, "cuflash fell back to sdpa on a plain causal batch"
+    assert len(spy["cuflash"]) == config_fn().num_hidden_layers  # forward calls; backward is autograd's
+    windows = {o["window_size"] for o in spy["cuflash"]}
+    if which.startswith("mistral"):
+        assert windows == {(47, 0)}
+    elif which.startswith("gemma2"):
+        assert windows == {(47, 0), (-1, -1)}  # sliding and full layers alternate
+        assert all(o["softmax_scale"] == pytest.approx(128 ** -0.5) for o in spy["cuflash"])
+    else:
+        assert windows == {(-1, -1)}
+    err, pt, allowed = _allowed(cu_logits, ref_logits, sdpa_logits)
+    assert err <= allowed, f"logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
+    assert cu_grads.keys() == ref_grads.keys()
+    bad = []
+    for name in ref_grads:
+        err, pt, allowed = _allowed(cu_grads[name], ref_grads[name], sdpa_grads[name])
+        if err > allowed:
+            bad.append(f"{name}: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("which", ["llama-gqa", "mistral-window-fp16"])
+def test_cached_decoding_matches_sdpa(which, spy):
+    """Prefill then token-by-token decoding with a DynamicCache: cuflash's bottom-right masks need no
+    mask tensor (q_len 1 against the whole cache; Mistral's sliding cache keeps the window's keys)."""
+    config_fn, dtype = CONFIGS[which]
+    ref, sdpa, cu = _models(config_fn, dtype)
+    ids = torch.randint(0, 256, (2, 104), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    logits = {}
+    with torch.no_grad():
+        for key, m in (("ref", ref), ("sdpa", sdpa), ("cu", cu)):
+            out = m(input_ids=ids[:, :100], use_cache=True)
+            steps, cache = [out.logits[:, -1]], out.past_key_values
+            for t in range(100, 104):
+                out = m(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                steps.append(out.logits[:, -1])
+                cache = out.past_key_values
+            logits[key] = torch.stack(steps)
+    err, pt, allowed = _allowed(logits["cu"], logits["ref"], logits["sdpa"])
+    assert err <= allowed, f"decoding logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
+    if which == "llama-gqa":
+        assert spy["sdpa"] == 0 and len(spy["cuflash"]) == 5 * 2  # 5 forwards x 2 layers, none fell back
+
+
+def test_padding_and_packed_sequences_fall_back_to_sdpa(spy):
+    _, sdpa, cu = _models(llama, torch.bfloat16)
+    ids = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0  # left padding
+    with torch.no_grad(), pytest.warns(UserWarning, match="attention mask"):
+        got = cu(input_ids=ids, attention_mask=mask).logits
+    want = sdpa(input_ids=ids, attention_mask=mask).logits
+    assert spy["sdpa"] >= 2 and not spy["cuflash"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same sdpa calls on the same weights
+    # two sequences packed in one row, told apart by position_ids: transformers builds a block mask
+    # (it looks for packing only without a cache, hence use_cache=False)
+    packed = ids.reshape(1, 128)
+    pos = torch.cat([torch.arange(64), torch.arange(64)]).to("cuda")[None]
+    with torch.no_grad():
+        got = cu(input_ids=packed, position_ids=pos, use_cache=False).logits
+        want = sdpa(input_ids=packed, position_ids=pos, use_cache=False).logits
+    assert not spy["cuflash"]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_attention_softcap_is_refused():
+    name = cuflash_hf.register()
+    cfg = transformers.Gemma2Config(num_key_value_heads=2, sliding_window=48, attn_logit_softcapping=50.0,
+                                    query_pre_attn_scalar=64, **COMMON)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name).cuda().to(torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 32), device="cuda")
+    with pytest.raises(NotImplementedError, match="softcap=50.0"):
+        m(input_ids=ids)
+
+
+def test_float32_model_falls_back_with_a_correct_mask(spy):
+    """A float32 model (cuflash takes fp16/bf16 only) runs on sdpa with cuflash's bottom-right window
+    as an explicit mask, so results stay those of the sdpa model."""
+    ref, _, _ = _models(mistral, torch.float16)
+    name = cuflash_hf.register()
+    cu32 = transformers.AutoModelForCausalLM.from_config(mistral(), attn_implementation=name)
+    cu32.load_state_dict(ref.state_dict())
+    cu32 = cu32.cuda().float()
+    ids = torch.randint(0, 256, (2, 160), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    with torch.no_grad(), pytest.warns(UserWarning, match="dtype float32"):
+        got = cu32(input_ids=ids).logits
+    want = ref(input_ids=ids).logits
+    assert not spy["cuflash"]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

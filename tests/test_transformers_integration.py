@@ -1,0 +1,193 @@
+"""cuflash.integrations.transformers without torch, transformers or a GPU: the mask decision, the
+mapping of transformers' attention call onto cuflash.attention, the fallbacks and the refusals
+(fakes stand in for tensors and transformers.masking_utils). On the GPU, with real models:
+tests/gpu/test_transformers_gpu.py."""
+import inspect
+import types
+import warnings
+
+import pytest
+
+from cuflash.integrations import transformers as hf
+
+
+def causal_mask_function(b, h, q, kv):
+    return kv <= q
+
+
+def bidirectional_mask_function(b, h, q, kv):
+    return q >= 0
+
+
+MU = types.SimpleNamespace(causal_mask_function=causal_mask_function,
+                           bidirectional_mask_function=bidirectional_mask_function, is_tracing=lambda x: False)
+
+
+class _Padding:
+    ndim = 2
+
+    def __init__(self, all_true):
+        self._all = all_true
+
+    def all(self):
+        return self._all
+
+
+def _kw(**kw):
+    base = {"mask_function": causal_mask_function, "q_offset": 0, "kv_offset": 0, "allow_is_causal_skip": True}
+    base.update(kw)
+    return base
+
+
+def test_kernel_masks_plain_causal_and_cache():
+    assert hf.kernel_masks(MU, 128, 128, _kw())
+    assert hf.kernel_masks(MU, 128, 128, _kw(attention_mask=_Padding(True)))  # a 2D mask with no padding
+    assert not hf.kernel_masks(MU, 128, 128, _kw(attention_mask=_Padding(False)))  # padding: sdpa's mask
+    assert hf.kernel_masks(MU, 1, 65, _kw(q_offset=64))  # decoding with a cache: bottom-right
+    assert hf.kernel_masks(MU, 16, 80, _kw(q_offset=64))  # chunked prefill
+    assert not hf.kernel_masks(MU, 16, 80, _kw(q_offset=10))  # the query's end is not the keys' end
+    assert not hf.kernel_masks(MU, 128, 128, _kw(allow_is_causal_skip=False))  # packed / overlays / static cache
+    assert not hf.kernel_masks(MU, 128, 128, _kw(q_offset=types.SimpleNamespace()))  # a tensor offset
+    tracing = types.SimpleNamespace(**{**vars(MU), "is_tracing": lambda x: True})
+    assert not hf.kernel_masks(tracing, 128, 128, _kw(attention_mask=_Padding(True)))
+
+
+def test_kernel_masks_sliding_chunked_bidirectional():
+    def sliding(b, h, q, kv):
+        return kv > q - 32
+
+    mistral = types.SimpleNamespace(sliding_window=32)
+    assert hf.kernel_masks(MU, 128, 128, _kw(mask_function=sliding, local_size=32, config=mistral))
+    assert hf.kernel_masks(MU, 1, 40, _kw(mask_function=sliding, local_size=32, config=mistral, q_offset=100,
+                                          kv_offset=61))  # a sliding cache keeps the last keys only
+    assert not hf.kernel_masks(MU, 128, 128, _kw(mask_function=sliding, local_size=16, config=mistral))
+    llama4 = types.SimpleNamespace(sliding_window=None, attention_chunk_size=32)
+    assert not hf.kernel_masks(MU, 128, 128, _kw(mask_function=sliding, local_size=32, config=llama4))
+    both = types.SimpleNamespace(sliding_window=32, attention_chunk_size=32)
+    assert not hf.kernel_masks(MU, 128, 128, _kw(mask_function=sliding, local_size=32, config=both))
+    assert not hf.kernel_masks(MU, 128, 128, _kw(mask_function=sliding))  # unknown pattern, no local_size
+    bidir = _kw(mask_function=bidirectional_mask_function, allow_is_causal_skip=False, allow_is_bidirectional_skip=True)
+    assert hf.kernel_masks(MU, 100, 300, bidir)
+    assert not hf.kernel_masks(MU, 100, 300, {**bidir, "attention_mask": _Padding(False)})
+    assert not hf.kernel_masks(MU, 100, 300, {**bidir, "allow_is_bidirectional_skip": False})
+
+
+class _Device:
+    def __init__(self, type_):
+        self.type = type_
+
+    def __str__(self):
+        return self.type
+
+
+class _T:
+    """A fake (batch, heads, seq, head_dim) tensor: shape, dtype, device, transpose(1, 2)."""
+
+    def __init__(self, shape, dtype="torch.bfloat16", device="cuda", name="t", transposed=False):
+        self.shape, self.dtype, self.name, self.transposed = shape, dtype, name, transposed
+        self.device = _Device(device)
+
+    def transpose(self, a, b):
+        assert (a, b) == (1, 2)
+        s = self.shape
+        return _T((s[0], s[2], s[1], s[3]), self.dtype, self.device.type, self.name, not self.transposed)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    monkeypatch.setattr(hf, "sdpa_mask_for", lambda q, k, causal, window: (("dense", causal, window), False))
+    log = []
+    monkeypatch.setattr(hf, "_cuflash", lambda q, k, v, **o: log.append(("cuflash", q, k, v, o)) or "out")
+    monkeypatch.setattr(hf, "_sdpa", lambda m, q, k, v, mask, d, s, c, kw: log.append(("sdpa", mask, c, kw)) or
+                        ("sdpa-out", None))
+    monkeypatch.setattr(hf, "_warned", set())
+    return log
+
+
+def _qkv(h=8, hk=2, n=128, d=64, **kw):
+    return _T((2, h, n, d), name="q", **kw), _T((2, hk, n, d), name="k", **kw), _T((2, hk, n, d), name="v", **kw)
+
+
+def test_signature_is_transformers_attention_function():
+    params = list(inspect.signature(hf.attention_forward).parameters)
+    assert params[:5] == ["module", "query", "key", "value", "attention_mask"]
+    assert {"dropout", "scaling", "is_causal", "sliding_window", "softcap", "kwargs"} <= set(params)
+
+
+def test_gqa_causal_maps_to_cuflash_layout(calls):
+    module = types.SimpleNamespace(is_causal=True)
+    q, k, v = _qkv()
+    out, weights = hf.attention_forward(module, q, k, v, None, dropout=0.0, scaling=0.125, position_ids=object())
+    assert (out, weights) == ("out", None)
+    _, cq, ck, cv, opts = calls[0]
+    assert (cq.shape, ck.shape, cv.shape) == ((2, 128, 8, 64), (2, 128, 2, 64), (2, 128, 2, 64))  # k/v not repeated
+    assert cq.transposed and ck.transposed and cv.transposed
+    assert opts == {"causal": True, "softmax_scale": 0.125, "window_size": (-1, -1), "dropout_p": 0.0}
+
+
+def test_sliding_window_dropout_and_is_causal(calls):
+    module = types.SimpleNamespace(is_causal=True)
+    hf.attention_forward(module, *_qkv(), None, dropout=0.1, sliding_window=4096)
+    assert calls[-1][4] == {"causal": True, "softmax_scale": None, "window_size": (4095, 0), "dropout_p": 0.1}
+    hf.attention_forward(types.SimpleNamespace(is_causal=False), *_qkv(), None)  # an encoder's attention
+    assert calls[-1][4]["causal"] is False
+    hf.attention_forward(module, *_qkv(), None, is_causal=False)  # the call's is_causal wins
+    assert calls[-1][4]["causal"] is False
+
+
+def test_masks_fall_back_to_sdpa_with_one_warning(calls):
+    module = types.SimpleNamespace(is_causal=True)
+    mask = object()
+    with pytest.warns(UserWarning, match="attention mask"):
+        res = hf.attention_forward(module, *_qkv(), mask, is_causal=None, output_attentions=False)
+    assert res == ("sdpa-out", None) and calls[-1] == ("sdpa", mask, None, {"output_attentions": False})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second time: no warning
+        hf.attention_forward(module, *_qkv(), mask)
+
+
+@pytest.mark.parametrize("tensors, why", [
+    (_qkv(dtype="torch.float32"), "dtype float32"),
+    (_qkv(d=96), "head_dim 96"),
+    (_qkv(device="cpu"), "tensors on cpu"),
+    (_qkv(h=6, hk=4), "multiple"),
+])
+def test_unsupported_tensors_fall_back_with_cuflash_mask(calls, tensors, why):
+    module = types.SimpleNamespace(is_causal=True)
+    with pytest.warns(UserWarning, match=why):
+        hf.attention_forward(module, *tensors, None, sliding_window=16)
+    kind, mask, is_causal, _ = calls[-1]
+    assert kind == "sdpa" and mask == ("dense", True, (15, 0)) and is_causal is False
+
+
+def test_sdpa_mask_for_uses_flags_where_they_agree(monkeypatch):
+    q, k = _T((1, 2, 64, 64)), _T((1, 2, 64, 64))
+    assert hf.sdpa_mask_for(q, k, False, (-1, -1)) == (None, False)
+    assert hf.sdpa_mask_for(q, k, True, (-1, -1)) == (None, True)  # seq_q == seq_k: top-left is bottom-right
+    assert hf.sdpa_mask_for(_T((1, 2, 1, 64)), _T((1, 2, 90, 64)), True, (-1, -1)) == (None, True)  # decoding
+
+
+def test_refusals_name_the_option(calls):
+    module = types.SimpleNamespace(is_causal=True)
+    with pytest.raises(NotImplementedError, match="softcap=50.0"):
+        hf.attention_forward(module, *_qkv(), None, softcap=50.0)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        hf.attention_forward(module, *_qkv(), None, s_aux=object())
+    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
+        hf.attention_forward(module, *_qkv(), None, cu_seq_lens_q=object(), cu_seq_lens_k=object())
+    hf.attention_forward(module, *_qkv(), None, softcap=None, cu_seq_lens_q=None)  # None/0 are "off"
+    hf.attention_forward(module, *_qkv(), None, softcap=0.0)
+    assert [c[0] for c in calls] == ["cuflash", "cuflash"]
+    with pytest.warns(UserWarning):  # with a mask, packing kwargs go to sdpa, which has the mask
+        hf.attention_forward(module, *_qkv(), object(), cu_seq_lens_q=object())
+    assert calls[-1][0] == "sdpa"
+
+
+def test_register_without_transformers_says_so():
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError):
+            hf.register()
+    else:
+        pytest.skip("transformers installed: registration is tested on the GPU")
