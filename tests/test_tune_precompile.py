@@ -56,3 +56,14 @@ def test_cli_defaults_to_the_machine_and_takes_compile_jobs():
     a = cli.parse_args(["--kernels", "fwd"])
     assert cli.options_from_args(a).compile_jobs == precompile.default_jobs()
     assert cli.options_from_args(cli.parse_args(["--compile-jobs", "1"])).compile_jobs == 1
+
+
+def test_a_broken_pool_costs_only_the_speed_up(monkeypatch):
+    import concurrent.futures
+
+    class Broken:
+        def __init__(self, *a, **k):
+            raise concurrent.futures.process.BrokenProcessPool("a worker died")
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Broken)
+    assert precompile.precompile(families.FWD.space(64)[:3], Features("bfloat16", 64), 0, 4) == 0

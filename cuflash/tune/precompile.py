@@ -41,6 +41,9 @@ def precompile(tiles, features, device_id: int, jobs: int) -> int:
     if jobs <= 1 or len(tiles) < 2:
         return 0
     ctx = multiprocessing.get_context("spawn")  # no CUDA state inherited from the tuner
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(tiles)), mp_context=ctx) as ex:
-        results = list(ex.map(_compile_one, [(t, features, device_id) for t in tiles]))
+    try:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(tiles)), mp_context=ctx) as ex:
+            results = list(ex.map(_compile_one, [(t, features, device_id) for t in tiles]))
+    except Exception:  # noqa: BLE001 - a broken pool (a worker killed, no spawn here) only costs the speed-up
+        return 0
     return sum(r is None for r in results)
