@@ -66,7 +66,7 @@ class Features:
         return "".join(f.metadata["tag"] for f in self.variant_fields() if getattr(self, f.name))
 
     def cxx(self) -> str:
-        """The kernels' feature-set template argument, e.g. cuflash::Variant<true, false, false>."""
+        """The kernels' feature-set template argument, e.g. cuflash::Variant<true, false, false, false>."""
         return f"cuflash::Variant<{', '.join(_cxx_bool(getattr(self, f.name)) for f in self.variant_fields())}>"
 
     def cxx_asserts(self) -> str:
