@@ -25,6 +25,14 @@ FIRST_SEED = int(os.environ.get("CUFLASH_FUZZ_SEED", "0"))
 REGRESSIONS: list[int] = []  # seeds that once failed, run on every pass
 
 
+def _head_dim(rng) -> int:
+    """Mostly the instantiated head dims, sometimes any multiple of 8 up to 256 (run on the next
+    instantiated one with the columns past it masked)."""
+    if rng.random() < 0.75:
+        return int(rng.choice([64, 128, 32, 96, 192, 256]))
+    return 8 * int(rng.integers(1, 33))
+
+
 def _seqlen(rng) -> int:
     r = rng.random()
     if r < 0.04:
@@ -43,17 +51,19 @@ def draw(seed: int) -> dict:
         "seed": seed,
         "b": int(rng.choice([0, 1, 1, 2, 3])) if rng.random() < 0.05 else int(rng.integers(1, 4)),
         "nq": _seqlen(rng), "nk": _seqlen(rng), "heads_kv": heads_kv, "heads": heads_kv * group,
-        "d": int(rng.choice([64, 128])), "dtype": str(rng.choice(["bfloat16", "float16"])),
+        "d": _head_dim(rng), "dtype": str(rng.choice(["bfloat16", "float16"])),
         "layout": str(rng.choice(["contiguous", "packed", "heads_major"])),
         "causal": bool(rng.random() < 0.5), "alignment": str(rng.choice(["bottom_right", "top_left"])),
         "window": (-1, -1), "scale": None, "algorithm": "v2", "backend": None,
-        "dropout_p": 0.0, "deterministic": bool(rng.random() < 0.25),
+        "dropout_p": 0.0, "deterministic": bool(rng.random() < 0.25), "softcap": 0.0,
     }
     if rng.random() < 0.3:
         c["window"] = (int(rng.choice([-1, 0, 17, 200])), int(rng.choice([-1, 0, 5, 300])))
     if rng.random() < 0.3:
         c["scale"] = float(rng.uniform(0.02, 0.3))
     if rng.random() < 0.15:
+        c["softcap"] = float(rng.choice([5.0, 30.0]))
+    if rng.random() < 0.15 and c["d"] <= 128:  # v1 has no kernels past head_dim 128
         c["algorithm"] = "v1"
     elif rng.random() < 0.3:
         c["backend"] = "sm80"
@@ -102,9 +112,10 @@ def check_case(c: dict) -> None:
     import cuflash
 
     q, k, v, dout = _arrays(c)
-    mask = MaskOptions.of(causal=c["causal"], window_size=c["window"], alignment=c["alignment"])
+    mask = MaskOptions.of(causal=c["causal"], window_size=c["window"], alignment=c["alignment"], softcap=c["softcap"])
     scale = c["scale"] if c["scale"] is not None else 1 / math.sqrt(c["d"])
     kw = dict(causal=c["causal"], window_size=c["window"], alignment=c["alignment"], softmax_scale=c["scale"],
+              softcap=c["softcap"],
               dropout_p=c["dropout_p"], seed=c["seed"] if c["dropout_p"] else None)
     out, lse = cuflash.attention(q, k, v, return_lse=True, algorithm=c["algorithm"], backend=c["backend"], **kw)
     assert out.shape == q.shape and lse.shape == (c["b"], c["heads"], c["nq"])
@@ -132,7 +143,8 @@ def test_draws_cover_the_space():
     assert all(seen("layout", x) for x in ("contiguous", "packed", "heads_major"))
     assert seen("nq", 0) and seen("nk", 1) and seen("algorithm", "v1") and seen("backend", "sm80")
     assert any(c["heads"] > c["heads_kv"] for c in cases) and any(c["dropout_p"] for c in cases)
-    assert any(c["window"] != (-1, -1) for c in cases)
+    assert any(c["window"] != (-1, -1) for c in cases) and any(c["softcap"] for c in cases)
+    assert any(c["d"] % 32 for c in cases) and any(c["d"] == 256 for c in cases)
 
 
 @pytest.mark.parametrize("seed", REGRESSIONS + list(range(FIRST_SEED, FIRST_SEED + N_CASES)))
