@@ -105,3 +105,11 @@ def test_ring_forward_and_backward_equal_whole_sequence_attention(world, causal)
         np.testing.assert_allclose(lse, lse_shard(r), rtol=1e-10, atol=1e-12)
         for g, w in zip(grads, want_grads):
             np.testing.assert_allclose(g, shard(w, r), rtol=1e-9, atol=1e-11)
+
+
+def test_importing_cuflash_distributed_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, cuflash.distributed; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
