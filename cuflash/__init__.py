@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from ._version import __version__
 from .api import attention, attention_backward
+from .merge import merge_attention
 from .device import CudaUnavailableError, UnsupportedDeviceError
 
-__all__ = ["attention", "attention_backward", "UnsupportedDeviceError", "CudaUnavailableError", "__version__"]
+__all__ = ["attention", "attention_backward", "merge_attention", "UnsupportedDeviceError", "CudaUnavailableError",
+           "__version__"]
