@@ -62,12 +62,15 @@ class _Exchange:
 
     def __call__(self, tensors):
         torch, dist = _torch()
-        recv = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        send = [t.contiguous() for t in tensors]  # held by the handle until the sends are done
+        recv = [torch.empty_like(t) for t in send]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, r, self.prev, self.group) for r in recv]
         reqs = dist.batch_isend_irecv(ops)
 
         class Handle:
+            sent = send
+
             def wait(_self):
                 for req in reqs:
                     req.wait()
