@@ -20,6 +20,8 @@ from .tiles import FwdConfig, Sm90FwdConfig
 
 INPUTS = ("q", "k", "v", "out", "lse")  # Plan.run's arguments; out and lse may be None (allocated)
 OUTPUTS = ("out", "lse")
+# per-batch key lengths (AttnProblem.seqused_k, the KV cache): an int32 device array, one per batch
+INPUTS_SEQUSED_K = (*INPUTS, "seqused_k")
 
 
 def output_buffers(p: AttnProblem, dtype) -> tuple:
@@ -35,8 +37,9 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     n_blocks = m_blocks * p.heads * p.batch
     check_grid(n_blocks)
     kernel = _compile.get_kernel(cfg, p.features, p.device)
-    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=INPUTS)
-    return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
+    inputs = INPUTS_SEQUSED_K if p.seqused_k else INPUTS
+    launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=inputs)
+    return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
 
 
 def empty_plan(p: AttnProblem, dtype) -> FilledPlan:

@@ -82,6 +82,9 @@ class AttnProblem:
     dropout: Dropout | None = None
     deterministic: bool = False  # the backward's dQ without atomics
     softcap: float = 0.0  # scores s = softmax_scale q.k become softcap * tanh(s / softcap); 0: none
+    # per-batch key lengths given as a device array (the KV cache, cuflash/kvcache.py): seqlen_k is
+    # then the cache's capacity and `offset` is against it; the kernel moves both per batch
+    seqused_k: bool = False
 
     def __post_init__(self):
         check_geometry(self.window_left, self.window_right, self.offset)
@@ -97,7 +100,7 @@ class AttnProblem:
         # params struct, and a smaller one selects the column-masking instances (partial_d)
         d = kernel_head_dim(self.head_dim)
         return Features(self.dtype, d, self.dropout is not None, local=self.window_left != UNBOUNDED,
-                        softcap=self.softcap > 0, partial_d=self.head_dim != d)
+                        softcap=self.softcap > 0, partial_d=self.head_dim != d, seqused_k=self.seqused_k)
 
     @property
     def empty(self) -> bool:

@@ -30,6 +30,7 @@ IN = "const cuflash::elem_t* __restrict__"  # a 16-bit input tensor
 OUT = "cuflash::elem_t* __restrict__"  # a 16-bit output tensor
 F32_IN = "const float* __restrict__"
 F32 = "float* __restrict__"
+I32_IN = "const int* __restrict__"  # per-batch lengths (seqused_k)
 F32_WS = "float*"  # a workspace the kernel reads back (v1's O, m, l): not __restrict__
 
 
@@ -87,6 +88,9 @@ class KernelFamily:
     main_args: Callable | None = None
     takes_dropout: bool = True  # False: no dropout instantiation exists (supports() says so)
     takes_partial_d: bool = True  # False: no column-masking instance (a call's head dim must be instantiated)
+    takes_seqused_k: bool = False  # True: per-batch key length instances (a seqused_k pointer; the KV cache)
+    # the pointer the seqused_k instances take after `pointers` (kernel_source adds it)
+    seqused_k_pointer: tuple = (I32_IN, "seqused_k")
     # the tuner:
     run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
     deterministic_outputs: tuple = ()  # indices of run()'s outputs that must be bitwise reproducible
@@ -104,7 +108,8 @@ class KernelFamily:
         # the head dims the family is instantiated for are the keys of its defaults
         return (features.dtype in SUPPORTED_DTYPES and features.head_dim in self.defaults
                 and (self.takes_dropout or not features.dropout)
-                and (self.takes_partial_d or not features.partial_d))
+                and (self.takes_partial_d or not features.partial_d)
+                and (self.takes_seqused_k or not features.seqused_k))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
         """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order
@@ -179,6 +184,7 @@ class KernelFamily:
             lacking = [v.name for v in Features.variant_fields()
                        if getattr(f, v.name) and not self.supports(dataclasses.replace(plain, **{v.name: True}))]
             names = {"dropout": "dropout", "local": "sliding windows (window_size)", "softcap": "softcap",
+                     "seqused_k": "per-batch key lengths (the KV cache)",
                      "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         run_as = f" (on the kernels of head dim {f.head_dim})" if call_head_dim not in (None, f.head_dim) else ""

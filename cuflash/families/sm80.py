@@ -109,7 +109,7 @@ FWD = KernelFamily(
     spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(32, 128, 128, 4, 3)}),
               "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(128, 128, 128, 8, 3)}),
               "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)})},
-    plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1),
+    plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True,
 )
 
 # The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of

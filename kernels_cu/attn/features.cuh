@@ -9,7 +9,7 @@
 
 namespace cuflash {
 
-template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D>
+template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -25,6 +25,11 @@ struct Variant {
     // loads zero-fill the columns past it (cp.async src-size 0) and stores skip them, so q, k, v
     // and the outputs are used in place. Zero columns add nothing to Q K^T, dP = dO V^T or delta.
     static constexpr bool kPartialD = PARTIAL_D;
+    // Per-batch key lengths (the KV cache, cuflash/kvcache.py): the kernel takes a device array
+    // seqused_k (int32, one per batch) after its data pointers; batch b attends to the keys
+    // [0, seqused_k[b]) with the mask bottom-right aligned to that length (MaskGeometry::for_batch).
+    // params.seqlen_k is then the cache's capacity. Only the sm80 v2 forward has these instances.
+    static constexpr bool kSeqUsedK = SEQUSED_K;
 };
 
 }  // namespace cuflash

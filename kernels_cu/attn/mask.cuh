@@ -44,6 +44,23 @@ struct MaskGeometry {
         return m;
     }
 
+    // The geometry of batch b (V::kSeqUsedK, the KV cache): its key length seqused_k[b] instead of
+    // params.seqlen_k (the cache's capacity, against which the host computed the offset), and the
+    // offset moved with it, so the mask stays bottom-right aligned to the batch's own keys: query i
+    // of the n_q new ones sits at key position seqused_k[b] - n_q + i. (Top-left alignment does not
+    // reach these instances: the KV-cache entry point refuses it.) Block ranges and tile loads read
+    // the result, so they follow. Without kSeqUsedK: the geometry unchanged, no load.
+    template <class V>
+    __device__ __forceinline__ MaskGeometry for_batch(const int* __restrict__ seqused_k, int b) const {
+        MaskGeometry m = *this;
+        if constexpr (V::kSeqUsedK) {
+            const int len = seqused_k[b];
+            m.offset = offset + (len - seqlen_k);
+            m.seqlen_k = len;
+        }
+        return m;
+    }
+
     // Query q sees the keys [key_begin(q), key_end(q)) (key_begin may be negative: from key 0).
     __device__ __forceinline__ int key_begin(int q) const { return q + offset - window_left; }
     __device__ __forceinline__ int key_end(int q) const { return min(seqlen_k, q + offset + window_right + 1); }

@@ -30,12 +30,12 @@ namespace cuflash {
 template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                           const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
-                                          const FwdParams& params) {
+                                          const int* __restrict__ seqused_k, const FwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
                     v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, o_sb = params.o_sb, o_sn = params.o_sn, o_sh = params.o_sh;
-    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, m_blocks = params.m_blocks,
+    const int n_heads = params.heads, seqlen_q = params.seqlen_q, m_blocks = params.m_blocks,
               group = params.group;
     const float scale_log2 = params.scale_log2, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
@@ -55,9 +55,12 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // MMA fragment row group / column pair
 
-    const MaskGeometry geo = MaskGeometry::of<V>(params);
-    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
+    const MaskGeometry geo_call = MaskGeometry::of<V>(params);
+    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo_call.later_rows_heavier());
     const int bh = blk.bh, b = blk.batch, h = blk.head;
+    // V::kSeqUsedK: this batch's key length and offset (the KV cache); else geo_call itself
+    const MaskGeometry geo = geo_call.for_batch<V>(seqused_k, b);
+    const int seqlen_k = geo.seqlen_k;
     const int r0 = blk.block * BR;
 
     const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
@@ -197,6 +200,16 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             }
         }
     }
+}
+
+// The instances without per-batch key lengths (V::kSeqUsedK false): the shell passes no seqused_k,
+// and the kernel never reads it.
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
+__device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                          const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
+                                          const FwdParams& params) {
+    static_assert(!V::kSeqUsedK, "per-batch key lengths need the seqused_k pointer");
+    flash_fwd<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, o, lse, nullptr, params);
 }
 
 }  // namespace cuflash
