@@ -223,6 +223,50 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=N
     return out, _lse(m, l)
 
 
+def visible_per_batch(nq: int, capacity: int, seqlens, causal=False, window_size=(-1, -1)) -> np.ndarray:
+    """(B, 1, N_q, capacity) bool: batch b's query i sees key k iff k < seqlens[b] and the causal /
+    window mask allows it with query i at key position seqlens[b] - N_q + i (bottom-right against
+    the batch's own length: FlashAttention's KV-cache convention). Written from the definition,
+    over the whole capacity, not by slicing."""
+    lens = np.asarray(seqlens, dtype=np.int64).reshape(-1, 1, 1)
+    if not isinstance(causal, (bool, np.bool_, int)):  # a MaskOptions record
+        causal, window_size = causal.causal, causal.window_size
+    left, right = window_size
+    rows = np.arange(nq)[None, :, None] + lens - nq
+    cols = np.arange(capacity)[None, None, :]
+    ok = cols < lens
+    if causal:
+        ok = ok & (cols <= rows)
+    if right >= 0:
+        ok = ok & (cols <= rows + right)
+    if left >= 0:
+        ok = ok & (cols >= rows - left)
+    return ok[:, None]
+
+
+def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, causal=False, softmax_scale=None, window_size=(-1, -1),
+                      softcap=None):
+    """Attention of q (B, N_q, H, d) to the first cache_seqlens[b] keys of each batch's cache
+    (B, capacity, H_kv, d), the mask bottom-right aligned to that length (visible_per_batch).
+    Keys past a batch's length are never read (they may hold anything, NaN included).
+    Returns ``(out, lse)`` as attention_naive: float64, rows that see no key 0 / -inf."""
+    lens = np.asarray(cache_seqlens, dtype=np.int64).reshape(-1)
+    k_cache, v_cache = np.asarray(k_cache, dtype=np.float64), np.asarray(v_cache, dtype=np.float64)
+    cap = k_cache.shape[1]
+    if lens.shape[0] != k_cache.shape[0] or (lens < 0).any() or (lens > cap).any():
+        raise ValueError(f"cache_seqlens must hold one length in [0, {cap}] per batch, got {lens}")
+    used = np.arange(cap)[None, :, None, None] < lens[:, None, None, None]
+    k_cache, v_cache = np.where(used, k_cache, 0.0), np.where(used, v_cache, 0.0)  # unread keys: no NaN leaks
+    q, k, v, scale = _prepare(q, k_cache, v_cache, softmax_scale)
+    nq = q.shape[2]
+    s = _scores(q, k, scale, visible_per_batch(nq, cap, lens, causal, window_size), _softcap(causal, softcap))
+    m = s.max(axis=-1) if cap else np.full(s.shape[:-1], -np.inf)
+    e = np.exp(s - _finite_or_zero(m)[..., None])
+    l = e.sum(axis=-1)
+    (out,) = _out_layout(_normalise(e, l) @ v)
+    return out, _lse(m, l)
+
+
 def attention_v1_tiled(
     q, k, v, *, causal=False, softmax_scale=None, block_q=64, block_k=64, dropout_mask=None, dropout_p=0.0
 ):
