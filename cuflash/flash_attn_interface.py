@@ -97,13 +97,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None,
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
-    """flash-attn 2's flash_attn_with_kvcache. Supported: attention of q over the whole caches
-    (k_cache, v_cache as (batch, seqlen_cache, nheads_k, headdim), no new k/v appended, no
-    cache_seqlens, no paging, no rotary); the rest raises NotImplementedError naming the option."""
-    _unsupported(k=(k, k is None), v=(v, v is None), rotary_cos=(rotary_cos, rotary_cos is None),
-                 rotary_sin=(rotary_sin, rotary_sin is None), cache_seqlens=(cache_seqlens, cache_seqlens is None),
+    """flash-attn 2's flash_attn_with_kvcache. Supported: contiguous caches (batch, seqlen_cache,
+    nheads_k, headdim); `cache_seqlens` (per-batch valid lengths) with `k`/`v` appended in place at
+    them (cuflash.attention_with_kvcache, forward only); without cache_seqlens and k/v, attention
+    over the whole caches. Paging (block_table), rotary, cache_batch_idx, cache_leftpad, alibi and
+    num_splits other than 0/1 raise NotImplementedError naming the option."""
+    _unsupported(rotary_cos=(rotary_cos, rotary_cos is None),
+                 rotary_sin=(rotary_sin, rotary_sin is None),
                  cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
                  cache_leftpad=(cache_leftpad, cache_leftpad is None), block_table=(block_table, block_table is None))
     _check(alibi_slopes)
+    if cache_seqlens is not None or k is not None or v is not None:
+        from .kvcache import attention_with_kvcache
+
+        if cache_seqlens is None:
+            raise ValueError("flash_attn_with_kvcache: appending k/v needs cache_seqlens (where to append)")
+        window = tuple(window_size) if window_size is not None else (-1, -1)
+        res = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k, v_new=v,
+                                     causal=bool(causal), softmax_scale=softmax_scale, window_size=window,
+                                     softcap=softcap, return_lse=bool(return_softmax_lse))
+        return res
     res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse)
     return res[:2] if return_softmax_lse else res

@@ -50,6 +50,22 @@ def test_unsupported_options_name_themselves():
         fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1)
     with pytest.raises(NotImplementedError, match="block_table"):
         fai.flash_attn_with_kvcache(None, None, None, block_table=object())
-    with pytest.raises(NotImplementedError, match="cache_seqlens"):
-        fai.flash_attn_with_kvcache(None, None, None, cache_seqlens=3)
+    with pytest.raises(NotImplementedError, match="cache_batch_idx"):
+        fai.flash_attn_with_kvcache(None, None, None, cache_seqlens=3, cache_batch_idx=object())
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        fai.flash_attn_with_kvcache(None, None, None, k=object(), v=object())
+
+
+def test_kvcache_arguments_reach_attention_with_kvcache(monkeypatch):
+    """cache_seqlens, k, v (issue 17) map to cuflash.attention_with_kvcache's keywords."""
+    from cuflash import kvcache
+
+    seen = []
+    monkeypatch.setattr(kvcache, "attention_with_kvcache", lambda *a, **kw: seen.append((a, kw)) or "out")
+    assert fai.flash_attn_with_kvcache(1, 2, 3, k=4, v=5, cache_seqlens=6, causal=True, window_size=[2, 0],
+                                       softcap=1.5, return_softmax_lse=True) == "out"
+    (args, kw), = seen
+    assert args == (1, 2, 3)
+    assert kw == dict(cache_seqlens=6, k_new=4, v_new=5, causal=True, softmax_scale=None, window_size=(2, 0),
+                      softcap=1.5, return_lse=True)
     assert set(fai.__all__) <= set(dir(fai))

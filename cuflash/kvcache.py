@@ -1,0 +1,219 @@
+"""Attention to a KV cache (inference): `attention_with_kvcache`, FlashAttention's
+`flash_attn_with_kvcache` for CONTIGUOUS caches, forward only.
+
+A cache is (batch, capacity, heads_kv, head_dim); batch b's valid keys are its first
+cache_seqlens[b] rows. With `k_new`/`v_new` (batch, n_new, heads_kv, head_dim) the new keys and
+values are first written in place at rows cache_seqlens[b] .. + n_new (a small CuPy kernel on the
+call's stream, so the attention that follows sees them), then q attends to the first
+cache_seqlens[b] + n_new keys of each batch. The causal mask and windows are bottom-right aligned
+to that per-batch length: query i of n_q sits at key position len_b - n_q + i (FlashAttention's
+convention for the cache).
+
+The attention runs the sm80 v2 forward's per-batch-length instances (Features.seqused_k; the kernel
+reads one int32 length per batch from the device and moves the mask geometry with it,
+kernels_cu/attn/mask.cuh MaskGeometry::for_batch). The Hopper family does not have them: such
+calls run the sm80 kernel on every GPU.
+
+What is checked before any launch:
+  * shapes, dtypes, devices, head dims, GQA divisibility (as cuflash.attention);
+  * cache_seqlens on the HOST (an int, a sequence, a NumPy array, a CPU torch tensor): every length
+    in [0, capacity - n_new], so that the appended rows fit: ValueError otherwise;
+  * cache_seqlens on the DEVICE (CuPy / CUDA torch int32 or int64 array of batch lengths): its
+    shape and dtype only; reading the values would synchronise. Out-of-range values are clipped on
+    the device instead: appended rows past the capacity are dropped, and each batch attends to
+    min(max(cache_seqlens[b] + n_new, 0), capacity) keys. Never an out-of-bounds access, but also
+    no error: check on the host when the lengths may be wrong.
+
+Not here yet (issue 17): paged caches (block_table), rotary embedding, split-KV decoding, packing
+the query heads of a GQA group; the kernel is the prefill kernel with per-batch lengths, so a
+one-token decode step uses few SMs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import _interop, families, problem
+from . import _plans as plan_cache
+from ._forward import empty_plan
+from .mask import MaskOptions
+
+_plans = plan_cache.PlanCache()
+
+# Per element of k_new/v_new (b, t, h, c) in logical C order: row cache_seqlens[b] + t of the cache,
+# dropped when it falls outside [0, capacity). Logical indexing of the raw caches follows their
+# strides, so any layout the attention accepts is written correctly.
+_APPEND = None
+_LENGTHS = None
+
+
+def _append_kernel():
+    global _APPEND
+    if _APPEND is None:
+        import cupy
+
+        _APPEND = cupy.ElementwiseKernel(
+            "T kn, T vn, raw int32 lens, int32 n_new, int32 heads, int32 dim, int32 cap",
+            "raw T kc, raw T vc",
+            """
+            const int c = i % dim;
+            const int h = (i / dim) % heads;
+            const int t = (i / ((ptrdiff_t)dim * heads)) % n_new;
+            const ptrdiff_t b = i / ((ptrdiff_t)dim * heads * n_new);
+            const int row = lens[b] + t;
+            if (row >= 0 && row < cap) {
+                const ptrdiff_t at = ((b * cap + row) * heads + h) * dim + c;
+                kc[at] = kn;
+                vc[at] = vn;
+            }
+            """,
+            "cuflash_kvcache_append")
+    return _APPEND
+
+
+def _lengths_kernel():
+    global _LENGTHS
+    if _LENGTHS is None:
+        import cupy
+
+        _LENGTHS = cupy.ElementwiseKernel(
+            "I lens, int32 n_new, int32 cap", "int32 used",
+            "used = (int)min(max((long long)lens + n_new, 0LL), (long long)cap)",
+            "cuflash_kvcache_seqused")
+    return _LENGTHS
+
+
+def _host_lengths(cache_seqlens, batch: int):
+    """cache_seqlens as host int64 (batch,), or None when it lives on a CUDA device."""
+    import cupy
+
+    if isinstance(cache_seqlens, cupy.ndarray):
+        return None
+    if isinstance(cache_seqlens, (bool, np.bool_)):
+        raise TypeError(f"cache_seqlens must be an int or integers, one per batch, got {cache_seqlens!r}")
+    if isinstance(cache_seqlens, (int, np.integer)):
+        return np.full(batch, int(cache_seqlens), dtype=np.int64)
+    arr = np.asarray(cache_seqlens)
+    if arr.dtype.kind not in "iu" and arr.size:
+        raise TypeError(f"cache_seqlens must hold integers, got dtype {arr.dtype}")
+    if arr.shape != (batch,):
+        raise ValueError(f"cache_seqlens must have shape ({batch},) (one length per batch), got {arr.shape}")
+    return arr.astype(np.int64)
+
+
+def _check_new(k_new, v_new, q, k_cache):
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new must be given together (or neither)")
+    if k_new is None:
+        return 0
+    kn, vn = problem.describe(k_new, "k_new"), problem.describe(v_new, "v_new")
+    b, cap, hk, d = k_cache.shape
+    for info, name in ((kn, "k_new"), (vn, "v_new")):
+        if len(info.shape) != 4 or info.shape[0] != b or info.shape[2:] != (hk, d):
+            raise ValueError(f"{name} must have shape (batch={b}, n_new, heads_kv={hk}, head_dim={d}), got {info.shape}")
+        if info.dtype != k_cache.dtype.name or info.device != k_cache.device.id:
+            raise ValueError(f"{name} must have the caches' dtype {k_cache.dtype.name} and device {k_cache.device.id}, "
+                             f"got {info.dtype} on device {info.device}")
+    if kn.shape != vn.shape:
+        raise ValueError(f"k_new and v_new must have the same shape, got {kn.shape} and {vn.shape}")
+    return kn.shape[1]
+
+
+def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale):
+    """The CuPy body: (out, lse). Checks everything it can before the first launch."""
+    import cupy
+
+    infos = [problem.describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
+    if len(infos[1].shape) != 4 or infos[1].shape != infos[2].shape:
+        raise ValueError(f"k_cache and v_cache must have one shape (batch, capacity, heads_kv, head_dim), got "
+                         f"{infos[1].shape} and {infos[2].shape}")
+    p = problem.resolve_forward(*infos, mask, softmax_scale)  # geometry against the capacity
+    p = dataclasses.replace(p, seqused_k=True)  # the kernel moves it to each batch's length
+    n_new = _check_new(k_new, v_new, q, k_cache)
+    batch, cap = p.batch, p.seqlen_k
+    host = _host_lengths(cache_seqlens, batch)
+    if host is not None:
+        bad = np.flatnonzero((host < 0) | (host + n_new > cap))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_seqlens[{b}] = {int(host[b])}: with n_new = {n_new} new rows the cache needs "
+                             f"0 <= cache_seqlens <= capacity - n_new = {cap - n_new} (k_cache has capacity {cap})")
+        lens = cupy.asarray(host.astype(np.int32))
+    else:
+        if cache_seqlens.shape != (batch,) or cache_seqlens.dtype.kind not in "iu":
+            raise ValueError(f"cache_seqlens must be an integer array of shape ({batch},), got "
+                             f"{cache_seqlens.dtype} {cache_seqlens.shape}")
+        if cache_seqlens.device.id != p.device:
+            raise ValueError(f"cache_seqlens is on device {cache_seqlens.device.id}, q on {p.device}")
+        lens = cache_seqlens.astype(cupy.int32, copy=False)
+    if n_new and batch:
+        u16 = cupy.uint16  # both dtypes are 16-bit: the copy moves bits (CuPy's bfloat16 support varies)
+        _append_kernel()(k_new.view(u16), v_new.view(u16), lens, n_new, p.heads_kv, p.head_dim, cap,
+                         k_cache.view(u16), v_cache.view(u16))
+    seqused = _lengths_kernel()(lens, n_new, cap)
+
+    def build():
+        if p.empty:
+            return empty_plan(p, q.dtype)
+        family = families.choose(families.FORWARDS, p, None)  # the Hopper family refuses seqused_k: sm80
+        return family.plan(p, families.select(family, p), q.dtype)
+
+    plan = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale), build)
+    return plan.run((q, k_cache, v_cache, None, None, seqused))
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = False,
+                           softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                           return_lse: bool = False):
+    """Attention of q (batch, n_q, heads, head_dim) to each batch's first cache_seqlens[b] (+ n_new)
+    keys of k_cache / v_cache (batch, capacity, heads_kv, head_dim), after appending k_new / v_new
+    (batch, n_new, heads_kv, head_dim) in place at row cache_seqlens[b] (module docstring: the
+    alignment, what is checked). Forward only, no autograd.
+
+    cache_seqlens: an int (every batch), integers one per batch on the host, or an int32/int64 array on
+    q's CUDA device. causal / window_size / softcap / softmax_scale: as cuflash.attention, bottom-right
+    aligned to each batch's length. Returns out like q, and with return_lse also lse float32
+    (batch, heads, n_q); rows that see no key (a length of 0) get out 0 and lse -inf.
+    CuPy arrays, or torch tensors (through DLPack on torch's current stream; the caches are written
+    in place either way).
+    """
+    mask = MaskOptions.of(causal=causal, window_size=window_size, softcap=softcap)
+    names = ["q", "k_cache", "v_cache"]
+    arrays = [q, k_cache, v_cache]
+    if k_new is not None or v_new is not None:
+        if k_new is None or v_new is None:
+            raise ValueError("k_new and v_new must be given together (or neither)")
+        names += ["k_new", "v_new"]
+        arrays += [k_new, v_new]
+    fw, dev = _interop.common_framework(arrays, names)
+    # a CUDA cache_seqlens of another framework travels with the arrays (a CuPy one is used as is)
+    seqlens_on_device = fw != _interop.CUPY and _on_cuda(cache_seqlens)
+    if not seqlens_on_device and type(cache_seqlens).__module__.split(".")[0] == "torch":
+        cache_seqlens = cache_seqlens.numpy()  # a CPU torch tensor: host lengths, checked
+    if seqlens_on_device:
+        names.append("cache_seqlens")
+        arrays.append(cache_seqlens)
+
+    def body(q, k_cache, v_cache, *rest):
+        kn, vn = (rest[0], rest[1]) if k_new is not None else (None, None)
+        lens = rest[-1] if seqlens_on_device else cache_seqlens
+        out, lse = _forward_cupy(q, k_cache, v_cache, lens, kn, vn, mask, softmax_scale)
+        return out, lse
+
+    if fw == _interop.CUPY:
+        out, lse = body(*arrays)
+    else:
+        out, lse = _interop.run(body, arrays, fw, dev, names)
+    return (out, lse) if return_lse else out
+
+
+def _on_cuda(x) -> bool:
+    """Whether a non-CuPy cache_seqlens is a CUDA array (torch.cuda tensor, DLPack producer)."""
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is None:
+        return False
+    try:
+        return dev()[0] in (_interop.KDL_CUDA, _interop.KDL_CUDA_MANAGED)
+    except Exception:  # a CPU tensor whose __dlpack_device__ still answers: host
+        return False
