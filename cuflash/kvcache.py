@@ -34,7 +34,7 @@ import dataclasses
 
 import numpy as np
 
-from . import _interop, families, problem
+from . import _forward, _interop, families, problem
 from . import _plans as plan_cache
 from ._forward import empty_plan
 from .mask import MaskOptions
@@ -120,8 +120,10 @@ def _check_new(k_new, v_new, q, k_cache):
     return kn.shape[1]
 
 
-def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale):
-    """The CuPy body: (out, lse). Checks everything it can before the first launch."""
+def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale, out=None,
+                  lse=None):
+    """The CuPy body: (out, lse). Checks everything it can before the first launch. `out`, `lse`:
+    given buffers (internal: the GPU tests poison them), checked as the forward's."""
     import cupy
 
     infos = [problem.describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
@@ -147,11 +149,6 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         if cache_seqlens.device.id != p.device:
             raise ValueError(f"cache_seqlens is on device {cache_seqlens.device.id}, q on {p.device}")
         lens = cache_seqlens.astype(cupy.int32, copy=False)
-    if n_new and batch:
-        u16 = cupy.uint16  # both dtypes are 16-bit: the copy moves bits (CuPy's bfloat16 support varies)
-        _append_kernel()(k_new.view(u16), v_new.view(u16), lens, n_new, p.heads_kv, p.head_dim, cap,
-                         k_cache.view(u16), v_cache.view(u16))
-    seqused = _lengths_kernel()(lens, n_new, cap)
 
     def build():
         if p.empty:
@@ -159,8 +156,18 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         family = families.choose(families.FORWARDS, p, None)  # the Hopper family refuses seqused_k: sm80
         return family.plan(p, families.select(family, p), q.dtype)
 
+    # every check (the plan's family and tile, the buffers) before the cache is written
     plan = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale), build)
-    return plan.run((q, k_cache, v_cache, None, None, seqused))
+    if out is not None:
+        out = _forward._checked_out(out, q)
+    if lse is not None:
+        lse = _forward._checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
+    if n_new and batch:
+        u16 = cupy.uint16  # both dtypes are 16-bit: the copy moves bits (CuPy's bfloat16 support varies)
+        _append_kernel()(k_new.view(u16), v_new.view(u16), lens, n_new, p.heads_kv, p.head_dim, cap,
+                         k_cache.view(u16), v_cache.view(u16))
+    seqused = _lengths_kernel()(lens, n_new, cap)
+    return plan.run((q, k_cache, v_cache, out, lse, seqused))
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = False,

@@ -1,0 +1,137 @@
+"""The KV-cache forward without a GPU (issue 17, contiguous caches): the per-batch-length reference
+against per-batch slicing of attention_naive, the seqused_k kernel instances (compile on sm_80 and
+sm_90a without spills; the families that have them), argument checks that need no device."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from cuflash import _compile, families, kvcache, reference
+from cuflash.features import Features
+from tests.test_compile import _nvrtc_available
+
+needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
+
+MASKS = [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 0)), (True, (5, -1)), (False, (2, 4)), (False, (0, 0))]
+
+
+@pytest.mark.parametrize("causal,window", MASKS)
+@pytest.mark.parametrize("nq", [1, 4, 9])
+def test_reference_equals_per_batch_slices(causal, window, nq):
+    rng = np.random.default_rng(nq)
+    b, cap, h, hk, d = 5, 23, 4, 2, 16
+    q = rng.standard_normal((b, nq, h, d))
+    kc, vc = rng.standard_normal((2, b, cap, hk, d))
+    lens = [0, 1, nq, 11, cap]
+    kc[1, 1:], vc[1, 1:] = np.nan, np.nan  # rows past a length are never read
+    out, lse = reference.attention_kvcache(q, kc, vc, lens, causal=causal, window_size=window, softcap=0.0)
+    assert np.isfinite(out).all()
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert (out[i] == 0).all() and np.isneginf(lse[i]).all()
+            continue
+        o, l = reference.attention_naive(q[i:i + 1], kc[i:i + 1, :n], vc[i:i + 1, :n], causal=causal, window_size=window)
+        np.testing.assert_allclose(out[i], o[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(np.isneginf(lse[i]), np.isneginf(l[0]))
+        np.testing.assert_allclose(lse[i][np.isfinite(l[0])], l[0][np.isfinite(l[0])], rtol=1e-12)
+
+
+def test_reference_append_then_attend_is_attention_to_the_concatenation():
+    rng = np.random.default_rng(7)
+    b, cap, h, d, n_new = 3, 20, 2, 8, 4
+    q = rng.standard_normal((b, n_new, h, d))
+    kc, vc = rng.standard_normal((2, b, cap, h, d))
+    kn, vn = rng.standard_normal((2, b, n_new, h, d))
+    lens = np.array([0, 5, cap - n_new])
+    for i, n in enumerate(lens):
+        kc[i, n:n + n_new], vc[i, n:n + n_new] = kn[i], vn[i]
+    out, _ = reference.attention_kvcache(q, kc, vc, lens + n_new, causal=True)
+    for i, n in enumerate(lens):
+        kcat = np.concatenate([kc[i:i + 1, :n], kn[i:i + 1]], axis=1)
+        vcat = np.concatenate([vc[i:i + 1, :n], vn[i:i + 1]], axis=1)
+        o, _ = reference.attention_naive(q[i:i + 1], kcat, vcat, causal=True)
+        np.testing.assert_allclose(out[i], o[0], rtol=1e-12, atol=1e-12)
+
+
+def test_reference_rejects_lengths_out_of_range():
+    q, kc = np.zeros((2, 1, 1, 8)), np.zeros((2, 4, 1, 8))
+    for lens in ([0, 5], [-1, 0], [1]):
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            reference.attention_kvcache(q, kc, kc, lens)
+
+
+def test_only_the_sm80_forward_has_seqused_k_instances():
+    f = Features("bfloat16", 64, seqused_k=True)
+    assert f.tag() == "_kvlen" and f.perf_class() == "dense"
+    assert f.cxx() == "cuflash::Variant<false, false, false, false, true>"
+    assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["fwd"]
+    for fam in families.FORWARDS:
+        if fam is not families.FWD:
+            assert "per-batch key lengths" in fam._unsupported_part(f)
+
+
+def test_shell_takes_seqused_k_after_the_data_pointers():
+    tile = families.FWD.default(64)
+    plain = _compile.kernel_source(tile, Features("float16", 64))
+    kv = _compile.kernel_source(tile, Features("float16", 64, seqused_k=True))
+    assert "int* __restrict__ seqused_k" not in plain and "(q, k, v, out, lse, p);" in plain
+    assert "float* __restrict__ lse, const int* __restrict__ seqused_k," in kv
+    assert "(q, k, v, out, lse, seqused_k, p);" in kv
+
+
+def test_host_lengths():
+    assert kvcache._host_lengths(3, 2).tolist() == [3, 3]
+    assert kvcache._host_lengths([1, 2], 2).tolist() == [1, 2]
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        kvcache._host_lengths([1, 2], 3)
+    with pytest.raises(TypeError, match="integers"):
+        kvcache._host_lengths([1.5, 2.0], 2)
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        kvcache._host_lengths(True, 2)
+
+
+def test_new_keys_and_values_come_together():
+    with pytest.raises(ValueError, match="k_new and v_new"):
+        kvcache.attention_with_kvcache(None, None, None, cache_seqlens=0, k_new=object())
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("local,softcap", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_seqused_k_instances_compile_without_spills(arch, d, local, softcap, dtype):
+    f = Features(dtype, d, local=local, softcap=softcap, seqused_k=True)
+    tile = families.FWD.default(d, features=f)
+    r = _compile.compile_report(_compile.kernel_source(tile, f), arch)
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (tile, r)
+
+
+def _ptx(source: str, arch: str) -> str:
+    from cupy_backends.cuda.libs import nvrtc
+
+    prog = nvrtc.createProgram(source, "s.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(_compile.nvrtc_options((f"--gpu-architecture={arch}",))))
+        ptx = nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    return ptx.decode() if isinstance(ptx, bytes) else ptx
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("d", [64, 128])
+def test_plain_instances_compile_as_the_nullptr_call(d):
+    """The instances without seqused_k compile to the same PTX as the seqused_k-taking body called
+    with nullptr and kSeqUsedK false: the per-batch code is compiled out, not merely unused. (The
+    before/after check against the staging base, done by hand when this landed: the default d64/d128
+    plain, local, dropout, softcap instances' sm_80 PTX differed only in the Variant's new member.)"""
+    tile = families.FWD.default(d)
+    f = Features("bfloat16", d)
+    src = _compile.kernel_source(tile, f)
+    direct = src.replace("(q, k, v, out, lse, p);", "(q, k, v, out, lse, nullptr, p);")
+    assert direct != src
+    strip = lambda s: re.sub(r"//.*", "", s)
+    assert strip(_ptx(src, "sm_80")) == strip(_ptx(direct, "sm_80"))
