@@ -1,0 +1,158 @@
+"""attention_with_kvcache on the GPU (issue 17, contiguous caches; NOT YET RUN): per-batch cache
+lengths 0, 1, random and the capacity, n_new 0, 1, 7 appended in place, GQA, causal and windows
+(bottom-right aligned to each batch's length), both dtypes, head dims 64 and 128. Each batch's output
+is checked by FlashAttention's 2x rule against the float64 reference on that batch's gathered
+keys (cuflash.testing.fa_rule on cache[:L_b]); append-then-attend against attending to the
+concatenation; outputs poisoned before the launch; rows past a length hold NaN, so a kernel that
+reads them fails."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import kvcache
+from cuflash.mask import MaskOptions
+from cuflash.testing import dtype_of, fa_rule
+
+pytestmark = pytest.mark.gpu
+
+CAP = 300  # cache capacity: not a multiple of any key tile
+MASKS = [(False, (-1, -1)), (True, (-1, -1)), (False, (64, 0)), (True, (100, -1)), (False, (17, 9))]
+
+
+def _lengths(kind: str, batch: int, n_new: int, rng) -> np.ndarray:
+    top = CAP - n_new
+    return {"zero": np.zeros(batch, np.int64), "one": np.ones(batch, np.int64),
+            "max": np.full(batch, top, np.int64),
+            "random": np.array([0, 1, top, *rng.integers(0, top + 1, batch - 3)], np.int64)}[kind]
+
+
+def _case(rng, batch, nq, h, hk, d, dtype, lens, n_new):
+    import cupy
+
+    mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+    q = mk(batch, nq, h, d)
+    kc, vc = mk(batch, CAP, hk, d), mk(batch, CAP, hk, d)
+    for b, n in enumerate(lens):  # rows past each batch's final length: NaN, never read
+        kc.view(cupy.uint16)[b, n + n_new:] = 0xFFFF  # a NaN in fp16 and bf16
+        vc.view(cupy.uint16)[b, n + n_new:] = 0xFFFF
+    kn = mk(batch, n_new, hk, d) if n_new else None
+    vn = mk(batch, n_new, hk, d) if n_new else None
+    return q, kc, vc, kn, vn
+
+
+def _poisoned(q, kc, vc, lens, kn, vn, mask):
+    import cupy
+
+    out = cupy.full(q.shape, cupy.nan, dtype=cupy.float32).astype(q.dtype)
+    lse = cupy.full((q.shape[0], q.shape[2], q.shape[1]), cupy.nan, dtype=cupy.float32)
+    return kvcache._forward_cupy(q, kc, vc, lens, kn, vn, mask, None, out=out, lse=lse)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n_new", [0, 1, 7])
+@pytest.mark.parametrize("lengths", ["zero", "one", "random", "max"])
+@pytest.mark.parametrize("causal,window", MASKS)
+@pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("device_lengths", [False, True])
+def test_kvcache_forward(h, hk, causal, window, lengths, n_new, d, dtype, device_lengths):
+    import cupy
+
+    rng = np.random.default_rng(hash((h, hk, causal, window, lengths, n_new, d, dtype)) % 2**32)
+    batch, nq = 5, max(n_new, 1)
+    lens = _lengths(lengths, batch, n_new, rng)
+    if lengths == "zero" and n_new == 0:
+        nq = 3  # queries that see no key at all
+    q, kc, vc, kn, vn = _case(rng, batch, nq, h, hk, d, dtype_of(dtype), lens, n_new)
+    kc0, vc0 = kc.copy(), vc.copy()
+    mask = MaskOptions.of(causal=causal, window_size=window)
+    arg = cupy.asarray(lens.astype(np.int32)) if device_lengths else lens
+    out, lse = _poisoned(q, kc, vc, arg, kn, vn, mask)
+    total = lens + n_new
+    for b, n in enumerate(lens):  # the append wrote exactly rows n .. n + n_new, nothing else
+        if n_new:
+            assert bool((kc[b, n:n + n_new].view(cupy.uint16) == kn[b].view(cupy.uint16)).all())
+            assert bool((vc[b, n:n + n_new].view(cupy.uint16) == vn[b].view(cupy.uint16)).all())
+        for new, old in ((kc, kc0), (vc, vc0)):
+            same = new[b, :n].view(cupy.uint16) == old[b, :n].view(cupy.uint16)
+            assert bool(same.all())
+    scale = 1 / math.sqrt(d)
+    for b, n in enumerate(total):
+        if n == 0:
+            assert bool((out[b].astype(cupy.float32) == 0).all()) and bool(cupy.isneginf(lse[b]).all())
+            continue
+        ob, lb = out[b:b + 1], lse[b:b + 1]
+        kb, vb = kc[b:b + 1, :n], vc[b:b + 1, :n]
+        assert not bool(cupy.isnan(ob.astype(cupy.float32)).any()) and not bool(cupy.isnan(lb).any())
+        err, pt, allowed = fa_rule(ob, q[b:b + 1], kb, vb, mask, scale)
+        assert err <= allowed, f"batch {b} (length {n}): max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_append_then_attend_equals_attention_to_the_concatenation(causal, dtype):
+    """The kernel on the cache after the append sees the same keys as cuflash.attention on the
+    concatenation [cache[:L_b], k_new] for each batch (same tile arithmetic: bitwise for one batch
+    with the same key count, checked here by the 2x rule and bitwise where the tiles agree)."""
+    import cupy
+    import cuflash
+
+    rng = np.random.default_rng(11)
+    batch, h, hk, d, n_new = 3, 8, 2, 128, 7
+    lens = np.array([0, 130, CAP - n_new])
+    q, kc, vc, kn, vn = _case(rng, batch, n_new, h, hk, d, dtype_of(dtype), lens, n_new)
+    out = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn, causal=causal)
+    for b, n in enumerate(lens):
+        kcat = cupy.concatenate([kc[b:b + 1, :n], kn[b:b + 1]], axis=1)
+        vcat = cupy.concatenate([vc[b:b + 1, :n], vn[b:b + 1]], axis=1)
+        ref = cuflash.attention(q[b:b + 1], kcat, vcat, causal=causal, backend="sm80")
+        diff = float(cupy.abs(out[b:b + 1].astype(cupy.float32) - ref.astype(cupy.float32)).max())
+        err, pt, allowed = fa_rule(out[b:b + 1], q[b:b + 1], kcat, vcat, causal, 1 / math.sqrt(d))
+        assert err <= allowed and diff <= allowed, (b, diff, err, allowed)
+
+
+def test_host_lengths_that_do_not_fit_are_rejected_before_the_cache_is_written():
+    import cupy
+
+    rng = np.random.default_rng(3)
+    lens = np.array([0, CAP - 2])
+    q, kc, vc, kn, vn = _case(rng, 2, 3, 2, 2, 64, dtype_of("float16"), np.array([0, 0]), 3)
+    before = kc.copy()
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\]"):
+        kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn)
+    assert bool((kc.view(cupy.uint16) == before.view(cupy.uint16)).all())
+
+
+def test_device_lengths_past_the_capacity_are_clipped():
+    """Device lengths are not read on the host: rows past the capacity are dropped, the attention
+    covers the whole cache (documented in cuflash/kvcache.py)."""
+    import cupy
+
+    rng = np.random.default_rng(5)
+    q, kc, vc, kn, vn = _case(rng, 1, 2, 2, 2, 64, dtype_of("bfloat16"), np.array([CAP - 2]), 2)
+    kc[:] = cupy.asarray(rng.standard_normal(kc.shape).astype(np.float32)).astype(kc.dtype)
+    vc[:] = cupy.asarray(rng.standard_normal(vc.shape).astype(np.float32)).astype(vc.dtype)
+    out = kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=cupy.asarray([CAP - 1], dtype=cupy.int32),
+                                         k_new=kn, v_new=vn)
+    assert bool((kc[0, CAP - 1].view(cupy.uint16) == kn[0, 0].view(cupy.uint16)).all())
+    err, pt, allowed = fa_rule(out, q, kc, vc, False, 1 / math.sqrt(64))
+    assert err <= allowed
+
+
+def test_torch_path_writes_the_cache_in_place():
+    torch = pytest.importorskip("torch")
+    import cuflash
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.bfloat16)
+    q, kc, vc, kn, vn = mk(2, 1, 8, 128), mk(2, 64, 2, 128), mk(2, 64, 2, 128), mk(2, 1, 2, 128), mk(2, 1, 2, 128)
+    lens = torch.tensor([5, 63], dtype=torch.int32, device="cuda")
+    out, lse = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and lse.shape == (2, 8, 1)
+    assert torch.equal(kc[0, 5], kn[0, 0]) and torch.equal(vc[1, 63], vn[1, 0])
+    for b, n in enumerate((6, 64)):
+        ref = cuflash.attention(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n])
+        assert torch.allclose(out[b:b + 1].float(), ref.float(), atol=2e-2)
