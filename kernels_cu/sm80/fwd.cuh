@@ -11,6 +11,9 @@
 //          O~ and l rescaled) -> dropout (P o mask, P V only) -> P to A fragments -> O~ += P V
 //   end  : O = O~ / l (x 1/(1-p) with dropout), lse = (m c + log2 l) ln 2 (attn/epilogue.cuh)
 // Rows that see no key get O = 0 and lse = -inf.
+// V::kSeqUsedK (the KV cache): batch b's key length is seqused_k[b] (a device array), not
+// params.seqlen_k (the capacity); the geometry, block range and tile loads (rows past the length
+// zero-filled, never read) all follow MaskGeometry::for_batch.
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
