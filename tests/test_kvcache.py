@@ -135,3 +135,24 @@ def test_plain_instances_compile_as_the_nullptr_call(d):
     assert direct != src
     strip = lambda s: re.sub(r"//.*", "", s)
     assert strip(_ptx(src, "sm_80")) == strip(_ptx(direct, "sm_80"))
+
+
+@pytest.mark.parametrize("causal,window", MASKS)
+def test_for_batch_geometry_is_the_geometry_of_the_batch_length(causal, window):
+    """MaskGeometry::for_batch's rule (offset + len - capacity, seqlen_k = len), in Python: the
+    geometry the host computes against the capacity, moved to a batch's length, is the geometry of
+    a plain call with that many keys; and its visible set is the reference's."""
+    from cuflash.mask import MaskOptions
+
+    mask = MaskOptions.of(causal=causal, window_size=window)
+    cap = 37
+    for nq in (1, 5, 40):
+        left, right, offset = mask.geometry(nq, cap)
+        for n in (0, 1, 4, 36, 37):
+            moved = (left, right, offset + (n - cap))
+            assert moved == mask.geometry(nq, n)
+            q = np.arange(nq)[:, None]
+            k = np.arange(cap)[None, :]
+            seen = (k >= q + moved[2] - left) & (k <= q + moved[2] + right) & (k < n)
+            ref = reference.visible_per_batch(nq, cap, [n], causal, window)[0, 0]
+            np.testing.assert_array_equal(seen, ref)
