@@ -241,7 +241,7 @@ def visible_per_batch(nq: int, capacity: int, seqlens, causal=False, window_size
         ok = ok & (cols <= rows + right)
     if left >= 0:
         ok = ok & (cols >= rows - left)
-    return ok[:, None]
+    return np.broadcast_to(ok, (lens.shape[0], nq, capacity))[:, None]
 
 
 def attention_kvcache(q, k_cache, v_cache, cache_seqlens, *, causal=False, softmax_scale=None, window_size=(-1, -1),
