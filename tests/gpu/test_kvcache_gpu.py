@@ -156,3 +156,21 @@ def test_torch_path_writes_the_cache_in_place():
     for b, n in enumerate((6, 64)):
         ref = cuflash.attention(q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n])
         assert torch.allclose(out[b:b + 1].float(), ref.float(), atol=2e-2)
+
+
+def test_flash_attn_interface_with_kvcache_matches():
+    torch = pytest.importorskip("torch")
+    import cuflash
+    from cuflash import flash_attn_interface as fai
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.float16)
+    q, kn, vn = mk(3, 4, 8, 64), mk(3, 4, 2, 64), mk(3, 4, 2, 64)
+    kc, vc = mk(3, 100, 2, 64), mk(3, 100, 2, 64)
+    kc2, vc2 = kc.clone(), vc.clone()
+    lens = torch.tensor([0, 50, 96], dtype=torch.int32, device="cuda")
+    out, lse = fai.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, causal=True,
+                                           return_softmax_lse=True)
+    out2, lse2 = cuflash.attention_with_kvcache(q, kc2, vc2, cache_seqlens=lens.cpu(), k_new=kn, v_new=vn,
+                                                causal=True, return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
