@@ -47,9 +47,9 @@ struct MaskGeometry {
     // The geometry of batch b (V::kSeqUsedK, the KV cache): its key length seqused_k[b] instead of
     // params.seqlen_k (the cache's capacity, against which the host computed the offset), and the
     // offset moved with it, so the mask stays bottom-right aligned to the batch's own keys: query i
-    // of the n_q new ones sits at key position seqused_k[b] - n_q + i. (Top-left alignment does not
-    // reach these instances: the KV-cache entry point refuses it.) Block ranges and tile loads read
-    // the result, so they follow. Without kSeqUsedK: the geometry unchanged, no load.
+    // of the n_q new ones sits at key position seqused_k[b] - n_q + i. (The shift keeps bottom-right
+    // alignment only; the KV-cache entry point has no top-left option.) Block ranges and tile loads
+    // read the result, so they follow. Without kSeqUsedK: the geometry unchanged, no load.
     template <class V>
     __device__ __forceinline__ MaskGeometry for_batch(const int* __restrict__ seqused_k, int b) const {
         MaskGeometry m = *this;
