@@ -228,6 +228,7 @@ class _EagerAttention(torch.autograd.Function):
 
 
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: E402  (per call below: no import there)
 
 
 def _eager(tensors) -> bool:
@@ -237,8 +238,6 @@ def _eager(tensors) -> bool:
         return False
     if any(type(t) is not Tensor for t in tensors):
         return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
     return _get_current_dispatch_mode() is None
 
 
