@@ -74,6 +74,19 @@ def test_stepping_along_the_head_dim(d):
             np.testing.assert_array_equal(chunk_step(swz(rows, c0, ch), k, ch), swz(rows, c0 + k, ch))
 
 
+def test_steps_do_not_compose_past_one_group_at_d192():
+    """Why tile_mma_ab steps once from the lane's offset for the second column split (d=192: its
+    dK/dV columns start at chunk 12): a step of 12 then 2dp lands elsewhere (the d=192 backward
+    bug: dK, dV wrong, dQ right, found on the H200), a single step of 12 + 2dp does not."""
+    ch, rows = 24, np.arange(ROWS)
+    for c0 in (0, 1):
+        base = swz(rows, c0, ch)
+        for dp in range(6):
+            np.testing.assert_array_equal(chunk_step(base, 12 + 2 * dp, ch), swz(rows, c0 + 12 + 2 * dp, ch))
+        assert any((chunk_step(chunk_step(base, 12, ch), 2 * dp, ch) != swz(rows, c0 + 12 + 2 * dp, ch)).any()
+                   for dp in range(6))
+
+
 @pytest.mark.parametrize("d", (32, 64, 96, 128, 256))
 @pytest.mark.parametrize("threads", (32, 64, 128, 256))
 def test_tile_copy_covers_every_chunk_once(d, threads):

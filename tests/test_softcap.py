@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from cuflash import families, params
+from cuflash import device, families, params
 from cuflash.features import Features
 from cuflash.mask import NO_MASK, MaskOptions
 from cuflash.problem import ArrayInfo, resolve_forward
@@ -175,6 +175,10 @@ def test_softcap_avoids_the_tiles_whose_instance_spills():
 # Variants of the address arithmetic moved the spill around (0 B without the window, 20-28 B with
 # it); this one is the best of both. Not selected automatically (the sm90 backward is opt-in).
 KNOWN_SPILLS = {("bwd_sm90", 128): 4}
+# NVRTC 13.0 only (the H200 image; 13.5 spills nothing): the sm80 backward's d128 softcap + dropout
+# default tile (64x128, 8 warps, 3 stages) spills 8 B. The tuner drops spilling tiles on the GPU's
+# own NVRTC, but the shipped tables do not cover softcap, so an untuned call runs this one.
+KNOWN_SPILLS_NVRTC_13_0 = {("bwd", 128, "dropout"): 8}
 
 
 def _nvrtc_available():
@@ -200,7 +204,10 @@ def test_softcap_instances_compile(fam, extra):
         cfg = fam.default(d, features=features)
         rep = _compile.compile_report(_compile.kernel_source(cfg, features), arch)
         assert rep["registers"] > 0, rep["log"]
-        assert rep["spill_stores"] <= KNOWN_SPILLS.get((fam.name, d), 0), (cfg, features, rep["log"][-2000:])
+        known = KNOWN_SPILLS.get((fam.name, d), 0)
+        if (device.nvrtc_version() or (0,)) < (13, 5):
+            known = max(known, KNOWN_SPILLS_NVRTC_13_0.get((fam.name, d, extra), 0))
+        assert rep["spill_stores"] <= known, (cfg, features, rep["log"][-2000:])
         assert "serialized" not in rep["log"].lower(), (cfg, rep["log"][-2000:])
 
 

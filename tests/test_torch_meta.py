@@ -55,7 +55,7 @@ def test_fake_shapes_and_autograd_wiring(ops):
 
 @pytest.mark.parametrize("args,exc,words", [
     (dict(dtype=torch.float32), TypeError, "q has dtype float32"),
-    (dict(d=96), ValueError, "head_dim 96 is not supported"),
+    (dict(d=100), ValueError, "head_dim must be a multiple of 8"),
     (dict(scale=-1.0), ValueError, "softmax_scale"),
     (dict(algorithm="v3"), ValueError, "algorithm must be 'v1' or 'v2'"),
 ])

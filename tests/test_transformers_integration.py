@@ -148,7 +148,7 @@ def test_masks_fall_back_to_sdpa_with_one_warning(calls):
 
 @pytest.mark.parametrize("tensors, why", [
     (_qkv(dtype="torch.float32"), "dtype float32"),
-    (_qkv(d=96), "head_dim 96"),
+    (_qkv(d=100), "head_dim 100"),
     (_qkv(device="cpu"), "tensors on cpu"),
     (_qkv(h=6, hk=4), "multiple"),
 ])
@@ -193,3 +193,9 @@ def test_register_without_transformers_says_so():
             hf.register()
     else:
         pytest.skip("transformers installed: registration is tested on the GPU")
+
+
+@pytest.mark.parametrize("name", ["cuflash", "my_flash", "", None])
+def test_register_refuses_names_transformers_takes_for_flash_attn(name):
+    with pytest.raises(ValueError, match="without 'flash'"):
+        hf.register(name)

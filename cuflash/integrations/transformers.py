@@ -7,7 +7,7 @@ The one-liner:
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation=cuflash_hf.register(), dtype=torch.bfloat16)
     # or, for a model already loaded: model.set_attn_implementation(cuflash_hf.register())
 
-register() adds "cuflash" to transformers' AttentionInterface (the attention function below) and to
+register() adds "cuattn" to transformers' AttentionInterface (the attention function below) and to
 its AttentionMaskInterface (the mask function below), and returns the name.
 
 What runs where:
@@ -24,7 +24,7 @@ What runs where:
   an attention mask with padding, packed sequences detected from position_ids (transformers builds
   a block-diagonal mask for them), chunked attention (Llama 4), mask overlays (e.g. bidirectional
   image tokens), a custom 4D mask, static caches (their masks are built ahead), and shapes or dtypes
-  cuflash does not take (float32, head_dim other than 64 and 128, tensors not on a CUDA GPU). A
+  cuflash does not take (float32, head_dim not a multiple of 8 up to 256, tensors not on a CUDA GPU). A
   fallback gives sdpa's results, so the model stays correct. The choice is made by the mask
   function: it returns no mask (None) exactly when the call's mask is plain causal, sliding-window
   causal or bidirectional with nothing padded, and the query's last position is the last key's
@@ -43,8 +43,10 @@ from __future__ import annotations
 
 import warnings
 
-NAME = "cuflash"
-HEAD_DIMS = (64, 128)
+# Not "cuflash": transformers treats any implementation whose name contains "flash" as a
+# flash-attention package (is_flash_attention_requested) and tries to import flash_attn's
+# functions for it when building a model (seen with Gemma 2 on transformers 5.x).
+NAME = "cuattn"
 DTYPES = ("torch.float16", "torch.bfloat16")
 # kwargs of flash-attention style packing (transformers' FlashAttentionKwargs)
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
@@ -54,7 +56,10 @@ _warned: set = set()
 
 def register(name: str = NAME) -> str:
     """Register cuflash's attention and mask functions with transformers under `name`; returns `name`
-    (pass it as attn_implementation). Idempotent."""
+    (pass it as attn_implementation). Idempotent. `name` may not contain "flash" (see NAME)."""
+    if not isinstance(name, str) or not name or "flash" in name:
+        raise ValueError(f"name must be a non-empty string without 'flash' (transformers would take an "
+                         f"implementation named so for the flash-attn package), got {name!r}")
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -165,9 +170,11 @@ def unsupported(query, key, value) -> str | None:
         return "query, key and value differ in dtype"
     if getattr(query.device, "type", None) != "cuda":
         return f"tensors on {query.device} (cuflash runs on CUDA GPUs)"
+    from ..tiles import head_dim_problem
+
     d = query.shape[-1]
-    if d not in HEAD_DIMS or key.shape[-1] != d or value.shape[-1] != d:
-        return f"head_dim {d} (value {value.shape[-1]}) is not supported by cuflash (64, 128)"
+    if head_dim_problem(d) or key.shape[-1] != d or value.shape[-1] != d:
+        return f"head_dim {d} (value {value.shape[-1]}) is not supported by cuflash (a multiple of 8 up to 256)"
     if key.shape[1] == 0 or query.shape[1] % key.shape[1]:
         return f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads"
     return None

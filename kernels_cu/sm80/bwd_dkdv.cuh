@@ -173,7 +173,6 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const u32 a_off = swz<CH>(warp * 16 + lane_row + ((lane / 8) % 2) * 8, lane / 16);
     const u32 bn_off = swz<CH>(lane_row + (lane / 16) * 8, (lane / 8) % 2);
     const u32 bt_off = swz<CH>(lane_row + ((lane / 8) % 2) * 8, lane / 16);
-    const u32 bt_col_off = chunk_step<CH>(bt_off, col0 / 8);  // at this block's first dK/dV column
     const int key_w = c0 + warp * 16;  // first key of this warp
 
     for (int it = 0; it < n_iter; ++it) {
@@ -250,7 +249,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
             c_to_a_frags<BF16, KQ>(frag, acc);
         }
         // ---- dV += (P o mask)^T dO (the 1/(1-p) scale is applied to dV once, at the end) ----
-        tile_mma_ab<BF16, CH, KQ, DN, V::kDropout>(acc_dv, frag, sdOs, bt_col_off, keep);
+        tile_mma_ab<BF16, CH, KQ, DN, V::kDropout, S_::kSplitCols / 8>(acc_dv, frag, sdOs, bt_off, col0 != 0, keep);
 
         // ---- dP^T = V_w dO^T; dS^T = P^T (dP^T - delta), P^T recomputed from S^T ----
         {
@@ -295,7 +294,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                 }
         }
         // ---- dK += dS^T Q ----
-        tile_mma_ab<BF16, CH, KQ, DN>(acc_dk, frag, sQs, bt_col_off);
+        tile_mma_ab<BF16, CH, KQ, DN, false, S_::kSplitCols / 8>(acc_dk, frag, sQs, bt_off, col0 != 0);
 
     }
     cp_async_wait<0>();

@@ -75,6 +75,7 @@ struct Sm80BwdTraits {
     // (full head dim) and owning kSplitCols columns of dK, dV and of the dQ product.
     static constexpr int kColSplits = D > 128 ? 2 : 1;
     static constexpr int kSplitCols = D / kColSplits;
+    static_assert(kColSplits <= 2, "tile_mma_ab addresses the second split only (its `hi`)");
     static constexpr int kOutTiles = kSplitCols / 8;  // n8 tiles of this block's dK, dV columns
     static constexpr int kKeySteps = BC / 16;      // k16 steps over keys (dQ product)
     // dQ product warp grid: kDqWarpsM x kDqWarpsN warps over the BR x kSplitCols tile

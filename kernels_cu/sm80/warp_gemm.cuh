@@ -89,12 +89,16 @@ __device__ __forceinline__ void tile_mma_abt(float (&acc)[SN][4], u32 a_base, u3
 }
 
 // acc[DN] (16 x 8*DN) += A (16 x 16*KQ, given as A fragments) * B where B (16*KQ rows of 8*DN)
-// is row-major in smem at b_base (read with ldmatrix.trans): the dV += P^T dO shape.
+// is row-major in smem at b_base (read with ldmatrix.trans): the dV += P^T dO shape. With `hi`,
+// B's columns start at chunk SPLIT_CHUNKS (the second column split's first dK/dV column). Each
+// ldmatrix address is one chunk_step from the lane's offset, with both candidates' steps known at
+// compile time: two swizzled steps do not compose when a row is not a power of two chunks (d=192:
+// chunk 12 + 2dp is not chunk 12's address XORed with 2dp), and a runtime step costs registers.
 // With MASK, element pair r of a[kq] (C tile 2kq + r/2, rows g + 8(r%2)) is ANDed with keep
 // bits 8(kq%4) + 2r, +1 of keep[kq/4] (the dropout mask), so dropped entries enter as 0.
-template <bool BF16, int CH, int KQ, int DN, bool MASK = false>
+template <bool BF16, int CH, int KQ, int DN, bool MASK = false, int SPLIT_CHUNKS = 0>
 __device__ __forceinline__ void tile_mma_ab(float (&acc)[DN][4], const u32 (&a_in)[KQ][4], u32 b_base, u32 b_off,
-                                            const u32* keep = nullptr) {
+                                            bool hi, const u32* keep = nullptr) {
 #pragma unroll
     for (int kq = 0; kq < KQ; ++kq) {
         u32 a[4];
@@ -109,7 +113,7 @@ __device__ __forceinline__ void tile_mma_ab(float (&acc)[DN][4], const u32 (&a_i
 #pragma unroll
         for (int dp = 0; dp < DN / 2; ++dp) {
             u32 b0, b1, b2, b3;
-            ldmatrix_x4_trans(b0, b1, b2, b3, b_base + kq * 16 * SmemRow<CH>::kBytes + chunk_step<CH>(b_off, 2 * dp));
+            ldmatrix_x4_trans(b0, b1, b2, b3, b_base + kq * 16 * SmemRow<CH>::kBytes + (hi ? chunk_step<CH>(b_off, SPLIT_CHUNKS + 2 * dp) : chunk_step<CH>(b_off, 2 * dp)));
             mma_16816<BF16>(acc[2 * dp], a[0], a[1], a[2], a[3], b0, b1);
             mma_16816<BF16>(acc[2 * dp + 1], a[0], a[1], a[2], a[3], b2, b3);
         }
