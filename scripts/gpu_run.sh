@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
-#        [fuzz] [peakmem] [ring] (ring: 2 GPUs)
+#        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs)
 #        [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
@@ -43,6 +43,10 @@ for s in $stages; do
             | tee "$OUT/fuzz.log" | tail -25 ;;
     ring) timeout ${RING_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfE tests/gpu/test_ring_gpu.py 2>&1 \
             | tee "$OUT/ring.log" | tail -20 ;;  # needs 2 GPUs: run with kind nvidia-h200-x2
+    ringbench) for n in ${RING_SEQLENS:-262144}; do  # 2+ GPUs: issue 15's per-GPU throughput bar
+                 timeout 300 python3 scripts/bench_ring.py --seqlen $n --json "$OUT/ring-bench-$n.json" 2>&1 \
+                   | grep -v Warning | tee -a "$OUT/ring-bench.log" | tail -6
+               done ;;
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
