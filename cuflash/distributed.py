@@ -73,7 +73,8 @@ class _Pending:
     """An exchange in flight: holds the send copies until the sends complete. A plain instance, not a
     class made per call: a class is its own reference cycle, so one made per exchange kept its send
     copies (gigabytes at long sequences) alive until the cyclic garbage collector ran (measured on
-    two H200s: 47 GB peak over six ring steps at 256k tokens where one step needs 12.5 GB)."""
+    two H200s, 256k tokens, six back-to-back forward+backward steps: 47.9 GB allocated at the peak
+    with the per-call class, 11.8 GB without)."""
 
     def __init__(self, reqs, sent, recv):
         self.reqs, self.sent, self.recv = reqs, sent, recv
