@@ -19,9 +19,15 @@ struct Sm90BwdTraits {
     static constexpr int kWarpgroups = CONSUMERS + 1;
     static constexpr int kThreads = 128 * kWarpgroups;
     static constexpr int kBlockK = 64 * CONSUMERS;  // keys per CTA (BC)
-    // the producer warpgroup's store warp (DQ_BULK) needs more than 24: 128 * 32 + 256 * 240 = 65536
-    static constexpr int kProducerRegs = DQ_BULK ? 32 : 24;
+    // setmaxnreg moves registers within the CTA's allocation: kThreads x the per-thread count the
+    // launch bounds allow, rounded down to a multiple of 8 (168 at 384 threads: 64512, not 65536).
+    // A consumer's setmaxnreg.inc waits until the producer's .dec has freed enough, forever if the
+    // split asks for more than the allocation: the DQ_BULK tiles hung on the H200 with a producer
+    // at 32 (128 x 32 + 256 x 240 = 65536). The store warp lives within the producer's 24.
+    static constexpr int kProducerRegs = 24;
     static constexpr int kConsumerRegs = 240;
+    static_assert(128 * kProducerRegs + 128 * CONSUMERS * kConsumerRegs <= kThreads * ((65536 / kThreads) & ~7),
+                  "the setmaxnreg split exceeds the CTA's register allocation (the consumers would wait forever)");
 
     static constexpr int kKVBytes = kBlockK * D * 2;  // K or V: [D/64 chunk][BC rows][64]
     static constexpr int kQBytes = BR * D * 2;        // Q or dO of one stage: [D/64 chunk][BR rows][64]
