@@ -90,8 +90,10 @@ def kernel_source(tile, features) -> str:
     if tile.head_dim != features.head_dim:
         raise ValueError(f"config {tile} is for head_dim {tile.head_dim}, the problem has {features.head_dim}")
     targs = ", ".join(map(str, tile.template_args()))
-    # per-batch key lengths (the KV cache): one more pointer, after the family's, before the params
-    pointers = fam.pointers + (fam.seqused_k_pointer,) if features.seqused_k else fam.pointers
+    # per-batch key lengths (the KV cache), then variable-length batches: their pointers after the
+    # family's, before the params (the kernels' overloads take them in this order)
+    pointers = (fam.pointers + ((fam.seqused_k_pointer,) if features.seqused_k else ())
+                + (fam.varlen_pointers if features.varlen else ()))
     return _shell(fam.header, kernel_name(tile, features), f"{tile.launch_bounds()} ", pointers,
                   fam.params, f"{fam.template}<{features.bf16}, {targs}, {features.cxx()}>", features.cxx_asserts())
 

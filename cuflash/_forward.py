@@ -22,10 +22,15 @@ INPUTS = ("q", "k", "v", "out", "lse")  # Plan.run's arguments; out and lse may 
 OUTPUTS = ("out", "lse")
 # per-batch key lengths (AttnProblem.seqused_k, the KV cache): an int32 device array, one per batch
 INPUTS_SEQUSED_K = (*INPUTS, "seqused_k")
+# variable-length batches (AttnProblem.varlen, cuflash/varlen.py): int32 device arrays, batch + 1 each
+INPUTS_VARLEN = (*INPUTS, "cu_seqlens_q", "cu_seqlens_k")
 
 
 def output_buffers(p: AttnProblem, dtype) -> tuple:
-    """out (like q) and lse (float32 (batch, heads, seqlen_q)), when the caller gives none."""
+    """out (like q) and lse (float32 (batch, heads, seqlen_q)), when the caller gives none. Varlen:
+    out (total_q, heads, head_dim) and lse (heads, total_q), FlashAttention's packed layout."""
+    if p.varlen:
+        return (Buffer("out", (p.total_q, p.heads, p.head_dim), dtype), Buffer("lse", (p.heads, p.total_q), np.float32))
     return (Buffer("out", (p.batch, p.seqlen_q, p.heads, p.head_dim), dtype),
             Buffer("lse", (p.batch, p.heads, p.seqlen_q), np.float32))
 
@@ -37,7 +42,9 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     n_blocks = m_blocks * p.heads * p.batch
     check_grid(n_blocks)
     kernel = _compile.get_kernel(cfg, p.features, p.device)
-    inputs = INPUTS_SEQUSED_K if p.seqused_k else INPUTS
+    if p.seqused_k and p.varlen:
+        raise NotImplementedError("per-batch key lengths (seqused_k) with variable-length batches")
+    inputs = INPUTS_VARLEN if p.varlen else INPUTS_SEQUSED_K if p.seqused_k else INPUTS
     launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=inputs)
     return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
 

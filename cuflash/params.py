@@ -54,7 +54,7 @@ FWD_FIELDS = [
     ("heads_kv", _I32), ("group", _I32),  # GQA/MQA: k/v heads, heads // heads_kv (query head h reads h // group)
     ("softcap_scale", _F32),  # softcap: softmax_scale / softcap, the raw score's factor in the tanh (0: off)
     ("head_dim", _I32),  # the call's head dim (an instance of a larger D masks the columns past it)
-    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
+    ("align_end", _I32),  # varlen: 1 adds each batch's seqlen_k - seqlen_q to offset (bottom-right); 0 otherwise
 ]
 
 BWD_FIELDS = [
@@ -114,6 +114,9 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     _set_strides(a, "o", contiguous_strides(p.seqlen_q, p.heads, p.head_dim))
     _set_common(a, p)
     a["m_blocks"], a["tiles"] = m_blocks, m_blocks * p.heads * p.batch
+    if p.varlen:  # packed rows: the kernel finds each batch's by cu_seqlens (kernels_cu/attn/mask.cuh, SeqSpan)
+        _set_strides(a, "o", (0, p.heads * p.head_dim, p.head_dim))
+        a["seqlen_q"], a["seqlen_k"], a["align_end"] = p.total_q, p.total_k, int(p.align_end)
     return a
 
 

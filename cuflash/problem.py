@@ -85,6 +85,15 @@ class AttnProblem:
     # per-batch key lengths given as a device array (the KV cache, cuflash/kvcache.py): seqlen_k is
     # then the cache's capacity and `offset` is against it; the kernel moves both per batch
     seqused_k: bool = False
+    # variable-length batches (cuflash/varlen.py): q, out (total_q, heads, head_dim) and k, v
+    # (total_k, heads_kv, head_dim) packed, batch b's rows given by cu_seqlens on the device;
+    # seqlen_q / seqlen_k are then the max_seqlen_q / max_seqlen_k the caller promised (the grid
+    # covers them), `offset` the window's alone, and align_end whether each batch's kernel adds its
+    # own seqlen_k - seqlen_q (bottom-right alignment)
+    varlen: bool = False
+    total_q: int = 0
+    total_k: int = 0
+    align_end: bool = False
 
     def __post_init__(self):
         check_geometry(self.window_left, self.window_right, self.offset)
@@ -100,11 +109,15 @@ class AttnProblem:
         # params struct, and a smaller one selects the column-masking instances (partial_d)
         d = kernel_head_dim(self.head_dim)
         return Features(self.dtype, d, self.dropout is not None, local=self.window_left != UNBOUNDED,
-                        softcap=self.softcap > 0, partial_d=self.head_dim != d, seqused_k=self.seqused_k)
+                        softcap=self.softcap > 0, partial_d=self.head_dim != d, seqused_k=self.seqused_k,
+                        varlen=self.varlen)
 
     @property
     def empty(self) -> bool:
-        """A batch, heads or seqlen of 0: nothing to launch (out 0 and lse -inf where seqlen_k alone is 0)."""
+        """A batch, heads or seqlen of 0: nothing to launch (out 0 and lse -inf where seqlen_k alone is 0).
+        Varlen: no query or no key in the whole batch (a single empty sequence is the kernel's)."""
+        if self.varlen:
+            return 0 in (self.batch, self.heads, self.total_q, self.total_k)
         return 0 in (self.batch, self.heads, self.seqlen_q, self.seqlen_k)
 
     @property

@@ -65,7 +65,7 @@ def test_reference_rejects_lengths_out_of_range():
 def test_only_the_sm80_forward_has_seqused_k_instances():
     f = Features("bfloat16", 64, seqused_k=True)
     assert f.tag() == "_kvlen" and f.perf_class() == "dense"
-    assert f.cxx() == "cuflash::Variant<false, false, false, false, true>"
+    assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false>"
     assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["fwd"]
     for fam in families.FORWARDS:
         if fam is not families.FWD:
@@ -124,14 +124,15 @@ def _ptx(source: str, arch: str) -> str:
 @needs_nvrtc
 @pytest.mark.parametrize("d", [64, 128])
 def test_plain_instances_compile_as_the_nullptr_call(d):
-    """The instances without seqused_k compile to the same PTX as the seqused_k-taking body called
-    with nullptr and kSeqUsedK false: the per-batch code is compiled out, not merely unused. (The
+    """The instances without seqused_k (and without varlen) compile to the same PTX as the body that
+    takes the seqused_k and cu_seqlens pointers, called with nullptrs and both features false: the
+    per-batch code is compiled out, not merely unused. (The
     before/after check against the staging base, done by hand when this landed: the default d64/d128
     plain, local, dropout, softcap instances' sm_80 PTX differed only in the Variant's new member.)"""
     tile = families.FWD.default(d)
     f = Features("bfloat16", d)
     src = _compile.kernel_source(tile, f)
-    direct = src.replace("(q, k, v, out, lse, p);", "(q, k, v, out, lse, nullptr, p);")
+    direct = src.replace("(q, k, v, out, lse, p);", "(q, k, v, out, lse, nullptr, nullptr, nullptr, p);")
     assert direct != src
     strip = lambda s: re.sub(r"//.*", "", s)
     assert strip(_ptx(src, "sm_80")) == strip(_ptx(direct, "sm_80"))

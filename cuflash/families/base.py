@@ -91,6 +91,8 @@ class KernelFamily:
     takes_seqused_k: bool = False  # True: per-batch key length instances (a seqused_k pointer; the KV cache)
     # the pointer the seqused_k instances take after `pointers` (kernel_source adds it)
     seqused_k_pointer: tuple = (I32_IN, "seqused_k")
+    takes_varlen: bool = False  # True: variable-length instances (cu_seqlens_q/k pointers; cuflash/varlen.py)
+    varlen_pointers: tuple = ((I32_IN, "cu_seqlens_q"), (I32_IN, "cu_seqlens_k"))
     # the tuner:
     run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
     deterministic_outputs: tuple = ()  # indices of run()'s outputs that must be bitwise reproducible
@@ -109,7 +111,8 @@ class KernelFamily:
         return (features.dtype in SUPPORTED_DTYPES and features.head_dim in self.defaults
                 and (self.takes_dropout or not features.dropout)
                 and (self.takes_partial_d or not features.partial_d)
-                and (self.takes_seqused_k or not features.seqused_k))
+                and (self.takes_seqused_k or not features.seqused_k)
+                and (self.takes_varlen or not features.varlen))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
         """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order
@@ -185,6 +188,7 @@ class KernelFamily:
                        if getattr(f, v.name) and not self.supports(dataclasses.replace(plain, **{v.name: True}))]
             names = {"dropout": "dropout", "local": "sliding windows (window_size)", "softcap": "softcap",
                      "seqused_k": "per-batch key lengths (the KV cache)",
+                     "varlen": "variable-length batches (cu_seqlens)",
                      "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         run_as = f" (on the kernels of head dim {f.head_dim})" if call_head_dim not in (None, f.head_dim) else ""

@@ -110,8 +110,13 @@ FWD = KernelFamily(
               "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(128, 128, 128, 8, 3)}),
               "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               # per-batch key lengths (the KV cache) with softcap: 44 B on d64's first tile (sm_80, sm_90a)
-              "softcap+seqused_k": frozenset({FwdConfig(64, 128, 96, 4, 2)})},
-    plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True,
+              "softcap+seqused_k": frozenset({FwdConfig(64, 128, 96, 4, 2)}),
+              # variable-length batches with softcap (on sm_80 and sm_90a: an H100/H200 runs varlen
+              # here): 4-48 B on these 128-key tiles; the next defaults compile clean
+              "softcap+varlen": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(64, 128, 96, 4, 2),
+                                           FwdConfig(96, 128, 128, 8, 2), FwdConfig(128, 128, 128, 8, 3),
+                                           FwdConfig(128, 128, 128, 8, 2)})},
+    plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True, takes_varlen=True,
 )
 
 # The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of

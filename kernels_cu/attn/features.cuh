@@ -9,7 +9,7 @@
 
 namespace cuflash {
 
-template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K>
+template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -30,6 +30,14 @@ struct Variant {
     // [0, seqused_k[b]) with the mask bottom-right aligned to that length (MaskGeometry::for_batch).
     // params.seqlen_k is then the cache's capacity. Only the sm80 v2 forward has these instances.
     static constexpr bool kSeqUsedK = SEQUSED_K;
+    // Variable-length batches (cuflash/varlen.py): q, out are packed (total_q, heads, head_dim), k,
+    // v (total_k, heads_kv, head_dim), lse (heads, total_q); the kernel takes cu_seqlens_q and
+    // cu_seqlens_k (int32, batch + 1 each) after its other pointers, and batch b is the rows
+    // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) against the keys [cu_seqlens_k[b], cu_seqlens_k[b + 1])
+    // (attn/mask.cuh, SeqSpan). params.seqlen_q / seqlen_k are then total_q / total_k, and the
+    // mask's offset gains each batch's seqlen_k - seqlen_q where params.align_end says so.
+    // Only the sm80 v2 forward has these instances.
+    static constexpr bool kVarlen = VARLEN;
 };
 
 }  // namespace cuflash

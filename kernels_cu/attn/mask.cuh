@@ -22,6 +22,39 @@ namespace cuflash {
 
 constexpr int kUnbounded = 1 << 30;  // window side without a limit
 
+// Where batch b's rows are (V::kVarlen, attn/features.cuh): its queries are rows q_start ..
+// q_start + seqlen_q - 1 of the packed q / out / lse, its keys rows k_start .. of the packed k / v.
+// Without kVarlen: batch b is its own slice (the batch stride), starting at row 0, and the lengths
+// are the call's; nothing is loaded.
+struct SeqSpan {
+    int q_start, k_start, seqlen_q, seqlen_k;
+
+    template <class V>
+    __device__ __forceinline__ static SeqSpan of(const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                                                 int b, int seqlen_q, int seqlen_k) {
+        SeqSpan s{0, 0, seqlen_q, seqlen_k};
+        if constexpr (V::kVarlen) {
+            s.q_start = cu_seqlens_q[b];
+            s.seqlen_q = cu_seqlens_q[b + 1] - s.q_start;
+            s.k_start = cu_seqlens_k[b];
+            s.seqlen_k = cu_seqlens_k[b + 1] - s.k_start;
+        }
+        return s;
+    }
+
+    // Batch b's first query row and query count again, loaded from memory (V::kVarlen; volatile, so
+    // the compiler cannot keep the first load's values): the forward's epilogue takes them here
+    // instead of holding two registers through the mainloop (the softcap instances spilled).
+    template <class V>
+    __device__ __forceinline__ static void reload_queries(const int* __restrict__ cu_seqlens_q, int b, int& start,
+                                                          int& count) {
+        int end;
+        asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(start) : "l"(cu_seqlens_q + b));
+        asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(end) : "l"(cu_seqlens_q + b + 1));
+        count = end - start;
+    }
+};
+
 struct MaskGeometry {
     int window_left, window_right, offset;
     int seqlen_q, seqlen_k;
@@ -57,6 +90,20 @@ struct MaskGeometry {
             const int len = seqused_k[b];
             m.offset = offset + (len - seqlen_k);
             m.seqlen_k = len;
+        }
+        return m;
+    }
+
+    // The geometry of one variable-length batch (V::kVarlen): its own lengths, and the offset the
+    // host gave (the window's, alignment aside) plus, when align_end (bottom-right alignment), its
+    // seqlen_k - seqlen_q. Without kVarlen: unchanged.
+    template <class V>
+    __device__ __forceinline__ MaskGeometry for_span(const SeqSpan& s, int align_end) const {
+        MaskGeometry m = *this;
+        if constexpr (V::kVarlen) {
+            m.seqlen_q = s.seqlen_q;
+            m.seqlen_k = s.seqlen_k;
+            m.offset = offset + (align_end ? s.seqlen_k - s.seqlen_q : 0);
         }
         return m;
     }

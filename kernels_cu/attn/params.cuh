@@ -48,7 +48,7 @@ struct FwdParams {
     int group;         // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
     float softcap_scale;  // softcap: softmax_scale / softcap, the raw score's factor inside the tanh (0: off; attn/score_mod.cuh)
     int head_dim;      // the call's head dim (<= the instance's D; less only in V::kPartialD instances)
-    int reserved;      // explicit tail padding (alignment 8): no byte of the struct is implicit
+    int align_end;     // V::kVarlen: 1 adds each batch's seqlen_k - seqlen_q to offset (bottom-right alignment); 0 otherwise
 };
 
 // The backward pass, one struct for its four kernels; each reads what it needs:

@@ -14,6 +14,9 @@
 // V::kSeqUsedK (the KV cache): batch b's key length is seqused_k[b] (a device array), not
 // params.seqlen_k (the capacity); the geometry, block range and tile loads (rows past the length
 // zero-filled, never read) all follow MaskGeometry::for_batch.
+// V::kVarlen (variable-length batches): batch b's queries and keys are row ranges of packed arrays
+// given by cu_seqlens_q / cu_seqlens_k (attn/mask.cuh, SeqSpan); the grid covers the longest
+// batch's query blocks and a block past its batch's queries returns at once; lse is (heads, total_q).
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
@@ -33,13 +36,13 @@ namespace cuflash {
 template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                           const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
-                                          const int* __restrict__ seqused_k, const FwdParams& params) {
+                                          const int* __restrict__ seqused_k, const int* __restrict__ cu_seqlens_q,
+                                          const int* __restrict__ cu_seqlens_k, const FwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
                     v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, o_sb = params.o_sb, o_sn = params.o_sn, o_sh = params.o_sh;
-    const int n_heads = params.heads, seqlen_q = params.seqlen_q, m_blocks = params.m_blocks,
-              group = params.group;
+    const int n_heads = params.heads, m_blocks = params.m_blocks, group = params.group;
     const float scale_log2 = params.scale_log2, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
@@ -61,15 +64,22 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const MaskGeometry geo_call = MaskGeometry::of<V>(params);
     const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo_call.later_rows_heavier());
     const int bh = blk.bh, b = blk.batch, h = blk.head;
-    // V::kSeqUsedK: this batch's key length and offset (the KV cache); else geo_call itself
-    const MaskGeometry geo = geo_call.for_batch<V>(seqused_k, b);
-    const int seqlen_k = geo.seqlen_k;
     const int r0 = blk.block * BR;
+    // V::kVarlen: this batch's rows of the packed arrays and its lengths; else row 0 of its slice
+    // and the call's lengths. The grid covers the longest batch: blocks past this one's queries
+    // leave at once (uniformly: before any barrier).
+    const SeqSpan span = SeqSpan::of<V>(cu_seqlens_q, cu_seqlens_k, b, params.seqlen_q, params.seqlen_k);
+    if (V::kVarlen && r0 >= span.seqlen_q) return;
+    const int seqlen_q = span.seqlen_q;
+    // V::kVarlen: the batch's own lengths and offset; V::kSeqUsedK: its key length and offset (the
+    // KV cache); else geo_call itself
+    const MaskGeometry geo = geo_call.for_span<V>(span, params.align_end).template for_batch<V>(seqused_k, b);
+    const int seqlen_k = geo.seqlen_k;
 
-    const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
+    const elem_t* qg = q + (long long)b * q_sb + (long long)span.q_start * q_sn + (long long)h * q_sh;
     const int h_kv = h / group;  // GQA/MQA: the query heads of a group share one k/v head (MHA: group 1)
-    const elem_t* kg = k + (long long)b * k_sb + (long long)h_kv * k_sh;
-    const elem_t* vg = v + (long long)b * v_sb + (long long)h_kv * v_sh;
+    const elem_t* kg = k + (long long)b * k_sb + (long long)span.k_start * k_sn + (long long)h_kv * k_sh;
+    const elem_t* vg = v + (long long)b * v_sb + (long long)span.k_start * v_sn + (long long)h_kv * v_sh;
 
     const BlockRange range = key_blocks<BR, BC, V::kLocal>(geo, r0);  // may start past key block 0 (window)
     const Mask<V::kLocal> mask{geo};
@@ -168,7 +178,11 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     // ---- epilogue: O = O~ / l, lse; stage O through this warp's own Q rows in smem so the
     // global stores are 16-byte and row-contiguous ----
     __syncwarp();
-    float* lse_row = lse + (long long)bh * seqlen_q;
+    // V::kVarlen: this batch's first row and query count, reloaded (SeqSpan::reload_queries)
+    int q_start = 0, n_q = seqlen_q;
+    if constexpr (V::kVarlen) SeqSpan::reload_queries<V>(cu_seqlens_q, b, q_start, n_q);
+    // (batch, heads, seqlen_q); V::kVarlen: (heads, total_q), total_q = params.seqlen_q
+    float* lse_row = V::kVarlen ? lse + (long long)h * params.seqlen_q + q_start : lse + (long long)bh * seqlen_q;
 #pragma unroll
     for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
@@ -177,7 +191,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             float inv = l != 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
             int tile_row = warp_row0 + mt * 16 + g + 8 * half;
             int row = r0 + tile_row;
-            if (t == 0 && row < seqlen_q)
+            if (t == 0 && row < n_q)
                 lse_row[row] = OnlineSoftmax<kRowTiles>::lse(softmax.row_max[mt][half], l, scale_log2);
 #pragma unroll
             for (int i = 0; i < kOutTiles; ++i) {
@@ -187,7 +201,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             }
         }
     __syncwarp();
-    elem_t* og = o + (long long)b * o_sb + (long long)h * o_sh;
+    elem_t* og = o + (long long)b * o_sb + (long long)q_start * o_sn + (long long)h * o_sh;
     constexpr int WARP_CHUNKS = Tr::kRowsPerWarp * kRowChunks;
 #pragma unroll
     for (int it = 0; it < (WARP_CHUNKS + 31) / 32; ++it) {
@@ -195,7 +209,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
         if (idx < WARP_CHUNKS) {
             int tr = warp_row0 + idx / kRowChunks, c = idx % kRowChunks;
             int row = r0 + tr;
-            if (row < seqlen_q && (!V::kPartialD || c < d_chunks)) {
+            if (row < n_q && (!V::kPartialD || c < d_chunks)) {
                 uint4 val;
                 asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                              : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(sQ + swz<kRowChunks>(tr, c)));
@@ -205,14 +219,29 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     }
 }
 
-// The instances without per-batch key lengths (V::kSeqUsedK false): the shell passes no seqused_k,
-// and the kernel never reads it.
+// The instances without per-batch key lengths or variable-length batches: the shell passes only
+// the pointers its features need (cuflash/_compile.py), and the kernel never reads the others.
 template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                           const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
                                           const FwdParams& params) {
-    static_assert(!V::kSeqUsedK, "per-batch key lengths need the seqused_k pointer");
-    flash_fwd<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, o, lse, nullptr, params);
+    static_assert(!V::kSeqUsedK && !V::kVarlen, "per-batch lengths need their pointers");
+    flash_fwd<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, o, lse, nullptr, nullptr, nullptr, params);
+}
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
+__device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                          const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
+                                          const int* __restrict__ seqused_k, const FwdParams& params) {
+    static_assert(V::kSeqUsedK && !V::kVarlen, "the seqused_k instances");
+    flash_fwd<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, o, lse, seqused_k, nullptr, nullptr, params);
+}
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
+__device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                          const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
+                                          const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                                          const FwdParams& params) {
+    static_assert(V::kVarlen && !V::kSeqUsedK, "the variable-length instances");
+    flash_fwd<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, o, lse, nullptr, cu_seqlens_q, cu_seqlens_k, params);
 }
 
 }  // namespace cuflash

@@ -1,0 +1,159 @@
+"""Variable-length batches: `attention_varlen`, FlashAttention's `flash_attn_varlen_func` layout,
+forward only for now (issue 12).
+
+Sequences of different lengths are packed along one token axis: q (total_q, heads, head_dim), k and
+v (total_k, heads_kv, head_dim); sequence b is the rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q
+and [cu_seqlens_k[b], cu_seqlens_k[b + 1]) of k and v (int32 device arrays of batch + 1 offsets,
+starting at 0, non-decreasing). Each sequence attends only to its own keys, with the mask aligned
+per sequence (bottom-right by default: the last query sits at the last key). Empty sequences are
+allowed (no rows to write; a sequence with queries and no key gives out 0 and lse -inf).
+
+The kernel is the sm80 v2 forward's variable-length instance (Features.varlen; it reads the two
+offsets of its sequence and moves the rows, lengths and mask with them,
+kernels_cu/attn/mask.cuh SeqSpan). The Hopper family does not have it yet: such calls run the sm80
+kernel on every GPU. No backward yet: a torch input that requires grad (with grad mode on) is refused
+rather than silently given an output without a gradient.
+
+What is checked before any launch: shapes, dtypes, devices, head dims, GQA divisibility, the
+cu_seqlens arrays' shape, dtype and device, max_seqlen_q / max_seqlen_k (non-negative ints; at least
+1 when the batch has tokens). Not checked, because reading the device offsets would synchronise:
+that they start at 0, never decrease, end at total_q / total_k and that no sequence is longer than
+max_seqlen_q (the grid covers max_seqlen_q queries per sequence; rows past it are not computed).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import _forward, _interop, families, problem
+from . import _plans as plan_cache
+from .launch import FilledPlan
+from .mask import MaskOptions
+from .problem import ArrayInfo
+
+_plans = plan_cache.PlanCache()
+
+
+def _packed(info: ArrayInfo, name: str, heads_name: str) -> ArrayInfo:
+    """The 4-D view (1, total, heads, head_dim) of a packed 3-D array, batch stride 0, for the dense checks."""
+    if len(info.shape) != 3:
+        raise ValueError(f"{name} must have 3 dimensions (total_tokens, {heads_name}, head_dim) (sequences packed "
+                         f"along the first), got shape {info.shape}")
+    return dataclasses.replace(info, shape=(1, *info.shape), strides=(0, *info.strides))
+
+
+def _max_seqlen(x, name: str, total: int) -> int:
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {x!r}")
+    x = int(x)
+    if x < 0 or x >= 2**28:
+        raise ValueError(f"{name} must be in [0, 2^28), got {x}")
+    if x == 0 and total > 0:
+        raise ValueError(f"{name} is 0 but there are {total} tokens: it must be at least the longest sequence")
+    return x
+
+
+def _offsets(cu, name: str, device: int):
+    """cu_seqlens as an int32 CuPy array (batch + 1,) on `device`; the batch size."""
+    import cupy
+
+    if not isinstance(cu, cupy.ndarray):
+        raise TypeError(f"{name} must be a CuPy array of int32 offsets on the GPU (or a CUDA tensor of another "
+                        f"framework), got {type(cu).__module__}.{type(cu).__qualname__}")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (batch + 1,), got {cu.shape}")
+    if cu.dtype.kind not in "iu":
+        raise TypeError(f"{name} must hold integers (int32), got dtype {cu.dtype}")
+    if cu.device.id != device:
+        raise ValueError(f"{name} is on device {cu.device.id}, q on {device}")
+    return cupy.ascontiguousarray(cu.astype(cupy.int32, copy=False)), cu.shape[0] - 1
+
+
+def resolve(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions, softmax_scale):
+    """(AttnProblem, cu_q, cu_k) of a varlen forward: the dense checks on 4-D views of the packed arrays,
+    then the varlen geometry (the window's offset only; align_end for bottom-right)."""
+    qi, ki, vi = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    qi = _packed(qi, "q", "heads")
+    ki, vi = _packed(ki, "k", "heads_kv"), _packed(vi, "v", "heads_kv")
+    p = problem.resolve_forward(qi, ki, vi, mask, softmax_scale)
+    cu_q, batch = _offsets(cu_seqlens_q, "cu_seqlens_q", p.device)
+    cu_k, batch_k = _offsets(cu_seqlens_k, "cu_seqlens_k", p.device)
+    if batch_k != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {batch + 1} "
+                         f"and {batch_k + 1}")
+    total_q, total_k = p.seqlen_q, p.seqlen_k
+    if max(total_q, total_k) >= 2**31:
+        raise ValueError(f"total tokens must be below 2^31, got total_q {total_q}, total_k {total_k}")
+    mq = _max_seqlen(max_seqlen_q, "max_seqlen_q", total_q)
+    mk = _max_seqlen(max_seqlen_k, "max_seqlen_k", total_k)
+    left, right, _ = mask.geometry(0, 0)
+    p = dataclasses.replace(p, batch=batch, seqlen_q=mq, seqlen_k=mk, window_left=left, window_right=right, offset=0,
+                            varlen=True, total_q=total_q, total_k=total_k, align_end=mask.alignment == "bottom_right")
+    return p, cu_q, cu_k
+
+
+def _empty_plan(p, dtype) -> FilledPlan:
+    """No query or no key in the whole batch: out 0 and lse -inf (rows with no key), or empty outputs."""
+    out, lse = _forward.output_buffers(p, dtype)
+    return FilledPlan(p.device, _forward.INPUTS_VARLEN, ((out, 0), (lse, -np.inf)))
+
+
+def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions,
+                  softmax_scale, out=None, lse=None):
+    """The CuPy body: (out, lse). `out`, `lse`: given buffers (internal: the GPU tests poison them)."""
+    p, cu_q, cu_k = resolve(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale)
+
+    def build():
+        if p.empty:
+            return _empty_plan(p, q.dtype)
+        family = families.choose(families.FORWARDS, p, None)  # the Hopper family refuses varlen: sm80
+        return family.plan(p, families.select(family, p), q.dtype)
+
+    plan = _plans.get(lambda: (*plan_cache.array_key((q, k, v)), p.batch, p.seqlen_q, p.seqlen_k, mask.key,
+                               softmax_scale), build)
+    if out is not None:
+        out = _forward._checked_out(out, q)
+    if lse is not None:
+        lse = _forward._checked_lse(lse, (p.heads, p.total_q))
+    return plan.run((q, k, v, out, lse, cu_q, cu_k))
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                     causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
+                     alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False):
+    """Attention over a batch of packed sequences of different lengths (module docstring: the layout,
+    what is checked). Forward only: no autograd yet.
+
+    q: (total_q, heads, head_dim); k, v: (total_k, heads_kv, head_dim) (heads_kv divides heads: GQA);
+    float16 or bfloat16, contiguous in the last dimension. cu_seqlens_q / cu_seqlens_k: int32 arrays of
+    batch + 1 offsets on q's device (int64 is converted). max_seqlen_q / max_seqlen_k: the longest
+    sequence of each (host ints). causal / window_size / alignment / softcap / softmax_scale: as
+    cuflash.attention, per sequence. Returns out (total_q, heads, head_dim), and with return_lse
+    also lse float32 (heads, total_q) (FlashAttention's packed layout).
+    CuPy arrays, or torch tensors (through DLPack on torch's current stream) and other DLPack arrays.
+    """
+    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    fw, dev = _interop.common_framework(arrays, names)
+    if fw == _interop.TORCH:
+        _refuse_autograd(arrays, names)
+
+    def body(q, k, v, cu_q, cu_k):
+        return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale)
+
+    out, lse = body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
+    return (out, lse) if return_lse else out
+
+
+def _refuse_autograd(arrays, names) -> None:
+    import torch
+
+    if torch.is_grad_enabled():
+        for x, n in zip(arrays, names):
+            if getattr(x, "requires_grad", False):
+                raise NotImplementedError(f"attention_varlen has no backward yet, and {n} requires grad: run it "
+                                          f"under torch.no_grad() or pass detached tensors")
+
+
