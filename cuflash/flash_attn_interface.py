@@ -79,18 +79,50 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
                 return_attn_probs)
 
 
-def _varlen(name):
-    def fn(*args, **kwargs):
-        raise NotImplementedError(f"cuflash.flash_attn_interface: {name} (variable-length batches) is not "
-                                  "supported yet")
-    fn.__name__ = name
-    fn.__doc__ = f"flash-attn 2's {name}: not supported yet (raises NotImplementedError)."
-    return fn
+def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+                window_size, softcap, alibi_slopes, return_attn_probs, block_table=None):
+    """cuflash.attention_varlen (forward only, issue 12: no backward yet, so no dropout either)."""
+    from .varlen import attention_varlen
+
+    _check(alibi_slopes)
+    _unsupported(dropout_p=(dropout_p, not dropout_p), block_table=(block_table, block_table is None))
+    window = tuple(window_size) if window_size is not None else (-1, -1)
+    res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
+                           softmax_scale=softmax_scale, window_size=window, softcap=softcap,
+                           return_lse=bool(return_attn_probs))
+    if return_attn_probs:
+        out, lse = res
+        return out, lse, None
+    return res
 
 
-flash_attn_varlen_func = _varlen("flash_attn_varlen_func")
-flash_attn_varlen_qkvpacked_func = _varlen("flash_attn_varlen_qkvpacked_func")
-flash_attn_varlen_kvpacked_func = _varlen("flash_attn_varlen_kvpacked_func")
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn 2's flash_attn_varlen_func: q (total_q, nheads, headdim), k and v (total_k, nheads_k,
+    headdim), cu_seqlens int32 (batch + 1,); causal aligned to the bottom right of each sequence.
+    Forward only (cuflash.attention_varlen): dropout_p > 0, block_table (paged caches) and torch
+    inputs that require grad raise NotImplementedError. Returns out (total_q, nheads, headdim), or
+    (out, softmax_lse (nheads, total_q), None) with return_attn_probs."""
+    return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv (total, 3, nheads, headdim): q, k, v as strided views of it (no copy); forward only."""
+    q, k, v = (qkv[:, i] for i in range(3))
+    return _run_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
+                       window_size, softcap, alibi_slopes, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim); forward only."""
+    return _run_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

@@ -54,31 +54,36 @@ def _max_seqlen(x, name: str, total: int) -> int:
     return x
 
 
-def _offsets(cu, name: str, device: int):
-    """cu_seqlens as an int32 CuPy array (batch + 1,) on `device`; the batch size."""
+def _check_offsets(info: ArrayInfo, name: str, device: int) -> int:
+    """The batch size of a cu_seqlens array (ArrayInfo), checked: (batch + 1,) integers on `device`."""
+    if len(info.shape) != 1 or info.shape[0] < 1:
+        raise ValueError(f"{name} must have shape (batch + 1,), got {info.shape}")
+    if info.dtype not in ("int32", "int64", "uint32", "uint64"):
+        raise TypeError(f"{name} must hold integers (int32), got dtype {info.dtype}")
+    if info.device != device:
+        raise ValueError(f"{name} is on device {info.device}, q on {device}")
+    return info.shape[0] - 1
+
+
+def _offsets_info(x, name: str) -> ArrayInfo:
     import cupy
 
-    if not isinstance(cu, cupy.ndarray):
+    if not isinstance(x, cupy.ndarray):
         raise TypeError(f"{name} must be a CuPy array of int32 offsets on the GPU (or a CUDA tensor of another "
-                        f"framework), got {type(cu).__module__}.{type(cu).__qualname__}")
-    if cu.ndim != 1 or cu.shape[0] < 1:
-        raise ValueError(f"{name} must have shape (batch + 1,), got {cu.shape}")
-    if cu.dtype.kind not in "iu":
-        raise TypeError(f"{name} must hold integers (int32), got dtype {cu.dtype}")
-    if cu.device.id != device:
-        raise ValueError(f"{name} is on device {cu.device.id}, q on {device}")
-    return cupy.ascontiguousarray(cu.astype(cupy.int32, copy=False)), cu.shape[0] - 1
+                        f"framework), got {type(x).__module__}.{type(x).__qualname__}")
+    return ArrayInfo(tuple(x.shape), x.dtype.name, x.dtype.itemsize, tuple(x.strides), x.data.ptr, x.device.id)
 
 
-def resolve(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions, softmax_scale):
-    """(AttnProblem, cu_q, cu_k) of a varlen forward: the dense checks on 4-D views of the packed arrays,
-    then the varlen geometry (the window's offset only; align_end for bottom-right)."""
-    qi, ki, vi = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+def resolve(qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, cu_q: ArrayInfo, cu_k: ArrayInfo, max_seqlen_q,
+            max_seqlen_k, mask: MaskOptions, softmax_scale):
+    """The AttnProblem of a varlen forward, from the arrays' descriptions: the dense checks on 4-D views
+    of the packed arrays, then the varlen geometry (the window's offset only; align_end for
+    bottom-right). Raises TypeError / ValueError naming the argument."""
     qi = _packed(qi, "q", "heads")
     ki, vi = _packed(ki, "k", "heads_kv"), _packed(vi, "v", "heads_kv")
     p = problem.resolve_forward(qi, ki, vi, mask, softmax_scale)
-    cu_q, batch = _offsets(cu_seqlens_q, "cu_seqlens_q", p.device)
-    cu_k, batch_k = _offsets(cu_seqlens_k, "cu_seqlens_k", p.device)
+    batch = _check_offsets(cu_q, "cu_seqlens_q", p.device)
+    batch_k = _check_offsets(cu_k, "cu_seqlens_k", p.device)
     if batch_k != batch:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {batch + 1} "
                          f"and {batch_k + 1}")
@@ -88,9 +93,9 @@ def resolve(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mas
     mq = _max_seqlen(max_seqlen_q, "max_seqlen_q", total_q)
     mk = _max_seqlen(max_seqlen_k, "max_seqlen_k", total_k)
     left, right, _ = mask.geometry(0, 0)
-    p = dataclasses.replace(p, batch=batch, seqlen_q=mq, seqlen_k=mk, window_left=left, window_right=right, offset=0,
-                            varlen=True, total_q=total_q, total_k=total_k, align_end=mask.alignment == "bottom_right")
-    return p, cu_q, cu_k
+    return dataclasses.replace(p, batch=batch, seqlen_q=mq, seqlen_k=mk, window_left=left, window_right=right,
+                               offset=0, varlen=True, total_q=total_q, total_k=total_k,
+                               align_end=mask.alignment == "bottom_right")
 
 
 def _empty_plan(p, dtype) -> FilledPlan:
@@ -102,7 +107,12 @@ def _empty_plan(p, dtype) -> FilledPlan:
 def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions,
                   softmax_scale, out=None, lse=None):
     """The CuPy body: (out, lse). `out`, `lse`: given buffers (internal: the GPU tests poison them)."""
-    p, cu_q, cu_k = resolve(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale)
+    import cupy
+
+    infos = [problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    offsets = [_offsets_info(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))]
+    p = resolve(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale)
+    cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
 
     def build():
         if p.empty:

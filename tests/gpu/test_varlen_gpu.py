@@ -1,0 +1,113 @@
+"""attention_varlen on the GPU (issue 12; NOT YET RUN): ragged batches (lengths 0, 1, 17, 113, 1000,
+...), seqlen_q below and above seqlen_k per sequence, causal in both alignments, windows, softcap, GQA,
+partial head dims, both dtypes. Each sequence's rows are checked by FlashAttention's 2x rule against
+the float64 reference on that sequence alone (cuflash.testing.fa_rule on its slices), and against
+cuflash.attention on the same slices (the same kernel arithmetic: the rows must agree to the 2x
+bound). Outputs are poisoned (NaN) before the launch; rows of other sequences hold NaN-free values
+that would show if a sequence read past its own keys."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import varlen
+from cuflash.mask import MaskOptions
+from cuflash.testing import dtype_of, fa_rule
+
+pytestmark = pytest.mark.gpu
+
+RAGGED = {
+    "ragged": ([17, 0, 113, 1, 1000, 64], [17, 5, 200, 1, 1000, 0]),
+    "decode": ([1, 1, 1, 1], [300, 1, 0, 129]),
+    "prefill": ([257, 31, 128], [257, 31, 128]),
+    "q_longer": ([100, 65, 2], [30, 64, 1]),
+}
+MASKS = [dict(), dict(causal=True), dict(causal=True, alignment="top_left"), dict(window_size=(32, 8)),
+         dict(causal=True, window_size=(50, -1)), dict(softcap=30.0), dict(causal=True, softcap=5.0)]
+
+
+def _packed(rng, lens, h, d, dtype):
+    import cupy
+
+    total = int(sum(lens))
+    return cupy.asarray(rng.standard_normal((total, h, d)).astype(np.float32)).astype(dtype)
+
+
+def _cu(lens):
+    import cupy
+
+    return cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128, 80])
+@pytest.mark.parametrize("mask_kw", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()) or "none")
+@pytest.mark.parametrize("case", sorted(RAGGED))
+@pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
+def test_varlen_forward_matches_each_sequence(h, hk, case, mask_kw, d, dtype):
+    import cupy
+
+    lens_q, lens_k = RAGGED[case]
+    rng = np.random.default_rng(hash((h, hk, case, str(mask_kw), d, dtype)) % 2**32)
+    dt = dtype_of(dtype)
+    q, k, v = _packed(rng, lens_q, h, d, dt), _packed(rng, lens_k, hk, d, dt), _packed(rng, lens_k, hk, d, dt)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    mask = MaskOptions.of(**mask_kw)
+    out = cupy.full(q.shape, cupy.nan, dtype=cupy.float32).astype(dt)
+    lse = cupy.full((h, q.shape[0]), cupy.nan, dtype=cupy.float32)
+    out, lse = varlen._forward_cupy(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), mask, None, out=out, lse=lse)
+    assert out.shape == q.shape and lse.shape == (h, q.shape[0])
+    scale = 1 / math.sqrt(d)
+    oq, ok = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        if nq == 0:
+            continue
+        rows = slice(int(oq[b]), int(oq[b + 1]))
+        ob, lb = out[rows][None], lse[:, rows]
+        assert not bool(cupy.isnan(ob.astype(cupy.float32)).any()) and not bool(cupy.isnan(lb).any()), b
+        if nk == 0:
+            assert bool((ob.astype(cupy.float32) == 0).all()) and bool(cupy.isneginf(lb).all()), b
+            continue
+        qb = q[rows][None]
+        kb, vb = k[int(ok[b]):int(ok[b + 1])][None], v[int(ok[b]):int(ok[b + 1])][None]
+        err, pt, allowed = fa_rule(ob, qb, kb, vb, mask, scale)
+        assert err <= allowed, f"sequence {b} ({nq} x {nk}): max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
+        import cuflash
+
+        dense, dense_lse = cuflash.attention(qb, kb, vb, return_lse=True, backend="sm80", **mask_kw)
+        diff = float(cupy.abs(ob.astype(cupy.float32) - dense.astype(cupy.float32)).max())
+        assert diff <= allowed, f"sequence {b}: varlen and dense cuflash differ by {diff:.3e} > {allowed:.3e}"
+        finite = cupy.isfinite(dense_lse[0])
+        assert bool((cupy.isfinite(lb) == finite).all()), b
+        assert float(cupy.abs(cupy.where(finite, lb - dense_lse[0], 0)).max()) <= 1e-3, b
+
+
+def test_empty_batches_give_empty_or_filled_outputs():
+    import cupy
+
+    rng = np.random.default_rng(0)
+    dt = dtype_of("bfloat16")
+    q, k = _packed(rng, [5, 3], 2, 64, dt), _packed(rng, [0, 0], 2, 64, dt)
+    out, lse = varlen.attention_varlen(q, k, k, _cu([5, 3]), _cu([0, 0]), 5, 0, return_lse=True)
+    assert bool((out.astype(cupy.float32) == 0).all()) and bool(cupy.isneginf(lse).all())
+    q0 = _packed(rng, [0, 0], 2, 64, dt)
+    out, lse = varlen.attention_varlen(q0, q0, q0, _cu([0, 0]), _cu([0, 0]), 0, 0, return_lse=True)
+    assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
+
+
+def test_torch_tensors_and_the_autograd_refusal():
+    torch = pytest.importorskip("torch")
+    import cuflash
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(40, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 15, 40], device="cuda", dtype=torch.int32)
+    out = cuflash.attention_varlen(q, q, q, cu, cu, 25, 25, causal=True)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    ref = torch.cat([cuflash.attention(q[None, a:b], q[None, a:b], q[None, a:b], causal=True)[0]
+                     for a, b in ((0, 15), (15, 40))])
+    assert float((out.float() - ref.float()).abs().max()) <= 2e-2
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        cuflash.attention_varlen(q.requires_grad_(), q, q, cu, cu, 25, 25)
