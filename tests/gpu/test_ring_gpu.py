@@ -1,4 +1,4 @@
-"""Ring attention on several GPUs (issue 15; needs 2+ GPUs: the nvidia-h200-x2 machine; not yet run).
+"""Ring attention on several GPUs (issue 15; needs 2+ GPUs: the nvidia-h200-x2 machine; passes there).
 
 One process per GPU (torch.multiprocessing, NCCL). Every rank builds the same whole-sequence q, k, v
 and dout (same seed), takes its shard, runs cuflash.distributed.ring_attention forward and backward,
