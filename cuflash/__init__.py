@@ -15,9 +15,9 @@ from __future__ import annotations
 from ._version import __version__
 from .api import attention, attention_backward
 from .kvcache import attention_with_kvcache
-from .varlen import attention_varlen
+from .varlen import attention_varlen, attention_varlen_backward
 from .merge import merge_attention
 from .device import CudaUnavailableError, UnsupportedDeviceError
 
-__all__ = ["attention", "attention_backward", "attention_with_kvcache", "attention_varlen", "merge_attention", "UnsupportedDeviceError", "CudaUnavailableError",
+__all__ = ["attention", "attention_backward", "attention_with_kvcache", "attention_varlen", "attention_varlen_backward", "merge_attention", "UnsupportedDeviceError", "CudaUnavailableError",
            "__version__"]

@@ -48,7 +48,63 @@ def _aux_pointers(name: str) -> tuple:
     return tuple(n for _, n in _compile.AUX_KERNELS[name][0])
 
 
+# variable-length batches: the plan's extra slots (int32 device offsets, batch + 1 each)
+VARLEN_SLOTS = ("cu_seqlens_q", "cu_seqlens_k")
+
+
+def varlen_ws_rows_per_head(p: AttnProblem) -> int:
+    """Workspace rows per head of a varlen backward: every sequence starts at (its first row +
+    _ROW_PAD x its index) rounded down to _ROW_PAD (kernels_cu/attn/mask.cuh, SeqSpan::ws_row0)."""
+    return -(-(p.total_q + _ROW_PAD * p.batch) // _ROW_PAD) * _ROW_PAD
+
+
+def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Plan:
+    """The backward of variable-length batches (cuflash/varlen.py): the same kernels' varlen
+    instances; the row-wise ones on a (row chunks, heads, batch) grid over each sequence's rows."""
+    b, h, d, hkv, gqa = p.batch, p.heads, p.head_dim, p.heads_kv, p.group > 1
+    if b > 65535:
+        raise ValueError(f"variable-length batches take at most 65535 sequences, got {b}")
+    pad = varlen_ws_rows_per_head(p)
+    ws_rows = h * pad
+    kd = p.features.head_dim
+    chunks = kd // 8
+    rows_grid = -(-p.seqlen_q // _ROW_PAD) * _ROW_PAD  # the longest sequence's padded rows
+    prep = _compile.get_aux_kernel("bwd_prep_varlen", p.features, p.device)
+    launches = [Launch(prep, (-(-rows_grid * prep_threads_per_row(kd) // _AUX_THREADS), h, b), (_AUX_THREADS,), 0,
+                       pointers=_aux_pointers("bwd_prep_varlen"))]
+    n_blocks = -(-p.seqlen_k // cfg.block_k) * getattr(cfg, "column_splits", 1)
+    check_grid(n_blocks * h * b)
+    main = _compile.get_kernel(cfg, p.features, p.device)
+    slots = _pointers(families.BWD) + VARLEN_SLOTS
+    if gqa:
+        slots = tuple(_EXPANDED.get(n, n) for n in slots)
+    launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots))
+    m_blocks = 0
+    if p.deterministic:
+        m_blocks = -(-p.seqlen_q // dq_cfg.block_q)
+        check_grid(m_blocks * h * b)
+        launches.append(Launch(_compile.get_kernel(dq_cfg, p.features, p.device), (m_blocks * h * b,),
+                               (dq_cfg.threads,), dq_cfg.smem_bytes, pointers=_pointers(families.BWD_DQ) + VARLEN_SLOTS))
+    else:
+        convert = _compile.get_aux_kernel("bwd_dq_convert_varlen", p.features, p.device)
+        launches.append(Launch(convert, (-(-p.seqlen_q * chunks // _AUX_THREADS), h, b), (_AUX_THREADS,), 0,
+                               pointers=_aux_pointers("bwd_dq_convert_varlen")))
+    expanded = ()
+    if gqa:
+        reduce = _compile.get_aux_kernel("bwd_dkdv_reduce", p.features, p.device)
+        launches.append(Launch(reduce, (-(-p.total_k * hkv * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
+                               pointers=_aux_pointers("bwd_dkdv_reduce")))
+        expanded = tuple(Buffer(n, (p.total_k, h, d), dtype) for n in _EXPANDED.values())
+    buffers = (Buffer("dq", (p.total_q, h, d), dtype), Buffer("dk", (p.total_k, hkv, d), dtype),
+               Buffer("dv", (p.total_k, hkv, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
+               Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
+    return Plan(p.device, BWD_ARRAYS + VARLEN_SLOTS, buffers, tuple(launches), OUTPUTS,
+                pack_bwd(p, pad, n_blocks, m_blocks))
+
+
 def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Plan:
+    if p.varlen:
+        return _plan_varlen(p, cfg, dq_cfg, dtype)
     b, nq, nk, h, d = p.batch, p.seqlen_q, p.seqlen_k, p.heads, p.head_dim
     hkv, gqa = p.heads_kv, p.group > 1
     pad = -(-nq // _ROW_PAD) * _ROW_PAD

@@ -13,7 +13,7 @@ import pathlib
 import re
 
 from . import families, params
-from .families.base import F32, F32_IN, IN, OUT
+from .families.base import F32, F32_IN, I32_IN, IN, OUT
 from .features import Features
 
 
@@ -226,6 +226,10 @@ AUX_KERNELS = {
     "bwd_dq_convert": (((F32_IN, "dq_acc"), (OUT, "dq")), "BwdParams"),
     # GQA/MQA: dK, dV per query head (expanded buffers) summed over each k/v head's group
     "bwd_dkdv_reduce": (((IN, "dk_exp"), (IN, "dv_exp"), (OUT, "dk"), (OUT, "dv")), "BwdParams"),
+    # variable-length batches (cuflash/varlen.py): a (row chunks, heads, batch) grid over the sequences
+    "bwd_prep_varlen": (((IN, "out"), (IN, "dout"), (F32_IN, "lse"), (F32, "delta"), (F32, "lse2"), (F32, "dq_acc"),
+                         (I32_IN, "cu_seqlens_q")), "BwdParams"),
+    "bwd_dq_convert_varlen": (((F32_IN, "dq_acc"), (OUT, "dq"), (I32_IN, "cu_seqlens_q")), "BwdParams"),
 }
 
 

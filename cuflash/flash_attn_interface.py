@@ -80,8 +80,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                window_size, softcap, alibi_slopes, return_attn_probs, block_table=None):
-    """cuflash.attention_varlen (forward only, issue 12: no backward yet, so no dropout either)."""
+                window_size, softcap, alibi_slopes, return_attn_probs, block_table=None, deterministic=False):
+    """cuflash.attention_varlen (differentiable on torch tensors; no dropout yet)."""
     from .varlen import attention_varlen
 
     _check(alibi_slopes)
@@ -89,7 +89,7 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     window = tuple(window_size) if window_size is not None else (-1, -1)
     res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
                            softmax_scale=softmax_scale, window_size=window, softcap=softcap,
-                           return_lse=bool(return_attn_probs))
+                           return_lse=bool(return_attn_probs), deterministic=bool(deterministic))
     if return_attn_probs:
         out, lse = res
         return out, lse, None
@@ -101,28 +101,29 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn 2's flash_attn_varlen_func: q (total_q, nheads, headdim), k and v (total_k, nheads_k,
     headdim), cu_seqlens int32 (batch + 1,); causal aligned to the bottom right of each sequence.
-    Forward only (cuflash.attention_varlen): dropout_p > 0, block_table (paged caches) and torch
-    inputs that require grad raise NotImplementedError. Returns out (total_q, nheads, headdim), or
+    cuflash.attention_varlen, differentiable on torch tensors: dropout_p > 0 and block_table (paged
+    caches) raise NotImplementedError. Returns out (total_q, nheads, headdim), or
     (out, softmax_lse (nheads, total_q), None) with return_attn_probs."""
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table)
+                       causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, deterministic)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
-    """qkv (total, 3, nheads, headdim): q, k, v as strided views of it (no copy); forward only."""
+    """qkv (total, 3, nheads, headdim): q, k, v as strided views of it (no copy)."""
     q, k, v = (qkv[:, i] for i in range(3))
     return _run_varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
-                       window_size, softcap, alibi_slopes, return_attn_probs)
+                       window_size, softcap, alibi_slopes, return_attn_probs, deterministic=deterministic)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
-    """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim); forward only."""
+    """q (total_q, nheads, headdim), kv (total_k, 2, nheads_k, headdim)."""
     return _run_varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+                       softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
+                       deterministic=deterministic)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None,

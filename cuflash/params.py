@@ -69,7 +69,7 @@ BWD_FIELDS = [
     ("heads_kv", _I32), ("group", _I32),  # GQA/MQA, as FwdParams'
     ("softcap_scale", _F32),  # as FwdParams'
     ("head_dim", _I32),  # as FwdParams'
-    ("reserved", _I32),  # explicit tail padding: no byte of the struct is implicit
+    ("align_end", _I32),  # as FwdParams'
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)
@@ -140,6 +140,13 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     _set_common(a, p)
     a["seqlen_q_pad"], a["n_blocks"], a["m_blocks"] = seqlen_q_pad, n_blocks, m_blocks
     a["scale"] = np.float32(p.softmax_scale)
+    if p.varlen:  # packed rows (cuflash/_backward.py _plan_varlen; kernels_cu/attn/mask.cuh SeqSpan)
+        _set_strides(a, "dq", (0, p.heads * p.head_dim, p.head_dim))
+        for t in ("dk", "dv"):
+            _set_strides(a, t, (0, p.heads * p.head_dim, p.head_dim))
+        a["ws_rows"], a["q_rows"] = p.heads * seqlen_q_pad, 0
+        a["kv_rows"] = p.total_k * p.heads_kv if p.group > 1 else 0
+        a["seqlen_q"], a["seqlen_k"], a["align_end"] = p.total_q, p.total_k, int(p.align_end)
     return a
 
 

@@ -1,5 +1,5 @@
-"""Variable-length batches: `attention_varlen`, FlashAttention's `flash_attn_varlen_func` layout,
-forward only for now (issue 12).
+"""Variable-length batches: `attention_varlen` and `attention_varlen_backward`, FlashAttention's
+`flash_attn_varlen_func` layout (issue 12).
 
 Sequences of different lengths are packed along one token axis: q (total_q, heads, head_dim), k and
 v (total_k, heads_kv, head_dim); sequence b is the rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q
@@ -8,11 +8,12 @@ starting at 0, non-decreasing). Each sequence attends only to its own keys, with
 per sequence (bottom-right by default: the last query sits at the last key). Empty sequences are
 allowed (no rows to write; a sequence with queries and no key gives out 0 and lse -inf).
 
-The kernel is the sm80 v2 forward's variable-length instance (Features.varlen; it reads the two
-offsets of its sequence and moves the rows, lengths and mask with them,
-kernels_cu/attn/mask.cuh SeqSpan). The Hopper family does not have it yet: such calls run the sm80
-kernel on every GPU. No backward yet: a torch input that requires grad (with grad mode on) is refused
-rather than silently given an output without a gradient.
+The kernels are the sm80 families' variable-length instances (Features.varlen: the v2 forward,
+the backward's dK/dV and deterministic dQ kernels, and row-wise prep / convert kernels over a
+(row chunks, heads, batch) grid); each block reads its sequence's two offsets and moves its rows,
+lengths and mask with them (kernels_cu/attn/mask.cuh SeqSpan). The backward's fp32 workspaces pad
+each sequence to a multiple of 128 rows (SeqSpan::ws_row0). The Hopper families do not have these
+instances yet: such calls run the sm80 kernels on every GPU. No dropout yet.
 
 What is checked before any launch: shapes, dtypes, devices, head dims, GQA divisibility, the
 cu_seqlens arrays' shape, dtype and device, max_seqlen_q / max_seqlen_k (non-negative ints; at least
@@ -28,11 +29,12 @@ import numpy as np
 
 from . import _forward, _interop, families, problem
 from . import _plans as plan_cache
-from .launch import FilledPlan
+from .launch import Buffer, FilledPlan
 from .mask import MaskOptions
-from .problem import ArrayInfo
+from .problem import ArrayInfo, AttnProblem
 
 _plans = plan_cache.PlanCache()
+_bwd_plans = plan_cache.PlanCache()
 
 
 def _packed(info: ArrayInfo, name: str, heads_name: str) -> ArrayInfo:
@@ -98,6 +100,35 @@ def resolve(qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, cu_q: ArrayInfo, cu_k: 
                                align_end=mask.alignment == "bottom_right")
 
 
+def resolve_backward(doi: ArrayInfo, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, oi: ArrayInfo, li: ArrayInfo,
+                     cu_q: ArrayInfo, cu_k: ArrayInfo, max_seqlen_q, max_seqlen_k, mask: MaskOptions, softmax_scale,
+                     deterministic=False) -> AttnProblem:
+    """The AttnProblem of a varlen backward: resolve()'s, plus out and dout shaped like q (packed,
+    the same layout rules) and lse the forward's float32 (heads, total_q), C-contiguous."""
+    p = resolve(qi, ki, vi, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale)
+    strides = dict(p.strides)
+    for a, name in ((oi, "out"), (doi, "dout")):
+        if a.dtype != qi.dtype:
+            raise TypeError(f"{name} must have q's dtype {qi.dtype}, got {a.dtype}")
+        if tuple(a.shape) != tuple(qi.shape):
+            raise ValueError(f"{name} must have q's shape {qi.shape}, got shape {a.shape}")
+        if a.device != qi.device:
+            raise ValueError(f"{name} must be on q's device {qi.device}, got device {a.device}")
+        packed = _packed(a, name, "heads")
+        problem._check_layout(packed, name)
+        strides[name] = tuple(s // a.itemsize for s in packed.strides[:3])
+    want = (p.heads, p.total_q)
+    if li.dtype != "float32":
+        raise TypeError(f"lse must be float32 (the forward's log-sum-exp), got dtype {li.dtype}")
+    if tuple(li.shape) != want:
+        raise ValueError(f"lse must have shape (heads, total_q) = {want}, got shape {li.shape}")
+    if p.total_q and p.heads and (li.strides[-1] != 4 or (p.heads > 1 and li.strides[0] != 4 * p.total_q)):
+        raise ValueError(f"lse must be C-contiguous, got strides {li.strides}; pass the lse the forward returned")
+    if li.device != qi.device:
+        raise ValueError(f"lse must be on q's device {qi.device}, got device {li.device}")
+    return dataclasses.replace(p, strides=strides, deterministic=problem.check_flag(deterministic, "deterministic"))
+
+
 def _empty_plan(p, dtype) -> FilledPlan:
     """No query or no key in the whole batch: out 0 and lse -inf (rows with no key), or empty outputs."""
     out, lse = _forward.output_buffers(p, dtype)
@@ -129,11 +160,59 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     return plan.run((q, k, v, out, lse, cu_q, cu_k))
 
 
+def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   mask: MaskOptions, softmax_scale, deterministic=False):
+    """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed)."""
+    import cupy
+
+    from . import _backward
+
+    arrays = (dout, q, k, v, out, lse)
+    infos = [problem.describe(x, n) for x, n in zip(arrays, ("dout", "q", "k", "v", "out", "lse"))]
+    offsets = [_offsets_info(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))]
+    p = resolve_backward(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic)
+    cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
+
+    def build():
+        if p.empty:  # no launch: zero gradients of q, k, v's shapes
+            return FilledPlan(p.device, (), tuple((Buffer(n, x.shape, q.dtype), 0)
+                                                  for n, x in zip(_backward.OUTPUTS, (q, k, v))))
+        cfg = families.select(families.BWD, p)
+        dq_cfg = families.select(families.BWD_DQ, p) if p.deterministic else None
+        return _backward._plan(p, cfg, dq_cfg, q.dtype)
+
+    key = lambda: (*plan_cache.array_key(arrays), p.batch, p.seqlen_q, p.seqlen_k, mask.key, softmax_scale,
+                   p.deterministic)
+    plan = _bwd_plans.get(key, build)
+    return plan.run((*arrays, cu_q, cu_k))
+
+
+def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                              max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
+                              window_size=(-1, -1), alignment: str = "bottom_right", softcap: float = 0.0,
+                              deterministic: bool = False):
+    """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient `dout` (packed like q);
+    `out` and `lse` are the forward's (lse (heads, total_q)). The mask options must be the forward's.
+    deterministic=True: bitwise reproducible dq (a dQ kernel instead of fp32 atomics).
+    CuPy arrays, torch tensors (no autograd: call it yourself, or use attention_varlen on tensors
+    that require grad) and other DLPack arrays."""
+    mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
+    names = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
+    arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    fw, dev = _interop.common_framework(arrays, names)
+
+    def body(*a):
+        return _backward_cupy(*a, max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic)
+
+    return body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
-                     alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False):
+                     alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False,
+                     deterministic: bool = False):
     """Attention over a batch of packed sequences of different lengths (module docstring: the layout,
-    what is checked). Forward only: no autograd yet.
+    what is checked).
 
     q: (total_q, heads, head_dim); k, v: (total_k, heads_kv, head_dim) (heads_kv divides heads: GQA);
     float16 or bfloat16, contiguous in the last dimension. cu_seqlens_q / cu_seqlens_k: int32 arrays of
@@ -141,14 +220,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     sequence of each (host ints). causal / window_size / alignment / softcap / softmax_scale: as
     cuflash.attention, per sequence. Returns out (total_q, heads, head_dim), and with return_lse
     also lse float32 (heads, total_q) (FlashAttention's packed layout).
-    CuPy arrays, or torch tensors (through DLPack on torch's current stream) and other DLPack arrays.
+    CuPy arrays (the backward: attention_varlen_backward), torch tensors (differentiable when q, k or
+    v require grad; deterministic=True makes that backward bitwise reproducible) and other DLPack
+    arrays.
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
+    problem.check_flag(deterministic, "deterministic")
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     fw, dev = _interop.common_framework(arrays, names)
-    if fw == _interop.TORCH:
-        _refuse_autograd(arrays, names)
+    if fw == _interop.TORCH and _needs_grad(q, k, v):
+        out, lse = _torch_function().apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
+                                           softmax_scale, bool(deterministic), dev)
+        return (out, lse) if return_lse else out
 
     def body(q, k, v, cu_q, cu_k):
         return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale)
@@ -157,13 +241,47 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     return (out, lse) if return_lse else out
 
 
-def _refuse_autograd(arrays, names) -> None:
+def _needs_grad(*tensors) -> bool:
     import torch
 
-    if torch.is_grad_enabled():
-        for x, n in zip(arrays, names):
-            if getattr(x, "requires_grad", False):
-                raise NotImplementedError(f"attention_varlen has no backward yet, and {n} requires grad: run it "
-                                          f"under torch.no_grad() or pass detached tensors")
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+_TORCH_FUNCTION = None
+
+
+def _torch_function():
+    """The torch autograd.Function of attention_varlen (made once: a class is a reference cycle)."""
+    global _TORCH_FUNCTION
+    if _TORCH_FUNCTION is None:
+        import torch
+
+        names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+        bwd_names = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
+
+        class VarlenAttention(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, deterministic, dev):
+                def body(q, k, v, cu_q, cu_k):
+                    return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale)
+
+                out, lse = _interop.run(body, (q, k, v, cu_q, cu_k), _interop.TORCH, dev, names)
+                ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+                ctx.options = (max_q, max_k, mask, scale, deterministic, dev)
+                ctx.mark_non_differentiable(lse)
+                return out, lse
+
+            @staticmethod
+            def backward(ctx, dout, dlse):
+                q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+                max_q, max_k, mask, scale, deterministic, dev = ctx.options
+
+                def body(*a):
+                    return _backward_cupy(*a, max_q, max_k, mask, scale, deterministic)
+
+                dq, dk, dv = _interop.run(body, (dout.contiguous(), q, k, v, out, lse, cu_q, cu_k), _interop.TORCH,
+                                          dev, bwd_names)
+                return dq, dk, dv, None, None, None, None, None, None, None, None
+
+        _TORCH_FUNCTION = VarlenAttention
+    return _TORCH_FUNCTION

@@ -58,7 +58,10 @@ def select(family: KernelFamily, problem):
 
     props = device.supported(problem.device)  # UnsupportedDeviceError on a GPU older than cc 8.0
     tile = _tuned.lookup(family, problem, props)
-    if tile is not None:
+    # Variable-length batches are not tuned: a tuned tile that spills in their instances (the
+    # family's `spilling` marks) gives way to the default that does not. (The older variants,
+    # windows and softcap, keep their class's tuned tile, as they were measured with it.)
+    if tile is not None and not (problem.features.varlen and family.avoids(tile, problem.features)):
         return tile
     try:
         return family.default(problem.features.head_dim, props.smem_optin, problem.features)

@@ -134,14 +134,20 @@ BWD = KernelFamily(
         32: (BwdConfig(32, 128, 128, 8, 2), BwdConfig(32, 64, 128, 8, 2)),
         64: (BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2), BwdConfig(64, 64, 128, 8, 2)),
         96: (BwdConfig(96, 64, 128, 8, 2), BwdConfig(96, 32, 64, 4, 2)),
-        128: (BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2), BwdConfig(128, 32, 64, 4, 2)),
+        128: (BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2), BwdConfig(128, 32, 128, 8, 3),
+              BwdConfig(128, 32, 64, 4, 2)),
         192: (BwdConfig(192, 64, 128, 8, 2), BwdConfig(192, 32, 64, 4, 2)),
         256: (BwdConfig(256, 32, 128, 8, 2), BwdConfig(256, 32, 64, 4, 2)),
     },
     accumulator_registers=_bwd_acc,
     # the d64 128-query tiles with softcap and dropout: 12 B (three stages) and 8 B (two) on sm_80
-    spilling={"dropout+softcap": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)})},
+    spilling={"dropout+softcap": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)}),
+              # variable-length batches: 4-16 B on these (sm_90a for d128, both targets for d192);
+              # d128 then runs 32-query tiles (231-246 registers)
+              "varlen": frozenset({BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2),
+                                   BwdConfig(192, 64, 128, 8, 2)})},
     run=_run_bwd, deterministic_outputs=(1, 2),  # dK, dV (dQ is summed by atomics)
+    takes_varlen=True,
 )
 
 BWD_DQ = KernelFamily(
@@ -159,8 +165,11 @@ BWD_DQ = KernelFamily(
         256: (DqConfig(256, 128, 32, 8, 2), DqConfig(256, 64, 32, 4, 2), DqConfig(256, 32, 16, 2, 2)),
     },
     accumulator_registers=_dq_acc,
-    spilling={"dropout": frozenset({DqConfig(192, 128, 64, 8, 2)})},  # 8 B on sm_90a
-    run=_run_bwd_dq, deterministic_outputs=(0, 1, 2),
+    spilling={"dropout": frozenset({DqConfig(192, 128, 64, 8, 2)}),  # 8 B on sm_90a
+              # variable-length batches: 4-12 B (sm_90a; d64 with softcap and a partial head dim)
+              "varlen": frozenset({DqConfig(192, 128, 64, 8, 2)}),
+              "softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)})},
+    run=_run_bwd_dq, deterministic_outputs=(0, 1, 2), takes_varlen=True,
 )
 
 # The v1 kernel exists to be compared with v2, so its defaults use v2's default tile shapes

@@ -42,6 +42,34 @@ struct SeqSpan {
         return s;
     }
 
+    // The first row of (batch b, head h) in the backward's fp32 workspaces (lse2, delta, dq_acc;
+    // rows of seqlen_q_pad per head). Dense: (b heads + h) seqlen_q_pad. V::kVarlen: per head,
+    // the sequences' rows in order, each starting at (q_start + kVarlenRowPad b) rounded down to
+    // kVarlenRowPad: 16-byte aligned, and at least ceil(seqlen_q / kVarlenRowPad) kVarlenRowPad rows
+    // before the next one starts, so a query block past a sequence's end stays in its own padding.
+    // seqlen_q_pad is then total_q + kVarlenRowPad batch, rounded up (cuflash/_backward.py).
+    static constexpr int kVarlenRowPad = 128;
+    __device__ __forceinline__ static long long varlen_ws_row0(int q_start, int b, int h, int seqlen_q_pad) {
+        return (long long)h * seqlen_q_pad + (((long long)q_start + (long long)kVarlenRowPad * b) & ~(long long)(kVarlenRowPad - 1));
+    }
+    template <class V>
+    __device__ __forceinline__ long long ws_row0(int b, int h, int bh, int seqlen_q_pad) const {
+        if constexpr (V::kVarlen)
+            return varlen_ws_row0(q_start, b, h, seqlen_q_pad);
+        else
+            return (long long)bh * seqlen_q_pad;
+    }
+
+    // One offset again, loaded from memory where it is used (volatile: the compiler cannot keep the
+    // first load's value in a register through the mainloop; the backward's kernels sit at their
+    // register limit). V::kVarlen only; else 0.
+    template <class V>
+    __device__ __forceinline__ static int reload(const int* __restrict__ cu_seqlens, int b) {
+        int x = 0;
+        if constexpr (V::kVarlen) asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(x) : "l"(cu_seqlens + b));
+        return x;
+    }
+
     // Batch b's first query row and query count again, loaded from memory (V::kVarlen; volatile, so
     // the compiler cannot keep the first load's values): the forward's epilogue takes them here
     // instead of holding two registers through the mainloop (the softcap instances spilled).

@@ -85,7 +85,7 @@ struct BwdParams {
     int group;                // heads / heads_kv: query head h reads k/v head h / group (1 for MHA)
     float softcap_scale;      // softcap: softmax_scale / softcap, as FwdParams' (0: off)
     int head_dim;             // the call's head dim (<= the instance's D; less only in V::kPartialD instances)
-    int reserved;             // explicit tail padding (alignment 8): no byte of the struct is implicit
+    int align_end;            // V::kVarlen: as FwdParams' (seqlen_q / seqlen_k are then total_q / total_k, seqlen_q_pad the workspace rows per head)
 };
 
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 168, "FwdParams layout changed: update cuflash/params.py");

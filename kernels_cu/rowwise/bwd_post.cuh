@@ -1,6 +1,7 @@
 // cuflash/kernels_cu/rowwise/bwd_post.cuh
 // Backward postprocessing: dQ = dq_acc * softmax_scale -> 16-bit, in the caller's strides.
 #pragma once
+#include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "core/convert.cuh"
 
@@ -29,6 +30,29 @@ __device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ dq_acc,
     out.z = pack2<BF16>(bb.x * scale, bb.y * scale);
     out.w = pack2<BF16>(bb.z * scale, bb.w * scale);
     *reinterpret_cast<uint4*>(dq + b * dq_sb + i * dq_sn + h * dq_sh + c * 8) = out;
+}
+
+// Variable-length batches: the same over a grid of (row chunks, head, batch) (as bwd_prep_varlen);
+// dq packed (total_q, heads, D).
+template <bool BF16, int D>
+__device__ __forceinline__ void bwd_dq_convert_varlen(const float* __restrict__ dq_acc, elem_t* __restrict__ dq,
+                                                      const int* __restrict__ cu_seqlens_q, const BwdParams& params) {
+    constexpr int CH = D / 8;
+    const int b = blockIdx.z, h = blockIdx.y;
+    const SeqSpan span{cu_seqlens_q[b], 0, cu_seqlens_q[b + 1] - cu_seqlens_q[b], 0};
+    const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = (int)(gt / CH), c = (int)(gt % CH);
+    if (i >= span.seqlen_q || c >= params.head_dim / 8) return;
+    const float scale = params.scale;
+    const long long r = SeqSpan::varlen_ws_row0(span.q_start, b, h, params.seqlen_q_pad) + i;
+    const float4* src = reinterpret_cast<const float4*>(dq_acc + r * D + c * 8);
+    float4 a = src[0], bb = src[1];
+    uint4 out;
+    out.x = pack2<BF16>(a.x * scale, a.y * scale);
+    out.y = pack2<BF16>(a.z * scale, a.w * scale);
+    out.z = pack2<BF16>(bb.x * scale, bb.y * scale);
+    out.w = pack2<BF16>(bb.z * scale, bb.w * scale);
+    *reinterpret_cast<uint4*>(dq + ((long long)span.q_start + i) * params.dq_sn + h * params.dq_sh + c * 8) = out;
 }
 
 }  // namespace cuflash

@@ -4,6 +4,7 @@
 // dQ accumulator. Buffers are padded to a multiple of 128 rows so the main kernels copy them with
 // unguarded 16-byte cp.async.
 #pragma once
+#include "attn/mask.cuh"
 #include "attn/params.cuh"
 #include "core/convert.cuh"
 
@@ -49,6 +50,58 @@ __device__ __forceinline__ void bwd_prep(const elem_t* __restrict__ o, const ele
     if (c == 0) {
         const float POS_INF = __int_as_float(0x7f800000);
         float l = i < seqlen_q ? lse[(long long)bh * seqlen_q + i] : POS_INF;
+        delta[r] = dot;
+        lse2[r] = (l == -POS_INF) ? POS_INF : l * kLog2e;
+    }
+    if (dq_acc != nullptr && c < CH) {
+        float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+        float4* p = reinterpret_cast<float4*>(dq_acc + r * D + c * 8);
+        p[0] = z;
+        p[1] = z;
+    }
+}
+
+// Variable-length batches (cuflash/varlen.py): the same per row, over a grid of (row chunks, head,
+// batch): batch b = blockIdx.z, head h = blockIdx.y, and its workspace rows from ws_row0 (attn/
+// mask.cuh: each sequence padded to a multiple of SeqSpan::kVarlenRowPad rows, those past its
+// length set as padding: delta 0, lse2 +inf, dq_acc 0). o, dout are packed (total_q, heads, D), lse
+// (heads, total_q) with total_q = params.seqlen_q.
+template <bool BF16, int D>
+__device__ __forceinline__ void bwd_prep_varlen(const elem_t* __restrict__ o, const elem_t* __restrict__ dout,
+                                                const float* __restrict__ lse, float* __restrict__ delta,
+                                                float* __restrict__ lse2, float* __restrict__ dq_acc,
+                                                const int* __restrict__ cu_seqlens_q, const BwdParams& params) {
+    constexpr int CH = D / 8;
+    constexpr int TPR = CH <= 1 ? 1 : CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
+    static_assert(CH <= 32, "a row's threads must sit in one warp");
+    constexpr int PAD = SeqSpan::kVarlenRowPad;
+    const int b = blockIdx.z, h = blockIdx.y;
+    const SeqSpan span{cu_seqlens_q[b], 0, cu_seqlens_q[b + 1] - cu_seqlens_q[b], 0};
+    const int seqlen_q = span.seqlen_q, rows = (seqlen_q + PAD - 1) / PAD * PAD;
+    const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = (int)(gt / TPR), c = (int)(gt % TPR);
+    const int d_chunks = params.head_dim / 8;
+    float dot = 0.f;
+    if (i < seqlen_q && c < d_chunks) {
+        const long long row = span.q_start + i;
+        uint4 x = *reinterpret_cast<const uint4*>(o + row * params.o_sn + h * params.o_sh + c * 8);
+        uint4 y = *reinterpret_cast<const uint4*>(dout + row * params.do_sn + h * params.do_sh + c * 8);
+        const u32 xs[4] = {x.x, x.y, x.z, x.w}, ys[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float a0, a1, b0, b1;
+            unpack2<BF16>(xs[e], a0, a1);
+            unpack2<BF16>(ys[e], b0, b1);
+            dot = fmaf(a0, b0, fmaf(a1, b1, dot));
+        }
+    }
+#pragma unroll
+    for (int s = 1; s < TPR; s *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, s);
+    if (i >= rows) return;
+    const long long r = SeqSpan::varlen_ws_row0(span.q_start, b, h, params.seqlen_q_pad) + i;
+    if (c == 0) {
+        const float POS_INF = __int_as_float(0x7f800000);
+        float l = i < seqlen_q ? lse[(long long)h * params.seqlen_q + span.q_start + i] : POS_INF;
         delta[r] = dot;
         lse2[r] = (l == -POS_INF) ? POS_INF : l * kLog2e;
     }

@@ -81,14 +81,14 @@ template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                                const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
                                                const float* __restrict__ delta, float* __restrict__ dq_acc, elem_t* __restrict__ dk,
-                                               elem_t* __restrict__ dv, const BwdParams& params) {
+                                               elem_t* __restrict__ dv, const int* __restrict__ cu_seqlens_q,
+                                               const int* __restrict__ cu_seqlens_k, const BwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
                     v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, do_sb = params.do_sb, do_sn = params.do_sn, do_sh = params.do_sh,
                     dk_sb = params.dk_sb, dk_sn = params.dk_sn, dk_sh = params.dk_sh, dv_sb = params.dv_sb, dv_sn = params.dv_sn, dv_sh = params.dv_sh;
-    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, seqlen_q_pad = params.seqlen_q_pad, n_blocks = params.n_blocks,
-              group = params.group;
+    const int n_heads = params.heads, seqlen_q_pad = params.seqlen_q_pad, n_blocks = params.n_blocks, group = params.group;
     const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
@@ -112,20 +112,34 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 
     // Block -> (key block, head, batch); key blocks fastest, in natural order: under a causal
     // mask the early key blocks see the most query tiles, so the heaviest blocks start first.
-    const MaskGeometry geo = MaskGeometry::of<V>(params);
     // n_blocks counts key blocks x kColSplits: the column splits of one key block are neighbours.
     const BlockCoord blk = schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
     const int bh = blk.bh, b = blk.batch, h = blk.head, nb = blk.block / S_::kColSplits;
     const int col0 = (blk.block % S_::kColSplits) * S_::kSplitCols;  // this block's dK/dV/dQ columns
     const int c0 = nb * BC;
+    // V::kVarlen: this batch's rows of the packed arrays and its lengths (else row 0 of its slice
+    // and the call's lengths); a key block past its keys has nothing to write (uniform: no barrier yet)
+    const SeqSpan span = SeqSpan::of<V>(cu_seqlens_q, cu_seqlens_k, b, params.seqlen_q, params.seqlen_k);
+    if (V::kVarlen && c0 >= span.seqlen_k) return;
+    const int seqlen_q = span.seqlen_q, seqlen_k = span.seqlen_k;
+    const MaskGeometry geo = MaskGeometry::of<V>(params).template for_span<V>(span, params.align_end);
 
-    const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
+    const elem_t* qg = q + (long long)b * q_sb + (long long)span.q_start * q_sn + (long long)h * q_sh;
     const int h_kv = h / group;  // GQA/MQA: k/v head of query head h (MHA: group 1); dK/dV go per query head
-    const elem_t* kg = k + (long long)b * k_sb + (long long)h_kv * k_sh;
-    const elem_t* vg = v + (long long)b * v_sb + (long long)h_kv * v_sh;
-    const elem_t* dog = dout + (long long)b * do_sb + (long long)h * do_sh;
-    const float* lse2g = lse2 + (long long)bh * seqlen_q_pad;
-    const float* deltag = delta + (long long)bh * seqlen_q_pad;
+    const elem_t* kg = k + (long long)b * k_sb + (long long)span.k_start * k_sn + (long long)h_kv * k_sh;
+    const elem_t* vg = v + (long long)b * v_sb + (long long)span.k_start * v_sn + (long long)h_kv * v_sh;
+    const elem_t* dog = dout + (long long)b * do_sb + (long long)span.q_start * do_sn + (long long)h * do_sh;
+    const long long ws0 = span.template ws_row0<V>(b, h, bh, seqlen_q_pad);  // lse2, delta, dq_acc rows
+    const float* lse2g = lse2 + ws0;
+    const float* deltag = delta + ws0;
+    // the same row, recomputed where dQ is added (V::kVarlen: from a reloaded offset, so that no
+    // 64-bit row index lives through the mainloop)
+    auto ws_rows0 = [&]() {
+        if constexpr (V::kVarlen)
+            return SeqSpan::varlen_ws_row0(SeqSpan::reload<V>(cu_seqlens_q, b), b, h, seqlen_q_pad);
+        else
+            return (long long)bh * seqlen_q_pad;
+    };
 
     // Query tiles that see any of this block's keys, and which of them need the mask.
     const int m_blocks = (seqlen_q + BR - 1) / BR;
@@ -189,7 +203,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         // barrier above. Deferring it by one tile saves the second barrier per tile.
         if (dq_acc != nullptr && it > 0)
             bwd_dq_product<BF16, S_>(sdS + ((it - 1) % 2) * S_::kDsBytes, sK,
-                                     dq_acc + ((long long)bh * seqlen_q_pad + q0 - BR) * D, col0, warp, lane);
+                                     dq_acc + (ws_rows0() + q0 - BR) * D, col0, warp, lane);
 
         // ---- dropout keep bits (first, while few registers are live), in S^T's A-fragment order
         // (Dropout::bits8_transposed): byte kq % 4 of keep[kq / 4], bit 4s + 2h + e, is key g + 8h,
@@ -301,7 +315,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     __syncthreads();  // the last dS^T is complete
     if (dq_acc != nullptr && n_iter > 0) {
         bwd_dq_product<BF16, S_>(sdS + ((n_iter - 1) % 2) * S_::kDsBytes, sK,
-                                 dq_acc + ((long long)bh * seqlen_q_pad + (m_begin + n_iter - 1) * BR) * D, col0, warp, lane);
+                                 dq_acc + (ws_rows0() + (m_begin + n_iter - 1) * BR) * D, col0, warp, lane);
         __syncthreads();  // every warp is done reading K: its rows take dK for the store
     }
 
@@ -309,10 +323,22 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     stash_c_tile<BF16, CH, DN>(sK, warp * 16, acc_dk, scale, lane, col0 / 8);
     stash_c_tile<BF16, CH, DN>(sV, warp * 16, acc_dv, V::kDropout ? drop_scale : 1.f, lane, col0 / 8);
     __syncwarp();
-    elem_t* dkg = dk + (long long)b * dk_sb + (long long)h * dk_sh;
-    elem_t* dvg = dv + (long long)b * dv_sb + (long long)h * dv_sh;
+    const int k_start = SeqSpan::reload<V>(cu_seqlens_k, b);  // V::kVarlen (reloaded); else 0
+    elem_t* dkg = dk + (long long)b * dk_sb + (long long)k_start * dk_sn + (long long)h * dk_sh;
+    elem_t* dvg = dv + (long long)b * dv_sb + (long long)k_start * dv_sn + (long long)h * dv_sh;
     store_rows_warp<CH, 16, DN, V::kPartialD>(sK, warp * 16, dkg, dk_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
     store_rows_warp<CH, 16, DN, V::kPartialD>(sV, warp * 16, dvg, dv_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
+}
+
+// The instances without variable-length batches: the shell passes no cu_seqlens, and the kernel
+// never reads them.
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
+__device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                               const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
+                                               const float* __restrict__ delta, float* __restrict__ dq_acc, elem_t* __restrict__ dk,
+                                               elem_t* __restrict__ dv, const BwdParams& params) {
+    static_assert(!V::kVarlen, "variable-length batches need the cu_seqlens pointers");
+    flash_bwd_dkdv<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, dout, lse2, delta, dq_acc, dk, dv, nullptr, nullptr, params);
 }
 
 }  // namespace cuflash

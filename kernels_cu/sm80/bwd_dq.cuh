@@ -20,14 +20,15 @@ namespace cuflash {
 template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                              const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
-                                             const float* __restrict__ delta, elem_t* __restrict__ dq, const BwdParams& params) {
+                                             const float* __restrict__ delta, elem_t* __restrict__ dq,
+                                             const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
+                                             const BwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
                     v_sb = params.v_sb, v_sn = params.v_sn, v_sh = params.v_sh, do_sb = params.do_sb, do_sn = params.do_sn, do_sh = params.do_sh,
                     dq_sb = params.dq_sb, dq_sn = params.dq_sn, dq_sh = params.dq_sh;
-    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k, seqlen_q_pad = params.seqlen_q_pad, m_blocks = params.m_blocks,
-              group = params.group;
+    const int n_heads = params.heads, seqlen_q_pad = params.seqlen_q_pad, m_blocks = params.m_blocks, group = params.group;
     const float scale_log2 = params.scale_log2, scale = params.scale, drop_scale = params.drop_scale;
     const unsigned long long drop_seed = params.drop_seed;
     const unsigned int drop_threshold = params.drop_threshold;
@@ -45,16 +46,23 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
-    const MaskGeometry geo = MaskGeometry::of<V>(params);
-    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo.later_rows_heavier());
+    const MaskGeometry geo_call = MaskGeometry::of<V>(params);
+    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo_call.later_rows_heavier());
     const int bh = blk.bh, b = blk.batch, h = blk.head;
     const int r0 = blk.block * BR;
+    // V::kVarlen: this batch's rows and lengths (else row 0 of its slice and the call's lengths);
+    // a query block past its queries has nothing to write (uniform: before any barrier)
+    const SeqSpan span = SeqSpan::of<V>(cu_seqlens_q, cu_seqlens_k, b, params.seqlen_q, params.seqlen_k);
+    if (V::kVarlen && r0 >= span.seqlen_q) return;
+    const int seqlen_q = span.seqlen_q, seqlen_k = span.seqlen_k;
+    const MaskGeometry geo = geo_call.template for_span<V>(span, params.align_end);
 
-    const elem_t* qg = q + (long long)b * q_sb + (long long)h * q_sh;
+    const elem_t* qg = q + (long long)b * q_sb + (long long)span.q_start * q_sn + (long long)h * q_sh;
     const int h_kv = h / group;  // GQA/MQA: the query heads of a group share one k/v head (MHA: group 1)
-    const elem_t* kg = k + (long long)b * k_sb + (long long)h_kv * k_sh;
-    const elem_t* vg = v + (long long)b * v_sb + (long long)h_kv * v_sh;
-    const elem_t* dog = dout + (long long)b * do_sb + (long long)h * do_sh;
+    const elem_t* kg = k + (long long)b * k_sb + (long long)span.k_start * k_sn + (long long)h_kv * k_sh;
+    const elem_t* vg = v + (long long)b * v_sb + (long long)span.k_start * v_sn + (long long)h_kv * v_sh;
+    const elem_t* dog = dout + (long long)b * do_sb + (long long)span.q_start * do_sn + (long long)h * do_sh;
+    const long long ws0 = span.template ws_row0<V>(b, h, bh, seqlen_q_pad);  // lse2, delta rows
 
     const BlockRange range = key_blocks<BR, BC, V::kLocal>(geo, r0);  // the forward's key blocks and masks
     const Mask<V::kLocal> mask{geo};
@@ -64,8 +72,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 
     // This thread's two query rows: their lse2 and delta (padded buffers, no guard needed).
     const int row_a = r0 + warp * 16 + g;
-    const float L0 = lse2[(long long)bh * seqlen_q_pad + row_a], L1 = lse2[(long long)bh * seqlen_q_pad + row_a + 8];
-    const float D0 = delta[(long long)bh * seqlen_q_pad + row_a], D1 = delta[(long long)bh * seqlen_q_pad + row_a + 8];
+    const float L0 = lse2[ws0 + row_a], L1 = lse2[ws0 + row_a + 8];
+    const float D0 = delta[ws0 + row_a], D1 = delta[ws0 + row_a + 8];
 
     float acc_q[DN][4];
 #pragma unroll
@@ -186,8 +194,18 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     __syncwarp();
     stash_c_tile<BF16, CH, DN>(sQ, warp * 16, acc_q, scale, lane);
     __syncwarp();
-    elem_t* dqg = dq + (long long)b * dq_sb + (long long)h * dq_sh;
+    const int q_start = SeqSpan::reload<V>(cu_seqlens_q, b);  // V::kVarlen (reloaded); else 0
+    elem_t* dqg = dq + (long long)b * dq_sb + (long long)q_start * dq_sn + (long long)h * dq_sh;
     store_rows_warp<CH, 16, CH, V::kPartialD>(sQ, warp * 16, dqg, dq_sn, r0 + warp * 16, seqlen_q, lane, 0, d_chunks);
+}
+
+// The instances without variable-length batches: the shell passes no cu_seqlens.
+template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
+__device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                             const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
+                                             const float* __restrict__ delta, elem_t* __restrict__ dq, const BwdParams& params) {
+    static_assert(!V::kVarlen, "variable-length batches need the cu_seqlens pointers");
+    flash_bwd_dq<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, dout, lse2, delta, dq, nullptr, nullptr, params);
 }
 
 }  // namespace cuflash
