@@ -73,6 +73,15 @@ def test_resolve_refuses_with_the_argument_named(over, exc, words):
         resolve(**_args(**over))
 
 
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("name", ["bwd_prep_varlen", "bwd_dq_convert_varlen"])
+def test_varlen_rowwise_kernels_compile(name):
+    for d in (32, 64, 128, 256):
+        src, _ = _compile.aux_source(name, "bfloat16", d)
+        rep = _compile.compile_report(src, "sm_80")
+        assert rep["registers"] > 0 and rep["spill_stores"] == 0, rep["log"]
+
+
 def test_empty_batches_and_sequences_resolve():
     assert resolve(**_args(total_q=0, max_seqlen_q=0)).empty
     assert resolve(**_args(total_k=0, max_seqlen_k=0)).empty
@@ -80,21 +89,72 @@ def test_empty_batches_and_sequences_resolve():
     assert not resolve(**_args()).empty  # a single empty sequence is the kernel's (its blocks return at once)
 
 
-def test_only_the_sm80_forward_takes_varlen():
+def test_only_the_sm80_families_take_varlen():
     f = Features("bfloat16", 128, varlen=True)
-    assert families.FWD.supports(f)
-    assert not any(fam.supports(f) for fam in families.REGISTRY.values() if fam is not families.FWD)
+    takes = {families.FWD, families.BWD, families.BWD_DQ}
+    assert all(fam.supports(f) for fam in takes)
+    assert not any(fam.supports(f) for fam in families.REGISTRY.values() if fam not in takes)
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
-def test_varlen_defaults_compile_without_spills(d, arch):
+@pytest.mark.parametrize("family", ["fwd", "bwd", "bwd_dq"])
+def test_varlen_defaults_compile_without_spills(family, d, arch):
     """Every feature mix varlen may take (window, softcap, a partial head dim) on the default tile
-    the family picks for it, on both targets (an H100/H200 runs varlen on this family)."""
+    each family picks for it, on both targets (an H100/H200 runs varlen on these families)."""
+    fam = families.REGISTRY[family]
     for local, softcap, partial in itertools.product((False, True), repeat=3):
         f = Features("bfloat16", d, local=local, softcap=softcap, partial_d=partial, varlen=True)
-        tile = families.FWD.default(d, features=f)
+        tile = fam.default(d, features=f)
         rep = _compile.compile_report(_compile.kernel_source(tile, f), arch)
         assert rep["registers"] > 0, rep["log"]
         assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, (tile, f, rep["registers"], rep["spill_stores"])
+
+
+def test_packed_backward_params_and_workspace_rows():
+    from cuflash import _backward
+    from cuflash.varlen import resolve_backward
+
+    a = _args()
+    out, lse = _info((100, 8, 128)), _info((8, 100), "float32")
+    p = resolve_backward(out, a["qi"], a["ki"], a["vi"], out, lse, a["cu_q"], a["cu_k"], 64, 80, a["mask"], None)
+    pad = _backward.varlen_ws_rows_per_head(p)
+    assert pad == 512 and pad % 128 == 0 and pad >= p.total_q + 128 * p.batch  # 100 + 3 x 128 = 484 -> 512
+    b = params.pack_bwd(p, pad, n_blocks=1)
+    assert (int(b["seqlen_q"][0]), int(b["seqlen_k"][0]), int(b["seqlen_q_pad"][0]), int(b["align_end"][0])) == \
+        (100, 120, 512, 1)
+    assert int(b["ws_rows"][0]) == 8 * 512 and int(b["kv_rows"][0]) == 120 * 2  # GQA: dK/dV reduced over 4
+    assert (int(b["dq_sb"][0]), int(b["dq_sn"][0]), int(b["dk_sn"][0])) == (0, 8 * 128, 8 * 128)
+    assert (int(b["o_sb"][0]), int(b["do_sn"][0])) == (0, 8 * 128)
+
+
+def test_workspace_rows_of_sequences_never_overlap():
+    """SeqSpan::ws_row0's varlen rows (the kernels' formula, here in NumPy): each sequence starts
+    128-aligned and has at least its length rounded up to 128 rows before the next one starts."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        lens = rng.integers(0, 400, rng.integers(1, 12))
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        start = (cu[:-1] + 128 * np.arange(len(lens))) & ~127
+        end = start + -(-lens // 128) * 128
+        assert (start % 128 == 0).all() and (end[:-1] <= start[1:]).all()
+        assert end[-1] <= -(-(cu[-1] + 128 * len(lens)) // 128) * 128
+
+
+@pytest.mark.parametrize("over,exc,words", [
+    (dict(oi=_info((100, 8, 64))), ValueError, "out must have q's shape"),
+    (dict(doi=_info((100, 8, 128), "float16")), TypeError, "dout must have q's dtype"),
+    (dict(li=_info((100, 8), "float32")), ValueError, r"lse must have shape \(heads, total_q\)"),
+    (dict(li=_info((8, 100), "bfloat16")), TypeError, "lse must be float32"),
+])
+def test_resolve_backward_refuses_with_the_argument_named(over, exc, words):
+    from cuflash.varlen import resolve_backward
+
+    a = _args()
+    kw = dict(doi=_info((100, 8, 128)), qi=a["qi"], ki=a["ki"], vi=a["vi"], oi=_info((100, 8, 128)),
+              li=_info((8, 100), "float32"), cu_q=a["cu_q"], cu_k=a["cu_k"], max_seqlen_q=64, max_seqlen_k=80,
+              mask=a["mask"], softmax_scale=None)
+    kw.update(over)
+    with pytest.raises(exc, match=words):
+        resolve_backward(**kw)

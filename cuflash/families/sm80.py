@@ -114,8 +114,9 @@ FWD = KernelFamily(
               # variable-length batches with softcap (on sm_80 and sm_90a: an H100/H200 runs varlen
               # here): 4-48 B on these 128-key tiles; the next defaults compile clean
               "softcap+varlen": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(64, 128, 96, 4, 2),
-                                           FwdConfig(96, 128, 128, 8, 2), FwdConfig(128, 128, 128, 8, 3),
-                                           FwdConfig(128, 128, 128, 8, 2)})},
+                                           FwdConfig(128, 128, 128, 8, 3), FwdConfig(128, 128, 128, 8, 2)}),
+              "local+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)}),
+              "partial_d+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)})},
     plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True, takes_varlen=True,
 )
 
@@ -166,9 +167,9 @@ BWD_DQ = KernelFamily(
     },
     accumulator_registers=_dq_acc,
     spilling={"dropout": frozenset({DqConfig(192, 128, 64, 8, 2)}),  # 8 B on sm_90a
-              # variable-length batches: 4-12 B (sm_90a; d64 with softcap and a partial head dim)
-              "varlen": frozenset({DqConfig(192, 128, 64, 8, 2)}),
-              "softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)})},
+              # variable-length batches: 4-16 B (sm_90a; d64 with softcap and a partial head dim)
+              "softcap+varlen": frozenset({DqConfig(192, 128, 64, 8, 2)}),
+              "partial_d+softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)})},
     run=_run_bwd_dq, deterministic_outputs=(0, 1, 2), takes_varlen=True,
 )
 

@@ -1,10 +1,10 @@
-"""attention_varlen on the GPU (issue 12; NOT YET RUN): ragged batches (lengths 0, 1, 17, 113, 1000,
-...), seqlen_q below and above seqlen_k per sequence, causal in both alignments, windows, softcap, GQA,
-partial head dims, both dtypes. Each sequence's rows are checked by FlashAttention's 2x rule against
-the float64 reference on that sequence alone (cuflash.testing.fa_rule on its slices), and against
-cuflash.attention on the same slices (the same kernel arithmetic: the rows must agree to the 2x
-bound). Outputs are poisoned (NaN) before the launch; rows of other sequences hold NaN-free values
-that would show if a sequence read past its own keys."""
+"""attention_varlen and its backward on the GPU (issue 12; NOT YET RUN): ragged batches (lengths 0,
+1, 17, 113, 1000, ...), seqlen_q below and above seqlen_k per sequence, causal in both alignments,
+windows, softcap, GQA, partial head dims, both dtypes, deterministic and not. Each sequence's rows
+are checked by FlashAttention's 2x rule against the float64 reference on that sequence alone
+(cuflash.testing.fa_rule / fa_rule_grads on its slices), and the forward against cuflash.attention
+on the same slices. Outputs are poisoned (NaN) before the launch; the gradients come from pool
+blocks filled with NaN (an element no kernel writes stays NaN)."""
 from __future__ import annotations
 
 import math
@@ -14,7 +14,7 @@ import pytest
 
 from cuflash import varlen
 from cuflash.mask import MaskOptions
-from cuflash.testing import dtype_of, fa_rule
+from cuflash.testing import dtype_of, fa_rule, fa_rule_grads
 
 pytestmark = pytest.mark.gpu
 
@@ -97,17 +97,80 @@ def test_empty_batches_give_empty_or_filled_outputs():
     assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
 
 
-def test_torch_tensors_and_the_autograd_refusal():
+def _poison_pool(*shapes, copies=3):
+    """NaN-filled pool blocks of these shapes, freed: fresh gradients that no kernel writes stay NaN."""
+    import cupy
+
+    keep = []
+    for shape in shapes:
+        for _ in range(copies):
+            a = cupy.empty(shape, dtype=cupy.uint16)
+            a.fill(0xFFFF)
+            keep.append(a)
+    cupy.cuda.get_current_stream().synchronize()
+    del keep
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128, 80])
+@pytest.mark.parametrize("mask_kw", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()) or "none")
+@pytest.mark.parametrize("case", ["ragged", "q_longer", "prefill"])
+@pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
+def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, deterministic):
+    import cupy
+
+    lens_q, lens_k = RAGGED[case]
+    rng = np.random.default_rng(hash((h, hk, case, str(mask_kw), d, dtype, deterministic, "bwd")) % 2**32)
+    dt = dtype_of(dtype)
+    q, k, v = _packed(rng, lens_q, h, d, dt), _packed(rng, lens_k, hk, d, dt), _packed(rng, lens_k, hk, d, dt)
+    dout = _packed(rng, lens_q, h, d, dt)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    mask = MaskOptions.of(**mask_kw)
+    out, lse = varlen._forward_cupy(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), mask, None)
+    _poison_pool(q.shape, k.shape)
+    dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                  deterministic=deterministic, **mask_kw)
+    for g, x in zip((dq, dk, dv), (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        assert not bool(cupy.isnan(g.astype(cupy.float32)).any()), "NaN (unwritten?) in a gradient"
+    scale = 1 / math.sqrt(d)
+    oq, ok = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        rq, rk = slice(int(oq[b]), int(oq[b + 1])), slice(int(ok[b]), int(ok[b + 1]))
+        if nq == 0 or nk == 0:  # no pair: zero gradients
+            for g, r in ((dq, rq), (dk, rk), (dv, rk)):
+                assert not bool(g[r].astype(cupy.float32).any()), b
+            continue
+        grads = (dq[rq][None], dk[rk][None], dv[rk][None])
+        res = fa_rule_grads(grads, q[rq][None], k[rk][None], v[rk][None], dout[rq][None], mask, scale)
+        for name, (err, pt, allowed) in res.items():
+            assert err <= allowed, (f"sequence {b} ({nq} x {nk}) {name}: max err {err:.3e} > allowed {allowed:.3e} "
+                                    f"(same-dtype {pt:.3e})")
+    if deterministic:  # bitwise reproducible
+        again = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                                 deterministic=True, **mask_kw)
+        for g, g2 in zip((dq, dk, dv), again):
+            assert bool((g.view(cupy.uint16) == g2.view(cupy.uint16)).all())
+
+
+def test_torch_autograd_matches_dense_per_sequence():
     torch = pytest.importorskip("torch")
     import cuflash
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(40, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    total, h, d = 40, 4, 64
+    q, k, v = (torch.randn(total, h, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
     cu = torch.tensor([0, 15, 40], device="cuda", dtype=torch.int32)
-    out = cuflash.attention_varlen(q, q, q, cu, cu, 25, 25, causal=True)
-    assert isinstance(out, torch.Tensor) and out.shape == q.shape
-    ref = torch.cat([cuflash.attention(q[None, a:b], q[None, a:b], q[None, a:b], causal=True)[0]
-                     for a, b in ((0, 15), (15, 40))])
-    assert float((out.float() - ref.float()).abs().max()) <= 2e-2
-    with pytest.raises(NotImplementedError, match="no backward yet"):
-        cuflash.attention_varlen(q.requires_grad_(), q, q, cu, cu, 25, 25)
+    out = cuflash.attention_varlen(q, k, v, cu, cu, 25, 25, causal=True)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and out.requires_grad
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for a, b in ((0, 15), (15, 40)):
+        qs, ks, vs = (x.detach()[None, a:b].clone().requires_grad_() for x in (q, k, v))
+        ref = cuflash.attention(qs, ks, vs, causal=True)
+        ref_grads = torch.autograd.grad(ref, (qs, ks, vs), dout[None, a:b])
+        assert float((out[a:b].float() - ref[0].float()).abs().max()) <= 2e-2
+        for got, want in zip(grads, ref_grads):
+            assert float((got[a:b].float() - want[0].float()).abs().max()) <= 5e-2
