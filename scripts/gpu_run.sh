@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
-#        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs)
+#        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen]
 #        [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
@@ -47,6 +47,9 @@ for s in $stages; do
                  timeout 300 python3 scripts/bench_ring.py --seqlen $n --json "$OUT/ring-bench-$n.json" 2>&1 \
                    | grep -v Warning | tee -a "$OUT/ring-bench.log" | tail -6
                done ;;
+    varlen) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_varlen_gpu.py tests/test_varlen.py \
+              2>&1 | tee "$OUT/varlen-tests.log" | tail -25
+            timeout 240 python3 scripts/bench_varlen.py --json "$OUT/bench-varlen.json" 2>&1 | tee "$OUT/bench-varlen.log" | tail -4 ;;
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
