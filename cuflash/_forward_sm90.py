@@ -13,7 +13,7 @@ tma.MapCache lookups, which encode a map only for a pointer the plan has not see
 from __future__ import annotations
 
 from . import _compile, device, tma
-from ._forward import INPUTS, OUTPUTS, output_buffers
+from ._forward import INPUTS, INPUTS_VARLEN, OUTPUTS, output_buffers
 from .launch import Launch, Plan, check_grid
 from .params import pack_fwd
 from .problem import AttnProblem
@@ -33,9 +33,14 @@ def binder(p: AttnProblem, cfg: Sm90FwdConfig, encoder=None):
     """slots (q, k, v, out, lse) -> the kernel's leading arguments (map(q), map(k), map(v), out, lse)."""
     mq, mk, mv = (tma.MapCache(g, encoder=encoder) for g in geometries(p, cfg))
 
-    def bind(slots):
-        q, k, v, out, lse = slots[:5]
-        return mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), out, lse
+    if p.varlen:  # the cu_seqlens slots follow, as they are
+        def bind(slots):
+            q, k, v, out, lse, cu_q, cu_k = slots[:7]
+            return mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), out, lse, cu_q, cu_k
+    else:
+        def bind(slots):
+            q, k, v, out, lse = slots[:5]
+            return mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), out, lse
 
     bind.caches = (mq, mk, mv)  # tests, debugging
     return bind
@@ -54,6 +59,7 @@ def plan(p: AttnProblem, cfg: Sm90FwdConfig, dtype, encoder=None) -> Plan:
     check_grid(tiles)
     grid = min(tiles, device.query(p.device).sm_count) if cfg.persistent else tiles
     kernel = _compile.get_kernel(cfg, p.features, p.device)
-    launch = Launch(kernel, (max(grid, 1),), (cfg.threads,), cfg.smem_bytes, pointers=INPUTS,
+    inputs = INPUTS_VARLEN if p.varlen else INPUTS
+    launch = Launch(kernel, (max(grid, 1),), (cfg.threads,), cfg.smem_bytes, pointers=inputs,
                     bind=binder(p, cfg, encoder))
-    return Plan(p.device, INPUTS, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
+    return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))

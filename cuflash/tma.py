@@ -107,7 +107,10 @@ def tensor_layout(p, name: str) -> tuple:
     the kernels load k/v head h // group for query head h)."""
     kv = name in ("k", "v")
     n = p.seqlen_k if kv else p.seqlen_q  # q, out, dout have the queries' rows
-    shape = (p.batch, n, p.heads_kv if kv else p.heads, p.head_dim)
+    batch = p.batch
+    if getattr(p, "varlen", False):  # packed (total, heads, head_dim): one batch of all the rows
+        n, batch = (p.total_k if kv else p.total_q), 1
+    shape = (batch, n, p.heads_kv if kv else p.heads, p.head_dim)
     return shape, (*(s * ELEMENT_BYTES for s in p.strides[name]), ELEMENT_BYTES)
 
 

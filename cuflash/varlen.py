@@ -10,10 +10,11 @@ allowed (no rows to write; a sequence with queries and no key gives out 0 and ls
 
 The kernels are the sm80 families' variable-length instances (Features.varlen: the v2 forward,
 the backward's dK/dV and deterministic dQ kernels, and row-wise prep / convert kernels over a
-(row chunks, heads, batch) grid); each block reads its sequence's two offsets and moves its rows,
-lengths and mask with them (kernels_cu/attn/mask.cuh SeqSpan). The backward's fp32 workspaces pad
-each sequence to a multiple of 128 rows (SeqSpan::ws_row0). The Hopper families do not have these
-instances yet: such calls run the sm80 kernels on every GPU. No dropout yet.
+(row chunks, heads, batch) grid) and the Hopper forward (TMA maps over the packed arrays as one
+batch of all the rows; each work tile finds its sequence's rows); each block reads its sequence's
+two offsets and moves its rows, lengths and mask with them (kernels_cu/attn/mask.cuh SeqSpan). The
+backward's fp32 workspaces pad each sequence to a multiple of 128 rows (SeqSpan::ws_row0). The
+Hopper backward (opt-in) has no varlen instances: the backward runs the sm80 kernels. No dropout yet.
 
 What is checked before any launch: shapes, dtypes, devices, head dims, GQA divisibility, the
 cu_seqlens arrays' shape, dtype and device, max_seqlen_q / max_seqlen_k (non-negative ints; at least
@@ -136,7 +137,7 @@ def _empty_plan(p, dtype) -> FilledPlan:
 
 
 def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions,
-                  softmax_scale, out=None, lse=None):
+                  softmax_scale, out=None, lse=None, backend=None):
     """The CuPy body: (out, lse). `out`, `lse`: given buffers (internal: the GPU tests poison them)."""
     import cupy
 
@@ -148,11 +149,11 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     def build():
         if p.empty:
             return _empty_plan(p, q.dtype)
-        family = families.choose(families.FORWARDS, p, None)  # the Hopper family refuses varlen: sm80
+        family = families.choose(families.FORWARDS, p, backend)  # the Hopper kernel where it can run
         return family.plan(p, families.select(family, p), q.dtype)
 
     plan = _plans.get(lambda: (*plan_cache.array_key((q, k, v)), p.batch, p.seqlen_q, p.seqlen_k, mask.key,
-                               softmax_scale), build)
+                               softmax_scale, backend), build)
     if out is not None:
         out = _forward._checked_out(out, q)
     if lse is not None:
@@ -210,7 +211,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False,
-                     deterministic: bool = False):
+                     deterministic: bool = False, backend: str | None = None):
     """Attention over a batch of packed sequences of different lengths (module docstring: the layout,
     what is checked).
 
@@ -222,20 +223,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     also lse float32 (heads, total_q) (FlashAttention's packed layout).
     CuPy arrays (the backward: attention_varlen_backward), torch tensors (differentiable when q, k or
     v require grad; deterministic=True makes that backward bitwise reproducible) and other DLPack
-    arrays.
+    arrays. backend: the forward's kernel, as cuflash.attention's (None: the Hopper one where it can
+    run; "sm80" / "sm90" force one).
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     problem.check_flag(deterministic, "deterministic")
+    families.check_backend(backend)
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     fw, dev = _interop.common_framework(arrays, names)
     if fw == _interop.TORCH and _needs_grad(q, k, v):
         out, lse = _torch_function().apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
-                                           softmax_scale, bool(deterministic), dev)
+                                           softmax_scale, bool(deterministic), dev, backend)
         return (out, lse) if return_lse else out
 
     def body(q, k, v, cu_q, cu_k):
-        return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale)
+        return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale, backend=backend)
 
     out, lse = body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
     return (out, lse) if return_lse else out
@@ -261,9 +264,9 @@ def _torch_function():
 
         class VarlenAttention(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, deterministic, dev):
+            def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, deterministic, dev, backend):
                 def body(q, k, v, cu_q, cu_k):
-                    return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale)
+                    return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, backend=backend)
 
                 out, lse = _interop.run(body, (q, k, v, cu_q, cu_k), _interop.TORCH, dev, names)
                 ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
@@ -281,7 +284,7 @@ def _torch_function():
 
                 dq, dk, dv = _interop.run(body, (dout.contiguous(), q, k, v, out, lse, cu_q, cu_k), _interop.TORCH,
                                           dev, bwd_names)
-                return dq, dk, dv, None, None, None, None, None, None, None, None
+                return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
         _TORCH_FUNCTION = VarlenAttention
     return _TORCH_FUNCTION

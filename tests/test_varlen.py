@@ -89,9 +89,9 @@ def test_empty_batches_and_sequences_resolve():
     assert not resolve(**_args()).empty  # a single empty sequence is the kernel's (its blocks return at once)
 
 
-def test_only_the_sm80_families_take_varlen():
+def test_the_sm80_families_and_the_hopper_forward_take_varlen():
     f = Features("bfloat16", 128, varlen=True)
-    takes = {families.FWD, families.BWD, families.BWD_DQ}
+    takes = {families.FWD, families.BWD, families.BWD_DQ, families.FWD_SM90}
     assert all(fam.supports(f) for fam in takes)
     assert not any(fam.supports(f) for fam in families.REGISTRY.values() if fam not in takes)
 
@@ -158,3 +158,26 @@ def test_resolve_backward_refuses_with_the_argument_named(over, exc, words):
     kw.update(over)
     with pytest.raises(exc, match=words):
         resolve_backward(**kw)
+
+
+def test_hopper_maps_of_packed_arrays_are_one_batch_of_all_rows():
+    from cuflash import tma
+
+    p = resolve(**_args())
+    shape, strides = tma.tensor_layout(p, "q")
+    assert shape == (1, 100, 8, 128) and strides[1:] == (8 * 128 * 2, 128 * 2, 2)
+    shape, _ = tma.tensor_layout(p, "k")
+    assert shape == (1, 120, 2, 128)
+    assert tma.tensors_problem(p) is None
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_hopper_varlen_defaults_compile_without_spills(d):
+    fam = families.FWD_SM90
+    for local, softcap in itertools.product((False, True), repeat=2):
+        f = Features("bfloat16", d, local=local, softcap=softcap, varlen=True)
+        tile = fam.default(d, features=f)
+        rep = _compile.compile_report(_compile.kernel_source(tile, f), "sm_90a")
+        assert rep["registers"] > 0 and rep["spill_stores"] == 0, (tile, f, rep["spill_stores"])
+        assert "serialized" not in rep["log"].lower(), rep["log"][-2000:]

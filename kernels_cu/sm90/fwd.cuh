@@ -97,28 +97,48 @@ struct RingPos {
     __device__ __forceinline__ u32 parity() const { return (count / STAGES) & 1; }
 };
 
-// The work tile `tile` (0 <= tile < params.tiles) and the key blocks its rows visit.
-template <int BR, int BC, bool LOCAL>
+// Where the work tile's batch lives: the varlen offsets (V::kVarlen), else nothing.
+struct Sm90Seqs {
+    const int* cu_seqlens_q;
+    const int* cu_seqlens_k;
+    int align_end;
+};
+
+// The work tile `tile` (0 <= tile < params.tiles) and the key blocks its rows visit. V::kVarlen:
+// also its batch's rows (SeqSpan) and geometry; a tile past its batch's queries visits no key
+// block (every role skips it, and its epilogue writes no row).
+template <int BR, int BC, class V>
 struct Sm90FwdTile {
     BlockCoord blk;
-    int r0;  // first query row
+    int r0;  // first query row (of its sequence)
     BlockRange range;
-    __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo, int m_blocks, int heads, int bh_count) {
+    SeqSpan span;
+    MaskGeometry geo;
+    __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo_call, int m_blocks, int heads, int bh_count,
+                                           const Sm90Seqs& seqs = Sm90Seqs{nullptr, nullptr, 0}) {
         // heavier later rows (causal): heaviest blocks of every head first, so that a strided
         // (persistent) grid balances; else block-fastest, so concurrent CTAs share a head's K/V
-        blk = geo.later_rows_heavier() ? schedule_tiles_heaviest_first(tile, m_blocks, bh_count, heads)
-                                       : schedule_blocks(tile, m_blocks, heads, false);
+        blk = geo_call.later_rows_heavier() ? schedule_tiles_heaviest_first(tile, m_blocks, bh_count, heads)
+                                            : schedule_blocks(tile, m_blocks, heads, false);
         r0 = blk.block * BR;
-        range = key_blocks<BR, BC, LOCAL>(geo, r0);
+        span = SeqSpan::of<V>(seqs.cu_seqlens_q, seqs.cu_seqlens_k, blk.batch, geo_call.seqlen_q, geo_call.seqlen_k);
+        geo = geo_call.template for_span<V>(span, seqs.align_end);
+        range = key_blocks<BR, BC, V::kLocal>(geo, r0);
+        if (V::kVarlen && r0 >= span.seqlen_q) range.end = range.begin;  // past its sequence: no work
     }
 };
 
 template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int OVERLAP, int QSTAGES, class V>
 __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                                elem_t* __restrict__ o, float* __restrict__ lse,
+                                               const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                                                const FwdParams& params) {
     using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES, QSTAGES>;
-    using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V::kLocal>;
+    using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V>;
+    // V::kVarlen: q, k, v are packed (total, heads, D) and mapped as one batch of total rows; a
+    // tile's rows are its sequence's, from the offsets (the maps read past a sequence's end into the
+    // next one's rows: masked keys, queries never stored)
+    const Sm90Seqs seqs{cu_seqlens_q, cu_seqlens_k, params.align_end};
     static_assert(!PINGPONG || (CONSUMERS >= 2 && OVERLAP), "ping-pong needs two consumers and the overlapped loop");
 
     extern __shared__ unsigned char smem[];
@@ -148,27 +168,29 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             int local = 0;  // tiles with keys this CTA ran: the Q barriers' phase
             const int group = params.group;  // GQA/MQA: query head h loads k/v head h / group (MHA: 1)
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-                const Tile w(tile, geo, m_blocks, n_heads, bh_count);
+                const Tile w(tile, geo, m_blocks, n_heads, bh_count, seqs);
                 if (w.range.size() <= 0) continue;
                 const int h_kv = w.blk.head / group;
+                const int map_batch = V::kVarlen ? 0 : w.blk.batch;  // varlen: one mapped batch of packed rows
                 for (int j = w.range.begin; j < w.range.end; ++j, ++kv.count) {
                     const int s = kv.slot();
                     const u32 free_parity = kv.parity() ^ 1;  // a fresh barrier counts as released
                     mbar_wait(bars.k_empty(s), free_parity);
                     mbar_arrive_expect_tx(bars.k_full(s), Tr::kKVBytes);
-                    tma_load_5d(sK + s * Tr::kKVBytes, tk, bars.k_full(s), 0, j * BC, 0, h_kv, w.blk.batch);
+                    tma_load_5d(sK + s * Tr::kKVBytes, tk, bars.k_full(s), 0, w.span.k_start + j * BC, 0, h_kv, map_batch);
                     if (j == w.range.begin) {
                         // Q after the tile's first K: that K load waits only for a free slot, so it
                         // is in flight while the consumers still read the previous tile's Q
                         const int qs = local % QSTAGES;
                         mbar_wait(bars.q_empty(qs), ((local / QSTAGES) & 1) ^ 1);
                         mbar_arrive_expect_tx(bars.q_full(qs), Tr::kQBytes);
-                        tma_load_5d(sQ + qs * Tr::kQBytes, tq, bars.q_full(qs), 0, w.r0, 0, w.blk.head, w.blk.batch);
+                        tma_load_5d(sQ + qs * Tr::kQBytes, tq, bars.q_full(qs), 0, w.span.q_start + w.r0, 0, w.blk.head,
+                                    map_batch);
                         ++local;
                     }
                     mbar_wait(bars.v_empty(s), free_parity);
                     mbar_arrive_expect_tx(bars.v_full(s), Tr::kKVBytes);
-                    tma_load_5d(sV + s * Tr::kKVBytes, tv, bars.v_full(s), 0, j * BC, 0, h_kv, w.blk.batch);
+                    tma_load_5d(sV + s * Tr::kKVBytes, tv, bars.v_full(s), 0, w.span.k_start + j * BC, 0, h_kv, map_batch);
                 }
             }
         }
@@ -179,7 +201,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
         const int g = lane / 4, t = lane % 4;
         const int warp_row0 = 64 * cw + 16 * warp;  // this warp's first row in the Q tile
         const float scale_log2 = params.scale_log2;
-        const Mask<V::kLocal> mask{geo};
         const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
         const IssueOrder<CONSUMERS, PINGPONG != 0> order{cw};
         constexpr int kBar = Tr::kBarSchedule;
@@ -218,20 +239,21 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
         if constexpr (PINGPONG) {
             // the first tile with keys starts the turns (every consumer sees the same tiles)
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x)
-                if (Tile(tile, geo, m_blocks, n_heads, bh_count).range.size() > 0) {
+                if (Tile(tile, geo, m_blocks, n_heads, bh_count, seqs).range.size() > 0) {
                     order.start(kBar);
                     break;
                 }
         }
         for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-            const Tile w(tile, geo, m_blocks, n_heads, bh_count);
+            const Tile w(tile, geo, m_blocks, n_heads, bh_count, seqs);
             const BlockRange range = w.range;
+            const Mask<V::kLocal> mask{w.geo};  // the tile's (V::kVarlen: its sequence's) geometry
             const int r0 = w.r0, n_iter = range.size();
             // the kernel's last turn: no later tile of this CTA has keys
             bool final_tile = true;
             if constexpr (PINGPONG) {
                 for (int nt = tile + gridDim.x; nt < n_tiles && final_tile; nt += gridDim.x)
-                    final_tile = Tile(nt, geo, m_blocks, n_heads, bh_count).range.size() <= 0;
+                    final_tile = Tile(nt, geo, m_blocks, n_heads, bh_count, seqs).range.size() <= 0;
             }
             const Dropout drop{params.drop_seed, params.drop_threshold, w.blk.bh};
             OnlineSoftmax<1> softmax;
@@ -361,9 +383,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
 
             // ---------------- epilogue: O = O~ / l (x 1/(1-p) with dropout), lse ----------------
             // Straight from registers: each quad writes 16 contiguous bytes of a row per n8 tile.
-            const int seqlen_q = params.seqlen_q;
-            float* lse_row = lse + (long long)w.blk.bh * seqlen_q;
-            elem_t* og = o + (long long)w.blk.batch * params.o_sb + (long long)w.blk.head * params.o_sh;
+            // V::kVarlen: the sequence's first row and query count, reloaded (SeqSpan::reload_queries);
+            // lse (heads, total_q), total_q = params.seqlen_q
+            int q_start = 0, seqlen_q = params.seqlen_q;
+            if constexpr (V::kVarlen) SeqSpan::reload_queries<V>(cu_seqlens_q, w.blk.batch, q_start, seqlen_q);
+            float* lse_row = V::kVarlen ? lse + (long long)w.blk.head * params.seqlen_q + q_start
+                                        : lse + (long long)w.blk.bh * seqlen_q;
+            elem_t* og = o + (long long)w.blk.batch * params.o_sb + (long long)q_start * params.o_sn +
+                         (long long)w.blk.head * params.o_sh;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float l = n_iter > 0 ? softmax.final_sum(0, half) : 0.f;
@@ -382,6 +409,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             }
         }
     }
+}
+
+// The instances without variable-length batches: the shell passes no cu_seqlens.
+template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int OVERLAP, int QSTAGES, class V>
+__device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
+                                               elem_t* __restrict__ o, float* __restrict__ lse,
+                                               const FwdParams& params) {
+    static_assert(!V::kVarlen, "variable-length batches need the cu_seqlens pointers");
+    flash_fwd_sm90<BF16, D, BC, CONSUMERS, STAGES, PINGPONG, OVERLAP, QSTAGES, V>(tq, tk, tv, o, lse, nullptr, nullptr,
+                                                                                   params);
 }
 
 }  // namespace cuflash

@@ -41,12 +41,13 @@ def _cu(lens):
     return cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
 
 
+@pytest.mark.parametrize("backend", [None, "sm80"])  # None: the Hopper kernel on an H100/H200 (d 64/128/192/256)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128, 80])
 @pytest.mark.parametrize("mask_kw", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()) or "none")
 @pytest.mark.parametrize("case", sorted(RAGGED))
 @pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
-def test_varlen_forward_matches_each_sequence(h, hk, case, mask_kw, d, dtype):
+def test_varlen_forward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, backend):
     import cupy
 
     lens_q, lens_k = RAGGED[case]
@@ -57,7 +58,8 @@ def test_varlen_forward_matches_each_sequence(h, hk, case, mask_kw, d, dtype):
     mask = MaskOptions.of(**mask_kw)
     out = cupy.full(q.shape, cupy.nan, dtype=cupy.float32).astype(dt)
     lse = cupy.full((h, q.shape[0]), cupy.nan, dtype=cupy.float32)
-    out, lse = varlen._forward_cupy(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), mask, None, out=out, lse=lse)
+    out, lse = varlen._forward_cupy(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), mask, None, out=out, lse=lse,
+                                    backend=backend)
     assert out.shape == q.shape and lse.shape == (h, q.shape[0])
     scale = 1 / math.sqrt(d)
     oq, ok = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
