@@ -81,15 +81,16 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                 window_size, softcap, alibi_slopes, return_attn_probs, block_table=None, deterministic=False):
-    """cuflash.attention_varlen (differentiable on torch tensors; no dropout yet)."""
+    """cuflash.attention_varlen (differentiable on torch tensors)."""
     from .varlen import attention_varlen
 
     _check(alibi_slopes)
-    _unsupported(dropout_p=(dropout_p, not dropout_p), block_table=(block_table, block_table is None))
+    _unsupported(block_table=(block_table, block_table is None))
     window = tuple(window_size) if window_size is not None else (-1, -1)
     res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
                            softmax_scale=softmax_scale, window_size=window, softcap=softcap,
-                           return_lse=bool(return_attn_probs), deterministic=bool(deterministic))
+                           return_lse=bool(return_attn_probs), deterministic=bool(deterministic),
+                           dropout_p=float(dropout_p))
     if return_attn_probs:
         out, lse = res
         return out, lse, None
@@ -101,8 +102,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                            deterministic=False, return_attn_probs=False, block_table=None):
     """flash-attn 2's flash_attn_varlen_func: q (total_q, nheads, headdim), k and v (total_k, nheads_k,
     headdim), cu_seqlens int32 (batch + 1,); causal aligned to the bottom right of each sequence.
-    cuflash.attention_varlen, differentiable on torch tensors: dropout_p > 0 and block_table (paged
-    caches) raise NotImplementedError. Returns out (total_q, nheads, headdim), or
+    cuflash.attention_varlen, differentiable on torch tensors (dropout draws its seed from torch's
+    generator); block_table (paged caches) raises NotImplementedError. Returns out (total_q, nheads, headdim), or
     (out, softmax_lse (nheads, total_q), None) with return_attn_probs."""
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                        causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, deterministic)

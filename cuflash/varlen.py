@@ -14,7 +14,7 @@ the backward's dK/dV and deterministic dQ kernels, and row-wise prep / convert k
 batch of all the rows; each work tile finds its sequence's rows); each block reads its sequence's
 two offsets and moves its rows, lengths and mask with them (kernels_cu/attn/mask.cuh SeqSpan). The
 backward's fp32 workspaces pad each sequence to a multiple of 128 rows (SeqSpan::ws_row0). The
-Hopper backward (opt-in) has no varlen instances: the backward runs the sm80 kernels. No dropout yet.
+Hopper backward (opt-in) has no varlen instances: the backward runs the sm80 kernels. Dropout as cuflash.attention's.
 
 What is checked before any launch: shapes, dtypes, devices, head dims, GQA divisibility, the
 cu_seqlens arrays' shape, dtype and device, max_seqlen_q / max_seqlen_k (non-negative ints; at least
@@ -78,13 +78,13 @@ def _offsets_info(x, name: str) -> ArrayInfo:
 
 
 def resolve(qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, cu_q: ArrayInfo, cu_k: ArrayInfo, max_seqlen_q,
-            max_seqlen_k, mask: MaskOptions, softmax_scale):
+            max_seqlen_k, mask: MaskOptions, softmax_scale, dropout=None):
     """The AttnProblem of a varlen forward, from the arrays' descriptions: the dense checks on 4-D views
     of the packed arrays, then the varlen geometry (the window's offset only; align_end for
     bottom-right). Raises TypeError / ValueError naming the argument."""
     qi = _packed(qi, "q", "heads")
     ki, vi = _packed(ki, "k", "heads_kv"), _packed(vi, "v", "heads_kv")
-    p = problem.resolve_forward(qi, ki, vi, mask, softmax_scale)
+    p = problem.resolve_forward(qi, ki, vi, mask, softmax_scale, dropout)
     batch = _check_offsets(cu_q, "cu_seqlens_q", p.device)
     batch_k = _check_offsets(cu_k, "cu_seqlens_k", p.device)
     if batch_k != batch:
@@ -103,10 +103,10 @@ def resolve(qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, cu_q: ArrayInfo, cu_k: 
 
 def resolve_backward(doi: ArrayInfo, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo, oi: ArrayInfo, li: ArrayInfo,
                      cu_q: ArrayInfo, cu_k: ArrayInfo, max_seqlen_q, max_seqlen_k, mask: MaskOptions, softmax_scale,
-                     deterministic=False) -> AttnProblem:
+                     deterministic=False, dropout=None) -> AttnProblem:
     """The AttnProblem of a varlen backward: resolve()'s, plus out and dout shaped like q (packed,
     the same layout rules) and lse the forward's float32 (heads, total_q), C-contiguous."""
-    p = resolve(qi, ki, vi, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale)
+    p = resolve(qi, ki, vi, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale, dropout)
     strides = dict(p.strides)
     for a, name in ((oi, "out"), (doi, "dout")):
         if a.dtype != qi.dtype:
@@ -137,13 +137,14 @@ def _empty_plan(p, dtype) -> FilledPlan:
 
 
 def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions,
-                  softmax_scale, out=None, lse=None, backend=None):
+                  softmax_scale, out=None, lse=None, backend=None, dropout_p=0.0, seed=None):
     """The CuPy body: (out, lse). `out`, `lse`: given buffers (internal: the GPU tests poison them)."""
     import cupy
 
     infos = [problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     offsets = [_offsets_info(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))]
-    p = resolve(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale)
+    dropout = problem.resolve_dropout(dropout_p, seed)
+    p = resolve(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, dropout)
     cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
 
     def build():
@@ -153,16 +154,16 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return family.plan(p, families.select(family, p), q.dtype)
 
     plan = _plans.get(lambda: (*plan_cache.array_key((q, k, v)), p.batch, p.seqlen_q, p.seqlen_k, mask.key,
-                               softmax_scale, backend), build)
+                               softmax_scale, backend, dropout is not None), build)
     if out is not None:
         out = _forward._checked_out(out, q)
     if lse is not None:
         lse = _forward._checked_lse(lse, (p.heads, p.total_q))
-    return plan.run((q, k, v, out, lse, cu_q, cu_k))
+    return plan.run((q, k, v, out, lse, cu_q, cu_k), None if dropout is None else dropout.kernel_args)
 
 
 def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   mask: MaskOptions, softmax_scale, deterministic=False):
+                   mask: MaskOptions, softmax_scale, deterministic=False, dropout_p=0.0, seed=None):
     """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed)."""
     import cupy
 
@@ -171,7 +172,8 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     arrays = (dout, q, k, v, out, lse)
     infos = [problem.describe(x, n) for x, n in zip(arrays, ("dout", "q", "k", "v", "out", "lse"))]
     offsets = [_offsets_info(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))]
-    p = resolve_backward(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic)
+    dropout = problem.resolve_dropout(dropout_p, seed)
+    p = resolve_backward(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic, dropout)
     cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
 
     def build():
@@ -183,18 +185,19 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
         return _backward._plan(p, cfg, dq_cfg, q.dtype)
 
     key = lambda: (*plan_cache.array_key(arrays), p.batch, p.seqlen_q, p.seqlen_k, mask.key, softmax_scale,
-                   p.deterministic)
+                   p.deterministic, dropout is not None)
     plan = _bwd_plans.get(key, build)
-    return plan.run((*arrays, cu_q, cu_k))
+    return plan.run((*arrays, cu_q, cu_k), None if dropout is None else dropout.kernel_args)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                               max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
                               window_size=(-1, -1), alignment: str = "bottom_right", softcap: float = 0.0,
-                              deterministic: bool = False):
+                              deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None):
     """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient `dout` (packed like q);
     `out` and `lse` are the forward's (lse (heads, total_q)). The mask options must be the forward's.
-    deterministic=True: bitwise reproducible dq (a dQ kernel instead of fp32 atomics).
+    deterministic=True: bitwise reproducible dq (a dQ kernel instead of fp32 atomics). dropout_p, seed:
+    the forward's (the mask is regenerated from the seed, not stored).
     CuPy arrays, torch tensors (no autograd: call it yourself, or use attention_varlen on tensors
     that require grad) and other DLPack arrays."""
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
@@ -202,8 +205,11 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
     fw, dev = _interop.common_framework(arrays, names)
 
+    if dropout_p and seed is None:
+        raise ValueError("seed is required with dropout_p > 0: pass the seed the forward used")
+
     def body(*a):
-        return _backward_cupy(*a, max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic)
+        return _backward_cupy(*a, max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic, dropout_p, seed)
 
     return body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
 
@@ -211,7 +217,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False,
-                     deterministic: bool = False, backend: str | None = None):
+                     deterministic: bool = False, backend: str | None = None, dropout_p: float = 0.0,
+                     seed: int | None = None):
     """Attention over a batch of packed sequences of different lengths (module docstring: the layout,
     what is checked).
 
@@ -224,7 +231,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     CuPy arrays (the backward: attention_varlen_backward), torch tensors (differentiable when q, k or
     v require grad; deterministic=True makes that backward bitwise reproducible) and other DLPack
     arrays. backend: the forward's kernel, as cuflash.attention's (None: the Hopper one where it can
-    run; "sm80" / "sm90" force one).
+    run; "sm80" / "sm90" force one). dropout_p, seed: dropout on the attention probabilities, as
+    cuflash.attention's (a Philox mask of `seed`, regenerated by the backward; torch autograd draws
+    a seed from torch's generator when none is given; CuPy and DLPack callers must give one).
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     problem.check_flag(deterministic, "deterministic")
@@ -232,13 +241,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
     fw, dev = _interop.common_framework(arrays, names)
+    if fw == _interop.TORCH and dropout_p and seed is None:
+        import torch
+
+        seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())  # torch.manual_seed repeats it
+    problem.resolve_dropout(dropout_p, seed)  # checked before any work
     if fw == _interop.TORCH and _needs_grad(q, k, v):
         out, lse = _torch_function().apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
-                                           softmax_scale, bool(deterministic), dev, backend)
+                                           softmax_scale, bool(deterministic), dev, backend, dropout_p, seed)
         return (out, lse) if return_lse else out
 
     def body(q, k, v, cu_q, cu_k):
-        return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale, backend=backend)
+        return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale, backend=backend,
+                             dropout_p=dropout_p, seed=seed)
 
     out, lse = body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
     return (out, lse) if return_lse else out
@@ -264,27 +279,29 @@ def _torch_function():
 
         class VarlenAttention(torch.autograd.Function):
             @staticmethod
-            def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, deterministic, dev, backend):
+            def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, deterministic, dev, backend, dropout_p,
+                        seed):
                 def body(q, k, v, cu_q, cu_k):
-                    return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, backend=backend)
+                    return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, backend=backend,
+                                         dropout_p=dropout_p, seed=seed)
 
                 out, lse = _interop.run(body, (q, k, v, cu_q, cu_k), _interop.TORCH, dev, names)
                 ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-                ctx.options = (max_q, max_k, mask, scale, deterministic, dev)
+                ctx.options = (max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed)
                 ctx.mark_non_differentiable(lse)
                 return out, lse
 
             @staticmethod
             def backward(ctx, dout, dlse):
                 q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-                max_q, max_k, mask, scale, deterministic, dev = ctx.options
+                max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed = ctx.options
 
                 def body(*a):
-                    return _backward_cupy(*a, max_q, max_k, mask, scale, deterministic)
+                    return _backward_cupy(*a, max_q, max_k, mask, scale, deterministic, dropout_p, seed)
 
                 dq, dk, dv = _interop.run(body, (dout.contiguous(), q, k, v, out, lse, cu_q, cu_k), _interop.TORCH,
                                           dev, bwd_names)
-                return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
         _TORCH_FUNCTION = VarlenAttention
     return _TORCH_FUNCTION

@@ -46,8 +46,6 @@ class FakePacked:
 def test_unsupported_options_name_themselves():
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         fai.flash_attn_func(None, None, None, alibi_slopes=[1.0])
-    with pytest.raises(NotImplementedError, match="dropout_p"):  # varlen is forward-only so far
-        fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1, dropout_p=0.1)
     with pytest.raises(NotImplementedError, match="block_table"):
         fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1, block_table=object())
     with pytest.raises(NotImplementedError, match="alibi_slopes"):

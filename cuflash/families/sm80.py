@@ -116,6 +116,7 @@ FWD = KernelFamily(
               "softcap+varlen": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(64, 128, 96, 4, 2),
                                            FwdConfig(128, 128, 128, 8, 3), FwdConfig(128, 128, 128, 8, 2)}),
               "local+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)}),
+              "dropout+local+softcap+varlen": frozenset({FwdConfig(64, 128, 64, 4, 2)}),  # 16 B, sm_80
               "partial_d+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)})},
     plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True, takes_varlen=True,
 )
@@ -146,7 +147,8 @@ BWD = KernelFamily(
               # variable-length batches: 4-16 B on these (sm_90a for d128, both targets for d192);
               # d128 then runs 32-query tiles (231-246 registers)
               "varlen": frozenset({BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2),
-                                   BwdConfig(192, 64, 128, 8, 2)})},
+                                   BwdConfig(192, 64, 128, 8, 2)}),
+              "dropout+varlen": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)})},  # 12-16 B, sm_90a
     run=_run_bwd, deterministic_outputs=(1, 2),  # dK, dV (dQ is summed by atomics)
     takes_varlen=True,
 )
@@ -169,7 +171,8 @@ BWD_DQ = KernelFamily(
     spilling={"dropout": frozenset({DqConfig(192, 128, 64, 8, 2)}),  # 8 B on sm_90a
               # variable-length batches: 4-16 B (sm_90a; d64 with softcap and a partial head dim)
               "softcap+varlen": frozenset({DqConfig(192, 128, 64, 8, 2)}),
-              "partial_d+softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)})},
+              "partial_d+softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)}),
+              "dropout+local+softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)})},  # 24 B, sm_90a
     run=_run_bwd_dq, deterministic_outputs=(0, 1, 2), takes_varlen=True,
 )
 

@@ -229,3 +229,43 @@ def test_varlen_fuzz(seed):
             assert not bool(cupy.isnan(g.astype(cupy.float32)).any())
     except Exception as e:
         raise AssertionError(f"varlen fuzz case {c}: {type(e).__name__}: {e}") from e
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
+def test_varlen_dropout_forward_and_backward(h, hk, causal, dtype):
+    """Dropout's mask is the dense one of each sequence's batch index (the Philox counter is the
+    position in the sequence, the (batch, head) pair), so the reference takes
+    dropout_keep_mask(seed, batch, heads, n_q, n_k)[b] for sequence b."""
+    import cupy
+
+    from cuflash.philox import dropout_keep_mask, dropout_scale
+
+    lens_q, lens_k = [17, 0, 113, 64, 200], [40, 5, 113, 1, 150]
+    rng = np.random.default_rng(hash((h, hk, causal, dtype, "drop")) % 2**32)
+    dt, d, p, seed = dtype_of(dtype), 64, 0.25, 1234567
+    q, k, v = _packed(rng, lens_q, h, d, dt), _packed(rng, lens_k, hk, d, dt), _packed(rng, lens_k, hk, d, dt)
+    dout = _packed(rng, lens_q, h, d, dt)
+    cu_q, cu_k = _cu(lens_q), _cu(lens_k)
+    mq, mk = max(lens_q), max(lens_k)
+    out, lse = varlen.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True, dropout_p=p,
+                                       seed=seed)
+    grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal=causal,
+                                             dropout_p=p, seed=seed)
+    scale = 1 / math.sqrt(d)
+    mask = MaskOptions.of(causal=causal)
+    oq, ok = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
+    for b, (nq, nk) in enumerate(zip(lens_q, lens_k)):
+        if nq == 0 or nk == 0:
+            continue
+        rq, rk = slice(int(oq[b]), int(oq[b + 1])), slice(int(ok[b]), int(ok[b + 1]))
+        keep = dropout_keep_mask(seed, len(lens_q), h, nq, nk, p)[b:b + 1]
+        z = cupy.asarray(keep.astype(np.float64) * dropout_scale(p))
+        seq = (q[rq][None], k[rk][None], v[rk][None])
+        err, pt, allowed = fa_rule(out[rq][None], *seq, mask, scale, keep_scale=z)
+        assert err <= allowed, f"sequence {b} out: {err:.3e} > {allowed:.3e}"
+        res = fa_rule_grads((grads[0][rq][None], grads[1][rk][None], grads[2][rk][None]), *seq, dout[rq][None], mask,
+                            scale, keep_scale=z)
+        for name, (err, pt, allowed) in res.items():
+            assert err <= allowed, f"sequence {b} {name}: {err:.3e} > {allowed:.3e} (same-dtype {pt:.3e})"
