@@ -175,7 +175,9 @@ def test_refusals_name_the_option(calls):
         hf.attention_forward(module, *_qkv(), object(), softcap=50.0)
     with pytest.raises(NotImplementedError, match="s_aux"):
         hf.attention_forward(module, *_qkv(), None, s_aux=object())
-    with pytest.raises(NotImplementedError, match="cu_seq_lens_q"):
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k must be given together"):
+        hf.attention_forward(module, *_qkv(), None, cu_seq_lens_q=object())
+    with pytest.raises(NotImplementedError, match="packing needs batch 1"):
         hf.attention_forward(module, *_qkv(), None, cu_seq_lens_q=object(), cu_seq_lens_k=object())
     hf.attention_forward(module, *_qkv(), None, softcap=None, cu_seq_lens_q=None)  # None/0 are "off"
     hf.attention_forward(module, *_qkv(), None, softcap=0.0)
@@ -199,3 +201,29 @@ def test_register_without_transformers_says_so():
 def test_register_refuses_names_transformers_takes_for_flash_attn(name):
     with pytest.raises(ValueError, match="without 'flash'"):
         hf.register(name)
+
+
+class _Packed(_T):
+    """A fake packed tensor: indexing [0] drops the batch, [None] adds it back."""
+
+    def __getitem__(self, i):
+        s = self.shape
+        return _Packed(s[1:] if i == 0 else (1, *s), self.dtype, self.device.type, self.name, self.transposed)
+
+    def transpose(self, a, b):
+        t = super().transpose(a, b)
+        return _Packed(t.shape, t.dtype, t.device.type, t.name, t.transposed)
+
+
+def test_packed_sequences_run_on_attention_varlen(monkeypatch):
+    log = []
+    monkeypatch.setattr(hf, "_cuflash_varlen", lambda q, k, v, cu_q, cu_k, mq, mk, **o:
+                        log.append((q, k, v, cu_q, cu_k, mq, mk, o)) or q)
+    module = types.SimpleNamespace(is_causal=True)
+    q, k, v = (_Packed((1, 4 if n == "q" else 2, 300, 64), name=n) for n in "qkv")
+    out, weights = hf.attention_forward(module, q, k, v, None, scaling=0.125, sliding_window=64, cu_seq_lens_q="cq",
+                                        cu_seq_lens_k="ck", max_length_q=200, max_length_k=200)
+    (lq, lk, lv, cq, ck, mq, mk, o), = log
+    assert lq.shape == (300, 4, 64) and lk.shape == (300, 2, 64) and (cq, ck, mq, mk) == ("cq", "ck", 200, 200)
+    assert o == dict(causal=True, softmax_scale=0.125, window_size=(63, 0), dropout_p=0.0, softcap=0.0)
+    assert out.shape == (1, 300, 4, 64) and weights is None

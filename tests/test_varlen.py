@@ -101,11 +101,14 @@ def test_the_sm80_families_and_the_hopper_forward_take_varlen():
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("family", ["fwd", "bwd", "bwd_dq"])
 def test_varlen_defaults_compile_without_spills(family, d, arch):
-    """Every feature mix varlen may take (window, softcap, a partial head dim) on the default tile
-    each family picks for it, on both targets (an H100/H200 runs varlen on these families)."""
+    """Every feature mix varlen may take (window, softcap, a partial head dim; dropout with windows
+    and softcap) on the default tile each family picks for it, on both targets (an H100/H200 runs
+    varlen on these families)."""
     fam = families.REGISTRY[family]
-    for local, softcap, partial in itertools.product((False, True), repeat=3):
-        f = Features("bfloat16", d, local=local, softcap=softcap, partial_d=partial, varlen=True)
+    mixes = [(*m, False) for m in itertools.product((False, True), repeat=3)]
+    mixes += [(local, softcap, False, True) for local, softcap in itertools.product((False, True), repeat=2)]
+    for local, softcap, partial, dropout in mixes:
+        f = Features("bfloat16", d, local=local, softcap=softcap, partial_d=partial, dropout=dropout, varlen=True)
         tile = fam.default(d, features=f)
         rep = _compile.compile_report(_compile.kernel_source(tile, f), arch)
         assert rep["registers"] > 0, rep["log"]

@@ -33,9 +33,12 @@ What runs where:
 - `softcap` (Gemma 2's attention logit soft-capping) runs on cuflash's softcap; a softcapped call
   that would have to fall back (a mask, an unsupported shape) raises instead, since sdpa ignores
   softcap.
+- flash-attention-style packed sequences given as `cu_seq_lens_q`/`cu_seq_lens_k` (and
+  `max_length_q`/`max_length_k`, else read from the offsets) without a mask run on
+  `cuflash.attention_varlen` (batch 1: the packed tokens), masks aligned per sequence.
 - **NotImplementedError**, naming the option, for what neither cuflash nor sdpa would compute
-  correctly: `s_aux` (attention sinks), softcap where cuflash cannot run (above), and
-  flash-attention-style packed sequences given as `cu_seq_lens_q`/`cu_seq_lens_k` without a mask.
+  correctly: `s_aux` (attention sinks), softcap where cuflash cannot run (above), and packed
+  sequences on a call cuflash cannot take.
 
 Neither torch nor transformers is imported until register() or a call.
 """
@@ -135,11 +138,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                            "attention, a mask overlay or a custom mask), which cuflash's kernels do not take; it runs "
                            "on transformers' sdpa attention")
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
-    varlen = [n for n in _VARLEN_KWARGS if kwargs.get(n) is not None]
-    if varlen:
-        raise NotImplementedError(f"cuflash attention: packed sequences given as {varlen[0]} (variable-length "
-                                  f"batches) are not supported yet; pass position_ids instead (transformers then "
-                                  f"builds a mask and the call runs on sdpa)")
+    packed = [n for n in _VARLEN_KWARGS if kwargs.get(n) is not None]
     window = (-1, -1)
     if sliding_window is not None and sliding_window > 0:
         # A bidirectional window comes without a mask only where sdpa_mask skipped it (it covers every
@@ -150,6 +149,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
             return _sdpa(module, query, key, value, None, dropout, scaling, is_causal, kwargs)
         window = (int(sliding_window) - 1, 0)
     why = unsupported(query, key, value)
+    if packed:  # flash-attention style packing: cuflash's variable-length batches
+        if len(packed) != 2:
+            raise ValueError("cuflash attention: cu_seq_lens_q and cu_seq_lens_k must be given together")
+        if why or query.shape[0] != 1:
+            raise NotImplementedError(f"cuflash attention: packed sequences (cu_seq_lens_q/k) on a call cuflash "
+                                      f"cannot take ({why or f'batch {query.shape[0]}, packing needs batch 1'}); "
+                                      f"use attn_implementation='eager' or pass an attention mask")
+        out = _cuflash_varlen(query.transpose(1, 2)[0], key.transpose(1, 2)[0], value.transpose(1, 2)[0],
+                              kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"], kwargs.get("max_length_q"),
+                              kwargs.get("max_length_k"), causal=causal, softmax_scale=scaling, window_size=window,
+                              dropout_p=float(dropout or 0.0), softcap=softcap)
+        return out[None], None
     if why and softcap:
         raise NotImplementedError(f"cuflash attention: softcap={softcap!r} on a call cuflash cannot take ({why}) would "
                                   f"fall back to sdpa, which ignores softcap; use attn_implementation='eager'")
@@ -202,6 +213,18 @@ def _cuflash(q, k, v, **options):
     from ..api import attention
 
     return attention(q, k, v, **options)
+
+
+def _cuflash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options):
+    """attention_varlen over transformers' packing (batch 1): q (total_q, heads, head_dim), ... The
+    longest sequences, when transformers does not pass them, are read from the offsets (a sync)."""
+    from ..varlen import attention_varlen
+
+    if max_q is None:
+        max_q = int((cu_q[1:] - cu_q[:-1]).max()) if cu_q.shape[0] > 1 else 0
+    if max_k is None:
+        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.shape[0] > 1 else 0
+    return attention_varlen(q, k, v, cu_q, cu_k, int(max_q), int(max_k), **options)
 
 
 def _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):

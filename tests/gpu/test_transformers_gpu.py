@@ -207,3 +207,21 @@ def test_float32_model_falls_back_with_a_correct_mask(spy):
     want = ref(input_ids=ids).logits
     assert not spy["cuflash"]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_flash_style_packed_sequences_run_on_varlen():
+    """Sequences packed into batch 1 with cu_seq_lens_q/k (transformers' FlashAttentionKwargs, passed
+    to the model's forward) run on cuflash.attention_varlen; the logits equal each sequence run alone
+    (positions restarting per sequence), to the half-precision model's own run-to-run tolerance."""
+    _, _, cu = _models(llama, torch.bfloat16)
+    cu.eval()
+    lens = [64, 1, 127]
+    ids = torch.randint(0, 256, (1, sum(lens)), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    offsets = torch.tensor([0, 64, 65, 192], device="cuda", dtype=torch.int32)
+    positions = torch.cat([torch.arange(n, device="cuda") for n in lens])[None]
+    with torch.no_grad():
+        packed = cu(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
+                    max_length_q=max(lens), max_length_k=max(lens)).logits[0]
+        alone = torch.cat([cu(input_ids=ids[:, a:b]).logits[0] for a, b in ((0, 64), (64, 65), (65, 192))])
+    err = float((packed.float() - alone.float()).abs().max())
+    assert err <= 4 * torch.finfo(torch.bfloat16).eps * float(alone.float().abs().max()), err
