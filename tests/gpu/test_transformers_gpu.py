@@ -209,12 +209,15 @@ def test_float32_model_falls_back_with_a_correct_mask(spy):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_flash_style_packed_sequences_run_on_varlen():
+def test_flash_style_packed_sequences_run_on_varlen(monkeypatch):
     """Sequences packed into batch 1 with cu_seq_lens_q/k (transformers' FlashAttentionKwargs, passed
     to the model's forward) run on cuflash.attention_varlen; the logits equal each sequence run alone
     (positions restarting per sequence), to the half-precision model's own run-to-run tolerance."""
     _, _, cu = _models(llama, torch.bfloat16)
     cu.eval()
+    ran = []
+    real = cuflash_hf._cuflash_varlen
+    monkeypatch.setattr(cuflash_hf, "_cuflash_varlen", lambda *a, **o: ran.append(o) or real(*a, **o))
     lens = [64, 1, 127]
     ids = torch.randint(0, 256, (1, sum(lens)), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     offsets = torch.tensor([0, 64, 65, 192], device="cuda", dtype=torch.int32)
@@ -223,5 +226,6 @@ def test_flash_style_packed_sequences_run_on_varlen():
         packed = cu(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
                     max_length_q=max(lens), max_length_k=max(lens)).logits[0]
         alone = torch.cat([cu(input_ids=ids[:, a:b]).logits[0] for a, b in ((0, 64), (64, 65), (65, 192))])
+    assert len(ran) == cu.config.num_hidden_layers, "the packed call did not reach attention_varlen"
     err = float((packed.float() - alone.float()).abs().max())
     assert err <= 4 * torch.finfo(torch.bfloat16).eps * float(alone.float().abs().max()), err
