@@ -43,19 +43,27 @@ class Case:
     batch: int
     heads: int
     causal: bool
+    heads_kv: int = 0  # key/value heads (GQA/MQA: fewer than heads, dividing them); 0: heads (MHA)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads_kv or self.heads
 
 
-def build_cases(head_dims, seqlens, tokens, hidden, causal_modes) -> list[Case]:
-    """Keep the work per case constant-ish: batch = tokens // seqlen, heads = hidden // head_dim.
+def build_cases(head_dims, seqlens, tokens, hidden, causal_modes, gqa: int = 1) -> list[Case]:
+    """Keep the work per case constant-ish: batch = tokens // seqlen, heads = hidden // head_dim;
+    with gqa > 1, heads // gqa key/value heads (grouped-query attention; 0 recorded for MHA).
 
     A seqlen longer than ``tokens`` still gets one sequence (batch 1) rather than none.
     """
-    return [
-        Case(d, n, max(1, tokens // n), max(1, hidden // d), c)
-        for d in head_dims
-        for n in seqlens
-        for c in causal_modes
-    ]
+    cases = []
+    for d in head_dims:
+        heads = max(1, hidden // d)
+        if heads % gqa:
+            raise ValueError(f"--gqa {gqa} does not divide the {heads} heads of head_dim {d} (hidden {hidden})")
+        cases += [Case(d, n, max(1, tokens // n), heads, c, heads // gqa if gqa > 1 else 0)
+                  for n in seqlens for c in causal_modes]
+    return cases
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--passes", nargs="+", choices=sorted(PASS_BENCHES), default=["fwd", "bwd"])
     p.add_argument("--quick", action="store_true", help="only seqlen 2048 and 8192")
+    p.add_argument("--gqa", type=int, default=1, metavar="G",
+                   help="query heads per key/value head (grouped-query attention; SDPA runs with enable_gqa); "
+                        "1: multi-head attention. E.g. --head-dims 128 --hidden 4096 --gqa 4: Llama-3-8B's 32/8 heads")
     p.add_argument("--overhead", action="store_true",
                    help="instead: per-call time at a launch-bound shape (batch 1, 128 tokens, 2 heads, "
                         "head_dim 64), CuPy and torch paths against SDPA, eager and CUDA-graph replays")
@@ -89,7 +100,7 @@ def causal_modes(arg: str) -> list[bool]:
 
 
 def cases_from_args(args) -> list[Case]:
-    return build_cases(args.head_dims, args.seqlens, args.tokens, args.hidden, causal_modes(args.causal))
+    return build_cases(args.head_dims, args.seqlens, args.tokens, args.hidden, causal_modes(args.causal), args.gqa)
 
 
 # ----------------------------------------------------------------------------- records
@@ -146,7 +157,8 @@ def format_rows(rec: dict) -> list[str]:
     for pass_ in rec["timings"]:
         cf, fl, cd = (_tflops(rec, pass_, b) for b in BACKENDS)
         s8 = _tflops(rec, pass_, SM80)
-        cells = [rec["head_dim"], rec["seqlen"], rec["batch"], rec["heads"],
+        heads = f"{rec['heads']}/{rec['heads_kv']}" if rec.get("heads_kv") else rec["heads"]  # q/kv heads: GQA
+        cells = [rec["head_dim"], rec["seqlen"], rec["batch"], heads,
                  "yes" if rec["causal"] else "no", pass_,
                  cf, fl, cd,
                  None if cf is None or fl is None else cf / fl,
@@ -242,17 +254,19 @@ def make_inputs(case: Case, dtype: str, torch=None, n_sets: int = 3) -> list[dic
     import cupy
 
     shape = (case.batch, case.seqlen, case.heads, case.head_dim)
+    kv_shape = (case.batch, case.seqlen, case.kv_heads, case.head_dim)
+    shapes = (shape, kv_shape, kv_shape)
     cp_dtype = _cupy_dtype(dtype)
     sets = []
     for _ in range(n_sets):
         if torch is not None:
             t_dtype = torch.bfloat16 if dtype == "bf16" else torch.float16
-            qkv = [torch.randn(shape, device="cuda", dtype=t_dtype) for _ in range(3)]
+            qkv = [torch.randn(s, device="cuda", dtype=t_dtype) for s in shapes]
             sets.append({"cupy": tuple(_torch_to_cupy(t, cp_dtype) for t in qkv),
                          "torch_bhnd": tuple(t.transpose(1, 2) for t in qkv)})  # SDPA wants (B, H, N, D)
         else:
-            sets.append({"cupy": tuple(cupy.random.standard_normal(shape, dtype=cupy.float32).astype(cp_dtype)
-                                       for _ in range(3))})
+            sets.append({"cupy": tuple(cupy.random.standard_normal(s, dtype=cupy.float32).astype(cp_dtype)
+                                       for s in shapes)})
     if torch is not None:
         torch.cuda.synchronize()  # inputs were written on torch's stream; cuflash runs on CuPy's
     return sets
@@ -276,8 +290,10 @@ def _fwd_benches(case: Case, sets: list[dict], torch) -> dict[str, Bench]:
     if torch is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        gqa = {"enable_gqa": True} if case.kv_heads != case.heads else {}
+
         def sdpa(q, k, v):  # square seqlens: top-left and bottom-right causal masks coincide
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal, **gqa)
 
         rot = [s["torch_bhnd"] for s in sets]
         benches["sdpa_flash"] = Bench(sdpa, rot, "torch", lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION))
@@ -305,12 +321,14 @@ def _bwd_benches(case: Case, sets: list[dict], torch) -> dict[str, Bench]:
     if torch is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        gqa = {"enable_gqa": True} if case.kv_heads != case.heads else {}
+
         def graphs(backend):
             rot = []
             with sdpa_kernel(backend):
                 for s in sets:
                     q, k, v = (t.detach().requires_grad_() for t in s["torch_bhnd"])
-                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal)
+                    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal, **gqa)
                     rot.append((out, torch.randn_like(out), q, k, v))
             return rot
 

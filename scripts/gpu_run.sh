@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
-#        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen]
+#        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
 #        [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
@@ -52,6 +52,11 @@ for s in $stages; do
             timeout 240 python3 scripts/bench_varlen.py --json "$OUT/bench-varlen.json" 2>&1 | tee "$OUT/bench-varlen.log" | tail -4 ;;
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
+    benchshapes)  # issue 12's figures: Llama-3-8B GQA (32/8 heads) against MHA at the same shape; head_dim 256
+      for g in 4 1; do python3 -m cuflash.bench --head-dims 128 --hidden 4096 --gqa $g --seqlens 8192 --reps 20 \
+                         --json "$OUT/bench-gqa$g.json" 2>&1 | tee -a "$OUT/bench-shapes.log" | tail -5; done
+      python3 -m cuflash.bench --head-dims 256 --seqlens 2048 8192 --reps 20 --json "$OUT/bench-d256.json" 2>&1 \
+        | tee -a "$OUT/bench-shapes.log" | tail -8 ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
     sm90bwd) for c in 128,64,2,2,0 128,64,2,2,1 64,64,2,2,0 64,64,2,2,1; do
                SM90_BWD_CFG=$c timeout ${SM90_BWD_TIMEOUT:-90} python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 \

@@ -168,3 +168,16 @@ def test_main_with_fake_measurements(monkeypatch, tmp_path, capsys):
     data = json.loads(path.read_text())
     assert [(c["seqlen"], c["causal"]) for c in data["cases"]] == [(2048, False), (2048, True), (8192, False), (8192, True)]
     assert data["cases"][0]["timings"]["fwd"]["cuflash"]["n"] == 3
+
+
+def test_gqa_cases_and_their_row():
+    cases = bench.build_cases([128], [8192], tokens=16384, hidden=4096, causal_modes=[False], gqa=4)
+    (c,) = cases
+    assert (c.heads, c.heads_kv, c.kv_heads, c.batch) == (32, 8, 8, 2)  # Llama-3-8B's attention
+    assert bench.build_cases([128], [8192], 16384, 4096, [False])[0].kv_heads == 32  # MHA: heads_kv 0
+    with pytest.raises(ValueError, match="--gqa 3 does not divide the 32 heads"):
+        bench.build_cases([128], [8192], 16384, 4096, [False], gqa=3)
+    rec = bench.new_record(c, "bf16", ("fwd",))
+    bench.add_timing(rec, "fwd", "cuflash", {"median_ms": 1.0})
+    assert " 32/8 " in bench.format_rows(rec)[0]
+    assert bench.parse_args(["--gqa", "4"]).gqa == 4
