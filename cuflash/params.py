@@ -55,6 +55,7 @@ FWD_FIELDS = [
     ("softcap_scale", _F32),  # softcap: softmax_scale / softcap, the raw score's factor in the tanh (0: off)
     ("head_dim", _I32),  # the call's head dim (an instance of a larger D masks the columns past it)
     ("align_end", _I32),  # varlen: 1 adds each batch's seqlen_k - seqlen_q to offset (bottom-right); 0 otherwise
+    ("n_splits", _I32), ("split_blocks", _I32),  # split-KV: blocks per work tile, key blocks per split
 ]
 
 BWD_FIELDS = [

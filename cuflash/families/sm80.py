@@ -117,8 +117,12 @@ FWD = KernelFamily(
                                            FwdConfig(128, 128, 128, 8, 3), FwdConfig(128, 128, 128, 8, 2)}),
               "local+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)}),
               "dropout+local+softcap+varlen": frozenset({FwdConfig(64, 128, 64, 4, 2)}),  # 16 B, sm_80
-              "partial_d+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)})},
+              "partial_d+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)}),
+              # split-KV (the fp32 epilogue) with softcap: 4-72 B on these
+              "softcap+split_kv": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
+              "seqused_k+softcap+split_kv": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(128, 128, 128, 8, 3)})},
     plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True, takes_varlen=True,
+    takes_split_kv=True,
 )
 
 # The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of

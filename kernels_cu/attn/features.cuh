@@ -9,7 +9,7 @@
 
 namespace cuflash {
 
-template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN>
+template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN, bool SPLIT_KV>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -38,6 +38,12 @@ struct Variant {
     // mask's offset gains each batch's seqlen_k - seqlen_q where params.align_end says so.
     // Only the sm80 v2 forward has these instances.
     static constexpr bool kVarlen = VARLEN;
+    // Split-KV ("flash-decoding", cuflash/kvcache.py num_splits): params.n_splits blocks share each
+    // (query block, head, batch), split s visiting key blocks [s split_blocks, (s + 1) split_blocks)
+    // of its range, and each writes its partial O (normalised over its keys, fp32) and lse to
+    // (n_splits, batch, ...) accumulators that the host merges (cuflash.merge_attention). The out
+    // pointer is then the fp32 O accumulator. Only the sm80 v2 forward has these instances.
+    static constexpr bool kSplitKV = SPLIT_KV;
 };
 
 }  // namespace cuflash

@@ -17,6 +17,10 @@
 // V::kVarlen (variable-length batches): batch b's queries and keys are row ranges of packed arrays
 // given by cu_seqlens_q / cu_seqlens_k (attn/mask.cuh, SeqSpan); the grid covers the longest
 // batch's query blocks and a block past its batch's queries returns at once; lse is (heads, total_q).
+// V::kSplitKV (split-KV decoding): blockIdx.x = split + n_splits x work tile; the split visits its
+// slice of the tile's key blocks and writes O normalised over them (fp32, `o` is the accumulator
+// (n_splits, batch, seqlen_q, heads, head_dim) at o_s* strides) and their lse to
+// (n_splits, batch, heads, seqlen_q); the host merges the splits (cuflash.merge_attention).
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
@@ -61,8 +65,11 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;  // MMA fragment row group / column pair
 
+    static_assert(!(V::kSplitKV && V::kVarlen), "split-KV is for the KV cache's batches, not packed ones");
     const MaskGeometry geo_call = MaskGeometry::of<V>(params);
-    const BlockCoord blk = schedule_blocks(blockIdx.x, m_blocks, n_heads, geo_call.later_rows_heavier());
+    const int split = V::kSplitKV ? (int)(blockIdx.x % params.n_splits) : 0;
+    const int work_tile = V::kSplitKV ? (int)(blockIdx.x / params.n_splits) : (int)blockIdx.x;
+    const BlockCoord blk = schedule_blocks(work_tile, m_blocks, n_heads, geo_call.later_rows_heavier());
     const int bh = blk.bh, b = blk.batch, h = blk.head;
     const int r0 = blk.block * BR;
     // V::kVarlen: this batch's rows of the packed arrays and its lengths; else row 0 of its slice
@@ -81,7 +88,11 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const elem_t* kg = k + (long long)b * k_sb + (long long)span.k_start * k_sn + (long long)h_kv * k_sh;
     const elem_t* vg = v + (long long)b * v_sb + (long long)span.k_start * v_sn + (long long)h_kv * v_sh;
 
-    const BlockRange range = key_blocks<BR, BC, V::kLocal>(geo, r0);  // may start past key block 0 (window)
+    BlockRange range = key_blocks<BR, BC, V::kLocal>(geo, r0);  // may start past key block 0 (window)
+    if constexpr (V::kSplitKV) {  // this split's slice of the blocks (the masked ones stay masked)
+        range.begin = max(range.begin, split * params.split_blocks);
+        range.end = max(range.begin, min(range.end, (split + 1) * params.split_blocks));
+    }
     const Mask<V::kLocal> mask{geo};
     const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
     const Dropout drop{drop_seed, drop_threshold, bh};
@@ -178,6 +189,32 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     // ---- epilogue: O = O~ / l, lse; stage O through this warp's own Q rows in smem so the
     // global stores are 16-byte and row-contiguous ----
     __syncwarp();
+    if constexpr (V::kSplitKV) {
+        // fp32 straight from the registers: O normalised over this split's keys, and their lse
+        const int bh_count = params.tiles / m_blocks;  // batch * heads
+        float* lse_row = lse + ((long long)split * bh_count + bh) * seqlen_q;
+        float* og = reinterpret_cast<float*>(o) + ((long long)split * (bh_count / n_heads) + b) * o_sb + (long long)h * o_sh;
+#pragma unroll
+        for (int mt = 0; mt < kRowTiles; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float l = warp_sum4(softmax.row_sum[mt][half]);
+                const float inv = l != 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
+                const int row = r0 + warp_row0 + mt * 16 + g + 8 * half;
+                if (row < seqlen_q) {
+                    if (t == 0) lse_row[row] = OnlineSoftmax<kRowTiles>::lse(softmax.row_max[mt][half], l, scale_log2);
+                    float* orow = og + (long long)row * o_sn;
+#pragma unroll
+                    for (int i = 0; i < kOutTiles; ++i) {
+                        const int col = 8 * i + 2 * t;
+                        if (!V::kPartialD || col < 8 * d_chunks)
+                            *reinterpret_cast<float2*>(orow + col) = make_float2(acc_o[mt][i][2 * half] * inv,
+                                                                                 acc_o[mt][i][2 * half + 1] * inv);
+                    }
+                }
+            }
+        return;
+    }
     // V::kVarlen: this batch's first row and query count, reloaded (SeqSpan::reload_queries)
     int q_start = 0, n_q = seqlen_q;
     if constexpr (V::kVarlen) SeqSpan::reload_queries<V>(cu_seqlens_q, b, q_start, n_q);
