@@ -134,8 +134,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash-attn 2's flash_attn_with_kvcache. Supported: contiguous caches (batch, seqlen_cache,
     nheads_k, headdim); `cache_seqlens` (per-batch valid lengths) with `k`/`v` appended in place at
     them (cuflash.attention_with_kvcache, forward only); without cache_seqlens and k/v, attention
-    over the whole caches. Paging (block_table), rotary, cache_batch_idx, cache_leftpad, alibi and
-    num_splits other than 0/1 raise NotImplementedError naming the option."""
+    over the whole caches. num_splits: split-KV decoding there (0: heuristic; 1: none). Paging
+    (block_table), rotary, cache_batch_idx, cache_leftpad and alibi raise NotImplementedError naming
+    the option."""
     _unsupported(rotary_cos=(rotary_cos, rotary_cos is None),
                  rotary_sin=(rotary_sin, rotary_sin is None),
                  cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
@@ -149,7 +150,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         window = tuple(window_size) if window_size is not None else (-1, -1)
         res = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k, v_new=v,
                                      causal=bool(causal), softmax_scale=softmax_scale, window_size=window,
-                                     softcap=softcap, return_lse=bool(return_softmax_lse))
+                                     softcap=softcap, return_lse=bool(return_softmax_lse), num_splits=num_splits)
         return res
     res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse)
     return res[:2] if return_softmax_lse else res

@@ -34,10 +34,14 @@ import dataclasses
 
 import numpy as np
 
-from . import _forward, _interop, families, problem
+from . import _compile, _forward, _interop, families, problem
 from . import _plans as plan_cache
 from ._forward import empty_plan
+from .launch import Buffer, Launch, Plan, check_grid
 from .mask import MaskOptions
+from .params import pack_fwd
+
+MAX_SPLITS = 128
 
 _plans = plan_cache.PlanCache()
 
@@ -120,8 +124,52 @@ def _check_new(k_new, v_new, q, k_cache):
     return kn.shape[1]
 
 
+def check_num_splits(num_splits) -> int:
+    """num_splits as an int in [0, MAX_SPLITS] (0: the heuristic chooses); ValueError otherwise."""
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)) \
+            or not 0 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be an int in [0, {MAX_SPLITS}] (0: chosen by a heuristic), got {num_splits!r}")
+    return int(num_splits)
+
+
+def num_splits_heuristic(tiles: int, sm_count: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits of the keys that fill the GPU (FlashAttention-2's rule): none when the work tiles
+    already fill 80% of the SMs; else the fewest splits whose last wave is at least 85% as full as
+    the best split count's, skipping counts that give the same blocks per split as one fewer."""
+    if tiles <= 0 or key_blocks <= 1 or tiles >= 0.8 * sm_count:
+        return 1
+    top = max(1, min(max_splits, sm_count, key_blocks))
+    per = lambda s: -(-key_blocks // s)
+    eligible = [s for s in range(1, top + 1) if s == 1 or per(s) != per(s - 1)]
+    eff = {s: (tiles * s / sm_count) / -(-tiles * s // sm_count) for s in eligible}
+    best = max(eff.values())
+    return next(s for s in eligible if eff[s] >= 0.85 * best)
+
+
+def _plan_split(p, cfg, dtype) -> Plan:
+    """The split-KV forward: n_splits blocks per work tile, each over split_blocks key blocks,
+    writing fp32 partial O (n_splits, batch, seqlen_q, heads, head_dim) and lse (n_splits, batch,
+    heads, seqlen_q), which the caller merges (cuflash.merge_attention)."""
+    m_blocks = -(-p.seqlen_q // cfg.block_q)
+    key_blocks = -(-p.seqlen_k // cfg.block_k)
+    split_blocks = -(-key_blocks // p.n_splits)
+    n_splits = -(-key_blocks // split_blocks)  # no split without a key block
+    tiles = m_blocks * p.heads * p.batch
+    check_grid(tiles * n_splits)
+    kernel = _compile.get_kernel(cfg, p.features, p.device)
+    slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k")
+    params = pack_fwd(p, m_blocks)
+    params["n_splits"], params["split_blocks"] = n_splits, split_blocks
+    d = p.head_dim
+    params["o_sb"], params["o_sn"], params["o_sh"] = p.seqlen_q * p.heads * d, p.heads * d, d  # fp32 elements
+    launch = Launch(kernel, (tiles * n_splits,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
+    buffers = (Buffer("o_acc", (n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
+               Buffer("lse_acc", (n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
+    return Plan(p.device, ("q", "k", "v", "seqused_k"), buffers, (launch,), ("o_acc", "lse_acc"), params)
+
+
 def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale, out=None,
-                  lse=None):
+                  lse=None, num_splits: int = 0):
     """The CuPy body: (out, lse). Checks everything it can before the first launch. `out`, `lse`:
     given buffers (internal: the GPU tests poison them), checked as the forward's."""
     import cupy
@@ -150,14 +198,27 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
             raise ValueError(f"cache_seqlens is on device {cache_seqlens.device.id}, q on {p.device}")
         lens = cache_seqlens.astype(cupy.int32, copy=False)
 
+    splits = check_num_splits(num_splits)
+
     def build():
         if p.empty:
-            return empty_plan(p, q.dtype)
+            return empty_plan(p, q.dtype), False
         family = families.choose(families.FORWARDS, p, None)  # the Hopper family refuses seqused_k: sm80
-        return family.plan(p, families.select(family, p), q.dtype)
+        s = splits
+        if s == 0:  # the heuristic, on the plain tile's work
+            from . import device
+
+            cfg = families.select(family, p)
+            tiles = -(-p.seqlen_q // cfg.block_q) * p.heads * p.batch
+            s = num_splits_heuristic(tiles, device.query(p.device).sm_count, -(-p.seqlen_k // cfg.block_k))
+        if s > 1:  # (plan, whether its outputs are partial results to merge)
+            ps = dataclasses.replace(p, n_splits=s)
+            return _plan_split(ps, families.select(families.FWD, ps), q.dtype), True
+        return family.plan(p, families.select(family, p), q.dtype), False
 
     # every check (the plan's family and tile, the buffers) before the cache is written
-    plan = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale), build)
+    plan, partial = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale, splits),
+                               build)
     if out is not None:
         out = _forward._checked_out(out, q)
     if lse is not None:
@@ -167,12 +228,24 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         _append_kernel()(k_new.view(u16), v_new.view(u16), lens, n_new, p.heads_kv, p.head_dim, cap,
                          k_cache.view(u16), v_cache.view(u16))
     seqused = _lengths_kernel()(lens, n_new, cap)
+    if partial:
+        from .merge import merge_attention
+
+        o_acc, lse_acc = plan.run((q, k_cache, v_cache, seqused))
+        merged, merged_lse = merge_attention(list(o_acc), list(lse_acc), out_dtype=q.dtype)
+        if out is not None:
+            out[...] = merged
+            merged = out
+        if lse is not None:
+            lse[...] = merged_lse
+            merged_lse = lse
+        return merged, merged_lse
     return plan.run((q, k_cache, v_cache, out, lse, seqused))
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = False,
                            softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-                           return_lse: bool = False):
+                           return_lse: bool = False, num_splits: int = 0):
     """Attention of q (batch, n_q, heads, head_dim) to each batch's first cache_seqlens[b] (+ n_new)
     keys of k_cache / v_cache (batch, capacity, heads_kv, head_dim), after appending k_new / v_new
     (batch, n_new, heads_kv, head_dim) in place at row cache_seqlens[b] (module docstring: the
@@ -182,10 +255,15 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     q's CUDA device. causal / window_size / softcap / softmax_scale: as cuflash.attention, bottom-right
     aligned to each batch's length. Returns out like q, and with return_lse also lse float32
     (batch, heads, n_q); rows that see no key (a length of 0) get out 0 and lse -inf.
+    num_splits: split-KV ("flash-decoding"): the keys of each (query block, head, batch) split over
+    this many blocks, whose fp32 partial results are merged (cuflash.merge_attention); 0 (the
+    default) chooses by the work's size against the GPU's SMs (num_splits_heuristic: 1 when the
+    work already fills the GPU); 1: no split. At most 128.
     CuPy arrays, or torch tensors (through DLPack on torch's current stream; the caches are written
     in place either way).
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, softcap=softcap)
+    check_num_splits(num_splits)
     names = ["q", "k_cache", "v_cache"]
     arrays = [q, k_cache, v_cache]
     if k_new is not None or v_new is not None:
@@ -205,7 +283,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     def body(q, k_cache, v_cache, *rest):
         kn, vn = (rest[0], rest[1]) if k_new is not None else (None, None)
         lens = rest[-1] if seqlens_on_device else cache_seqlens
-        out, lse = _forward_cupy(q, k_cache, v_cache, lens, kn, vn, mask, softmax_scale)
+        out, lse = _forward_cupy(q, k_cache, v_cache, lens, kn, vn, mask, softmax_scale, num_splits=num_splits)
         return out, lse
 
     if fw == _interop.CUPY:

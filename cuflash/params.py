@@ -115,6 +115,7 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     _set_strides(a, "o", contiguous_strides(p.seqlen_q, p.heads, p.head_dim))
     _set_common(a, p)
     a["m_blocks"], a["tiles"] = m_blocks, m_blocks * p.heads * p.batch
+    a["n_splits"], a["split_blocks"] = 1, 0  # split-KV plans set theirs (cuflash/kvcache.py)
     if p.varlen:  # packed rows: the kernel finds each batch's by cu_seqlens (kernels_cu/attn/mask.cuh, SeqSpan)
         _set_strides(a, "o", (0, p.heads * p.head_dim, p.head_dim))
         a["seqlen_q"], a["seqlen_k"], a["align_end"] = p.total_q, p.total_k, int(p.align_end)

@@ -94,6 +94,9 @@ class AttnProblem:
     total_q: int = 0
     total_k: int = 0
     align_end: bool = False
+    # split-KV decoding (cuflash/kvcache.py): blocks per work tile, each over a slice of the keys,
+    # writing fp32 partial results the host merges; 1: the plain forward
+    n_splits: int = 1
 
     def __post_init__(self):
         check_geometry(self.window_left, self.window_right, self.offset)
@@ -110,7 +113,7 @@ class AttnProblem:
         d = kernel_head_dim(self.head_dim)
         return Features(self.dtype, d, self.dropout is not None, local=self.window_left != UNBOUNDED,
                         softcap=self.softcap > 0, partial_d=self.head_dim != d, seqused_k=self.seqused_k,
-                        varlen=self.varlen)
+                        varlen=self.varlen, split_kv=self.n_splits > 1)
 
     @property
     def empty(self) -> bool:

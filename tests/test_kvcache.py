@@ -157,3 +157,36 @@ def test_for_batch_geometry_is_the_geometry_of_the_batch_length(causal, window):
             seen = (k >= q + moved[2] - left) & (k <= q + moved[2] + right) & (k < n)
             ref = reference.visible_per_batch(nq, cap, [n], causal, window)[0, 0]
             np.testing.assert_array_equal(seen, ref)
+
+
+def test_num_splits_heuristic():
+    h = kvcache.num_splits_heuristic
+    assert h(200, 132, 64) == 1  # the work fills the GPU already
+    assert h(8, 132, 1) == 1  # one key block: nothing to split
+    assert h(8, 132, 64) == 16 and h(32, 132, 256) == 4  # ~one full wave
+    for tiles in (1, 3, 8, 40):
+        for blocks in (2, 5, 64, 1000):
+            s = h(tiles, 132, blocks)
+            assert 1 <= s <= min(kvcache.MAX_SPLITS, blocks)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
+def test_split_kv_instances_compile_without_spills(d, arch):
+    """The KV cache's features (per-batch lengths, windows, softcap, a partial head dim) with split-KV
+    on the default tile the family picks for them."""
+    import itertools
+
+    for local, softcap, partial in itertools.product((False, True), repeat=3):
+        f = Features("bfloat16", d, seqused_k=True, split_kv=True, local=local, softcap=softcap, partial_d=partial)
+        tile = families.FWD.default(d, features=f)
+        r = _compile.compile_report(_compile.kernel_source(tile, f), arch)
+        assert r["registers"] > 0 and r["spill_stores"] == 0, (tile, f, r["spill_stores"])
+
+
+@pytest.mark.parametrize("bad", [-1, 129, 2.0, True, None, "4"])
+def test_num_splits_is_checked(bad):
+    with pytest.raises(ValueError, match="num_splits must be an int in"):
+        kvcache.check_num_splits(bad)
+    assert kvcache.check_num_splits(0) == 0 and kvcache.check_num_splits(128) == 128
