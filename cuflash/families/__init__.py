@@ -58,10 +58,11 @@ def select(family: KernelFamily, problem):
 
     props = device.supported(problem.device)  # UnsupportedDeviceError on a GPU older than cc 8.0
     tile = _tuned.lookup(family, problem, props)
-    # Variable-length batches are not tuned: a tuned tile that spills in their instances (the
-    # family's `spilling` marks) gives way to the default that does not. (The older variants,
-    # windows and softcap, keep their class's tuned tile, as they were measured with it.)
-    if tile is not None and not (problem.features.varlen and family.avoids(tile, problem.features)):
+    # Variable-length batches and split-KV are not tuned: a tuned tile that spills in their
+    # instances (the family's `spilling` marks) gives way to the default that does not. (The older
+    # variants, windows and softcap, keep their class's tuned tile, as they were measured with it.)
+    untuned = problem.features.varlen or problem.features.split_kv
+    if tile is not None and not (untuned and family.avoids(tile, problem.features)):
         return tile
     try:
         return family.default(problem.features.head_dim, props.smem_optin, problem.features)
