@@ -134,12 +134,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """flash-attn 2's flash_attn_with_kvcache. Supported: contiguous caches (batch, seqlen_cache,
     nheads_k, headdim); `cache_seqlens` (per-batch valid lengths) with `k`/`v` appended in place at
     them (cuflash.attention_with_kvcache, forward only); without cache_seqlens and k/v, attention
-    over the whole caches. num_splits: split-KV decoding there (0: heuristic; 1: none). Paging
-    (block_table), rotary, cache_batch_idx, cache_leftpad and alibi raise NotImplementedError naming
-    the option."""
-    _unsupported(rotary_cos=(rotary_cos, rotary_cos is None),
-                 rotary_sin=(rotary_sin, rotary_sin is None),
-                 cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
+    over the whole caches. num_splits: split-KV decoding there (0: heuristic; 1: none); rotary_cos /
+    rotary_sin / rotary_interleaved: rotary embedding of q and k there. Paging (block_table),
+    cache_batch_idx, cache_leftpad and alibi raise NotImplementedError naming the option; rotary
+    without cache_seqlens raises ValueError (the positions come from it)."""
+    _unsupported(cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
                  cache_leftpad=(cache_leftpad, cache_leftpad is None), block_table=(block_table, block_table is None))
     _check(alibi_slopes)
     if cache_seqlens is not None or k is not None or v is not None:
@@ -150,7 +149,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         window = tuple(window_size) if window_size is not None else (-1, -1)
         res = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, k_new=k, v_new=v,
                                      causal=bool(causal), softmax_scale=softmax_scale, window_size=window,
-                                     softcap=softcap, return_lse=bool(return_softmax_lse), num_splits=num_splits)
+                                     softcap=softcap, return_lse=bool(return_softmax_lse), num_splits=num_splits,
+                                     rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                                     rotary_interleaved=bool(rotary_interleaved))
         return res
+    if rotary_cos is not None or rotary_sin is not None:
+        raise ValueError("flash_attn_with_kvcache: rotary embedding needs cache_seqlens (its positions)")
     res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse)
     return res[:2] if return_softmax_lse else res

@@ -24,9 +24,10 @@ What is checked before any launch:
     min(max(cache_seqlens[b] + n_new, 0), capacity) keys. Never an out-of-bounds access, but also
     no error: check on the host when the lengths may be wrong.
 
-Not here yet (issue 17): paged caches (block_table), rotary embedding, split-KV decoding, packing
-the query heads of a GQA group; the kernel is the prefill kernel with per-batch lengths, so a
-one-token decode step uses few SMs.
+Split-KV decoding (num_splits) spreads a decode step's keys over several blocks per work tile;
+rotary embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first. Not here
+yet (issue 17): paged caches (block_table), packing the query heads of a GQA group (the kernel is
+the prefill kernel with per-batch lengths), a fused combine of the splits.
 """
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ def _plan_split(p, cfg, dtype) -> Plan:
 
 
 def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale, out=None,
-                  lse=None, num_splits: int = 0):
+                  lse=None, num_splits: int = 0, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True):
     """The CuPy body: (out, lse). Checks everything it can before the first launch. `out`, `lse`:
     given buffers (internal: the GPU tests poison them), checked as the forward's."""
     import cupy
@@ -199,6 +200,22 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         lens = cache_seqlens.astype(cupy.int32, copy=False)
 
     splits = check_num_splits(num_splits)
+    if rotary_cos is not None or rotary_sin is not None:  # q and k_new rotated before anything reads them
+        if rotary_cos is None or rotary_sin is None:
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        from . import rotary
+
+        cos32, sin32 = rotary.check_tables(rotary_cos, rotary_sin, p.head_dim, p.device)
+        per_token = bool(mask.causal) or tuple(mask.window_size) != (-1, -1)  # FlashAttention's rule for q
+        reach = max(n_new, q.shape[1] if per_token else 1)
+        why = rotary.host_positions_problem(host, reach, cos32.shape[0]) if host is not None else None
+        if why:
+            raise ValueError(why)
+        q = rotary.apply(q, cos32, sin32, rotary.positions(lens, q.shape[1], per_token), bool(rotary_interleaved))
+        if n_new:
+            k_new = rotary.apply(k_new, cos32, sin32, rotary.positions(lens, n_new, True), bool(rotary_interleaved))
+        infos[0] = problem.describe(q, "q")
+        p = dataclasses.replace(problem.resolve_forward(*infos, mask, softmax_scale), seqused_k=True)
 
     def build():
         if p.empty:
@@ -245,7 +262,8 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = False,
                            softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
-                           return_lse: bool = False, num_splits: int = 0):
+                           return_lse: bool = False, num_splits: int = 0, rotary_cos=None, rotary_sin=None,
+                           rotary_interleaved: bool = True):
     """Attention of q (batch, n_q, heads, head_dim) to each batch's first cache_seqlens[b] (+ n_new)
     keys of k_cache / v_cache (batch, capacity, heads_kv, head_dim), after appending k_new / v_new
     (batch, n_new, heads_kv, head_dim) in place at row cache_seqlens[b] (module docstring: the
@@ -259,6 +277,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     this many blocks, whose fp32 partial results are merged (cuflash.merge_attention); 0 (the
     default) chooses by the work's size against the GPU's SMs (num_splits_heuristic: 1 when the
     work already fills the GPU); 1: no split. At most 128.
+    rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) tables (cuflash/rotary.py): k_new is rotated
+    at positions cache_seqlens[b] + t before it is appended, q at cache_seqlens[b] + i with causal
+    or a window, else at cache_seqlens[b] for every query (FlashAttention's convention);
+    rotary_interleaved: GPT-J pairs (2i, 2i + 1) (the default, as FlashAttention's) or GPT-NeoX's
+    (i, i + rotary_dim / 2). Host lengths whose positions pass the tables raise ValueError; device
+    lengths are clipped to the last row.
     CuPy arrays, or torch tensors (through DLPack on torch's current stream; the caches are written
     in place either way).
     """
@@ -271,6 +295,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             raise ValueError("k_new and v_new must be given together (or neither)")
         names += ["k_new", "v_new"]
         arrays += [k_new, v_new]
+    rotary = rotary_cos is not None or rotary_sin is not None
+    if rotary:
+        if rotary_cos is None or rotary_sin is None:
+            raise ValueError("rotary_cos and rotary_sin must be given together")
+        names += ["rotary_cos", "rotary_sin"]
+        arrays += [rotary_cos, rotary_sin]
     fw, dev = _interop.common_framework(arrays, names)
     # a CUDA cache_seqlens of another framework travels with the arrays (a CuPy one is used as is)
     seqlens_on_device = fw != _interop.CUPY and _on_cuda(cache_seqlens)
@@ -281,9 +311,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         arrays.append(cache_seqlens)
 
     def body(q, k_cache, v_cache, *rest):
-        kn, vn = (rest[0], rest[1]) if k_new is not None else (None, None)
-        lens = rest[-1] if seqlens_on_device else cache_seqlens
-        out, lse = _forward_cupy(q, k_cache, v_cache, lens, kn, vn, mask, softmax_scale, num_splits=num_splits)
+        rest = list(rest)
+        kn, vn = (rest.pop(0), rest.pop(0)) if k_new is not None else (None, None)
+        cos, sin = (rest.pop(0), rest.pop(0)) if rotary else (None, None)
+        lens = rest.pop(0) if seqlens_on_device else cache_seqlens
+        out, lse = _forward_cupy(q, k_cache, v_cache, lens, kn, vn, mask, softmax_scale, num_splits=num_splits,
+                                 rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary_interleaved)
         return out, lse
 
     if fw == _interop.CUPY:

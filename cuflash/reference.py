@@ -491,3 +491,24 @@ def attention_backward_tiled(dout, q, k, v, out, lse, *, causal=False, softmax_s
 
     dq, dk, dv = _out_layout(dq, dk, dv)
     return dq, sum_groups(dk, heads_kv), sum_groups(dv, heads_kv)
+
+
+def rotary(x, cos, sin, positions, *, interleaved: bool = False):
+    """Rotary position embedding of x (B, T, H, d) at `positions` (B, T) (int), FlashAttention's:
+    cos, sin are (seqlen_ro, rotary_dim / 2) tables; the first rotary_dim features are rotated in
+    pairs (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos), the pairs being (i, i + rotary_dim / 2)
+    (GPT-NeoX, interleaved=False) or (2i, 2i + 1) (GPT-J, interleaved=True); the rest are kept.
+    Float64."""
+    x = np.asarray(x, dtype=np.float64)
+    cos, sin = np.asarray(cos, dtype=np.float64), np.asarray(sin, dtype=np.float64)
+    half = cos.shape[1]
+    c = cos[np.asarray(positions)][:, :, None, :]  # (B, T, 1, half)
+    s = sin[np.asarray(positions)][:, :, None, :]
+    out = x.copy()
+    if interleaved:
+        x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+        out[..., 0:2 * half:2], out[..., 1:2 * half:2] = x1 * c - x2 * s, x1 * s + x2 * c
+    else:
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+        out[..., :half], out[..., half:2 * half] = x1 * c - x2 * s, x1 * s + x2 * c
+    return out

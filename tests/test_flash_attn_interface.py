@@ -69,5 +69,6 @@ def test_kvcache_arguments_reach_attention_with_kvcache(monkeypatch):
     (args, kw), = seen
     assert args == (1, 2, 3)
     assert kw == dict(cache_seqlens=6, k_new=4, v_new=5, causal=True, softmax_scale=None, window_size=(2, 0),
-                      softcap=1.5, return_lse=True, num_splits=7)
+                      softcap=1.5, return_lse=True, num_splits=7, rotary_cos=None, rotary_sin=None,
+                      rotary_interleaved=True)
     assert set(fai.__all__) <= set(dir(fai))

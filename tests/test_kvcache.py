@@ -190,3 +190,40 @@ def test_num_splits_is_checked(bad):
     with pytest.raises(ValueError, match="num_splits must be an int in"):
         kvcache.check_num_splits(bad)
     assert kvcache.check_num_splits(0) == 0 and kvcache.check_num_splits(128) == 128
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_reference(interleaved):
+    """Rotations keep each pair's norm and the unrotated tail; position 0 (cos 1, sin 0) is the
+    identity; the two pairings are each other's permutation of the features."""
+    rng = np.random.default_rng(0)
+    b, t, h, d, rd = 2, 5, 3, 16, 8
+    x = rng.standard_normal((b, t, h, d))
+    theta = rng.uniform(0, 6.3, (40, rd // 2))
+    cos, sin = np.cos(theta), np.sin(theta)
+    pos = rng.integers(1, 40, (b, t))
+    y = reference.rotary(x, cos, sin, pos, interleaved=interleaved)
+    pairs = ([(2 * i, 2 * i + 1) for i in range(rd // 2)] if interleaved else [(i, i + rd // 2) for i in range(rd // 2)])
+    for i, j in pairs:
+        np.testing.assert_allclose(x[..., i] ** 2 + x[..., j] ** 2, y[..., i] ** 2 + y[..., j] ** 2, rtol=1e-12)
+    np.testing.assert_array_equal(y[..., rd:], x[..., rd:])
+    np.testing.assert_allclose(reference.rotary(x, cos * 0 + 1, sin * 0, pos, interleaved=interleaved), x)
+    if not interleaved:  # NeoX's pairs laid out side by side are GPT-J's
+        perm = [p for pair in pairs for p in pair] + list(range(rd, d))
+        other = reference.rotary(x[..., perm], cos, sin, pos, interleaved=True)
+        np.testing.assert_allclose(other, y[..., perm])
+
+
+def test_rotary_host_positions_past_the_tables_are_named():
+    from cuflash import rotary
+
+    assert rotary.host_positions_problem(np.array([3, 10]), 5, 15) is None  # positions up to 14
+    why = rotary.host_positions_problem(np.array([3, 11]), 5, 15)
+    assert "batch 1 needs position 15" in why and "15 positions" in why
+
+
+def test_rotary_without_cache_seqlens_is_refused():
+    from cuflash import flash_attn_interface as fai
+
+    with pytest.raises(ValueError, match="rotary embedding needs cache_seqlens"):
+        fai.flash_attn_with_kvcache(None, None, None, rotary_cos=object(), rotary_sin=object())

@@ -204,3 +204,42 @@ def test_split_kv_equals_no_split(num_splits, causal, window, d, dtype):
             diff = float(cupy.abs(out[b].astype(cupy.float32) - ref_out[b].astype(cupy.float32)).max())
             assert diff <= allowed, f"batch {b}: split and unsplit differ by {diff:.3e} > {allowed:.3e}"
             assert float(cupy.abs(lse[b] - ref_lse[b]).max()) <= 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rotary_fraction", [1, 2])  # rotary_dim = head_dim / fraction
+def test_rotary_kvcache_matches_the_reference(rotary_fraction, causal, interleaved, dtype):
+    """k_new is rotated at cache_seqlens + t before the append (the cache rows equal the reference
+    rotation rounded to the dtype, to one unit in the last place), q at cache_seqlens + i (causal)
+    or cache_seqlens (not), and the output passes the 2x rule against attention of the reference-
+    rotated q to the cache."""
+    import cupy
+
+    from cuflash import reference
+
+    rng = np.random.default_rng(hash((rotary_fraction, causal, interleaved, dtype, "rotary")) % 2**32)
+    batch, h, hk, d, n_new = 3, 8, 2, 128, 5
+    lens = np.array([0, 17, CAP - n_new])
+    dt = dtype_of(dtype)
+    q, kc, vc, kn, vn = _case(rng, batch, n_new, h, hk, d, dt, lens, n_new)
+    half = d // rotary_fraction // 2
+    theta = rng.uniform(0, 6.3, (CAP + 4, half))
+    cos, sin = cupy.asarray(np.cos(theta).astype(np.float32)), cupy.asarray(np.sin(theta).astype(np.float32))
+    out = kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn, causal=causal,
+                                         rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+    t = np.arange(n_new)[None]
+    k_ref = reference.rotary(cupy.asnumpy(kn.astype(cupy.float32)), cos.get(), sin.get(), lens[:, None] + t,
+                             interleaved=interleaved)
+    q_pos = lens[:, None] + (t if causal else 0 * t)
+    q_ref = reference.rotary(cupy.asnumpy(q.astype(cupy.float32)), cos.get(), sin.get(), q_pos, interleaved=interleaved)
+    for b, n in enumerate(lens):
+        got = cupy.asnumpy(kc[b, n:n + n_new].astype(cupy.float32)).astype(np.float64)
+        ulp = np.abs(k_ref[b]) * (2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10) + 1e-6
+        assert (np.abs(got - k_ref[b]) <= ulp).all(), f"batch {b}: appended rows are not the rotated k_new"
+    qr = cupy.asarray(q_ref).astype(dt)
+    mask = MaskOptions.of(causal=causal)
+    for b, n in enumerate(lens + n_new):
+        err, pt, allowed = fa_rule(out[b:b + 1], qr[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], mask, 1 / math.sqrt(d))
+        assert err <= allowed, f"batch {b}: {err:.3e} > {allowed:.3e}"
