@@ -238,7 +238,14 @@ def test_rotary_kvcache_matches_the_reference(rotary_fraction, causal, interleav
         got = cupy.asnumpy(kc[b, n:n + n_new].astype(cupy.float32)).astype(np.float64)
         ulp = np.abs(k_ref[b]) * (2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10) + 1e-6
         assert (np.abs(got - k_ref[b]) <= ulp).all(), f"batch {b}: appended rows are not the rotated k_new"
-    qr = cupy.asarray(q_ref).astype(dt)
+    # q as the path rotates it (cuflash.rotary, float32 then rounded): within an ulp of the reference,
+    # and the output is attention of exactly that q (the 2x rule)
+    from cuflash import rotary
+
+    qr = rotary.apply(q, cos, sin, cupy.asarray(q_pos), interleaved)
+    got = cupy.asnumpy(qr.astype(cupy.float32)).astype(np.float64)
+    ulp = np.abs(q_ref) * (2.0 ** -7 if dtype == "bfloat16" else 2.0 ** -10) + 1e-6
+    assert (np.abs(got - q_ref) <= ulp).all(), "q's rotation is not the reference's"
     mask = MaskOptions.of(causal=causal)
     for b, n in enumerate(lens + n_new):
         err, pt, allowed = fa_rule(out[b:b + 1], qr[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], mask, 1 / math.sqrt(d))
