@@ -50,13 +50,17 @@ def _worker(rank, world, init, a, results):
         flops_fwd = 4 * h * n * n * d / 2 / world  # causal: half; this rank's share
         qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
 
-        def ring_fwd():
-            with torch.no_grad():
-                cfd.ring_attention(q, k, v, causal=True)
+        def passes(attention):  # (forward alone, forward + backward) of attention(q, k, v, causal=True)
+            def fwd():
+                with torch.no_grad():
+                    attention(q, k, v, causal=True)
 
-        def ring_fwd_bwd():
-            out = cfd.ring_attention(qg, kg, vg, causal=True)
-            torch.autograd.grad(out, (qg, kg, vg), dout)
+            def fwd_bwd():
+                torch.autograd.grad(attention(qg, kg, vg, causal=True), (qg, kg, vg), dout)
+
+            return fwd, fwd_bwd
+
+        ring_fwd, ring_fwd_bwd = passes(cfd.ring_attention)
 
         def peak_of(fn):  # bytes allocated at the peak of fn, above what was live before it
             torch.cuda.synchronize()
@@ -78,14 +82,7 @@ def _worker(rank, world, init, a, results):
         peak = peak_of(ring_fwd_bwd)
         dist.barrier()
 
-        def one_fwd():
-            with torch.no_grad():
-                cuflash.attention(q, k, v, causal=True)
-
-        def one_fwd_bwd():
-            out = cuflash.attention(qg, kg, vg, causal=True)
-            torch.autograd.grad(out, (qg, kg, vg), dout)
-
+        one_fwd, one_fwd_bwd = passes(cuflash.attention)
         t_of = _time(one_fwd, a.reps)
         t_ofb = _time(one_fwd_bwd, a.reps)
         peak_one = peak_of(one_fwd_bwd)

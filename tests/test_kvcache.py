@@ -11,6 +11,7 @@ import pytest
 from cuflash import _compile, families, kvcache, reference
 from cuflash.features import Features
 from tests.test_compile import _nvrtc_available
+from tests.test_compile_v1 import _ptx
 
 needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
 
@@ -107,18 +108,6 @@ def test_seqused_k_instances_compile_without_spills(arch, d, local, softcap, dty
     tile = families.FWD.default(d, features=f)
     r = _compile.compile_report(_compile.kernel_source(tile, f), arch)
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (tile, r)
-
-
-def _ptx(source: str, arch: str) -> str:
-    from cupy_backends.cuda.libs import nvrtc
-
-    prog = nvrtc.createProgram(source, "s.cu", [], [])
-    try:
-        nvrtc.compileProgram(prog, list(_compile.nvrtc_options((f"--gpu-architecture={arch}",))))
-        ptx = nvrtc.getPTX(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    return ptx.decode() if isinstance(ptx, bytes) else ptx
 
 
 @needs_nvrtc

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import warnings
 
+from ..tiles import head_dim_problem
+
 # Not "cuflash": transformers treats any implementation whose name contains "flash" as a
 # flash-attention package (is_flash_attention_requested) and tries to import flash_attn's
 # functions for it when building a model (seen with Gemma 2 on transformers 5.x).
@@ -181,8 +183,6 @@ def unsupported(query, key, value) -> str | None:
         return "query, key and value differ in dtype"
     if getattr(query.device, "type", None) != "cuda":
         return f"tensors on {query.device} (cuflash runs on CUDA GPUs)"
-    from ..tiles import head_dim_problem
-
     d = query.shape[-1]
     if head_dim_problem(d) or key.shape[-1] != d or value.shape[-1] != d:
         return f"head_dim {d} (value {value.shape[-1]}) is not supported by cuflash (a multiple of 8 up to 256)"
