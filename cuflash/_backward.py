@@ -159,13 +159,12 @@ _plans = plan_cache.PlanCache()
 
 
 def _main_family(p, config, backend):
-    """The dK/dV kernel's family: the sm80 one, unless backend="sm90" or an sm90 tile asks for the
-    Hopper kernel (families.BACKWARDS; ValueError naming the reason where it cannot run the call)."""
+    """The dK/dV kernel's family: the config's, else the one `backend` forces, else the automatic
+    choice (families.BACKWARDS: the Hopper kernel where it can run and was measured faster,
+    CUFLASH_BACKEND applying as for the forward); ValueError naming the reason where a forced
+    backend cannot run the call."""
     if backend is None and config is not None:
         backend = families.of(config).backend
-    if backend is None or backend == families.BWD.backend:
-        families.check_backend(backend)
-        return families.BWD
     return families.choose(families.BACKWARDS, p, backend)
 
 
@@ -198,8 +197,9 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     dropout_p and seed (the dropout mask is regenerated from the seed, never stored). The mask:
     the record `mask` or the mask keywords (`causal=True`, ...), as the forward (cuflash/_forward.py).
     `config` / `dq_config` override the selected kernel configs (tuner, tests).
-    `backend`: None / "sm80" (the mma.sync dK/dV kernel) or "sm90" (the Hopper one: cc 9.0, no
-    dropout, not deterministic; opt-in while it is no faster, see cuflash/families/__init__.py).
+    `backend`: None (automatic: the Hopper dK/dV kernel on a cc 9.0 GPU at head_dim 128 where it
+    can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0, no
+    dropout, not deterministic) to force one.
     """
     import cupy
 

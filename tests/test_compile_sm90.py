@@ -20,13 +20,22 @@ pytestmark = [
 ]
 
 
+# tile -> bytes of spill stores known and accepted for its plain instance (sm_90a): the automatic
+# d128 Hopper backward's store-warp tile spills 16 B (56 B of loads) over its consumers' 240
+# registers (the most the setmaxnreg split can give: 24 x 128 + 240 x 256 fills the CTA's 64512),
+# NVRTC 13.5; it is still 1.15x its spill-free atomic twin on the H200 (305 vs 264 TFLOP/s, d128
+# N8192). A tile not listed must not spill; a listed one must not spill more.
+KNOWN_SPILLS = {families.BWD_SM90.defaults[128][0]: 16}
+
+
 def check(cfg, features, record_property):
     rep = _compile.compile_report(_compile.kernel_source(cfg, features), "sm_90a")
     record_property("resources", {k: v for k, v in rep.items() if k != "log"} | {"smem_dynamic": cfg.smem_bytes})
     log = rep["log"]
     assert rep["registers"] > 0, log
-    assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, log
-    assert rep["stack_bytes"] == 0, log
+    known = KNOWN_SPILLS.get(cfg, 0)
+    assert rep["spill_stores"] <= known and (known or rep["spill_loads"] == 0), log
+    assert known or rep["stack_bytes"] == 0, log
     assert "serialized" not in log.lower(), log  # "wgmma.mma_async instructions are serialized ..."
     assert rep["smem_static_bytes"] + cfg.smem_bytes <= 227 * 1024, log
     return rep
@@ -71,6 +80,6 @@ def test_selectable_sm90_backward_configs_compile_for_sm90a(cfg, dtype, record_p
     assert not families.BWD_SM90.supports(Features(dtype, cfg.head_dim, True))
     if (cfg.head_dim, cfg.stages, dtype) == (128, 2, "float16") and (device.nvrtc_version() or (0,)) < (13, 5):
         # measured on the H200 image: NVRTC 13.0's ptxas spills 28 B here, 13.5's does not (the
-        # sm90 backward is opt-in: cuflash._backward.backward(..., backend="sm90"))
+        # atomic two-stage tile is the automatic d128 choice's second, not its first)
         pytest.xfail("NVRTC 13.0 spills 28 B in the d128 fp16 two-stage sm90 backward")
     check(cfg, Features(dtype, cfg.head_dim), record_property)

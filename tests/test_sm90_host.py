@@ -547,14 +547,21 @@ def test_sm90_backward_binds_four_maps_and_the_workspaces():
     assert bind(arrays) == (100, 101, 102, 103, "lse2", "delta", "dq_acc", "dk", "dv")
 
 
-def test_sm90_backward_is_opt_in_and_says_why_it_cannot_run(monkeypatch):
+def test_sm90_backward_is_automatic_at_d128_and_says_why_it_cannot_run(monkeypatch):
     from cuflash import _backward, device
 
     p = _problem_bwd()
-    assert _backward._main_family(p, None, None) is families.BWD  # never chosen automatically
     monkeypatch.setattr(device, "query", lambda *_a, **_k: H200)
     monkeypatch.setattr(tma, "bindings_problem", lambda: None)
     assert _backward._main_family(p, None, "sm90") is families.BWD_SM90
+    assert _backward._main_family(p, None, "sm80") is families.BWD
+    d128 = _problem_bwd(d=128)
+    assert _backward._main_family(d128, None, None) is families.BWD_SM90
+    # d64: measured slower than the sm80 kernel, so not taken automatically; nor dropout or deterministic
+    assert p.features.head_dim == 64 and _backward._main_family(p, None, None) is families.BWD
+    assert _backward._main_family(dataclasses.replace(d128, deterministic=True), None, None) is families.BWD
+    monkeypatch.setenv(families.BACKEND_ENV, "sm80")
+    assert _backward._main_family(d128, None, None) is families.BWD
     det = dataclasses.replace(p, deterministic=True)
     with pytest.raises(ValueError, match="deterministic"):
         _backward._main_family(det, None, "sm90")

@@ -8,7 +8,7 @@ Families (cuflash/families/sm80.py, sm90.py):
   fwd_sm90  v2 forward (TMA + wgmma)   kernels_cu/flash_fwd_sm90.cuh  Sm90FwdConfig   cc 9.0 (sm_90a)
   fwd_v1    v1 forward (FA1)           kernels_cu/flash_fwd_v1.cuh    V1Config        cc >= 8.0
   bwd       backward dK/dV (+ dQ by atomics)  kernels_cu/flash_bwd.cuh  BwdConfig   cc >= 8.0
-  bwd_sm90  backward dK/dV (TMA + wgmma)  kernels_cu/flash_bwd_sm90.cuh  Sm90BwdConfig  cc 9.0, opt-in
+  bwd_sm90  backward dK/dV (TMA + wgmma)  kernels_cu/flash_bwd_sm90.cuh  Sm90BwdConfig  cc 9.0 (auto at d128)
   bwd_dq    deterministic dQ           kernels_cu/flash_bwd.cuh       DqConfig        cc >= 8.0
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ _BY_TILE = {f.tile_cls: f for f in REGISTRY.values()}
 
 # The v2 forward's families, in order of preference: the first that can run a call does.
 FORWARDS = (FWD_SM90, FWD)
-# The backward's dK/dV families. Only an explicit backend="sm90" (or an Sm90BwdConfig) picks the
-# sm90 one for now: its first version is about as fast as the sm80 one (docs/perf-notes.md), and
-# it takes neither dropout nor the deterministic mode. CUFLASH_BACKEND does not apply here yet.
-BACKWARDS = (BWD, BWD_SM90)
+# The backward's dK/dV families, in order of preference. The automatic choice takes the Hopper one
+# at head_dim 128 only (BWD_SM90.auto_head_dims: 1.2x the sm80 kernel on the H200 there, slower at
+# 64; docs/perf-notes.md); it takes neither dropout nor the deterministic mode, which fall to sm80.
+BACKWARDS = (BWD_SM90, BWD)
 BACKENDS = ("sm80", "sm90")  # values of attention(backend=...) and of CUFLASH_BACKEND
 BACKEND_ENV = "CUFLASH_BACKEND"
 
@@ -120,6 +120,9 @@ def choose(candidates: tuple, problem, backend: str | None = None, props=None) -
         return fam
     reasons = []
     for fam in candidates:
+        if fam.auto_head_dims is not None and problem.features.head_dim not in fam.auto_head_dims:
+            reasons.append(f"{fam.name}: not chosen automatically at head_dim {problem.features.head_dim}")
+            continue
         why = fam.cannot_run(problem, props)
         if why is None:
             return fam

@@ -64,6 +64,9 @@ class KernelFamily:
     # the name `cuflash.attention(backend=...)` and CUFLASH_BACKEND force it by, among the families
     # that serve one pass and algorithm (families.FORWARDS)
     backend: str = "sm80"
+    # head dims at which the automatic choice (families.choose with no backend) may take this
+    # family, where it was measured faster than the next candidate; None: every head dim it supports
+    auto_head_dims: frozenset | None = None
     # --- selection
     domain: Callable  # head_dim -> the tiles the kernel's template admits, in search order (before fitting)
     defaults: Mapping[int, tuple]  # head_dim -> heuristic tiles, in order of preference; the first that fits wins

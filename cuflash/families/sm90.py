@@ -117,9 +117,10 @@ def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
                           backend="sm90", **d["dropout"]))
 
 
-# First version (docs/perf-notes.md): correct on the H200 bring-up matrix, about the sm80 backward's
-# speed (d128 N8192: 263 vs 254 TFLOP/s; d64 slower), so it is not chosen automatically: the
-# internal cuflash._backward.backward(..., backend="sm90") and the tuner (--kernels bwd_sm90) run it.
+# Measured on the H200 (docs/perf-notes.md, 2026-11-30): with the store warp (dq_bulk 1) 1.2x the
+# sm80 backward at d128 (N8192: 305 vs 255 TFLOP/s; causal 282 vs 238; N2048 278 vs 240), so the
+# automatic choice takes it there; at d64 it is slower (230 vs 243), so d64 stays on sm80 unless
+# forced. Not tuned by default: its best d128 tiles spill a few bytes (below), which the tuner prunes.
 BWD_SM90 = KernelFamily(
     name="bwd_sm90", description="backward dK/dV on Hopper: TMA + wgmma (dQ by atomics)", what="sm90 backward",
     pass_="backward", tile_cls=Sm90BwdConfig, header="flash_bwd_sm90.cuh", template="cuflash::flash_bwd_sm90",
@@ -129,9 +130,14 @@ BWD_SM90 = KernelFamily(
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
     arch_specific=True, backend="sm90", takes_partial_d=False,
     domain=lambda d: [Sm90BwdConfig(d, 64, 2, s, b) for s in (2, 3) for b in (0, 1)],
-    # dq_bulk 0 (atomics) is the version measured on the H200; 1 (store warp) hung there (its
-    # setmaxnreg split asked for more registers than the CTA holds: fixed, not yet re-run)
-    defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 0),), 128: (Sm90BwdConfig(128, 64, 2, 2, 0),)},
+    # d128: the store warp's tile first (its consumers spill 16 B over their 240 registers, NVRTC
+    # 13.5; still the fastest measured, KNOWN_SPILLS in tests/test_compile_sm90.py); d64: atomics
+    defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 0),),
+              128: (Sm90BwdConfig(128, 64, 2, 2, 1), Sm90BwdConfig(128, 64, 2, 2, 0))},
+    auto_head_dims=frozenset({128}),
+    # the store-warp tile spills more with a window (28 B) or softcap (52 B): those take the atomic one
+    spilling={"local": frozenset({Sm90BwdConfig(128, 64, 2, 2, 1)}),
+              "softcap": frozenset({Sm90BwdConfig(128, 64, 2, 2, 1)})},
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, takes_dropout=False, run=_run_bwd, deterministic_outputs=(1, 2),
     tuned_by_default=False,
