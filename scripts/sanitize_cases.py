@@ -45,3 +45,29 @@ for d in (64, 128):
             _backward.backward(out, q, k, v, out, lse, causal=True, deterministic=det, dropout_p=0.2, seed=7)
 cupy.cuda.Device().synchronize()
 print("sanitize dropout cases done")
+# variable-length batches (ragged sequences, one of length 0), forward and backward, both forward backends
+from cuflash import varlen  # noqa: E402
+
+lens_q, lens_k = [5, 0, 130, 67], [9, 3, 130, 200]
+cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(lens_q)]), dtype=cupy.int32)
+cu_k = cupy.asarray(np.concatenate([[0], np.cumsum(lens_k)]), dtype=cupy.int32)
+for d in (64, 128):
+    q = cupy.asarray(rng.standard_normal((sum(lens_q), 2, d)), dtype=dtype_of("bfloat16"))
+    k = cupy.asarray(rng.standard_normal((sum(lens_k), 2, d)), dtype=dtype_of("bfloat16"))
+    v = cupy.asarray(rng.standard_normal((sum(lens_k), 2, d)), dtype=dtype_of("bfloat16"))
+    for causal in (False, True):
+        out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                            return_lse=True)
+        cuflash.attention_varlen_backward(out, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                          causal=causal)
+cupy.cuda.Device().synchronize()
+print("sanitize varlen cases done")
+# KV cache decoding: split-KV partial results and their merge, ragged cache lengths
+for d in (64, 128):
+    kc = cupy.asarray(rng.standard_normal((3, 1000, 2, d)), dtype=dtype_of("bfloat16"))
+    vc = cupy.asarray(rng.standard_normal((3, 1000, 2, d)), dtype=dtype_of("bfloat16"))
+    q = cupy.asarray(rng.standard_normal((3, 1, 4, d)), dtype=dtype_of("bfloat16"))
+    for splits in (1, 3):
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=[0, 17, 999], causal=True, num_splits=splits)
+cupy.cuda.Device().synchronize()
+print("sanitize kvcache cases done")
