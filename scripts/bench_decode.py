@@ -1,0 +1,103 @@
+"""Decode bandwidth against issue 17's bar: one query token per sequence attending to a KV cache.
+
+    python scripts/bench_decode.py [--cells 1x131072 8x8192 ...] [--splits 0 1 4 16] [--json out.json]
+
+bf16, 32 query heads, 8 KV heads, head_dim 128 (Llama-3-8B's attention), contiguous caches of
+exactly the attended length. For each cell (batch x cache length):
+
+  * yardstick: a device-to-device copy of a buffer as large as the K/V cache, its bandwidth
+    counted as bytes read + written over the time (the GPU's practical memory bandwidth);
+  * effective bandwidth of an attention call = the K/V cache bytes it must read (2 x batch x len x
+    heads_kv x head_dim x 2 B) over its time, for cuflash.attention_with_kvcache at each
+    --splits value (0 = the heuristic) and for PyTorch SDPA (flash and cuDNN backends, enable_gqa,
+    the same cache viewed as (batch, heads_kv, len, head_dim));
+  * ratios to the yardstick and cuflash's (heuristic splits) ratio to SDPA cuDNN, the issue's bar.
+
+CUDA events, median of --reps after a warm-up (cuflash._timing.time_cuda). Every cache is larger than
+the H200's 50 MB L2 except where batch x len is small; the cell list is the issue's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+HQ, HKV, D = 32, 8, 128
+CELLS = ("1x131072", "8x8192", "8x32768", "64x8192", "64x2048")
+
+
+def _cell(s: str) -> tuple[int, int]:
+    b, n = s.lower().split("x")
+    return int(b), int(n)
+
+
+def main():
+    import cupy
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import cuflash
+    from cuflash._timing import time_cuda
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", nargs="+", default=list(CELLS))
+    p.add_argument("--splits", nargs="+", type=int, default=[0, 1, 4, 16, 32])
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--json")
+    a = p.parse_args()
+    rows = []
+    for cell in a.cells:
+        b, n = _cell(cell)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        kc = torch.randn(b, n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        vc = torch.randn(b, n, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        kv_bytes = 2 * kc.numel() * kc.element_size()
+        # yardstick: copy a K/V-sized buffer (read + write)
+        src = torch.empty(kv_bytes // 2, device="cuda", dtype=torch.bfloat16).normal_()
+        dst = torch.empty_like(src)
+        t_copy = time_cuda(lambda: dst.copy_(src), reps=a.reps, events="torch")["median_ms"]
+        del src, dst
+        copy_bw = 2 * kv_bytes / (t_copy * 1e-3) / 1e9
+        row = dict(batch=b, seqlen=n, heads_q=HQ, heads_kv=HKV, head_dim=D, kv_bytes=kv_bytes, copy_gbps=copy_bw)
+        # cuflash on CuPy views of the same memory (zero-copy), cache length = capacity
+        qc, kcc, vcc = (cupy.from_dlpack(x) for x in (q, kc, vc))
+        with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            for s in a.splits:
+                fn = lambda s=s: cuflash.attention_with_kvcache(qc, kcc, vcc, cache_seqlens=n, num_splits=s)
+                ref = fn()
+                t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
+                row[f"cuflash_s{s}_gbps"] = kv_bytes / (t * 1e-3) / 1e9
+        # SDPA: (batch, heads, len, head_dim) views of the same cache, GQA by enable_gqa
+        qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
+        for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    fn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+                    out = fn()
+                    t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
+                row[f"{name}_gbps"] = kv_bytes / (t * 1e-3) / 1e9
+                if name == "sdpa_cudnn":  # the same result (a sanity check of the harness, not a test)
+                    row["max_abs_diff_vs_cudnn"] = float((torch.from_dlpack(ref).transpose(1, 2).float()
+                                                          - out.float()).abs().max())
+            except RuntimeError as e:
+                row[f"{name}_gbps"] = None
+                row[f"{name}_error"] = str(e).splitlines()[0][:200]
+        rows.append(row)
+        ours = row["cuflash_s0_gbps"]
+        cd = row.get("sdpa_cudnn_gbps")
+        best = max(row[f"cuflash_s{s}_gbps"] for s in a.splits)
+        print(f"{b:>3} x {n:>6}: copy {copy_bw:7.0f} GB/s | cuflash (heuristic) {ours:7.0f} = {ours / copy_bw:.2f}x copy"
+              f" (best of splits {best / copy_bw:.2f}x) | SDPA flash "
+              + (f"{row['sdpa_flash_gbps'] / copy_bw:.2f}x" if row.get("sdpa_flash_gbps") else "n/a")
+              + " cuDNN " + (f"{cd / copy_bw:.2f}x" if cd else "n/a")
+              + (f" | cuflash / cuDNN {ours / cd:.2f}" if cd else "")
+              + " | splits " + " ".join(f"{s}:{row[f'cuflash_s{s}_gbps'] / copy_bw:.2f}" for s in a.splits), flush=True)
+        del kc, vc, q, qc, kcc, vcc
+        torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
