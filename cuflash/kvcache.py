@@ -43,6 +43,8 @@ from .mask import MaskOptions
 from .params import pack_fwd
 
 MAX_SPLITS = 128
+DECODE_ROWS = 16  # the decode kernel's packed rows per block (tiles.DecodeConfig.ROWS)
+MIN_DECODE_SPLIT_BLOCKS = 4  # key blocks per split at least (the heuristic; an explicit num_splits may give fewer)
 
 _plans = plan_cache.PlanCache()
 
@@ -169,6 +171,63 @@ def _plan_split(p, cfg, dtype) -> Plan:
     return Plan(p.device, ("q", "k", "v", "seqused_k"), buffers, (launch,), ("o_acc", "lse_acc"), params)
 
 
+def decode_problem(p) -> str | None:
+    """Why the decode kernel (families.DECODE) cannot take this KV-cache call, or None: it packs a
+    GQA group's query heads times the queries into one 16-row tile."""
+    rows = p.group * p.seqlen_q
+    if rows > DECODE_ROWS:
+        return f"group x seqlen_q = {p.group} x {p.seqlen_q} = {rows} rows, more than the decode tile's {DECODE_ROWS}"
+    if not families.DECODE.supports(dataclasses.replace(p, n_splits=1).features):
+        return f"no decode instance for head_dim {p.head_dim} (instantiated: {sorted(families.DECODE.defaults)})"
+    return None
+
+
+def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits of each (K/V head, batch)'s keys for the decode kernel: enough blocks to give every SM
+    `blocks_per_sm` of them (its residency), each split at least MIN_DECODE_SPLIT_BLOCKS key blocks
+    so the merge stays small beside the reads; 1 when the work alone fills the GPU."""
+    want = -(-(blocks_per_sm * sm_count) // max(work, 1))
+    return max(1, min(want, key_blocks // MIN_DECODE_SPLIT_BLOCKS, max_splits))
+
+
+def plan_decode(p, cfg, dtype) -> Plan:
+    """The decode kernel's plan (families.DECODE.plan): one block per (split, K/V head, batch).
+    p.n_splits 1: out (16-bit) and lse; more: the fp32 partial results (n_splits, batch, seqlen_q,
+    heads, head_dim) and their lse (n_splits, batch, heads, seqlen_q), merged by the caller."""
+    grid = p.n_splits * p.heads_kv * p.batch
+    check_grid(grid)
+    kernel = _compile.get_kernel(cfg, p.features, p.device)
+    params = pack_fwd(p, 1)
+    # the decode kernel's work tiles are (K/V head, batch) pairs; each split divides its own batch's
+    # key blocks (kernels_cu/sm80/decode.cuh), so split_blocks is not used
+    params["tiles"], params["n_splits"], params["split_blocks"] = p.heads_kv * p.batch, p.n_splits, 0
+    if p.n_splits == 1:
+        launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=_forward.INPUTS_SEQUSED_K)
+        return Plan(p.device, _forward.INPUTS_SEQUSED_K, _forward.output_buffers(p, dtype), (launch,),
+                    _forward.OUTPUTS, params)
+    d = p.head_dim
+    params["o_sb"], params["o_sn"], params["o_sh"] = p.seqlen_q * p.heads * d, p.heads * d, d  # fp32 elements
+    slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k")
+    launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
+    buffers = (Buffer("o_acc", (p.n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
+               Buffer("lse_acc", (p.n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
+    return Plan(p.device, ("q", "k", "v", "seqused_k"), buffers, (launch,), ("o_acc", "lse_acc"), params)
+
+
+def _build_decode(p, splits: int, dtype):
+    """(plan, partial) of the decode kernel for this call: `splits` blocks per (K/V head, batch), or
+    decode_splits' choice for 0."""
+    from . import device
+
+    cfg = families.select(families.DECODE, p)
+    if splits == 0:
+        props = device.query(p.device)
+        resident = max(1, min(props.smem_per_sm // (cfg.smem_bytes + 1024), 2048 // cfg.threads))
+        splits = decode_splits(p.heads_kv * p.batch, resident, props.sm_count, -(-p.seqlen_k // cfg.block_k))
+    ps = dataclasses.replace(p, n_splits=splits)
+    return plan_decode(ps, cfg, dtype), splits > 1
+
+
 def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale, out=None,
                   lse=None, num_splits: int = 0, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True):
     """The CuPy body: (out, lse). Checks everything it can before the first launch. `out`, `lse`:
@@ -220,6 +279,8 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     def build():
         if p.empty:
             return empty_plan(p, q.dtype), False
+        if decode_problem(p) is None:  # few rows per K/V head: the decode kernel, on every GPU
+            return _build_decode(p, splits, q.dtype)
         family = families.choose(families.FORWARDS, p, None)  # the Hopper family refuses seqused_k: sm80
         s = splits
         if s == 0:  # the heuristic, on the plain tile's work

@@ -350,3 +350,46 @@ class Sm90BwdConfig(Tile):
         if self.dq_bulk not in (0, 1):
             return f"dq_bulk must be 0 or 1, got {self.dq_bulk}"
         return None
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class DecodeConfig(Tile):
+    """Tile of the decode kernel (kernels_cu/flash_decode.cuh, Sm80DecodeTraits): <D, WARPS, STAGES>.
+
+    One block serves one (K/V head, batch, split): the query heads of the K/V head's group times
+    the queries in one m16 tile (at most 16 rows), K/V tiles of 16 * warps keys (16 per warp)
+    through a `stages`-deep cp.async ring.
+    """
+
+    head_dim: int = _axis("d", "head dimension (not searched: it is the problem's)")
+    warps: int = _axis("w", "warps per block, 16 keys of each K/V tile each")
+    stages: int = _axis("s", "depth of the cp.async K/V ring")
+
+    ROWS = 16  # packed query rows per block (group * seqlen_q at most this)
+
+    @property
+    def block_k(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    def label(self) -> str:
+        return f"{self.block_k} keys w{self.warps} s{self.stages}"
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q (16 rows) + the ring, or the warps' fp32 O staging where larger (Sm80DecodeTraits::kSmemBytes)
+        row = smem_row_bytes(self.head_dim)
+        ring = 2 * self.stages * self.block_k * row
+        return self.ROWS * row + max(ring, self.warps * self.ROWS * self.head_dim * 4)
+
+    def structural_problem(self) -> str | None:
+        if self.head_dim % 16 or not 16 <= self.head_dim <= MAX_HEAD_DIM:
+            return f"head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got {self.head_dim}"
+        if not 1 <= self.warps <= 8:
+            return f"warps must be 1 to 8, got {self.warps}"
+        if self.stages < 2:
+            return "stages must be >= 2 (the single-barrier pipeline)"
+        return None

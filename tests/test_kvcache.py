@@ -67,7 +67,7 @@ def test_only_the_sm80_forward_has_seqused_k_instances():
     f = Features("bfloat16", 64, seqused_k=True)
     assert f.tag() == "_kvlen" and f.perf_class() == "dense"
     assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false, false>"
-    assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["fwd"]
+    assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["fwd", "decode"]
     for fam in families.FORWARDS:
         if fam is not families.FWD:
             assert "per-batch key lengths" in fam._unsupported_part(f)
@@ -216,3 +216,78 @@ def test_rotary_without_cache_seqlens_is_refused():
 
     with pytest.raises(ValueError, match="rotary embedding needs cache_seqlens"):
         fai.flash_attn_with_kvcache(None, None, None, rotary_cos=object(), rotary_sin=object())
+
+
+# ------------------------------------------------------------------ the decode kernel (families.DECODE)
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("tile", families.DECODE.selectable(), ids=str)
+def test_decode_instances_compile_without_spills(tile, arch):
+    """Every selectable decode tile with each of the KV cache's feature sets (windows, softcap,
+    split-KV), both dtypes."""
+    import itertools
+
+    for local, softcap, split, dtype in itertools.product((False, True), (False, True), (False, True),
+                                                          ("bfloat16", "float16")):
+        f = Features(dtype, tile.head_dim, seqused_k=True, split_kv=split, local=local, softcap=softcap)
+        r = _compile.compile_report(_compile.kernel_source(tile, f), arch)
+        assert r["registers"] > 0 and r["spill_stores"] == 0 and r["stack_bytes"] == 0, (tile, f, r["spill_stores"])
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("tile", families.DECODE.selectable(), ids=str)
+def test_decode_smem_mirror(tile):
+    """DecodeConfig.smem_bytes is Sm80DecodeTraits::kSmemBytes (a static_assert under NVRTC)."""
+    from tests.test_params import _compile_ok
+
+    src = (f'#include "common.cuh"\n#include "sm80/decode.cuh"\n'
+           f"static_assert(cuflash::Sm80DecodeTraits<{tile.head_dim}, {tile.warps}, {tile.stages}>::kSmemBytes"
+           f" == {tile.smem_bytes}, \"mirror\");\n")
+    ok, log = _compile_ok(src)
+    assert ok, log
+
+
+def test_decode_family_takes_only_kv_cache_calls():
+    f = families.DECODE
+    assert f not in families.FORWARDS and not f.tuned_by_default
+    assert f.supports(Features("bfloat16", 128, seqused_k=True)) and not f.supports(Features("bfloat16", 128))
+    assert f.supports(Features("float16", 64, seqused_k=True, split_kv=True, local=True, softcap=True))
+    assert not f.supports(Features("bfloat16", 128, seqused_k=True, dropout=True))
+    assert not f.supports(Features("bfloat16", 128, seqused_k=True, partial_d=True))
+    assert not f.supports(Features("bfloat16", 256, seqused_k=True))  # d192 / d256 spill: the prefill kernel
+    assert [t.block_k for t in f.defaults[128]] == [64, 64]
+
+
+def _kv_problem(batch, nq, h, hk, d, cap=300):
+    import dataclasses
+
+    from cuflash import problem
+    from cuflash.mask import MaskOptions
+
+    def info(shape):
+        n = int(np.prod(shape))
+        strides = tuple(int(np.prod(shape[i + 1:])) * 2 for i in range(len(shape)))
+        return problem.ArrayInfo(tuple(shape), "bfloat16", 2, strides, 1 << 20, 0) if n else None
+
+    p = problem.resolve_forward(info((batch, nq, h, d)), info((batch, cap, hk, d)), info((batch, cap, hk, d)),
+                                MaskOptions.of(causal=True), None)
+    return dataclasses.replace(p, seqused_k=True)
+
+
+@pytest.mark.parametrize("nq,h,hk,d,why", [(1, 32, 8, 128, None), (4, 32, 8, 128, None), (5, 32, 8, 128, "20 rows"),
+                                           (16, 4, 4, 64, None), (1, 32, 1, 64, "32 rows"),
+                                           (1, 8, 8, 80, "head_dim 80"), (1, 8, 8, 256, "head_dim 256")])
+def test_decode_problem(nq, h, hk, d, why):
+    got = kvcache.decode_problem(_kv_problem(2, nq, h, hk, d))
+    assert (got is None) if why is None else (why in got), got
+
+
+def test_decode_splits():
+    # the issue's cells on an H200 (132 SMs, two d128 blocks each): batch x K/V heads of work
+    assert kvcache.decode_splits(1 * 8, 2, 132, 131072 // 64) == 33
+    assert kvcache.decode_splits(8 * 8, 2, 132, 8192 // 64) == 5
+    assert kvcache.decode_splits(64 * 8, 2, 132, 8192 // 64) == 1
+    assert kvcache.decode_splits(8, 2, 132, 8) == 2  # at least 4 key blocks per split
+    assert kvcache.decode_splits(8, 2, 132, 3) == 1
+    assert kvcache.decode_splits(1, 8, 132, 10**6) == kvcache.MAX_SPLITS  # 8 x 132 > 128

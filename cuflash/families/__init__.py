@@ -10,16 +10,17 @@ Families (cuflash/families/sm80.py, sm90.py):
   bwd       backward dK/dV (+ dQ by atomics)  kernels_cu/flash_bwd.cuh  BwdConfig   cc >= 8.0
   bwd_sm90  backward dK/dV (TMA + wgmma)  kernels_cu/flash_bwd_sm90.cuh  Sm90BwdConfig  cc 9.0 (auto at d128)
   bwd_dq    deterministic dQ           kernels_cu/flash_bwd.cuh       DqConfig        cc >= 8.0
+  decode    KV-cache decoding (GQA group packed)  kernels_cu/flash_decode.cuh  DecodeConfig  cc >= 8.0
 """
 from __future__ import annotations
 
 import os
 
 from .base import REG_ALLOC_UNIT, KernelFamily, register_cap
-from .sm80 import BWD, BWD_DQ, FWD, FWD_V1
+from .sm80 import BWD, BWD_DQ, DECODE, FWD, FWD_V1
 from .sm90 import BWD_SM90, FWD_SM90
 
-REGISTRY = {f.name: f for f in (FWD, FWD_SM90, BWD, BWD_SM90, BWD_DQ, FWD_V1)}
+REGISTRY = {f.name: f for f in (FWD, FWD_SM90, BWD, BWD_SM90, BWD_DQ, FWD_V1, DECODE)}
 _BY_TILE = {f.tile_cls: f for f in REGISTRY.values()}
 
 # The v2 forward's families, in order of preference: the first that can run a call does.
@@ -31,7 +32,7 @@ BACKWARDS = (BWD_SM90, BWD)
 BACKENDS = ("sm80", "sm90")  # values of attention(backend=...) and of CUFLASH_BACKEND
 BACKEND_ENV = "CUFLASH_BACKEND"
 
-__all__ = ["KernelFamily", "REGISTRY", "FWD", "FWD_SM90", "FWD_V1", "BWD", "BWD_SM90", "BWD_DQ", "FORWARDS",
+__all__ = ["KernelFamily", "REGISTRY", "FWD", "FWD_SM90", "FWD_V1", "BWD", "BWD_SM90", "BWD_DQ", "DECODE", "FORWARDS",
            "BACKWARDS", "BACKENDS",
            "BACKEND_ENV", "get", "of", "select", "choose", "check_backend", "register_cap", "REG_ALLOC_UNIT"]
 

@@ -92,6 +92,7 @@ class KernelFamily:
     takes_dropout: bool = True  # False: no dropout instantiation exists (supports() says so)
     takes_partial_d: bool = True  # False: no column-masking instance (a call's head dim must be instantiated)
     takes_seqused_k: bool = False  # True: per-batch key length instances (a seqused_k pointer; the KV cache)
+    needs_seqused_k: bool = False  # True: only per-batch key length instances exist (the decode kernel)
     # the pointer the seqused_k instances take after `pointers` (kernel_source adds it)
     seqused_k_pointer: tuple = (I32_IN, "seqused_k")
     takes_varlen: bool = False  # True: variable-length instances (cu_seqlens_q/k pointers; cuflash/varlen.py)
@@ -116,6 +117,7 @@ class KernelFamily:
                 and (self.takes_dropout or not features.dropout)
                 and (self.takes_partial_d or not features.partial_d)
                 and (self.takes_seqused_k or not features.seqused_k)
+                and (features.seqused_k or not self.needs_seqused_k)
                 and (self.takes_varlen or not features.varlen)
                 and (self.takes_split_kv or not features.split_kv))
 

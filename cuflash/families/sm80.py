@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from ..tiles import BwdConfig, DqConfig, FwdConfig, V1Config
+from ..tiles import BwdConfig, DecodeConfig, DqConfig, FwdConfig, V1Config
 from .base import F32, F32_IN, F32_WS, IN, OUT, KernelFamily
 
 _MIN_CC, _MIN_CC_WHY = (8, 0), "needs mma.sync bf16 and cp.async"
@@ -203,4 +203,33 @@ FWD_V1 = KernelFamily(
     # softcap at d128 128x128: 8-12 B on sm_80 (255 registers); 128x64 compiles clean
     spilling={"softcap": frozenset({V1Config(128, 128, 128, 8, 2)})},
     plan=_plan_fwd_v1, run=_run_fwd_v1, deterministic_outputs=(0, 1), tuned_by_default=False,
+)
+
+
+def _decode_acc(t) -> int:  # a warp's O (16 rows x d) + S (16 x 16) over its 32 lanes
+    return t.head_dim // 2 + 8
+
+
+def _plan_decode(p, tile, dtype):
+    from ..kvcache import plan_decode
+
+    return plan_decode(p, tile, dtype)
+
+
+# Decoding against a KV cache (cuflash/kvcache.py): a GQA group's query heads packed in one tile,
+# chosen by attention_with_kvcache when group * seqlen_q <= 16 (never by the prefill forward). Not
+# tuned yet: the defaults keep two blocks of 4 warps per H200 SM at d128 (100 KB each).
+DECODE = KernelFamily(
+    name="decode", description="decode against a KV cache (GQA group packed)", what="decode",
+    pass_="forward", tile_cls=DecodeConfig, header="flash_decode.cuh", template="cuflash::flash_decode",
+    pointers=_FWD_POINTERS, params="FwdParams", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY, arch_specific=False,
+    domain=lambda d: _product(lambda w, s: DecodeConfig(d, w, s), (2, 4, 8), (2, 3, 4)),
+    defaults={
+        32: (DecodeConfig(32, 4, 4), DecodeConfig(32, 4, 2)),
+        64: (DecodeConfig(64, 4, 4), DecodeConfig(64, 4, 2)),
+        96: (DecodeConfig(96, 4, 3), DecodeConfig(96, 4, 2)),
+        128: (DecodeConfig(128, 4, 3), DecodeConfig(128, 4, 2)),
+    },  # d192 / d256: O alone is 96-128 registers of a lane; they spill (4-8 B), so those run the prefill kernel
+    accumulator_registers=_decode_acc, plan=_plan_decode, takes_dropout=False, takes_partial_d=False,
+    takes_seqused_k=True, needs_seqused_k=True, takes_split_kv=True, tuned_by_default=False,
 )

@@ -1,0 +1,254 @@
+// cuflash/kernels_cu/sm80/decode.cuh
+// Decoding against a KV cache (issue 17): few query rows per sequence, many cached keys. The
+// prefill kernel (sm80/fwd.cuh) gives each query head its own block of 64-128 query rows, so a
+// one-token step runs 1 useful row in 128 through the tensor cores and reads each K/V head once
+// per query head of its GQA group: compute-bound on padding (measured 0.08-0.17x of the copy
+// bandwidth on the H200, docs/perf-notes.md). Here one block serves one (K/V head, batch) and
+// split of its keys:
+//
+//   rows : the query heads of the K/V head's group times the queries, packed into one m16 tile
+//          (row r = query r / group, head h_kv * group + r % group; group * seqlen_q <= 16), so
+//          every K/V element is read once per block and feeds all of them
+//   keys : a STAGES-deep cp.async ring of BC = 16 * WARPS keys per tile (all threads copy);
+//          warp w multiplies the tile's keys [16 w, 16 w + 16): S = Q K_w^T (Q's fragments in
+//          registers for the whole loop), online softmax, O_w += P V_w
+//   end  : the warps' (max, sum, O) combined through shared memory into the block's rows: O
+//          (16-bit, V::kSplitKV off) or O normalised over this split's keys and its lse (fp32,
+//          the split-KV accumulators that cuflash.merge_attention reduces, as sm80/fwd.cuh's)
+//   grid : blockIdx.x = split + n_splits * (h_kv + heads_kv * batch); batch b's key blocks are
+//          divided among the n_splits blocks from its own length (seqused_k[b]), so a short
+//          sequence does not leave its later splits with work and its earlier ones without
+// Masks (causal, windows) bottom-right aligned to each batch's length, per packed row's query;
+// softcap through attn/score_mod.cuh. No dropout (inference).
+#pragma once
+#include "attn/features.cuh"
+#include "attn/mask.cuh"
+#include "attn/params.cuh"
+#include "attn/score_mod.cuh"
+#include "attn/softmax.cuh"
+#include "core/frag.cuh"
+#include "sm80/tile_copy.cuh"
+#include "sm80/warp_gemm.cuh"
+
+namespace cuflash {
+
+template <int D, int WARPS, int STAGES>
+struct Sm80DecodeTraits {
+    static constexpr int kNumThreads = WARPS * 32;
+    static constexpr int kRows = 16;            // one m16 tile: group * seqlen_q rows of it are live
+    static constexpr int kBlockK = 16 * WARPS;  // keys per K/V tile, 16 per warp
+    static constexpr int kRowChunks = D / 8;
+    static constexpr int kHeadSteps = D / 16;
+    static constexpr int kOutTiles = D / 8;
+    static constexpr int kRowBytes = SmemRow<kRowChunks>::kBytes;
+    static constexpr int kQBytes = kRows * kRowBytes;
+    static constexpr int kKVTileBytes = kBlockK * kRowBytes;
+    // after the loop the ring holds each warp's O (fp32, kRows x D) for the combine
+    static constexpr int kCombineBytes = WARPS * kRows * D * 4;
+    static constexpr int kRingBytes = 2 * STAGES * kKVTileBytes;
+    static constexpr int kSmemBytes = kQBytes + (kRingBytes > kCombineBytes ? kRingBytes : kCombineBytes);
+    static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head_dim must be a multiple of 16 in [16, 256]");
+    static_assert(WARPS >= 1 && WARPS <= 8, "1 to 8 warps");
+    static_assert(STAGES >= 2, "the single-barrier pipeline needs at least 2 stages");
+};
+
+template <bool BF16, int D, int WARPS, int STAGES, class V>
+__device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                             const elem_t* __restrict__ v, elem_t* __restrict__ o,
+                                             float* __restrict__ lse, const int* __restrict__ seqused_k,
+                                             const FwdParams& params) {
+    static_assert(V::kSeqUsedK && !V::kVarlen && !V::kDropout && !V::kPartialD,
+                  "the decode kernel: per-batch key lengths, no packed batches, no dropout, an instantiated head dim");
+    using Tr = Sm80DecodeTraits<D, WARPS, STAGES>;
+    constexpr int CH = Tr::kRowChunks, BC = Tr::kBlockK, kThreads = Tr::kNumThreads;
+
+    extern __shared__ __align__(1024) unsigned char smem[];
+    const u32 sQ = smem_u32(smem);
+    const u32 sK = sQ + Tr::kQBytes;
+    const u32 sV = sK + STAGES * Tr::kKVTileBytes;
+    __shared__ float s_max[WARPS][Tr::kRows], s_sum[WARPS][Tr::kRows];
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4;
+    const int n_splits = params.n_splits, heads_kv = params.heads_kv, group = params.group;
+    const int split = (int)(blockIdx.x % n_splits);
+    const int hb = (int)(blockIdx.x / n_splits);
+    const int h_kv = hb % heads_kv, b = hb / heads_kv;
+    const int n_q = params.seqlen_q, live_rows = group * n_q;
+    const float scale_log2 = params.scale_log2;
+
+    const MaskGeometry geo = MaskGeometry::of<V>(params).template for_batch<V>(seqused_k, b);
+    const int seqlen_k = geo.seqlen_k;
+    // the keys any of the rows sees: from the first query's left window edge to the last query's
+    // right edge (causal: its own position), then this split's share of those key blocks
+    const int k_lo = V::kLocal ? max(0, geo.key_begin(0)) : 0;
+    const int k_hi = geo.key_end(n_q - 1);
+    const int blk_lo = k_lo / BC, blk_hi = k_hi > k_lo ? (k_hi + BC - 1) / BC : blk_lo;
+    const int per_split = (blk_hi - blk_lo + n_splits - 1) / n_splits;
+    const int n_begin = blk_lo + split * per_split;
+    const int n_iter = max(0, min(blk_hi, n_begin + per_split) - n_begin);
+
+    const elem_t* kg = k + (long long)b * params.k_sb + (long long)h_kv * params.k_sh;
+    const elem_t* vg = v + (long long)b * params.v_sb + (long long)h_kv * params.v_sh;
+
+    // Q: packed row r -> query r / group of head h_kv * group + r % group; rows past the group's
+    // queries read as zeros (their results are never stored)
+    {
+        const elem_t* qb = q + (long long)b * params.q_sb + (long long)(h_kv * group) * params.q_sh;
+#pragma unroll
+        for (int i = 0; i < (Tr::kRows * CH + kThreads - 1) / kThreads; ++i) {
+            const int idx = tid + i * kThreads;
+            if ((Tr::kRows * CH) % kThreads == 0 || idx < Tr::kRows * CH) {
+                const int r = idx / CH, c = idx % CH;
+                const bool ok = r < live_rows;
+                const elem_t* src = ok ? qb + (long long)(r / group) * params.q_sn + (long long)(r % group) * params.q_sh + c * 8 : q;
+                cp_async_16(sQ + swz<CH>(r, c), src, ok);
+            }
+        }
+    }
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+        if (s < n_iter)
+            load_kv_tile<BC, CH, kThreads>(sK + s * Tr::kKVTileBytes, sV + s * Tr::kKVTileBytes, kg, params.k_sn, vg,
+                                           params.v_sn, n_begin + s, seqlen_k, tid);
+        cp_async_commit();  // Q joins group 0; empty groups keep the wait count uniform
+    }
+
+    float acc_o[1][Tr::kOutTiles][4];
+#pragma unroll
+    for (int i = 0; i < Tr::kOutTiles; ++i) acc_o[0][i][0] = acc_o[0][i][1] = acc_o[0][i][2] = acc_o[0][i][3] = 0.f;
+    OnlineSoftmax<1> softmax;
+    softmax.init();
+    const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
+
+    using Ld = LdmatrixOffsets<CH>;
+    const u32 warp_keys = (u32)(16 * warp * Tr::kRowBytes);  // this warp's 16 rows of a K/V tile (row % 8 kept)
+    const u32 k_frag_off = Ld::b_operand(lane), v_frag_off = Ld::b_trans(lane);
+    const u32 q_frag_off = Ld::a_operand(0, lane);
+    const u32 q_unused[1][4] = {};
+    // the query of this thread's two fragment rows (g, g + 8): the mask's row coordinate
+    const int q_row[2] = {g / group, (g + 8) / group};
+
+    for (int it = 0; it < n_iter; ++it) {
+        const int j = n_begin + it;
+        cp_async_wait<STAGES - 2>();
+        __syncthreads();
+        {
+            const int in = it + STAGES - 1;
+            if (in < n_iter) {
+                const int slot = in % STAGES;
+                load_kv_tile<BC, CH, kThreads>(sK + slot * Tr::kKVTileBytes, sV + slot * Tr::kKVTileBytes, kg, params.k_sn,
+                                               vg, params.v_sn, n_begin + in, seqlen_k, tid);
+            }
+            cp_async_commit();
+        }
+        const int slot = it % STAGES;
+
+        // ---- S = Q K_w^T over this warp's 16 keys (Q's fragments re-read from shared memory each
+        // tile: the loop is bound by the cache's bytes, and in registers they cost 32 at d128) ----
+        float acc_s[1][2][4];
+        warp_mma_abt<BF16, CH, Tr::kHeadSteps, 1, 2, false>(acc_s, q_unused, sQ, q_frag_off,
+                                                           sK + slot * Tr::kKVTileBytes + warp_keys, k_frag_off);
+        score_mod.apply(acc_s);
+        // ---- mask: the length tail, the causal / right window edge and the left edge per row ----
+        const int k0 = j * BC + 16 * warp;
+        if (k0 + 16 > seqlen_k || k0 + 16 > geo.key_end(0) || (V::kLocal && k0 < geo.key_begin(n_q - 1))) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int kb = geo.key_begin(q_row[half]), ke = geo.key_end(q_row[half]);
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int kk = k0 + FragSm80<1, 2>::col(lane, nt, e);
+                        if ((V::kLocal && kk < kb) || kk >= ke) acc_s[0][nt][2 * half + e] = neg_inf();
+                    }
+            }
+        }
+        softmax.step(acc_s, acc_o, scale_log2);
+        u32 p_frag[1][1][4];
+        c_to_a_frags<BF16, 1>(p_frag[0], acc_s[0]);
+        // ---- O_w += P V_w ----
+        warp_mma_ab<BF16, CH, 1, 1, Tr::kOutTiles>(acc_o, p_frag, sV + slot * Tr::kKVTileBytes + warp_keys, v_frag_off);
+    }
+    cp_async_wait<0>();
+
+    // ---- combine the warps: row max and sum per warp, then each warp's O scaled by
+    // exp2((m_w - m) c) / l into the staging, summed over the warps by the store ----
+    float l_w[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        l_w[half] = softmax.final_sum(0, half);
+        if (lane % 4 == 0) {
+            s_max[warp][g + 8 * half] = softmax.row_max[0][half];
+            s_sum[warp][g + 8 * half] = l_w[half];
+        }
+    }
+    __syncthreads();  // every warp's statistics are in, and every warp is done with the ring
+    float factor[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = g + 8 * half;
+        float m = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, s_max[w][r]);
+        const float m_scaled = m == neg_inf() ? 0.f : m * scale_log2;
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
+        factor[half] = l != 0.f ? fast_exp2(softmax.row_max[0][half] * scale_log2 - m_scaled) / l : 0.f;
+    }
+    // staging: warp w's rows at sK + w * kRows * D * 4, row-major fp32 (the ring is free now)
+    const u32 stage = sK + (u32)(warp * Tr::kRows * D * 4);
+#pragma unroll
+    for (int i = 0; i < Tr::kOutTiles; ++i)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = g + 8 * half, col = 8 * i + 2 * (lane % 4);
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(stage + (u32)((r * D + col) * 4)),
+                         "f"(acc_o[0][i][2 * half] * factor[half]), "f"(acc_o[0][i][2 * half + 1] * factor[half]) : "memory");
+        }
+    __syncthreads();
+
+    // ---- store: thread-per-(row, 4 columns), rows of live queries only ----
+    const int heads = params.heads;
+    for (int idx = tid; idx < live_rows * (D / 4); idx += kThreads) {
+        const int r = idx / (D / 4), col = 4 * (idx % (D / 4));
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            float4 x;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
+                         : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(sK + (u32)(((w * Tr::kRows + r) * D + col) * 4)));
+            sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
+        }
+        const int qi = r / group, h = h_kv * group + r % group;
+        if constexpr (V::kSplitKV) {  // fp32 accumulators (n_splits, batch, seqlen_q, heads, D) at o_s* strides
+            float* orow = reinterpret_cast<float*>(o) + ((long long)split * (params.tiles / heads_kv) + b) * params.o_sb
+                          + (long long)qi * params.o_sn + (long long)h * params.o_sh + col;
+            *reinterpret_cast<float4*>(orow) = sum;
+        } else {
+            elem_t* orow = o + (long long)b * params.o_sb + (long long)qi * params.o_sn + (long long)h * params.o_sh + col;
+            uint2 packed;
+            packed.x = pack2<BF16>(sum.x, sum.y);
+            packed.y = pack2<BF16>(sum.z, sum.w);
+            *reinterpret_cast<uint2*>(orow) = packed;
+        }
+    }
+    // lse per live row (natural log; -inf where no key was seen): (n_splits, batch, heads, seqlen_q)
+    // with V::kSplitKV, else (batch, heads, seqlen_q)
+    for (int r = tid; r < live_rows; r += kThreads) {
+        float m = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, s_max[w][r]);
+        const float m_scaled = m == neg_inf() ? 0.f : m * scale_log2;
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
+        const int qi = r / group, h = h_kv * group + r % group;
+        const long long batches = V::kSplitKV ? (long long)split * (params.tiles / heads_kv) + b : b;
+        lse[(batches * heads + h) * n_q + qi] = l != 0.f ? (m_scaled + __log2f(l)) * kLn2 : neg_inf();
+    }
+}
+
+}  // namespace cuflash
