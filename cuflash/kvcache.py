@@ -9,10 +9,13 @@ cache_seqlens[b] + n_new keys of each batch. The causal mask and windows are bot
 to that per-batch length: query i of n_q sits at key position len_b - n_q + i (FlashAttention's
 convention for the cache).
 
-The attention runs the sm80 v2 forward's per-batch-length instances (Features.seqused_k; the kernel
-reads one int32 length per batch from the device and moves the mask geometry with it,
-kernels_cu/attn/mask.cuh MaskGeometry::for_batch). The Hopper family does not have them: such
-calls run the sm80 kernel on every GPU.
+Two kernels, both reading one int32 length per batch from the device and moving the mask
+geometry with it (kernels_cu/attn/mask.cuh MaskGeometry::for_batch), on every GPU:
+  * decoding (group x n_q <= 16 rows per K/V head, head_dim 32/64/96/128): the decode kernel
+    (families.DECODE, kernels_cu/sm80/decode.cuh), a GQA group's query heads packed into one tile
+    so each K/V element is read once, keys split over warps and, by decode_splits, over blocks;
+  * otherwise (chunked prefill, other head dims) the sm80 v2 forward's per-batch-length instances
+    (Features.seqused_k). The Hopper family does not have them.
 
 What is checked before any launch:
   * shapes, dtypes, devices, head dims, GQA divisibility (as cuflash.attention);
@@ -24,10 +27,8 @@ What is checked before any launch:
     min(max(cache_seqlens[b] + n_new, 0), capacity) keys. Never an out-of-bounds access, but also
     no error: check on the host when the lengths may be wrong.
 
-Split-KV decoding (num_splits) spreads a decode step's keys over several blocks per work tile;
-rotary embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first. Not here
-yet (issue 17): paged caches (block_table), packing the query heads of a GQA group (the kernel is
-the prefill kernel with per-batch lengths), a fused combine of the splits.
+Split-KV decoding (num_splits) spreads a decode step's keys over several blocks per work tile,
+whose fp32 partial results one fused kernel merges (combine_splits); rotary embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first.
 """
 from __future__ import annotations
 
@@ -77,6 +78,72 @@ def _append_kernel():
             """,
             "cuflash_kvcache_append")
     return _APPEND
+
+
+_COMBINE = None
+# The split-KV partial results merged in one launch (cuflash.merge_attention's arithmetic, fused):
+# one thread per (batch, query, head, 4 columns) reads the splits' lse (max first, so no exp
+# overflows) and their fp32 O; out = sum_s exp(lse_s - m) O_s / sum_s exp(lse_s - m), lse = m +
+# log of that sum; -inf rows (no key in any split) give 0 and -inf, a NaN lse a NaN row. merge_attention
+# takes a Python list and runs a few kernels per split: at 33 splits that was 3 ms of launches
+# for 0.13 ms of decoding (docs/perf-notes.md).
+_COMBINE_SRC = r"""
+#define CF_NEG_INF __int_as_float(0xff800000)
+#define CF_NAN __int_as_float(0x7fffffff)
+extern "C" __global__ void cuflash_split_combine(const float* __restrict__ o_acc, const float* __restrict__ lse_acc,
+                                                 float* __restrict__ out, float* __restrict__ lse,
+                                                 int splits, int batch, int n_q, int heads, int dim) {
+    const int d4 = dim / 4;
+    const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (idx >= (long long)batch * n_q * heads * d4) return;
+    const int c4 = (int)(idx % d4);
+    const long long row = idx / d4;  // (b * n_q + i) * heads + h
+    const int h = (int)(row % heads);
+    const long long bi = row / heads;
+    const int i = (int)(bi % n_q), b = (int)(bi / n_q);
+    const long long lrow = ((long long)b * heads + h) * n_q + i, lstep = (long long)batch * heads * n_q;
+    const long long ostep = (long long)batch * n_q * heads * dim;
+    float m = CF_NEG_INF;
+    bool nan = false;
+    for (int s = 0; s < splits; ++s) {
+        const float l = lse_acc[s * lstep + lrow];
+        nan |= l != l;
+        m = fmaxf(m, l);
+    }
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float sum = 0.f;
+    if (m != CF_NEG_INF) {
+        for (int s = 0; s < splits; ++s) {
+            const float w = expf(lse_acc[s * lstep + lrow] - m);
+            const float4 x = reinterpret_cast<const float4*>(o_acc + s * ostep + row * dim)[c4];
+            sum += w;
+            acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
+        }
+    }
+    const float inv = nan ? CF_NAN : (sum > 0.f ? 1.f / sum : 0.f);
+    reinterpret_cast<float4*>(out + row * dim)[c4] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (c4 == 0) lse[lrow] = nan ? CF_NAN : (m == CF_NEG_INF ? CF_NEG_INF : m + logf(sum));
+}
+"""
+
+
+def combine_splits(o_acc, lse_acc):
+    """(out fp32 (batch, n_q, heads, dim), lse (batch, heads, n_q)) of the split-KV partial results
+    o_acc (splits, batch, n_q, heads, dim) and lse_acc (splits, batch, heads, n_q), C-contiguous
+    float32, dim a multiple of 4: one launch."""
+    global _COMBINE
+    import cupy
+
+    if _COMBINE is None:
+        _COMBINE = cupy.RawKernel(_COMBINE_SRC, "cuflash_split_combine")
+    s, b, n_q, h, d = o_acc.shape
+    out = cupy.empty((b, n_q, h, d), dtype=cupy.float32)
+    lse = cupy.empty((b, h, n_q), dtype=cupy.float32)
+    n = b * n_q * h * (d // 4)
+    if n:
+        _COMBINE((-(-n // 256),), (256,), (o_acc, lse_acc, out, lse, np.int32(s), np.int32(b), np.int32(n_q),
+                                            np.int32(h), np.int32(d)))
+    return out, lse
 
 
 def _lengths_kernel():
@@ -307,10 +374,9 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
                          k_cache.view(u16), v_cache.view(u16))
     seqused = _lengths_kernel()(lens, n_new, cap)
     if partial:
-        from .merge import merge_attention
-
         o_acc, lse_acc = plan.run((q, k_cache, v_cache, seqused))
-        merged, merged_lse = merge_attention(list(o_acc), list(lse_acc), out_dtype=q.dtype)
+        merged, merged_lse = combine_splits(o_acc, lse_acc)
+        merged = merged.astype(q.dtype)
         if out is not None:
             out[...] = merged
             merged = out

@@ -291,3 +291,13 @@ def test_decode_splits():
     assert kvcache.decode_splits(8, 2, 132, 8) == 2  # at least 4 key blocks per split
     assert kvcache.decode_splits(8, 2, 132, 3) == 1
     assert kvcache.decode_splits(1, 8, 132, 10**6) == kvcache.MAX_SPLITS  # 8 x 132 > 128
+
+
+@needs_nvrtc
+def test_split_combine_kernel_compiles():
+    """The fused merge of the split-KV partial results (kvcache.combine_splits; its numbers are
+    checked on the GPU against no split and the reference)."""
+    from tests.test_params import _compile_ok
+
+    ok, log = _compile_ok(kvcache._COMBINE_SRC)
+    assert ok, log
