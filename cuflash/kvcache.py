@@ -36,7 +36,7 @@ import dataclasses
 
 import numpy as np
 
-from . import _compile, _forward, _interop, families, problem
+from . import _compile, _forward, _interop, families, problem, staging
 from . import _plans as plan_cache
 from ._forward import empty_plan
 from .launch import Buffer, Launch, Plan, check_grid
@@ -316,7 +316,10 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
             b = int(bad[0])
             raise ValueError(f"cache_seqlens[{b}] = {int(host[b])}: with n_new = {n_new} new rows the cache needs "
                              f"0 <= cache_seqlens <= capacity - n_new = {cap - n_new} (k_cache has capacity {cap})")
-        lens = cupy.asarray(host.astype(np.int32))
+        # the lengths and the attended lengths (+ n_new) in one asynchronous copy (cuflash/staging.py:
+        # cupy.asarray's pageable copy waited for the previous step's kernels)
+        both = staging.upload(np.concatenate([host, host + n_new]).astype(np.int32))
+        lens, seqused = both[:batch], both[batch:]
     else:
         if cache_seqlens.shape != (batch,) or cache_seqlens.dtype.kind not in "iu":
             raise ValueError(f"cache_seqlens must be an integer array of shape ({batch},), got "
@@ -324,6 +327,7 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         if cache_seqlens.device.id != p.device:
             raise ValueError(f"cache_seqlens is on device {cache_seqlens.device.id}, q on {p.device}")
         lens = cache_seqlens.astype(cupy.int32, copy=False)
+        seqused = None  # from lens on the device, below
 
     splits = check_num_splits(num_splits)
     if rotary_cos is not None or rotary_sin is not None:  # q and k_new rotated before anything reads them
@@ -372,7 +376,8 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         u16 = cupy.uint16  # both dtypes are 16-bit: the copy moves bits (CuPy's bfloat16 support varies)
         _append_kernel()(k_new.view(u16), v_new.view(u16), lens, n_new, p.heads_kv, p.head_dim, cap,
                          k_cache.view(u16), v_cache.view(u16))
-    seqused = _lengths_kernel()(lens, n_new, cap)
+    if seqused is None:
+        seqused = _lengths_kernel()(lens, n_new, cap)
     if partial:
         o_acc, lse_acc = plan.run((q, k_cache, v_cache, seqused))
         merged, merged_lse = combine_splits(o_acc, lse_acc)
