@@ -93,7 +93,7 @@ def kernel_source(tile, features) -> str:
     # per-batch key lengths (the KV cache), then variable-length batches: their pointers after the
     # family's, before the params (the kernels' overloads take them in this order)
     pointers = (fam.pointers + ((fam.seqused_k_pointer,) if features.seqused_k else ())
-                + (fam.varlen_pointers if features.varlen else ()))
+                + ((fam.paged_pointer,) if features.paged else ()) + (fam.varlen_pointers if features.varlen else ()))
     return _shell(fam.header, kernel_name(tile, features), f"{tile.launch_bounds()} ", pointers,
                   fam.params, f"{fam.template}<{features.bf16}, {targs}, {features.cxx()}>", features.cxx_asserts())
 

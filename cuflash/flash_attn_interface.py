@@ -132,15 +132,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False):
     """flash-attn 2's flash_attn_with_kvcache. Supported: contiguous caches (batch, seqlen_cache,
-    nheads_k, headdim); `cache_seqlens` (per-batch valid lengths) with `k`/`v` appended in place at
+    nheads_k, headdim) and paged ones (num_blocks, page_block_size, nheads_k, headdim) with
+    `block_table`; `cache_seqlens` (per-batch valid lengths) with `k`/`v` appended in place at
     them (cuflash.attention_with_kvcache, forward only); without cache_seqlens and k/v, attention
-    over the whole caches. num_splits: split-KV decoding there (0: heuristic; 1: none); rotary_cos /
-    rotary_sin / rotary_interleaved: rotary embedding of q and k there. Paging (block_table),
+    over the whole caches (contiguous). num_splits: split-KV decoding there (0: heuristic; 1: none);
+    rotary_cos / rotary_sin / rotary_interleaved: rotary embedding of q and k there.
     cache_batch_idx, cache_leftpad and alibi raise NotImplementedError naming the option; rotary
     without cache_seqlens raises ValueError (the positions come from it)."""
     _unsupported(cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
-                 cache_leftpad=(cache_leftpad, cache_leftpad is None), block_table=(block_table, block_table is None))
+                 cache_leftpad=(cache_leftpad, cache_leftpad is None))
     _check(alibi_slopes)
+    if block_table is not None and cache_seqlens is None:
+        raise ValueError("flash_attn_with_kvcache: a paged cache (block_table) needs cache_seqlens")
     if cache_seqlens is not None or k is not None or v is not None:
         from .kvcache import attention_with_kvcache
 
@@ -151,7 +154,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                      causal=bool(causal), softmax_scale=softmax_scale, window_size=window,
                                      softcap=softcap, return_lse=bool(return_softmax_lse), num_splits=num_splits,
                                      rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                     rotary_interleaved=bool(rotary_interleaved))
+                                     rotary_interleaved=bool(rotary_interleaved), block_table=block_table)
         return res
     if rotary_cos is not None or rotary_sin is not None:
         raise ValueError("flash_attn_with_kvcache: rotary embedding needs cache_seqlens (its positions)")

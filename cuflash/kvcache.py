@@ -1,5 +1,5 @@
 """Attention to a KV cache (inference): `attention_with_kvcache`, FlashAttention's
-`flash_attn_with_kvcache` for CONTIGUOUS caches, forward only.
+`flash_attn_with_kvcache`, contiguous and paged caches, forward only.
 
 A cache is (batch, capacity, heads_kv, head_dim); batch b's valid keys are its first
 cache_seqlens[b] rows. With `k_new`/`v_new` (batch, n_new, heads_kv, head_dim) the new keys and
@@ -146,6 +146,83 @@ def combine_splits(o_acc, lse_acc):
     return out, lse
 
 
+_APPEND_PAGED = None
+
+
+def _append_paged_kernel():
+    """The append into a paged cache: row cache_seqlens[b] + t of batch b is row (that) % page_size
+    of page block_table[b, (that) / page_size]; rows past the capacity are dropped."""
+    global _APPEND_PAGED
+    if _APPEND_PAGED is None:
+        import cupy
+
+        _APPEND_PAGED = cupy.ElementwiseKernel(
+            "T kn, T vn, raw int32 lens, raw int32 table, int32 table_stride, int32 page_size, int32 n_new, "
+            "int32 heads, int32 dim, int32 cap",
+            "raw T kc, raw T vc",
+            """
+            const int c = i % dim;
+            const int h = (i / dim) % heads;
+            const int t = (i / ((ptrdiff_t)dim * heads)) % n_new;
+            const ptrdiff_t b = i / ((ptrdiff_t)dim * heads * n_new);
+            const int row = lens[b] + t;
+            if (row >= 0 && row < cap) {
+                const ptrdiff_t page = table[b * table_stride + row / page_size];
+                const ptrdiff_t at = ((page * page_size + row % page_size) * heads + h) * dim + c;
+                kc[at] = kn;
+                vc[at] = vn;
+            }
+            """,
+            "cuflash_kvcache_append_paged")
+    return _APPEND_PAGED
+
+
+def _block_table(block_table, batch: int, num_pages: int, device: int):
+    """block_table as a CuPy int32 (batch, pages per sequence) array with unit stride along its rows,
+    checked: a host table (NumPy, a list, a CPU torch tensor) for its values too (every entry a page
+    index in [0, num_pages)), then copied asynchronously; a device one for shape, dtype and device
+    only (reading it would synchronise: its entries are the caller's to keep in range)."""
+    import cupy
+
+    if isinstance(block_table, cupy.ndarray):
+        if block_table.dtype != np.int32 or block_table.ndim != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"block_table must be an int32 array of shape (batch={batch}, pages per sequence), got "
+                             f"{block_table.dtype} {block_table.shape}")
+        if block_table.device.id != device:
+            raise ValueError(f"block_table is on device {block_table.device.id}, q on {device}")
+        if block_table.shape[1] and block_table.strides[1] != 4:
+            block_table = cupy.ascontiguousarray(block_table)
+        return block_table
+    host = np.asarray(block_table)
+    if host.dtype.kind not in "iu" or host.ndim != 2 or host.shape[0] != batch:
+        raise ValueError(f"block_table must be integers of shape (batch={batch}, pages per sequence), got "
+                         f"{host.dtype} {host.shape}")
+    bad = np.argwhere((host < 0) | (host >= num_pages))
+    if bad.size:
+        b, j = (int(x) for x in bad[0])
+        raise ValueError(f"block_table[{b}, {j}] = {int(host[b, j])} is not a page of the cache (it has {num_pages})")
+    return staging.upload(host.astype(np.int32))
+
+
+def _paged_infos(q_info, k_cache, v_cache, table):
+    """The caches described as (batch, capacity, heads_kv, head_dim) arrays whose batch stride is the
+    page stride (pack_fwd then hands the kernel k_sb / v_sb = the page strides)."""
+    out = []
+    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        info = problem.describe(x, name)
+        if len(info.shape) != 4:
+            raise ValueError(f"{name} must be (num_pages, page_size, heads_kv, head_dim) with block_table, "
+                             f"got shape {info.shape}")
+        n_pages, page, hk, d = info.shape
+        out.append(dataclasses.replace(info, shape=(q_info.shape[0], table.shape[1] * page, hk, d)))
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape (num_pages, page_size, heads_kv, head_dim), got "
+                         f"{k_cache.shape} and {v_cache.shape}")
+    if k_cache.shape[1] == 0:
+        raise ValueError("page_size (k_cache.shape[1]) must be at least 1")
+    return out
+
+
 def _lengths_kernel():
     global _LENGTHS
     if _LENGTHS is None:
@@ -177,6 +254,8 @@ def _host_lengths(cache_seqlens, batch: int):
 
 
 def _check_new(k_new, v_new, q, k_cache):
+    """n_new, after checking k_new / v_new against the cache's geometry (k_cache: its ArrayInfo,
+    (batch, capacity, heads_kv, head_dim); a paged cache's as the batch sees it)."""
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new must be given together (or neither)")
     if k_new is None:
@@ -186,8 +265,8 @@ def _check_new(k_new, v_new, q, k_cache):
     for info, name in ((kn, "k_new"), (vn, "v_new")):
         if len(info.shape) != 4 or info.shape[0] != b or info.shape[2:] != (hk, d):
             raise ValueError(f"{name} must have shape (batch={b}, n_new, heads_kv={hk}, head_dim={d}), got {info.shape}")
-        if info.dtype != k_cache.dtype.name or info.device != k_cache.device.id:
-            raise ValueError(f"{name} must have the caches' dtype {k_cache.dtype.name} and device {k_cache.device.id}, "
+        if info.dtype != k_cache.dtype or info.device != k_cache.device:
+            raise ValueError(f"{name} must have the caches' dtype {k_cache.dtype} and device {k_cache.device}, "
                              f"got {info.dtype} on device {info.device}")
     if kn.shape != vn.shape:
         raise ValueError(f"k_new and v_new must have the same shape, got {kn.shape} and {vn.shape}")
@@ -269,17 +348,18 @@ def plan_decode(p, cfg, dtype) -> Plan:
     # the decode kernel's work tiles are (K/V head, batch) pairs; each split divides its own batch's
     # key blocks (kernels_cu/sm80/decode.cuh), so split_blocks is not used
     params["tiles"], params["n_splits"], params["split_blocks"] = p.heads_kv * p.batch, p.n_splits, 0
+    paged = ("block_table",) if p.paged else ()  # the kernel's pointer after seqused_k
     if p.n_splits == 1:
-        launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=_forward.INPUTS_SEQUSED_K)
-        return Plan(p.device, _forward.INPUTS_SEQUSED_K, _forward.output_buffers(p, dtype), (launch,),
-                    _forward.OUTPUTS, params)
+        inputs = (*_forward.INPUTS_SEQUSED_K, *paged)
+        launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=inputs)
+        return Plan(p.device, inputs, _forward.output_buffers(p, dtype), (launch,), _forward.OUTPUTS, params)
     d = p.head_dim
     params["o_sb"], params["o_sn"], params["o_sh"] = p.seqlen_q * p.heads * d, p.heads * d, d  # fp32 elements
-    slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k")
+    slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k", *paged)
     launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
     buffers = (Buffer("o_acc", (p.n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
                Buffer("lse_acc", (p.n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
-    return Plan(p.device, ("q", "k", "v", "seqused_k"), buffers, (launch,), ("o_acc", "lse_acc"), params)
+    return Plan(p.device, ("q", "k", "v", "seqused_k", *paged), buffers, (launch,), ("o_acc", "lse_acc"), params)
 
 
 def _build_decode(p, splits: int, dtype):
@@ -297,18 +377,28 @@ def _build_decode(p, splits: int, dtype):
 
 
 def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale, out=None,
-                  lse=None, num_splits: int = 0, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True):
+                  lse=None, num_splits: int = 0, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True,
+                  block_table=None):
     """The CuPy body: (out, lse). Checks everything it can before the first launch. `out`, `lse`:
     given buffers (internal: the GPU tests poison them), checked as the forward's."""
     import cupy
 
-    infos = [problem.describe(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache"))]
-    if len(infos[1].shape) != 4 or infos[1].shape != infos[2].shape:
-        raise ValueError(f"k_cache and v_cache must have one shape (batch, capacity, heads_kv, head_dim), got "
-                         f"{infos[1].shape} and {infos[2].shape}")
+    q_info = problem.describe(q, "q")
+    table = None
+    if block_table is not None:  # paged: the geometry of (batch, pages per sequence x page_size) caches
+        table = _block_table(block_table, q_info.shape[0] if len(q_info.shape) == 4 else -1,
+                             k_cache.shape[0] if k_cache.ndim == 4 else 0, q_info.device)
+        infos = [q_info, *_paged_infos(q_info, k_cache, v_cache, table)]
+    else:
+        infos = [q_info, problem.describe(k_cache, "k_cache"), problem.describe(v_cache, "v_cache")]
+        if len(infos[1].shape) != 4 or infos[1].shape != infos[2].shape:
+            raise ValueError(f"k_cache and v_cache must have one shape (batch, capacity, heads_kv, head_dim), got "
+                             f"{infos[1].shape} and {infos[2].shape}")
     p = problem.resolve_forward(*infos, mask, softmax_scale)  # geometry against the capacity
     p = dataclasses.replace(p, seqused_k=True)  # the kernel moves it to each batch's length
-    n_new = _check_new(k_new, v_new, q, k_cache)
+    if table is not None:
+        p = dataclasses.replace(p, paged=True, page_size=k_cache.shape[1], table_stride=table.strides[0] // 4)
+    n_new = _check_new(k_new, v_new, q, infos[1])
     batch, cap = p.batch, p.seqlen_k
     host = _host_lengths(cache_seqlens, batch)
     if host is not None:
@@ -348,6 +438,18 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         infos[0] = problem.describe(q, "q")
         p = dataclasses.replace(problem.resolve_forward(*infos, mask, softmax_scale), seqused_k=True)
 
+    if table is not None and not p.empty and decode_problem(p) is not None:
+        # more rows per K/V head than the decode kernel's tile (chunked prefill): append into the
+        # pages, gather each batch's pages into a contiguous cache (entries clipped into range: past
+        # a batch's length they may be anything) and attend to that with the lengths + n_new
+        _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table)
+        if seqused is None:
+            seqused = _lengths_kernel()(lens, n_new, cap)
+        pages = cupy.clip(table, 0, k_cache.shape[0] - 1)
+        kg, vg = (c[pages].reshape(batch, cap, *c.shape[2:]) for c in (k_cache, v_cache))
+        return _forward_cupy(q, kg, vg, seqused, None, None, mask, softmax_scale, out=out, lse=lse,
+                             num_splits=num_splits)
+
     def build():
         if p.empty:
             return empty_plan(p, q.dtype), False
@@ -367,20 +469,18 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         return family.plan(p, families.select(family, p), q.dtype), False
 
     # every check (the plan's family and tile, the buffers) before the cache is written
-    plan, partial = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale, splits),
-                               build)
+    plan, partial = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale, splits,
+                                        None if table is None else (table.shape, table.strides)), build)
     if out is not None:
         out = _forward._checked_out(out, q)
     if lse is not None:
         lse = _forward._checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
-    if n_new and batch:
-        u16 = cupy.uint16  # both dtypes are 16-bit: the copy moves bits (CuPy's bfloat16 support varies)
-        _append_kernel()(k_new.view(u16), v_new.view(u16), lens, n_new, p.heads_kv, p.head_dim, cap,
-                         k_cache.view(u16), v_cache.view(u16))
+    _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table)
     if seqused is None:
         seqused = _lengths_kernel()(lens, n_new, cap)
+    paged = () if table is None else (table,)
     if partial:
-        o_acc, lse_acc = plan.run((q, k_cache, v_cache, seqused))
+        o_acc, lse_acc = plan.run((q, k_cache, v_cache, seqused, *paged))
         merged, merged_lse = combine_splits(o_acc, lse_acc)
         merged = merged.astype(q.dtype)
         if out is not None:
@@ -390,13 +490,28 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
             lse[...] = merged_lse
             merged_lse = lse
         return merged, merged_lse
-    return plan.run((q, k_cache, v_cache, out, lse, seqused))
+    return plan.run((q, k_cache, v_cache, out, lse, seqused, *paged))
+
+
+def _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table):
+    """k_new / v_new written into the cache at rows lens[b] .. + n_new (its pages with a table)."""
+    import cupy
+
+    if not (n_new and p.batch):
+        return
+    u16 = cupy.uint16  # both dtypes are 16-bit: the copy moves bits (CuPy's bfloat16 support varies)
+    if table is None:
+        _append_kernel()(k_new.view(u16), v_new.view(u16), lens, n_new, p.heads_kv, p.head_dim, p.seqlen_k,
+                         k_cache.view(u16), v_cache.view(u16))
+    else:
+        _append_paged_kernel()(k_new.view(u16), v_new.view(u16), lens, table, p.table_stride, p.page_size, n_new,
+                               p.heads_kv, p.head_dim, p.seqlen_k, k_cache.view(u16), v_cache.view(u16))
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = False,
                            softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
                            return_lse: bool = False, num_splits: int = 0, rotary_cos=None, rotary_sin=None,
-                           rotary_interleaved: bool = True):
+                           rotary_interleaved: bool = True, block_table=None):
     """Attention of q (batch, n_q, heads, head_dim) to each batch's first cache_seqlens[b] (+ n_new)
     keys of k_cache / v_cache (batch, capacity, heads_kv, head_dim), after appending k_new / v_new
     (batch, n_new, heads_kv, head_dim) in place at row cache_seqlens[b] (module docstring: the
@@ -416,6 +531,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     rotary_interleaved: GPT-J pairs (2i, 2i + 1) (the default, as FlashAttention's) or GPT-NeoX's
     (i, i + rotary_dim / 2). Host lengths whose positions pass the tables raise ValueError; device
     lengths are clipped to the last row.
+    block_table: a paged cache (vLLM's and FlashAttention's layout): k_cache / v_cache are then
+    (num_pages, page_size, heads_kv, head_dim), any page size, and block_table (batch, pages per
+    sequence) int32 names batch b's pages in order: its key row r is row r % page_size of page
+    block_table[b, r // page_size], its capacity pages per sequence x page_size. A host table
+    (NumPy, a list, a CPU tensor) is checked (every entry a page of the cache); a device one (int32,
+    on q's device) is not: entries a batch's length reaches must be pages of the cache, the rest
+    are never read. The decode kernel reads the pages in place; calls with more rows per K/V head
+    than its tile (group x n_q > 16) gather the pages into a contiguous copy first.
     CuPy arrays, or torch tensors (through DLPack on torch's current stream; the caches are written
     in place either way).
     """
@@ -442,14 +565,22 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     if seqlens_on_device:
         names.append("cache_seqlens")
         arrays.append(cache_seqlens)
+    table_on_device = block_table is not None and fw != _interop.CUPY and _on_cuda(block_table)
+    if block_table is not None and not table_on_device and type(block_table).__module__.split(".")[0] == "torch":
+        block_table = block_table.numpy()  # a CPU torch tensor: a host table, checked
+    if table_on_device:
+        names.append("block_table")
+        arrays.append(block_table)
 
     def body(q, k_cache, v_cache, *rest):
         rest = list(rest)
         kn, vn = (rest.pop(0), rest.pop(0)) if k_new is not None else (None, None)
         cos, sin = (rest.pop(0), rest.pop(0)) if rotary else (None, None)
         lens = rest.pop(0) if seqlens_on_device else cache_seqlens
+        table = rest.pop(0) if table_on_device else block_table
         out, lse = _forward_cupy(q, k_cache, v_cache, lens, kn, vn, mask, softmax_scale, num_splits=num_splits,
-                                 rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary_interleaved)
+                                 rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary_interleaved,
+                                 block_table=table)
         return out, lse
 
     if fw == _interop.CUPY:

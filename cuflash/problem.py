@@ -97,6 +97,11 @@ class AttnProblem:
     # split-KV decoding (cuflash/kvcache.py): blocks per work tile, each over a slice of the keys,
     # writing fp32 partial results the host merges; 1: the plain forward
     n_splits: int = 1
+    # paged KV caches (cuflash/kvcache.py block_table): k and v are pages, their "batch" strides the
+    # page strides; seqlen_k is the capacity table_stride * page_size
+    paged: bool = False
+    page_size: int = 0
+    table_stride: int = 0
 
     def __post_init__(self):
         check_geometry(self.window_left, self.window_right, self.offset)
@@ -113,7 +118,7 @@ class AttnProblem:
         d = kernel_head_dim(self.head_dim)
         return Features(self.dtype, d, self.dropout is not None, local=self.window_left != UNBOUNDED,
                         softcap=self.softcap > 0, partial_d=self.head_dim != d, seqused_k=self.seqused_k,
-                        varlen=self.varlen, split_kv=self.n_splits > 1)
+                        varlen=self.varlen, split_kv=self.n_splits > 1, paged=self.paged)
 
     @property
     def empty(self) -> bool:

@@ -41,6 +41,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", nargs="+", default=list(CELLS))
     p.add_argument("--splits", nargs="+", type=int, default=[0, 1, 4, 16, 32])
+    p.add_argument("--page-sizes", nargs="*", type=int, default=[16, 256],
+                   help="also time paged caches of these page sizes (heuristic splits), as a ratio to contiguous")
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json")
     a = p.parse_args()
@@ -67,6 +69,21 @@ def main():
                 ref = fn()
                 t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
                 row[f"cuflash_s{s}_gbps"] = kv_bytes / (t * 1e-3) / 1e9
+            # paged copies of the cache: shuffled pages, the same rows (issue 17: >= 0.95x contiguous)
+            for ps in a.page_sizes:
+                per = -(-n // ps)
+                perm = torch.randperm(b * per, device="cuda", generator=g).to(torch.int32).reshape(b, per)
+                pool = [torch.zeros(b * per, ps, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+                for dst, src_ in zip(pool, (kc, vc)):
+                    pad = torch.zeros(b, per * ps, HKV, D, device="cuda", dtype=torch.bfloat16)
+                    pad[:, :n] = src_
+                    dst[perm.reshape(-1).long()] = pad.reshape(-1, ps, HKV, D)
+                kp, vp, tab = (cupy.from_dlpack(x) for x in (*pool, perm))
+                fn = lambda: cuflash.attention_with_kvcache(qc, kp, vp, cache_seqlens=n, block_table=tab)
+                fn()
+                t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
+                row[f"paged{ps}_gbps"] = kv_bytes / (t * 1e-3) / 1e9
+                del kp, vp, tab, pool
         # SDPA: (batch, heads, len, head_dim) views of the same cache, GQA by enable_gqa
         qt, kt, vt = q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2)
         for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -91,7 +108,9 @@ def main():
               + (f"{row['sdpa_flash_gbps'] / copy_bw:.2f}x" if row.get("sdpa_flash_gbps") else "n/a")
               + " cuDNN " + (f"{cd / copy_bw:.2f}x" if cd else "n/a")
               + (f" | cuflash / cuDNN {ours / cd:.2f}" if cd else "")
-              + " | splits " + " ".join(f"{s}:{row[f'cuflash_s{s}_gbps'] / copy_bw:.2f}" for s in a.splits), flush=True)
+              + " | splits " + " ".join(f"{s}:{row[f'cuflash_s{s}_gbps'] / copy_bw:.2f}" for s in a.splits)
+              + "".join(f" | paged {ps}: {row[f'paged{ps}_gbps'] / ours:.2f}x contiguous" for ps in a.page_sizes),
+              flush=True)
         del kc, vc, q, qc, kcc, vcc
         torch.cuda.empty_cache()
     if a.json:

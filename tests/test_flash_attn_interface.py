@@ -50,7 +50,7 @@ def test_unsupported_options_name_themselves():
         fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1, block_table=object())
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         fai.flash_attn_varlen_kvpacked_func(None, FakePacked(), None, None, 1, 1, alibi_slopes=[1.0])
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(ValueError, match="block_table.*cache_seqlens"):  # paged caches need the lengths
         fai.flash_attn_with_kvcache(None, None, None, block_table=object())
     with pytest.raises(NotImplementedError, match="cache_batch_idx"):
         fai.flash_attn_with_kvcache(None, None, None, cache_seqlens=3, cache_batch_idx=object())
@@ -65,10 +65,10 @@ def test_kvcache_arguments_reach_attention_with_kvcache(monkeypatch):
     seen = []
     monkeypatch.setattr(kvcache, "attention_with_kvcache", lambda *a, **kw: seen.append((a, kw)) or "out")
     assert fai.flash_attn_with_kvcache(1, 2, 3, k=4, v=5, cache_seqlens=6, causal=True, window_size=[2, 0],
-                                       softcap=1.5, return_softmax_lse=True, num_splits=7) == "out"
+                                       softcap=1.5, return_softmax_lse=True, num_splits=7, block_table=8) == "out"
     (args, kw), = seen
     assert args == (1, 2, 3)
     assert kw == dict(cache_seqlens=6, k_new=4, v_new=5, causal=True, softmax_scale=None, window_size=(2, 0),
                       softcap=1.5, return_lse=True, num_splits=7, rotary_cos=None, rotary_sin=None,
-                      rotary_interleaved=True)
+                      rotary_interleaved=True, block_table=8)
     assert set(fai.__all__) <= set(dir(fai))

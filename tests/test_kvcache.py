@@ -66,7 +66,7 @@ def test_reference_rejects_lengths_out_of_range():
 def test_only_the_sm80_forward_has_seqused_k_instances():
     f = Features("bfloat16", 64, seqused_k=True)
     assert f.tag() == "_kvlen" and f.perf_class() == "dense"
-    assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false, false>"
+    assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false, false, false>"
     assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["fwd", "decode"]
     for fam in families.FORWARDS:
         if fam is not families.FWD:
@@ -228,9 +228,9 @@ def test_decode_instances_compile_without_spills(tile, arch):
     split-KV), both dtypes."""
     import itertools
 
-    for local, softcap, split, dtype in itertools.product((False, True), (False, True), (False, True),
-                                                          ("bfloat16", "float16")):
-        f = Features(dtype, tile.head_dim, seqused_k=True, split_kv=split, local=local, softcap=softcap)
+    for local, softcap, split, paged, dtype in itertools.product((False, True), (False, True), (False, True),
+                                                                 (False, True), ("bfloat16", "float16")):
+        f = Features(dtype, tile.head_dim, seqused_k=True, split_kv=split, local=local, softcap=softcap, paged=paged)
         r = _compile.compile_report(_compile.kernel_source(tile, f), arch)
         assert r["registers"] > 0 and r["spill_stores"] == 0 and r["stack_bytes"] == 0, (tile, f, r["spill_stores"])
 
@@ -301,3 +301,39 @@ def test_split_combine_kernel_compiles():
 
     ok, log = _compile_ok(kvcache._COMBINE_SRC)
     assert ok, log
+
+
+# ------------------------------------------------------------------ paged caches (block_table)
+
+def test_only_the_decode_kernel_has_paged_instances():
+    f = Features("bfloat16", 128, seqused_k=True, paged=True)
+    assert f.tag() == "_kvlen_paged" and f.cxx().endswith("true, false, false, true>")
+    assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["decode"]
+
+
+def test_shell_takes_block_table_after_seqused_k():
+    tile = families.DECODE.default(128)
+    src = _compile.kernel_source(tile, Features("bfloat16", 128, seqused_k=True, paged=True))
+    assert "const int* __restrict__ seqused_k, const int* __restrict__ block_table," in src
+    assert "(q, k, v, out, lse, seqused_k, block_table, p);" in src
+
+
+@pytest.mark.parametrize("table,why", [([[0, 4]], r"block_table\[0, 1\] = 4 is not a page"),
+                                       ([[0, -1]], r"block_table\[0, 1\] = -1"),
+                                       ([[0, 1], [2, 3]], r"shape \(batch=1"),
+                                       ([0, 1], r"shape \(batch=1"),
+                                       ([[0.0, 1.0]], "integers")])
+def test_host_block_tables_are_checked(table, why):
+    with pytest.raises(ValueError, match=why):
+        kvcache._block_table(table, 1, 4, 0)
+
+
+def test_paged_params_carry_the_page_geometry():
+    import dataclasses
+
+    from cuflash import params
+
+    p = dataclasses.replace(_kv_problem(2, 1, 8, 2, 128, cap=256), paged=True, page_size=16, table_stride=16)
+    a = params.pack_fwd(p, 1)[0]
+    assert (int(a["page_size"]), int(a["table_stride"])) == (16, 16)
+    assert p.features.paged and kvcache.decode_problem(p) is None

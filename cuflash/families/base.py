@@ -97,6 +97,8 @@ class KernelFamily:
     seqused_k_pointer: tuple = (I32_IN, "seqused_k")
     takes_varlen: bool = False  # True: variable-length instances (cu_seqlens_q/k pointers; cuflash/varlen.py)
     takes_split_kv: bool = False  # True: split-KV instances (fp32 partial results; cuflash/kvcache.py)
+    takes_paged: bool = False  # True: paged KV cache instances (a block_table pointer after seqused_k)
+    paged_pointer: tuple = (I32_IN, "block_table")
     varlen_pointers: tuple = ((I32_IN, "cu_seqlens_q"), (I32_IN, "cu_seqlens_k"))
     # the tuner:
     run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
@@ -119,7 +121,8 @@ class KernelFamily:
                 and (self.takes_seqused_k or not features.seqused_k)
                 and (features.seqused_k or not self.needs_seqused_k)
                 and (self.takes_varlen or not features.varlen)
-                and (self.takes_split_kv or not features.split_kv))
+                and (self.takes_split_kv or not features.split_kv)
+                and (self.takes_paged or not features.paged))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
         """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order
@@ -197,6 +200,7 @@ class KernelFamily:
                      "seqused_k": "per-batch key lengths (the KV cache)",
                      "varlen": "variable-length batches (cu_seqlens)",
                      "split_kv": "split-KV decoding (num_splits)",
+                     "paged": "paged KV caches (block_table)",
                      "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         run_as = f" (on the kernels of head dim {f.head_dim})" if call_head_dim not in (None, f.head_dim) else ""

@@ -231,5 +231,5 @@ DECODE = KernelFamily(
         128: (DecodeConfig(128, 4, 3), DecodeConfig(128, 4, 2)),
     },  # d192 / d256: O alone is 96-128 registers of a lane; they spill (4-8 B), so those run the prefill kernel
     accumulator_registers=_decode_acc, plan=_plan_decode, takes_dropout=False, takes_partial_d=False,
-    takes_seqused_k=True, needs_seqused_k=True, takes_split_kv=True, tuned_by_default=False,
+    takes_seqused_k=True, needs_seqused_k=True, takes_split_kv=True, takes_paged=True, tuned_by_default=False,
 )

@@ -9,7 +9,7 @@
 
 namespace cuflash {
 
-template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN, bool SPLIT_KV>
+template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN, bool SPLIT_KV, bool PAGED>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -44,6 +44,11 @@ struct Variant {
     // (n_splits, batch, ...) accumulators that the host merges (cuflash.merge_attention). The out
     // pointer is then the fp32 O accumulator. Only the sm80 v2 forward has these instances.
     static constexpr bool kSplitKV = SPLIT_KV;
+    // Paged KV caches (cuflash/kvcache.py block_table): k and v are (num_pages, page_size, heads_kv,
+    // head_dim) pages, params.k_sb / v_sb their page strides, and batch b's key row r is row
+    // r % params.page_size of page block_table[b * params.table_stride + r / params.page_size]
+    // (an int32 pointer after seqused_k). Only the decode kernel has these instances.
+    static constexpr bool kPaged = PAGED;
 };
 
 }  // namespace cuflash

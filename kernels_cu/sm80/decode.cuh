@@ -20,6 +20,9 @@
 //          sequence does not leave its later splits with work and its earlier ones without
 // Masks (causal, windows) bottom-right aligned to each batch's length, per packed row's query;
 // softcap through attn/score_mod.cuh. No dropout (inference).
+// V::kPaged: k and v are pages (num_pages, page_size, heads_kv, D); key row r of batch b is row
+// r % page_size of page block_table[b * table_stride + r / page_size], looked up per row as the
+// tile is copied (any page size; rows past the batch's length are neither looked up nor read).
 #pragma once
 #include "attn/features.cuh"
 #include "attn/mask.cuh"
@@ -52,11 +55,38 @@ struct Sm80DecodeTraits {
     static_assert(STAGES >= 2, "the single-barrier pipeline needs at least 2 stages");
 };
 
+// K and V rows [n_block * BC, + BC) of one batch's pages into a ring slot (the swizzled layout of
+// load_tile, sm80/tile_copy.cuh): chunk idx of the tile is row idx / CH, its page looked up in the
+// batch's block-table row. Rows at or past seqlen_k are zero-filled without a lookup.
+template <int BC, int CH, int THREADS>
+__device__ __forceinline__ void load_kv_tile_paged(u32 sK_slot, u32 sV_slot, const elem_t* kg, const elem_t* vg,
+                                                   long long k_sn, long long v_sn, long long k_sp, long long v_sp,
+                                                   const int* __restrict__ table_row, int page_size, int n_block,
+                                                   int seqlen_k, int tid) {
+    constexpr int CHUNKS = BC * CH;
+#pragma unroll
+    for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
+        const int idx = tid + i * THREADS;
+        if (CHUNKS % THREADS == 0 || idx < CHUNKS) {
+            const int tr = idx / CH, c = idx % CH, row = n_block * BC + tr;
+            const bool ok = row < seqlen_k;
+            long long ko = 0, vo = 0;
+            if (ok) {
+                const long long page = __ldg(table_row + row / page_size), in = row % page_size;
+                ko = page * k_sp + in * k_sn + c * 8;
+                vo = page * v_sp + in * v_sn + c * 8;
+            }
+            cp_async_16(sK_slot + swz<CH>(tr, c), kg + ko, ok);
+            cp_async_16(sV_slot + swz<CH>(tr, c), vg + vo, ok);
+        }
+    }
+}
+
 template <bool BF16, int D, int WARPS, int STAGES, class V>
-__device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
-                                             const elem_t* __restrict__ v, elem_t* __restrict__ o,
-                                             float* __restrict__ lse, const int* __restrict__ seqused_k,
-                                             const FwdParams& params) {
+__device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                                  const elem_t* __restrict__ v, elem_t* __restrict__ o,
+                                                  float* __restrict__ lse, const int* __restrict__ seqused_k,
+                                                  const int* __restrict__ block_table, const FwdParams& params) {
     static_assert(V::kSeqUsedK && !V::kVarlen && !V::kDropout && !V::kPartialD,
                   "the decode kernel: per-batch key lengths, no packed batches, no dropout, an instantiated head dim");
     using Tr = Sm80DecodeTraits<D, WARPS, STAGES>;
@@ -88,8 +118,18 @@ __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const
     const int n_begin = blk_lo + split * per_split;
     const int n_iter = max(0, min(blk_hi, n_begin + per_split) - n_begin);
 
-    const elem_t* kg = k + (long long)b * params.k_sb + (long long)h_kv * params.k_sh;
-    const elem_t* vg = v + (long long)b * params.v_sb + (long long)h_kv * params.v_sh;
+    // V::kPaged: k_sb / v_sb are the page strides, the batch's rows found through its table row
+    const elem_t* kg = k + (V::kPaged ? 0ll : (long long)b * params.k_sb) + (long long)h_kv * params.k_sh;
+    const elem_t* vg = v + (V::kPaged ? 0ll : (long long)b * params.v_sb) + (long long)h_kv * params.v_sh;
+    const int* table_row = V::kPaged ? block_table + (long long)b * params.table_stride : nullptr;
+    auto load_kv = [&](int slot, int n_block) {
+        const u32 ks = sK + slot * Tr::kKVTileBytes, vs = sV + slot * Tr::kKVTileBytes;
+        if constexpr (V::kPaged)
+            load_kv_tile_paged<BC, CH, kThreads>(ks, vs, kg, vg, params.k_sn, params.v_sn, params.k_sb, params.v_sb,
+                                                 table_row, params.page_size, n_block, seqlen_k, tid);
+        else
+            load_kv_tile<BC, CH, kThreads>(ks, vs, kg, params.k_sn, vg, params.v_sn, n_block, seqlen_k, tid);
+    };
 
     // Q: packed row r -> query r / group of head h_kv * group + r % group; rows past the group's
     // queries read as zeros (their results are never stored)
@@ -108,9 +148,7 @@ __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const
     }
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < n_iter)
-            load_kv_tile<BC, CH, kThreads>(sK + s * Tr::kKVTileBytes, sV + s * Tr::kKVTileBytes, kg, params.k_sn, vg,
-                                           params.v_sn, n_begin + s, seqlen_k, tid);
+        if (s < n_iter) load_kv(s, n_begin + s);
         cp_async_commit();  // Q joins group 0; empty groups keep the wait count uniform
     }
 
@@ -135,11 +173,7 @@ __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const
         __syncthreads();
         {
             const int in = it + STAGES - 1;
-            if (in < n_iter) {
-                const int slot = in % STAGES;
-                load_kv_tile<BC, CH, kThreads>(sK + slot * Tr::kKVTileBytes, sV + slot * Tr::kKVTileBytes, kg, params.k_sn,
-                                               vg, params.v_sn, n_begin + in, seqlen_k, tid);
-            }
+            if (in < n_iter) load_kv(in % STAGES, n_begin + in);
             cp_async_commit();
         }
         const int slot = it % STAGES;
@@ -249,6 +283,24 @@ __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const
         const long long batches = V::kSplitKV ? (long long)split * (params.tiles / heads_kv) + b : b;
         lse[(batches * heads + h) * n_q + qi] = l != 0.f ? (m_scaled + __log2f(l)) * kLn2 : neg_inf();
     }
+}
+
+// The shells' entry points: contiguous caches, and (V::kPaged) paged ones with their block table.
+template <bool BF16, int D, int WARPS, int STAGES, class V>
+__device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                             const elem_t* __restrict__ v, elem_t* __restrict__ o,
+                                             float* __restrict__ lse, const int* __restrict__ seqused_k,
+                                             const FwdParams& params) {
+    static_assert(!V::kPaged, "paged instances take the block table");
+    flash_decode_impl<BF16, D, WARPS, STAGES, V>(q, k, v, o, lse, seqused_k, nullptr, params);
+}
+template <bool BF16, int D, int WARPS, int STAGES, class V>
+__device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                                             const elem_t* __restrict__ v, elem_t* __restrict__ o,
+                                             float* __restrict__ lse, const int* __restrict__ seqused_k,
+                                             const int* __restrict__ block_table, const FwdParams& params) {
+    static_assert(V::kPaged, "the paged instances");
+    flash_decode_impl<BF16, D, WARPS, STAGES, V>(q, k, v, o, lse, seqused_k, block_table, params);
 }
 
 }  // namespace cuflash
