@@ -11,7 +11,7 @@ convention for the cache).
 
 Two kernels, both reading one int32 length per batch from the device and moving the mask
 geometry with it (kernels_cu/attn/mask.cuh MaskGeometry::for_batch), on every GPU:
-  * decoding (group x n_q <= 16 rows per K/V head, head_dim 32/64/96/128): the decode kernel
+  * decoding (group x n_q <= 16 rows per K/V head, head_dim 32/64/96/128/192/256): the decode kernel
     (families.DECODE, kernels_cu/sm80/decode.cuh), a GQA group's query heads packed into one tile
     so each K/V element is read once, keys split over warps and, by decode_splits, over blocks;
   * otherwise (chunked prefill, other head dims) the sm80 v2 forward's per-batch-length instances

@@ -357,8 +357,9 @@ class DecodeConfig(Tile):
     """Tile of the decode kernel (kernels_cu/flash_decode.cuh, Sm80DecodeTraits): <D, WARPS, STAGES>.
 
     One block serves one (K/V head, batch, split): the query heads of the K/V head's group times
-    the queries in one m16 tile (at most 16 rows), K/V tiles of 16 * warps keys (16 per warp)
-    through a `stages`-deep cp.async ring.
+    the queries in one m16 tile (at most 16 rows), K/V tiles of 16 keys per key slice through a
+    `stages`-deep cp.async ring. Above head_dim 128 two warps share each key slice, one half of
+    O's columns each (col_splits), so warps must be even there.
     """
 
     head_dim: int = _axis("d", "head dimension (not searched: it is the problem's)")
@@ -368,8 +369,13 @@ class DecodeConfig(Tile):
     ROWS = 16  # packed query rows per block (group * seqlen_q at most this)
 
     @property
+    def col_splits(self) -> int:
+        """Warps per key slice, each with D / col_splits of O's columns (Sm80DecodeTraits::kColSplits)."""
+        return 2 if self.head_dim > 128 else 1
+
+    @property
     def block_k(self) -> int:
-        return 16 * self.warps
+        return 16 * self.warps // self.col_splits
 
     @property
     def threads(self) -> int:
@@ -383,13 +389,13 @@ class DecodeConfig(Tile):
         # Q (16 rows) + the ring, or the warps' fp32 O staging where larger (Sm80DecodeTraits::kSmemBytes)
         row = smem_row_bytes(self.head_dim)
         ring = 2 * self.stages * self.block_k * row
-        return self.ROWS * row + max(ring, self.warps * self.ROWS * self.head_dim * 4)
+        return self.ROWS * row + max(ring, self.warps // self.col_splits * self.ROWS * self.head_dim * 4)
 
     def structural_problem(self) -> str | None:
         if self.head_dim % 16 or not 16 <= self.head_dim <= MAX_HEAD_DIM:
             return f"head_dim must be a multiple of 16 in [16, {MAX_HEAD_DIM}], got {self.head_dim}"
-        if not 1 <= self.warps <= 8:
-            return f"warps must be 1 to 8, got {self.warps}"
+        if not 1 <= self.warps <= 8 or self.warps % self.col_splits:
+            return f"warps must be 1 to 8{' and even above head_dim 128' if self.col_splits > 1 else ''}, got {self.warps}"
         if self.stages < 2:
             return "stages must be >= 2 (the single-barrier pipeline)"
         return None

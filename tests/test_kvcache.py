@@ -255,7 +255,8 @@ def test_decode_family_takes_only_kv_cache_calls():
     assert f.supports(Features("float16", 64, seqused_k=True, split_kv=True, local=True, softcap=True))
     assert not f.supports(Features("bfloat16", 128, seqused_k=True, dropout=True))
     assert not f.supports(Features("bfloat16", 128, seqused_k=True, partial_d=True))
-    assert not f.supports(Features("bfloat16", 256, seqused_k=True))  # d192 / d256 spill: the prefill kernel
+    assert f.supports(Features("bfloat16", 256, seqused_k=True))  # two warps per key slice above d128
+    assert [(t.block_k, t.col_splits) for t in f.defaults[256]] == [(32, 2), (32, 2)]
     assert [t.block_k for t in f.defaults[128]] == [64, 64]
 
 
@@ -277,7 +278,7 @@ def _kv_problem(batch, nq, h, hk, d, cap=300):
 
 @pytest.mark.parametrize("nq,h,hk,d,why", [(1, 32, 8, 128, None), (4, 32, 8, 128, None), (5, 32, 8, 128, "20 rows"),
                                            (16, 4, 4, 64, None), (1, 32, 1, 64, "32 rows"),
-                                           (1, 8, 8, 80, "head_dim 80"), (1, 8, 8, 256, "head_dim 256")])
+                                           (1, 8, 8, 80, "head_dim 80"), (1, 8, 8, 256, None), (2, 8, 8, 192, None)])
 def test_decode_problem(nq, h, hk, d, why):
     got = kvcache.decode_problem(_kv_problem(2, nq, h, hk, d))
     assert (got is None) if why is None else (why in got), got
@@ -337,3 +338,12 @@ def test_paged_params_carry_the_page_geometry():
     a = params.pack_fwd(p, 1)[0]
     assert (int(a["page_size"]), int(a["table_stride"])) == (16, 16)
     assert p.features.paged and kvcache.decode_problem(p) is None
+
+
+def test_decode_tiles_split_columns_above_d128():
+    from cuflash.tiles import DecodeConfig
+
+    assert (DecodeConfig(128, 4, 3).col_splits, DecodeConfig(128, 4, 3).block_k) == (1, 64)
+    assert (DecodeConfig(256, 8, 2).col_splits, DecodeConfig(256, 8, 2).block_k) == (2, 64)
+    assert "even" in DecodeConfig(256, 3, 2).structural_problem()
+    assert DecodeConfig(128, 3, 2).structural_problem() is None

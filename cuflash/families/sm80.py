@@ -206,8 +206,8 @@ FWD_V1 = KernelFamily(
 )
 
 
-def _decode_acc(t) -> int:  # a warp's O (16 rows x d) + S (16 x 16) over its 32 lanes
-    return t.head_dim // 2 + 8
+def _decode_acc(t) -> int:  # a warp's O (16 rows x its d / col_splits columns) + S (16 x 16) over its 32 lanes
+    return t.head_dim // 2 // t.col_splits + 8
 
 
 def _plan_decode(p, tile, dtype):
@@ -229,7 +229,10 @@ DECODE = KernelFamily(
         64: (DecodeConfig(64, 4, 4), DecodeConfig(64, 4, 2)),
         96: (DecodeConfig(96, 4, 3), DecodeConfig(96, 4, 2)),
         128: (DecodeConfig(128, 4, 3), DecodeConfig(128, 4, 2)),
-    },  # d192 / d256: O alone is 96-128 registers of a lane; they spill (4-8 B), so those run the prefill kernel
+        # above 128 two warps per key slice, half of O's columns each (a whole O row spilled 4-12 B)
+        192: (DecodeConfig(192, 8, 2), DecodeConfig(192, 4, 2)),
+        256: (DecodeConfig(256, 4, 3), DecodeConfig(256, 4, 2)),
+    },
     accumulator_registers=_decode_acc, plan=_plan_decode, takes_dropout=False, takes_partial_d=False,
     takes_seqused_k=True, needs_seqused_k=True, takes_split_kv=True, takes_paged=True, tuned_by_default=False,
 )

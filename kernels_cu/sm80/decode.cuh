@@ -9,9 +9,11 @@
 //   rows : the query heads of the K/V head's group times the queries, packed into one m16 tile
 //          (row r = query r / group, head h_kv * group + r % group; group * seqlen_q <= 16), so
 //          every K/V element is read once per block and feeds all of them
-//   keys : a STAGES-deep cp.async ring of BC = 16 * WARPS keys per tile (all threads copy);
-//          warp w multiplies the tile's keys [16 w, 16 w + 16): S = Q K_w^T (Q's fragments in
-//          registers for the whole loop), online softmax, O_w += P V_w
+//   keys : a STAGES-deep cp.async ring of BC = 16 * WARPS / COL_SPLITS keys per tile (all threads
+//          copy); warp w multiplies the tile's keys [16 kw, 16 kw + 16), kw = w % (WARPS /
+//          COL_SPLITS): S = Q K_kw^T, online softmax, O += P V_kw over its column split
+//          w / (WARPS / COL_SPLITS) of D (COL_SPLITS 2 above D = 128: a lane's O is then 16 x D/2,
+//          where 16 x D spilled; the two warps of a key slice compute the same S)
 //   end  : the warps' (max, sum, O) combined through shared memory into the block's rows: O
 //          (16-bit, V::kSplitKV off) or O normalised over this split's keys and its lse (fp32,
 //          the split-KV accumulators that cuflash.merge_attention reduces, as sm80/fwd.cuh's)
@@ -38,20 +40,22 @@ namespace cuflash {
 template <int D, int WARPS, int STAGES>
 struct Sm80DecodeTraits {
     static constexpr int kNumThreads = WARPS * 32;
-    static constexpr int kRows = 16;            // one m16 tile: group * seqlen_q rows of it are live
-    static constexpr int kBlockK = 16 * WARPS;  // keys per K/V tile, 16 per warp
+    static constexpr int kRows = 16;  // one m16 tile: group * seqlen_q rows of it are live
+    static constexpr int kColSplits = D > 128 ? 2 : 1;  // warps per key slice, each a part of O's columns
+    static constexpr int kKeyWarps = WARPS / kColSplits;
+    static constexpr int kBlockK = 16 * kKeyWarps;  // keys per K/V tile, 16 per key slice
     static constexpr int kRowChunks = D / 8;
     static constexpr int kHeadSteps = D / 16;
-    static constexpr int kOutTiles = D / 8;
+    static constexpr int kOutTiles = D / 8 / kColSplits;  // n8 tiles of a warp's O columns
     static constexpr int kRowBytes = SmemRow<kRowChunks>::kBytes;
     static constexpr int kQBytes = kRows * kRowBytes;
     static constexpr int kKVTileBytes = kBlockK * kRowBytes;
     // after the loop the ring holds each warp's O (fp32, kRows x D) for the combine
-    static constexpr int kCombineBytes = WARPS * kRows * D * 4;
+    static constexpr int kCombineBytes = kKeyWarps * kRows * D * 4;
     static constexpr int kRingBytes = 2 * STAGES * kKVTileBytes;
     static constexpr int kSmemBytes = kQBytes + (kRingBytes > kCombineBytes ? kRingBytes : kCombineBytes);
     static_assert(D % 16 == 0 && D >= 16 && D <= 256, "head_dim must be a multiple of 16 in [16, 256]");
-    static_assert(WARPS >= 1 && WARPS <= 8, "1 to 8 warps");
+    static_assert(WARPS >= 1 && WARPS <= 8 && WARPS % kColSplits == 0, "1 to 8 warps, a multiple of the column splits");
     static_assert(STAGES >= 2, "the single-barrier pipeline needs at least 2 stages");
 };
 
@@ -96,10 +100,13 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     const u32 sQ = smem_u32(smem);
     const u32 sK = sQ + Tr::kQBytes;
     const u32 sV = sK + STAGES * Tr::kKVTileBytes;
-    __shared__ float s_max[WARPS][Tr::kRows], s_sum[WARPS][Tr::kRows];
+    constexpr int KW = Tr::kKeyWarps;
+    __shared__ float s_max[KW][Tr::kRows], s_sum[KW][Tr::kRows];
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = lane / 4;
+    // key slice, column split (without column splits: the warp itself, and the code of one split)
+    const int kw = Tr::kColSplits == 1 ? warp : warp % KW, cs = Tr::kColSplits == 1 ? 0 : warp / KW;
     const int n_splits = params.n_splits, heads_kv = params.heads_kv, group = params.group;
     const int split = (int)(blockIdx.x % n_splits);
     const int hb = (int)(blockIdx.x / n_splits);
@@ -160,7 +167,7 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
 
     using Ld = LdmatrixOffsets<CH>;
-    const u32 warp_keys = (u32)(16 * warp * Tr::kRowBytes);  // this warp's 16 rows of a K/V tile (row % 8 kept)
+    const u32 warp_keys = (u32)(16 * kw * Tr::kRowBytes);  // this warp's 16 rows of a K/V tile (row % 8 kept)
     const u32 k_frag_off = Ld::b_operand(lane), v_frag_off = Ld::b_trans(lane);
     const u32 q_frag_off = Ld::a_operand(0, lane);
     const u32 q_unused[1][4] = {};
@@ -185,7 +192,7 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
                                                            sK + slot * Tr::kKVTileBytes + warp_keys, k_frag_off);
         score_mod.apply(acc_s);
         // ---- mask: the length tail, the causal / right window edge and the left edge per row ----
-        const int k0 = j * BC + 16 * warp;
+        const int k0 = j * BC + 16 * kw;
         if (k0 + 16 > seqlen_k || k0 + 16 > geo.key_end(0) || (V::kLocal && k0 < geo.key_begin(n_q - 1))) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -203,7 +210,12 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
         u32 p_frag[1][1][4];
         c_to_a_frags<BF16, 1>(p_frag[0], acc_s[0]);
         // ---- O_w += P V_w ----
-        warp_mma_ab<BF16, CH, 1, 1, Tr::kOutTiles>(acc_o, p_frag, sV + slot * Tr::kKVTileBytes + warp_keys, v_frag_off);
+        if constexpr (Tr::kColSplits == 1) {
+            warp_mma_ab<BF16, CH, 1, 1, Tr::kOutTiles>(acc_o, p_frag, sV + slot * Tr::kKVTileBytes + warp_keys, v_frag_off);
+        } else {  // columns from chunk CH / 2 for the second split (tile_mma_ab's one-step swizzle)
+            tile_mma_ab<BF16, CH, 1, Tr::kOutTiles, false, CH / 2>(acc_o[0], p_frag[0],
+                                                                 sV + slot * Tr::kKVTileBytes + warp_keys, v_frag_off, cs == 1);
+        }
     }
     cp_async_wait<0>();
 
@@ -213,9 +225,9 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         l_w[half] = softmax.final_sum(0, half);
-        if (lane % 4 == 0) {
-            s_max[warp][g + 8 * half] = softmax.row_max[0][half];
-            s_sum[warp][g + 8 * half] = l_w[half];
+        if (lane % 4 == 0 && cs == 0) {  // the column splits of a key slice hold the same statistics
+            s_max[kw][g + 8 * half] = softmax.row_max[0][half];
+            s_sum[kw][g + 8 * half] = l_w[half];
         }
     }
     __syncthreads();  // every warp's statistics are in, and every warp is done with the ring
@@ -225,20 +237,22 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
         const int r = g + 8 * half;
         float m = neg_inf();
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, s_max[w][r]);
+        for (int w = 0; w < KW; ++w) m = fmaxf(m, s_max[w][r]);
         const float m_scaled = m == neg_inf() ? 0.f : m * scale_log2;
         float l = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
+        for (int w = 0; w < KW; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
         factor[half] = l != 0.f ? fast_exp2(softmax.row_max[0][half] * scale_log2 - m_scaled) / l : 0.f;
     }
-    // staging: warp w's rows at sK + w * kRows * D * 4, row-major fp32 (the ring is free now)
-    const u32 stage = sK + (u32)(warp * Tr::kRows * D * 4);
+    // staging: key slice kw's rows at sK + kw * kRows * D * 4, row-major fp32 (the ring is free
+    // now); a column split writes its columns
+    const u32 stage = sK + (u32)(kw * Tr::kRows * D * 4);
+    const int col0 = cs * (D / Tr::kColSplits);
 #pragma unroll
     for (int i = 0; i < Tr::kOutTiles; ++i)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int r = g + 8 * half, col = 8 * i + 2 * (lane % 4);
+            const int r = g + 8 * half, col = col0 + 8 * i + 2 * (lane % 4);
             asm volatile("st.shared.v2.f32 [%0], {%1, %2};" :: "r"(stage + (u32)((r * D + col) * 4)),
                          "f"(acc_o[0][i][2 * half] * factor[half]), "f"(acc_o[0][i][2 * half + 1] * factor[half]) : "memory");
         }
@@ -250,7 +264,7 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
         const int r = idx / (D / 4), col = 4 * (idx % (D / 4));
         float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
+        for (int w = 0; w < KW; ++w) {
             float4 x;
             asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
                          : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w) : "r"(sK + (u32)(((w * Tr::kRows + r) * D + col) * 4)));
@@ -274,11 +288,11 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     for (int r = tid; r < live_rows; r += kThreads) {
         float m = neg_inf();
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, s_max[w][r]);
+        for (int w = 0; w < KW; ++w) m = fmaxf(m, s_max[w][r]);
         const float m_scaled = m == neg_inf() ? 0.f : m * scale_log2;
         float l = 0.f;
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
+        for (int w = 0; w < KW; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
         const int qi = r / group, h = h_kv * group + r % group;
         const long long batches = V::kSplitKV ? (long long)split * (params.tiles / heads_kv) + b : b;
         lse[(batches * heads + h) * n_q + qi] = l != 0.f ? (m_scaled + __log2f(l)) * kLn2 : neg_inf();

@@ -77,7 +77,7 @@ def test_decode_matches_reference_and_prefill(num_splits, causal, window, softca
         assert float(cupy.abs(cupy.where(fin, lse[b] - ref_lse[b], 0)).max()) <= 1e-3
 
 
-@pytest.mark.parametrize("d", [32, 96])
+@pytest.mark.parametrize("d", [32, 96, 192, 256])
 def test_decode_other_head_dims(d, monkeypatch):
     test_decode_matches_reference_and_prefill(0, True, (-1, -1), 0.0, 32, 8, 1, d, "bfloat16", monkeypatch)
 
