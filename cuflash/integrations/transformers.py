@@ -210,9 +210,31 @@ def sdpa_mask_for(query, key, causal: bool, window: tuple):
 
 
 def _cuflash(q, k, v, **options):
+    """cuflash on transformers' tensors ((batch, seq, heads, head_dim) views). Decoding-shaped calls
+    without autograd (a GQA group's query heads x queries within the decode kernel's tile: cached
+    generation) run the KV-cache decode kernel over the whole cache, which reads each cached key
+    once per group instead of once per query head; the rest run cuflash.attention."""
     from ..api import attention
 
+    if _decode_shaped(q, k, v, options):
+        from ..kvcache import attention_with_kvcache
+
+        return attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], causal=options["causal"],
+                                      softmax_scale=options["softmax_scale"], window_size=options["window_size"],
+                                      softcap=options["softcap"])
     return attention(q, k, v, **options)
+
+
+def _decode_shaped(q, k, v, options) -> bool:
+    import torch
+
+    from ..families import DECODE
+    from ..kvcache import DECODE_ROWS
+
+    if options.get("dropout_p") or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+        return False
+    heads, heads_kv = q.shape[2], k.shape[2]
+    return heads_kv > 0 and heads // heads_kv * q.shape[1] <= DECODE_ROWS and q.shape[-1] in DECODE.defaults
 
 
 def _cuflash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options):

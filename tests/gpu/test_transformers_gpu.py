@@ -229,3 +229,30 @@ def test_flash_style_packed_sequences_run_on_varlen(monkeypatch):
     assert len(ran) == cu.config.num_hidden_layers, "the packed call did not reach attention_varlen"
     err = float((packed.float() - alone.float()).abs().max())
     assert err <= 4 * torch.finfo(torch.bfloat16).eps * float(alone.float().abs().max()), err
+
+
+def test_cached_decoding_runs_the_decode_kernel(spy, monkeypatch):
+    """The decode steps of a cached generation (q_len 1, no autograd) go to the KV-cache decode
+    kernel (attention_with_kvcache over the whole cache), the prefill to cuflash.attention; the
+    logits match sdpa's as in test_cached_decoding_matches_sdpa."""
+    from cuflash import kvcache
+
+    calls = []
+    real = kvcache.attention_with_kvcache
+    monkeypatch.setattr(kvcache, "attention_with_kvcache", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    config_fn, dtype = CONFIGS["llama-gqa"]
+    ref, sdpa, cu = _models(config_fn, dtype)
+    ids = torch.randint(0, 256, (2, 70), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
+    logits = {}
+    with torch.no_grad():
+        for key, m in (("ref", ref), ("sdpa", sdpa), ("cu", cu)):
+            out = m(input_ids=ids[:, :64], use_cache=True)
+            steps, cache = [out.logits[:, -1]], out.past_key_values
+            for t in range(64, 70):
+                out = m(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                steps.append(out.logits[:, -1])
+                cache = out.past_key_values
+            logits[key] = torch.stack(steps)
+    assert len(calls) == 6 * 2 and all(s[1] == 1 for s in calls)  # 6 decode steps x 2 layers, one query each
+    err, pt, allowed = _allowed(logits["cu"], logits["ref"], logits["sdpa"])
+    assert err <= allowed, f"decoding logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
