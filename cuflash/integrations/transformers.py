@@ -231,7 +231,9 @@ def _decode_shaped(q, k, v, options) -> bool:
     from ..families import DECODE
     from ..kvcache import DECODE_ROWS
 
-    if options.get("dropout_p") or (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
+    if options.get("dropout_p") or options.get("sinks") is not None:  # (the KV-cache path takes neither)
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
     heads, heads_kv = q.shape[2], k.shape[2]
     return heads_kv > 0 and heads // heads_kv * q.shape[1] <= DECODE_ROWS and q.shape[-1] in DECODE.defaults
