@@ -13,6 +13,7 @@ of the GPU.
 """
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import numpy as np
@@ -56,6 +57,6 @@ def upload(values: np.ndarray):
             slot[2].synchronize()  # the copy that last read this buffer is done
         mem, _, event = slot
         np.frombuffer(mem, dtype=np.uint8, count=n)[:] = values.view(np.uint8).reshape(-1)
-        out.data.copy_from_host_async(mem.ptr, n, stream=stream)
+        out.data.copy_from_host_async(ctypes.c_void_p(mem.ptr), n, stream=stream)
         event.record(stream)
     return out
