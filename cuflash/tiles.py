@@ -335,8 +335,9 @@ class Sm90BwdConfig(Tile):
         # of slack, for the 1024-B alignment of the base) + a KiB for the static barriers
         d = self.head_dim
         dq_stage = (d // 64) * 64 * (64 * 4 + 16) if self.dq_bulk else 0  # Sm90BwdTraits::kDqStageBytes
+        stats = 2 * self.stages * self.block_q * 4  # lse2 and delta per stage (kStatBytes)
         return (2 * 2 * self.block_k * d + 2 * self.stages * 2 * self.block_q * d + 2 * 2 * self.block_k * self.block_q
-                + dq_stage + SM90_SMEM_SLACK)
+                + dq_stage + stats + SM90_SMEM_SLACK)
 
     def structural_problem(self) -> str | None:
         if self.head_dim not in SM90_BWD_HEAD_DIMS:

@@ -520,8 +520,9 @@ def test_sm90_backward_family():
     t = Sm90BwdConfig(128, 64, 2, 2, 0)
     assert (t.block_k, t.threads, t.launch_bounds()) == (128, 384, "__launch_bounds__(384, 1)")
     assert t.template_args() == (128, 64, 2, 2, 0)
-    # K, V (128 x 128), 2 x (Q + dO) (64 x 128), two dS^T images (128 x 64), 16-bit; + slack
-    assert t.smem_bytes == 2 * 2 * 128 * 128 + 2 * 2 * 2 * 64 * 128 + 2 * 2 * 128 * 64 + 2048
+    # K, V (128 x 128), 2 x (Q + dO) (64 x 128), two dS^T images (128 x 64), 16-bit; 2 x (lse2 +
+    # delta) (64 fp32 each); + slack
+    assert t.smem_bytes == 2 * 2 * 128 * 128 + 2 * 2 * 2 * 64 * 128 + 2 * 2 * 128 * 64 + 2 * 2 * 64 * 4 + 2048
     assert "block_q must be 64" in Sm90BwdConfig(128, 128, 2, 2, 0).structural_problem()
     # with the dQ staging of the store warp: two consumers x 64 rows x (256 + 16) B
     assert Sm90BwdConfig(128, 64, 2, 2, 1).smem_bytes == t.smem_bytes + 2 * 64 * 272

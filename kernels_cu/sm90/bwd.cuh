@@ -23,8 +23,9 @@
 //              each thread, or (DQ_BULK) staged in smem and added by a store warp of WG 0 with
 //              1-D bulk reductions, off the consumers' critical path
 //   end      dK = scale dK, dV from registers to global memory.
+//   lse2, delta  bulk-copied per query block with Q_i and dO_i (same mbarrier) into shared memory
 // Not yet: dropout (the family does not take it), overlap between the query blocks' GEMMs and
-// their element-wise work, a dQ writer warp with bulk reductions, the deterministic mode.
+// their element-wise work, the deterministic mode.
 #pragma once
 #include "attn/block_range.cuh"
 #include "attn/features.cuh"
@@ -58,6 +59,12 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 byt
     asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
                  :: "l"(dst), "r"(src), "r"(bytes) : "memory");
 }
+// 1-D bulk copy global -> shared (sm_90) of `bytes` (a multiple of 16, both ends 16-byte aligned),
+// completing on the mbarrier `bar` (complete_tx::bytes), as a TMA tile load does.
+__device__ __forceinline__ void bulk_load_1d(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Until the shared-memory sources of every committed bulk group have been read.
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
@@ -83,6 +90,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     const u32 sdO = sQ + STAGES * Tr::kQBytes;
     const u32 sDS = sdO + STAGES * Tr::kQBytes;
     const u32 sDQ = sDS + Tr::kDSBuffers * Tr::kDSBytes;  // DQ_BULK: the dQ consumers' staging
+    // per stage: the query block's lse2 and delta rows (BR floats each), loaded with Q_i and dO_i
+    const u32 sLse = sDQ + Tr::kDqStageBytes;
+    const u32 sDelta = sLse + STAGES * Tr::kStatBytes;
 
     const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
     const int n_blocks = params.n_blocks;
@@ -121,9 +131,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 const int s = it % STAGES;
                 const int m0 = (m_begin + it) * BR;
                 mbar_wait(bar_free(s), ((it / STAGES) & 1) ^ 1);  // a fresh barrier counts as released
-                mbar_arrive_expect_tx(bar_full(s), 2 * Tr::kQBytes);
+                mbar_arrive_expect_tx(bar_full(s), 2 * Tr::kQBytes + 2 * Tr::kStatBytes);
                 tma_load_5d(sQ + s * Tr::kQBytes, tq, bar_full(s), 0, m0, 0, blk.head, blk.batch);
                 tma_load_5d(sdO + s * Tr::kQBytes, tdo, bar_full(s), 0, m0, 0, blk.head, blk.batch);
+                // lse2 / delta have seqlen_q_pad rows per (batch, head), a multiple of 128: in bounds
+                const long long row = (long long)blk.bh * params.seqlen_q_pad + m0;
+                bulk_load_1d(sLse + s * Tr::kStatBytes, lse2 + row, Tr::kStatBytes, bar_full(s));
+                bulk_load_1d(sDelta + s * Tr::kStatBytes, delta + row, Tr::kStatBytes, bar_full(s));
             }
         }
         if constexpr (DQ_BULK) {
@@ -165,8 +179,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         const Mask<V::kLocal> mask{geo};
         const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
         const long long pad = params.seqlen_q_pad;
-        const float* lse2g = lse2 + (long long)blk.bh * pad;
-        const float* deltag = delta + (long long)blk.bh * pad;
 
         // Descriptors. K-major (contraction over D): this consumer's 64 K / V rows (A of S^T, dP^T),
         // Q / dO of slot 0 (B of S^T, dP^T). MN-major (contraction over rows): Q / dO of slot 0 (B of
@@ -237,7 +249,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 // one opaque row pointer per block: its 8 nt offsets become immediates of the loads
                 // (else the per-nt pointers, loop invariants, are hoisted: 16 registers each for
                 // lse2 and delta)
-                const float* lrow = reinterpret_cast<const float*>(opaque((u64)(lse2g + m0 + 2 * t)));
+                const u32 lrow = opaque(sLse + s * Tr::kStatBytes) + 8 * t;  // this block's lse2, in smem
                 // softcap: P o (1 - t^2), which is what dS^T needs of P, waits for dS^T (after dV) in
                 // this block's dS^T image, in the very slots this thread writes dS^T to below: in
                 // registers (16 more per thread) the d128 consumers spilled. The buffer is free here
@@ -245,7 +257,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 const u32 pg_rows = V::kSoftcap ? opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128 : 0u;
 #pragma unroll
                 for (int nt = 0; nt < BR / 8; ++nt) {
-                    const float2 L = *reinterpret_cast<const float2*>(lrow + 8 * nt);
+                    float2 L;
+                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(L.x), "=f"(L.y) : "r"(lrow + 32 * nt));
                     if constexpr (V::kSoftcap) {
 #pragma unroll
                         for (int e = 0; e < 4; e += 2) {
@@ -288,10 +301,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 // consumer passed. (The image's base is made opaque per block: otherwise the 16
                 // swizzled addresses, loop invariants, are hoisted and held in registers.)
                 const u32 ds_rows = opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128;
-                const float* drow = reinterpret_cast<const float*>(opaque((u64)(deltag + m0 + 2 * t)));
+                const u32 drow = opaque(sDelta + s * Tr::kStatBytes) + 8 * t;  // this block's delta, in smem
 #pragma unroll
                 for (int nt = 0; nt < BR / 8; ++nt) {
-                    const float2 Dl = *reinterpret_cast<const float2*>(drow + 8 * nt);
+                    float2 Dl;
+                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(Dl.x), "=f"(Dl.y) : "r"(drow + 32 * nt));
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         // key row 64 cw + 16 warp + g + 8 half (row % 8 = g), query column 8 nt + 2 t

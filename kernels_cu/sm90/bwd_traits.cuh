@@ -39,7 +39,11 @@ struct Sm90BwdTraits {
     // fragment stores are 2-way bank conflicted at most), and a store warp adds it to dq_acc
     static constexpr int kDqRowBytes = 64 * 4 + 16;
     static constexpr int kDqStageBytes = DQ_BULK ? (D / 64) * 64 * kDqRowBytes : 0;
-    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBuffers * kDSBytes + kDqStageBytes + 1024;  // + alignment slack
+    // per stage, the query block's lse2 and delta (BR floats each): bulk-copied with Q_i and dO_i
+    // (read from global memory per block, they were a third of the stalls under ncu)
+    static constexpr int kStatBytes = BR * 4;
+    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBuffers * kDSBytes + kDqStageBytes
+                                      + 2 * STAGES * kStatBytes + 1024;  // + alignment slack
 
     static constexpr int kHeadSteps = D / 16;        // S^T, dP^T contract over D
     static constexpr int kQuerySteps = BR / 16;      // dV, dK contract over the BR queries
