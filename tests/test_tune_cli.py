@@ -142,6 +142,14 @@ def test_crashed_setup_is_reported_not_raised(env):
     assert "setup failed" in r.error and r.winner is None
 
 
+def test_main_refuses_kernels_it_cannot_time(env, monkeypatch, capsys):
+    """The decode kernel has no tuner run yet: a clear refusal, not a traceback."""
+    monkeypatch.setattr(cli, "_gpu_props", lambda device: (H200, ""))
+    monkeypatch.setattr(runner, "Worker", FakeWorker)
+    assert cli.main(["--kernels", "fwd", "decode", "--head-dims", "128", "--seqlens", "8192"]) == 2
+    assert "decode cannot be tuned yet" in capsys.readouterr().err
+
+
 def test_main_tunes_exports_and_writes_json(env, monkeypatch, capsys):
     monkeypatch.setattr(cli, "_gpu_props", lambda device: (H200, ""))
     monkeypatch.setattr(runner, "Worker", FakeWorker)

@@ -311,6 +311,12 @@ def main(argv=None) -> int:
         return 2
     if a.kernels is None:  # by default, only the kernels this GPU runs (--kernels names any)
         o.kernels = tuple(available_kernels(props))
+    untimed = [k for k in o.kernels if families.get(k).run is None]
+    if untimed:  # e.g. the decode kernel: its defaults run until the tuner learns to time it
+        print(f"cuflash.tune: {', '.join(untimed)} cannot be tuned yet (the tuner has no way to time "
+              f"{'it' if len(untimed) == 1 else 'them'}); --dry-run lists {'its' if len(untimed) == 1 else 'their'} "
+              f"space", file=sys.stderr)
+        return 2
 
     from . import tuner
     from .runner import Worker
