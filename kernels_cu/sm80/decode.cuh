@@ -52,6 +52,21 @@ struct Sm80DecodeTraits {
     static_assert(STAGES >= 2, "the single-barrier pipeline needs at least 2 stages");
 };
 
+// Row r of the block from the warps' partial statistics (raw max m_w and sum l_w over each warp's
+// keys): m_scaled = m c for the block's max m (0 when no warp saw a key, so exp2 gives 0, not NaN)
+// and l = sum_w l_w exp2(m_w c - m_scaled).
+template <int W, int ROWS>
+__device__ __forceinline__ void combined_row(const float (&s_max)[W][ROWS], const float (&s_sum)[W][ROWS], int r,
+                                             float scale_log2, float& m_scaled, float& l) {
+    float m = neg_inf();
+#pragma unroll
+    for (int w = 0; w < W; ++w) m = fmaxf(m, s_max[w][r]);
+    m_scaled = m == neg_inf() ? 0.f : m * scale_log2;
+    l = 0.f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
+}
+
 template <bool BF16, int D, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                              const elem_t* __restrict__ v, elem_t* __restrict__ o,
@@ -188,14 +203,8 @@ __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const
     float factor[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-        const int r = g + 8 * half;
-        float m = neg_inf();
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, s_max[w][r]);
-        const float m_scaled = m == neg_inf() ? 0.f : m * scale_log2;
-        float l = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
+        float m_scaled, l;
+        combined_row(s_max, s_sum, g + 8 * half, scale_log2, m_scaled, l);
         factor[half] = l != 0.f ? fast_exp2(softmax.row_max[0][half] * scale_log2 - m_scaled) / l : 0.f;
     }
     // staging: warp w's rows at sK + w * kRows * D * 4, row-major fp32 (the ring is free now)
@@ -238,13 +247,8 @@ __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const
     // lse per live row (natural log; -inf where no key was seen): (n_splits, batch, heads, seqlen_q)
     // with V::kSplitKV, else (batch, heads, seqlen_q)
     for (int r = tid; r < live_rows; r += kThreads) {
-        float m = neg_inf();
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) m = fmaxf(m, s_max[w][r]);
-        const float m_scaled = m == neg_inf() ? 0.f : m * scale_log2;
-        float l = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
+        float m_scaled, l;
+        combined_row(s_max, s_sum, r, scale_log2, m_scaled, l);
         const int qi = r / group, h = h_kv * group + r % group;
         const long long batches = V::kSplitKV ? (long long)split * (params.tiles / heads_kv) + b : b;
         lse[(batches * heads + h) * n_q + qi] = l != 0.f ? (m_scaled + __log2f(l)) * kLn2 : neg_inf();

@@ -15,6 +15,7 @@ import pytest
 from cuflash import varlen
 from cuflash.mask import MaskOptions
 from cuflash.testing import dtype_of, fa_rule, fa_rule_grads
+from tests.gpu.test_gqa_gpu import _poison_pool  # NaN-filled pool blocks (as test_headdims_gpu)
 
 pytestmark = pytest.mark.gpu
 
@@ -97,20 +98,6 @@ def test_empty_batches_give_empty_or_filled_outputs():
     q0 = _packed(rng, [0, 0], 2, 64, dt)
     out, lse = varlen.attention_varlen(q0, q0, q0, _cu([0, 0]), _cu([0, 0]), 0, 0, return_lse=True)
     assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
-
-
-def _poison_pool(*shapes, copies=3):
-    """NaN-filled pool blocks of these shapes, freed: fresh gradients that no kernel writes stay NaN."""
-    import cupy
-
-    keep = []
-    for shape in shapes:
-        for _ in range(copies):
-            a = cupy.empty(shape, dtype=cupy.uint16)
-            a.fill(0xFFFF)
-            keep.append(a)
-    cupy.cuda.get_current_stream().synchronize()
-    del keep
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
