@@ -260,6 +260,44 @@ def attention(q, k, v, mask: MaskOptions, softmax_scale, return_lse, algorithm, 
     return (out, lse) if return_lse else out
 
 
+class _SinkAttention(torch.autograd.Function):
+    """attention with sinks (cuflash/sinks.py): the kernels' forward, its (out, lse) rescaled; the
+    backward is the ordinary one fed the rescaled (out', lse'), plus the sinks' gradient."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, *options):
+        from . import sinks as sinks_mod
+
+        out, lse = _fwd_impl(q, k, v, *options)
+        out, lse = sinks_mod.apply(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.options = backward_options((q, k, v, *options))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from . import sinks as sinks_mod
+
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, *ctx.options)
+        dsinks = sinks_mod.grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
+        return (dq, dk, dv, dsinks, *OPTION_GRADS)
+
+
+def attention_sinks(q, k, v, sinks, mask: MaskOptions, softmax_scale, return_lse, algorithm, deterministic,
+                    dropout_p=0.0, seed=None, backend=None):
+    """cuflash.attention(..., sinks=) for torch tensors, differentiable in q, k, v and sinks (an
+    autograd.Function around the ops' implementations: not traced by torch.compile yet)."""
+    _device((q, k, v), FWD_ARRAYS)
+    scale = problem.check_softmax_scale(softmax_scale)
+    dropout_p, seed = _dropout_options(dropout_p, seed)
+    options = op_options(FWD_OPTIONS, mask, softmax_scale=scale, algorithm=algorithm,
+                         deterministic=bool(deterministic), dropout_p=dropout_p, seed=seed, backend=backend)
+    out, lse = _SinkAttention.apply(q, k, v, sinks, *options)
+    return (out, lse) if return_lse else out
+
+
 def attention_backward(dout, q, k, v, out, lse, mask: MaskOptions, softmax_scale, deterministic, dropout_p=0.0,
                        seed=None):
     """cuflash.attention_backward for torch tensors: (dq, dk, dv), not itself differentiable."""

@@ -18,7 +18,7 @@ _tmod = None  # the cuflash._torch module (registers the torch ops), once a torc
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
               backend: str | None = None, window_size: tuple = (-1, -1), alignment: str = "bottom_right",
-              softcap: float | None = 0.0):
+              softcap: float | None = 0.0, sinks=None):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16 or
@@ -78,10 +78,20 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         signature's launch plan is built (once per shape, not per call). algorithm="v1" has only
         the sm80 kernel (backend="sm90" raises; CUFLASH_BACKEND does not apply).
 
+    sinks: attention sinks (gpt-oss; transformers' s_aux): a float array of one logit per query
+        head, of q's framework and device. Each row's softmax then includes one more column with
+        that logit and no value, so out is scaled down by the mass the sink takes and lse includes
+        it (cuflash/sinks.py: exact, from the kernels' out and lse). Differentiable on torch
+        tensors, sinks included; for CuPy arrays, attention_backward with the out and lse returned
+        here gives dq, dk, dv, and cuflash.sinks.grad(dout, out, lse, sinks) the sinks' gradient.
+
     Raises TypeError/ValueError naming the argument before any launch on bad input.
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)  # checked
     t = type(q)
+    if sinks is not None:
+        return _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
+                                backend, sinks)
     if (t is _ndarray and type(k) is t and type(v) is t and algorithm == "v2"
             and (deterministic is False or deterministic is True)):
         out, lse = _fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
@@ -114,6 +124,37 @@ def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministi
     else:
         out, lse = _interop.run(lambda *a: fwd(*a, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p,
                                                seed=seed, backend=backend), (q, k, v), fw, dev, ("q", "k", "v"))
+    return (out, lse) if return_lse else out
+
+
+def _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend,
+                     sinks):
+    """attention(..., sinks=...): the kernels' (out, lse), rescaled by cuflash/sinks.py; torch
+    through its own autograd.Function (the sinks' gradient included)."""
+    from . import _interop, families, problem
+    from . import sinks as sinks_mod
+
+    problem.check_algorithm(algorithm)
+    deterministic = problem.check_flag(deterministic, "deterministic")
+    families.check_backend(backend)
+    if len(getattr(q, "shape", ())) != 4:
+        raise ValueError(f"q must be (batch, seqlen_q, heads, head_dim), got shape {tuple(getattr(q, 'shape', ()))}")
+    sinks_mod.check(sinks, q.shape[2], q)
+    fw, dev = _interop.common_framework((q, k, v), ("q", "k", "v"))
+    if fw == _interop.TORCH:
+        return _load_torch().attention_sinks(q, k, v, sinks, mask, softmax_scale, return_lse, algorithm,
+                                             deterministic, dropout_p, seed, backend)
+    fwd = forward_fn(algorithm)
+
+    def body(q, k, v, sinks):
+        out, lse = fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
+                       backend=backend)
+        return sinks_mod.apply(out, lse, sinks)
+
+    if fw == _interop.CUPY:
+        out, lse = body(q, k, v, sinks)
+    else:
+        out, lse = _interop.run(body, (q, k, v, sinks), fw, dev, ("q", "k", "v", "sinks"))
     return (out, lse) if return_lse else out
 
 

@@ -223,6 +223,28 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=N
     return out, _lse(m, l)
 
 
+def attention_sinks(q, k, v, sinks, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=None):
+    """Attention with per-head sinks from the definition: each row's softmax runs over its scores
+    and one more column holding sinks[h], which has no value (gpt-oss; transformers' s_aux).
+
+    Returns ``(out, lse)`` like attention_naive, lse = log of the row's sum including the sink.
+    """
+    q, k, v, scale = _prepare(q, k, v, softmax_scale)
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    sinks = np.asarray(sinks, dtype=np.float64)
+    if sinks.shape != (h,):
+        raise ValueError(f"sinks must have shape ({h},), got {sinks.shape}")
+    s = _scores(q, k, scale, visible(nq, nk, causal, window_size), _softcap(causal, softcap))
+    s = np.concatenate([s, np.broadcast_to(sinks[None, :, None, None], (b, h, nq, 1))], axis=-1)
+    m = s.max(axis=-1)
+    e = np.exp(s - m[..., None])
+    l = e.sum(axis=-1)
+    p = e / l[..., None]
+    (out,) = _out_layout(p[..., :nk] @ v)
+    return out, m + np.log(l)
+
+
 def visible_per_batch(nq: int, capacity: int, seqlens, causal=False, window_size=(-1, -1)) -> np.ndarray:
     """(B, 1, N_q, capacity) bool: batch b's query i sees key k iff k < seqlens[b] and the causal /
     window mask allows it with query i at key position seqlens[b] - N_q + i (bottom-right against

@@ -173,8 +173,11 @@ def test_refusals_name_the_option(calls):
     assert calls[-1][0] == "cuflash" and calls.pop()[4]["softcap"] == 50.0
     with pytest.raises(NotImplementedError, match="softcap=50.0"):  # sdpa would drop it
         hf.attention_forward(module, *_qkv(), object(), softcap=50.0)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        hf.attention_forward(module, *_qkv(), None, s_aux=object())
+    sinks = object()
+    hf.attention_forward(module, *_qkv(), None, s_aux=sinks)  # gpt-oss's sinks: cuflash's sinks
+    assert calls[-1][0] == "cuflash" and calls.pop()[4]["sinks"] is sinks
+    with pytest.raises(NotImplementedError, match="s_aux"):  # sdpa has no sinks
+        hf.attention_forward(module, *_qkv(), object(), s_aux=sinks)
     with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k must be given together"):
         hf.attention_forward(module, *_qkv(), None, cu_seq_lens_q=object())
     with pytest.raises(NotImplementedError, match="packing needs batch 1"):

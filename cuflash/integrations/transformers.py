@@ -36,9 +36,10 @@ What runs where:
 - flash-attention-style packed sequences given as `cu_seq_lens_q`/`cu_seq_lens_k` (and
   `max_length_q`/`max_length_k`, else read from the offsets) without a mask run on
   `cuflash.attention_varlen` (batch 1: the packed tokens), masks aligned per sequence.
+- `s_aux` (gpt-oss's attention sinks) runs on cuflash's `sinks` (cuflash/sinks.py).
 - **NotImplementedError**, naming the option, for what neither cuflash nor sdpa would compute
-  correctly: `s_aux` (attention sinks), softcap where cuflash cannot run (above), and packed
-  sequences on a call cuflash cannot take.
+  correctly: sinks or softcap where cuflash cannot run (above), and packed sequences on a call
+  cuflash cannot take.
 
 Neither torch nor transformers is imported until register() or a call.
 """
@@ -127,10 +128,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     """transformers attention function: query (batch, heads, seq_q, head_dim), key and value (batch,
     heads_kv, seq_k, head_dim); returns (attn_output (batch, seq_q, heads, head_dim), None)."""
     softcap = float(softcap or 0.0)  # Gemma 2's attn_logit_softcapping: cuflash's softcap (0: off)
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError("cuflash attention: s_aux (attention sinks) is not supported yet; use "
-                                  "attn_implementation='eager'")
+    sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: cuflash's sinks (one logit per query head)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    if attention_mask is not None and sinks is not None:
+        raise NotImplementedError("cuflash attention: attention sinks (s_aux) with an attention mask (padding, "
+                                  "packed sequences) would fall back to sdpa, which has no sinks; use "
+                                  "attn_implementation='eager' for such batches")
     if attention_mask is not None and softcap:
         raise NotImplementedError(f"cuflash attention: softcap={softcap!r} with an attention mask (padding, packed "
                                   f"sequences) would fall back to sdpa, which ignores softcap; use "
@@ -163,6 +166,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                               kwargs.get("max_length_k"), causal=causal, softmax_scale=scaling, window_size=window,
                               dropout_p=float(dropout or 0.0), softcap=softcap)
         return out[None], None
+    if why and sinks is not None:
+        raise NotImplementedError(f"cuflash attention: attention sinks (s_aux) on a call cuflash cannot take ({why}) "
+                                  f"would fall back to sdpa, which has no sinks; use attn_implementation='eager'")
     if why and softcap:
         raise NotImplementedError(f"cuflash attention: softcap={softcap!r} on a call cuflash cannot take ({why}) would "
                                   f"fall back to sdpa, which ignores softcap; use attn_implementation='eager'")
@@ -170,8 +176,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         _warn_once("shape:" + why, f"cuflash attention: {why}; those calls run on transformers' sdpa attention")
         mask, sdpa_causal = sdpa_mask_for(query, key, causal, window)
         return _sdpa(module, query, key, value, mask, dropout, scaling, sdpa_causal, kwargs)
+    extra = {} if sinks is None else {"sinks": sinks}
     out = _cuflash(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=causal,
-                   softmax_scale=scaling, window_size=window, dropout_p=float(dropout or 0.0), softcap=softcap)
+                   softmax_scale=scaling, window_size=window, dropout_p=float(dropout or 0.0), softcap=softcap,
+                   **extra)
     return out, None
 
 

@@ -1,0 +1,91 @@
+"""Attention sinks on the GPU (issue 13; gpt-oss): cuflash.attention(..., sinks=) against the
+definition (a sink column in every row's softmax) computed in float64 by torch, with
+FlashAttention's 2x rule against the same computation in the inputs' dtype: the output, lse, and
+the gradients of q, k, v and the sinks through torch autograd; and the CuPy path's output and its
+backward (attention_backward on the returned out and lse, cuflash.sinks.grad)."""
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+
+def _reference(q, k, v, sinks, causal, window, dtype):
+    """(out, lse) of sink attention from the definition, computed in `dtype` ((b, n, h, d) layout)."""
+    q, k, v, s = (x.to(dtype) for x in (q, k, v, sinks))
+    h, hk = q.shape[2], k.shape[2]
+    k, v = k.repeat_interleave(h // hk, 2), v.repeat_interleave(h // hk, 2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+    nq, nk = q.shape[1], k.shape[1]
+    i = torch.arange(nq, device=q.device)[:, None] + nk - nq
+    j = torch.arange(nk, device=q.device)[None, :]
+    ok = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    left, right = window
+    if causal:
+        ok &= j <= i
+    if right >= 0:
+        ok &= j <= i + right
+    if left >= 0:
+        ok &= j >= i - left
+    scores = scores.masked_fill(~ok, float("-inf"))
+    ext = torch.cat([scores, s[None, :, None, None].expand(*scores.shape[:3], 1)], -1)
+    p = torch.softmax(ext, -1)[..., :nk]
+    return torch.einsum("bhqk,bkhd->bqhd", p, v), torch.logsumexp(ext, -1)
+
+
+def _allowed(got, ref, same):
+    err = (got.double() - ref).abs().max().item()
+    pt = (same.double() - ref).abs().max().item()
+    return err, pt, 2 * pt + 1e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (100, -1))])
+@pytest.mark.parametrize("h,hk,nq,nk", [(8, 2, 333, 517), (4, 4, 1, 1000), (4, 1, 64, 64)])
+def test_torch_sinks_match_the_definition(h, hk, nq, nk, causal, window, dtype):
+    import cuflash
+
+    g = torch.Generator(device="cuda").manual_seed(hash((h, hk, nq, nk, causal, window)) % 2**31)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=dtype, generator=g).requires_grad_()
+    q, k, v = mk(2, nq, h, 64), mk(2, nk, hk, 64), mk(2, nk, hk, 64)
+    sinks = (torch.randn(h, device="cuda", generator=g) * 3).requires_grad_()
+    out, lse = cuflash.attention(q, k, v, causal=causal, window_size=window, sinks=sinks, return_lse=True)
+    dout = torch.randn(out.shape, device="cuda", dtype=dtype, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    refs = {}
+    for name, dt in (("ref", torch.float64), ("same", dtype)):
+        o, l = _reference(q, k, v, sinks, causal, window, dt)
+        refs[name] = (o, l, torch.autograd.grad(o, (q, k, v, sinks), dout.to(dt)))
+    err, pt, allowed = _allowed(out, refs["ref"][0], refs["same"][0])
+    assert err <= allowed, f"out: {err:.3e} > {allowed:.3e} (same-dtype {pt:.3e})"
+    assert (lse.double() - refs["ref"][1]).abs().max().item() <= 1e-3
+    for name, got, r, s in zip(("dq", "dk", "dv", "dsinks"), grads, refs["ref"][2], refs["same"][2]):
+        err, pt, allowed = _allowed(got, r, s)
+        assert err <= allowed, f"{name}: {err:.3e} > {allowed:.3e} (same-dtype {pt:.3e})"
+
+
+def test_cupy_sinks_forward_and_backward():
+    import cupy
+
+    import cuflash
+    from cuflash import sinks as sinks_mod
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(1, 200, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    s = torch.randn(4, device="cuda", generator=g)
+    cq, ck, cv, cs = (cupy.from_dlpack(x) for x in (q, k, v, s))
+    out, lse = cuflash.attention(cq, ck, cv, causal=True, sinks=cs, return_lse=True)
+    ref_out, ref_lse = _reference(q, k, v, s, True, (-1, -1), torch.float64)
+    same, _ = _reference(q, k, v, s, True, (-1, -1), torch.bfloat16)
+    err, pt, allowed = _allowed(torch.from_dlpack(out), ref_out, same)
+    assert err <= allowed, f"out: {err:.3e} > {allowed:.3e}"
+    dout = cupy.asarray(torch.randn(1, 200, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g))
+    dq, dk, dv = cuflash.attention_backward(dout, cq, ck, cv, out, lse, causal=True)
+    ds = sinks_mod.grad(dout, out, lse, cs)
+    tq, tk, tv, ts = (x.detach().double().requires_grad_() for x in (q, k, v, s))
+    o, _ = _reference(tq, tk, tv, ts, True, (-1, -1), torch.float64)
+    want = torch.autograd.grad(o, (tq, tk, tv, ts), torch.from_dlpack(dout).double())
+    for name, got, w in zip(("dq", "dk", "dv", "dsinks"), (dq, dk, dv, ds), want):
+        rel = (torch.from_dlpack(got).double() - w).abs().max().item() / max(w.abs().max().item(), 1e-6)
+        assert rel <= 3e-2, f"{name}: relative error {rel:.3e}"
