@@ -62,7 +62,21 @@ def test_torch_sinks_match_the_definition(h, hk, nq, nk, causal, window, dtype):
     assert (lse.double() - refs["ref"][1]).abs().max().item() <= 1e-3
     for name, got, r, s in zip(("dq", "dk", "dv", "dsinks"), grads, refs["ref"][2], refs["same"][2]):
         err, pt, allowed = _allowed(got, r, s)
+        if name == "dsinks":
+            allowed += _rounding_floor(out, dout, refs["ref"][1], sinks)
         assert err <= allowed, f"{name}: {err:.3e} > {allowed:.3e} (same-dtype {pt:.3e})"
+
+
+def _rounding_floor(out, dout, lse, sinks):
+    """The first-order error of d sinks that comes from `out` being stored in its 16-bit dtype:
+    d sinks[h] = -sum e^(sink_h - lse) (dout . out), each product off by at most unit roundoff x
+    |dout| . |out|. The same-dtype computation forms dout . out from an unrounded out (autograd of
+    the softmax), so for a gradient summed over few rows (one query, a batch of 2) its error can
+    be several times smaller than this unavoidable one; the dq/dk/dv checks need no such floor."""
+    u = torch.finfo(out.dtype).eps / 2
+    mag = (dout.double().abs() * out.detach().double().abs()).sum(-1).transpose(1, 2)  # (b, h, nq)
+    p_sink = torch.exp(sinks.detach().double()[None, :, None] - lse)
+    return u * (p_sink * mag).sum((0, 2)).max().item()
 
 
 def test_cupy_sinks_forward_and_backward():
@@ -80,7 +94,7 @@ def test_cupy_sinks_forward_and_backward():
     same, _ = _reference(q, k, v, s, True, (-1, -1), torch.bfloat16)
     err, pt, allowed = _allowed(torch.from_dlpack(out), ref_out, same)
     assert err <= allowed, f"out: {err:.3e} > {allowed:.3e}"
-    dout = cupy.asarray(torch.randn(1, 200, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g))
+    dout = cupy.from_dlpack(torch.randn(1, 200, 4, 128, device="cuda", dtype=torch.bfloat16, generator=g))
     dq, dk, dv = cuflash.attention_backward(dout, cq, ck, cv, out, lse, causal=True)
     ds = sinks_mod.grad(dout, out, lse, cs)
     tq, tk, tv, ts = (x.detach().double().requires_grad_() for x in (q, k, v, s))
