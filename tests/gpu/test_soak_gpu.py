@@ -2,6 +2,7 @@
 of memory raises CuPy's OutOfMemoryError and the next call works."""
 from __future__ import annotations
 
+import gc
 import os
 
 import numpy as np
@@ -62,6 +63,7 @@ def test_out_of_memory_is_clean_and_the_next_call_works():
     q, k, v = random_qkv(np.random.default_rng(0), 1, 4096, 4096, 8, 128, dtype_of("float16"))  # 8 MiB each
     cuflash.attention(q, k, v)  # kernels and plan built
     cupy.cuda.Device().synchronize()
+    gc.collect()  # arrays of earlier tests held only by cycles: freed now, not by a collection mid-call
     pool.free_all_blocks()
     old = pool.get_limit()
     pool.set_limit(size=pool.used_bytes() + (1 << 20))  # 1 MiB headroom: out needs 8 MiB
