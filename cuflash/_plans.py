@@ -41,6 +41,20 @@ class PlanCache:
                 self._plans[key] = plan
         return plan
 
+    def lookup(self, key):
+        """The entry stored under `key` (None when absent, or when key is None or unhashable)."""
+        if key is None:
+            return None
+        try:
+            return self._plans.get(key)
+        except TypeError:
+            return None
+
+    def put(self, key, value) -> None:
+        if len(self._plans) >= self._max:
+            self._plans.clear()
+        self._plans[key] = value
+
     def clear(self) -> None:
         self._plans.clear()
 

@@ -86,13 +86,29 @@ _COMBINE = None
 # overflows) and their fp32 O; out = sum_s exp(lse_s - m) O_s / sum_s exp(lse_s - m), lse = m +
 # log of that sum; -inf rows (no key in any split) give 0 and -inf, a NaN lse a NaN row. merge_attention
 # takes a Python list and runs a few kernels per split: at 33 splits that was 3 ms of launches
-# for 0.13 ms of decoding (docs/perf-notes.md).
+# for 0.13 ms of decoding (docs/perf-notes.md). out is written in the call's dtype (one kernel per
+# output type: fp32, fp16, bf16, rounded to nearest even by cvt), so no cast follows. Blocks of 64
+# threads and unrolled split loops: a decode step's combine is a few thousand threads (1 x 128k,
+# 32 heads: 1,024), each a chain of loads per split; 256-thread blocks put them on 4 SMs (9.5 us).
 _COMBINE_SRC = r"""
 #define CF_NEG_INF __int_as_float(0xff800000)
 #define CF_NAN __int_as_float(0x7fffffff)
-extern "C" __global__ void cuflash_split_combine(const float* __restrict__ o_acc, const float* __restrict__ lse_acc,
-                                                 float* __restrict__ out, float* __restrict__ lse,
-                                                 int splits, int batch, int n_q, int heads, int dim) {
+struct cf_f32 { static __device__ void store(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; } };
+template <bool BF16> struct cf_16 {
+    static __device__ unsigned short cvt(float x) {
+        unsigned short h;
+        if (BF16) asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        else asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+        return h;
+    }
+    static __device__ void store(unsigned short* p, float4 v) {
+        const unsigned lo = cvt(v.x) | ((unsigned)cvt(v.y) << 16), hi = cvt(v.z) | ((unsigned)cvt(v.w) << 16);
+        *reinterpret_cast<uint2*>(p) = make_uint2(lo, hi);
+    }
+};
+template <class Store, class T>
+__device__ void cf_combine(const float* __restrict__ o_acc, const float* __restrict__ lse_acc, T* __restrict__ out,
+                           float* __restrict__ lse, int splits, int batch, int n_q, int heads, int dim) {
     const int d4 = dim / 4;
     const long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x;
     if (idx >= (long long)batch * n_q * heads * d4) return;
@@ -105,6 +121,7 @@ extern "C" __global__ void cuflash_split_combine(const float* __restrict__ o_acc
     const long long ostep = (long long)batch * n_q * heads * dim;
     float m = CF_NEG_INF;
     bool nan = false;
+#pragma unroll 8
     for (int s = 0; s < splits; ++s) {
         const float l = lse_acc[s * lstep + lrow];
         nan |= l != l;
@@ -113,6 +130,7 @@ extern "C" __global__ void cuflash_split_combine(const float* __restrict__ o_acc
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float sum = 0.f;
     if (m != CF_NEG_INF) {
+#pragma unroll 8
         for (int s = 0; s < splits; ++s) {
             const float w = expf(lse_acc[s * lstep + lrow] - m);
             const float4 x = reinterpret_cast<const float4*>(o_acc + s * ostep + row * dim)[c4];
@@ -121,28 +139,46 @@ extern "C" __global__ void cuflash_split_combine(const float* __restrict__ o_acc
         }
     }
     const float inv = nan ? CF_NAN : (sum > 0.f ? 1.f / sum : 0.f);
-    reinterpret_cast<float4*>(out + row * dim)[c4] = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    Store::store(out + row * dim + 4 * c4, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
     if (c4 == 0) lse[lrow] = nan ? CF_NAN : (m == CF_NEG_INF ? CF_NEG_INF : m + logf(sum));
 }
+#define CF_COMBINE(NAME, STORE, T) \
+extern "C" __global__ void NAME(const float* __restrict__ o_acc, const float* __restrict__ lse_acc, \
+                                T* __restrict__ out, float* __restrict__ lse, int splits, int batch, int n_q, \
+                                int heads, int dim) { \
+    cf_combine<STORE>(o_acc, lse_acc, out, lse, splits, batch, n_q, heads, dim); \
+}
+CF_COMBINE(cuflash_split_combine_float32, cf_f32, float)
+CF_COMBINE(cuflash_split_combine_float16, cf_16<false>, unsigned short)
+CF_COMBINE(cuflash_split_combine_bfloat16, cf_16<true>, unsigned short)
 """
+_COMBINE_THREADS = 64
 
 
-def combine_splits(o_acc, lse_acc):
-    """(out fp32 (batch, n_q, heads, dim), lse (batch, heads, n_q)) of the split-KV partial results
-    o_acc (splits, batch, n_q, heads, dim) and lse_acc (splits, batch, heads, n_q), C-contiguous
-    float32, dim a multiple of 4: one launch."""
+def combine_splits(o_acc, lse_acc, dtype=np.float32, out=None, lse=None):
+    """(out (batch, n_q, heads, dim) in `dtype` (float32, float16 or bfloat16), lse float32 (batch,
+    heads, n_q)) of the split-KV partial results o_acc (splits, batch, n_q, heads, dim) and lse_acc
+    (splits, batch, heads, n_q), C-contiguous float32, dim a multiple of 4: one launch. `out` and
+    `lse`: C-contiguous arrays of those shapes to write (else new ones)."""
     global _COMBINE
     import cupy
 
     if _COMBINE is None:
-        _COMBINE = cupy.RawKernel(_COMBINE_SRC, "cuflash_split_combine")
+        _COMBINE = cupy.RawModule(code=_COMBINE_SRC)
     s, b, n_q, h, d = o_acc.shape
-    out = cupy.empty((b, n_q, h, d), dtype=cupy.float32)
-    lse = cupy.empty((b, h, n_q), dtype=cupy.float32)
+    name = np.dtype(dtype).name
+    if out is not None and out.data.ptr % 8:  # the kernel stores 4 columns at once
+        out[...] = combine_splits(o_acc, lse_acc, dtype, None, lse)[0]
+        return out, lse
+    if out is None:
+        out = cupy.empty((b, n_q, h, d), dtype=dtype)
+    if lse is None:
+        lse = cupy.empty((b, h, n_q), dtype=cupy.float32)
     n = b * n_q * h * (d // 4)
     if n:
-        _COMBINE((-(-n // 256),), (256,), (o_acc, lse_acc, out, lse, np.int32(s), np.int32(b), np.int32(n_q),
-                                            np.int32(h), np.int32(d)))
+        kernel = _COMBINE.get_function(f"cuflash_split_combine_{name}")
+        kernel((-(-n // _COMBINE_THREADS),), (_COMBINE_THREADS,),
+               (o_acc, lse_acc, out, lse, np.int32(s), np.int32(b), np.int32(n_q), np.int32(h), np.int32(d)))
     return out, lse
 
 
@@ -376,11 +412,96 @@ def _build_decode(p, splits: int, dtype):
     return plan_decode(ps, cfg, dtype), splits > 1
 
 
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A KV-cache call resolved once per signature (_call_key): its problem, plan, and whether the
+    plan's outputs are split-KV partial results to combine. Repeated calls (a decode loop) skip the
+    describing, resolving and choosing: only the lengths are checked and staged per call."""
+
+    p: object  # problem.AttnProblem against the capacity, seqused_k (and paged) set
+    plan: object
+    partial: bool
+    n_new: int
+
+
+def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mask: MaskOptions, softmax_scale,
+              num_splits):
+    """The fast path's key: everything the validation and the plan depend on (array_key of the CuPy
+    arrays: shapes, strides, dtypes, devices, pointer alignment; the kinds of the lengths and the
+    table; the options), or None for calls it does not take (rotary embedding, host block tables,
+    arrays that are not CuPy's: the slow path checks and runs those)."""
+    import cupy
+
+    if isinstance(cache_seqlens, cupy.ndarray):
+        lk = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device.id)
+    elif type(cache_seqlens) is int or isinstance(cache_seqlens, np.integer):
+        lk = 0
+    else:
+        lk = 1  # host integers, checked per call
+    if block_table is None:
+        tk = None
+    elif isinstance(block_table, cupy.ndarray):
+        tk = (block_table.shape, block_table.strides, block_table.dtype, block_table.device.id)
+    else:
+        return None
+    arrays = (q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)
+    try:
+        return ("call", plan_cache.array_key(arrays), lk, tk, mask.key, softmax_scale, num_splits)
+    except AttributeError:  # not CuPy arrays: the slow path names the argument
+        return None
+
+
+def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
+    """(lens, seqused) int32 device arrays of the cache lengths and the attended lengths (+ n_new);
+    seqused None for device lengths (the lengths kernel derives it, clipped, on the device). Host
+    lengths are checked to fit the appended rows and staged in one asynchronous copy
+    (cuflash/staging.py: cupy.asarray's pageable copy waited for the previous step's kernels)."""
+    import cupy
+
+    if isinstance(cache_seqlens, cupy.ndarray):
+        if cache_seqlens.shape != (batch,) or cache_seqlens.dtype.kind not in "iu":
+            raise ValueError(f"cache_seqlens must be an integer array of shape ({batch},), got "
+                             f"{cache_seqlens.dtype} {cache_seqlens.shape}")
+        if cache_seqlens.device.id != device:
+            raise ValueError(f"cache_seqlens is on device {cache_seqlens.device.id}, q on {device}")
+        return cache_seqlens.astype(cupy.int32, copy=False), None
+    if type(cache_seqlens) is int or isinstance(cache_seqlens, np.integer):  # one length: no array to check
+        n = int(cache_seqlens)
+        if not 0 <= n <= cap - n_new:
+            _lengths_do_not_fit(0, n, n_new, cap)
+        both = np.full(2 * batch, n, dtype=np.int32)
+        both[batch:] += n_new
+    else:
+        host = _host_lengths(cache_seqlens, batch)
+        bad = np.flatnonzero((host < 0) | (host + n_new > cap))
+        if bad.size:
+            _lengths_do_not_fit(int(bad[0]), int(host[bad[0]]), n_new, cap)
+        both = np.concatenate([host, host + n_new]).astype(np.int32)
+    both = staging.upload(both)
+    return both[:batch], both[batch:]
+
+
+def _lengths_do_not_fit(b: int, n: int, n_new: int, cap: int):
+    raise ValueError(f"cache_seqlens[{b}] = {n}: with n_new = {n_new} new rows the cache needs "
+                     f"0 <= cache_seqlens <= capacity - n_new = {cap - n_new} (k_cache has capacity {cap})")
+
+
 def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale, out=None,
                   lse=None, num_splits: int = 0, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True,
                   block_table=None):
     """The CuPy body: (out, lse). Checks everything it can before the first launch. `out`, `lse`:
-    given buffers (internal: the GPU tests poison them), checked as the forward's."""
+    given buffers (internal: the GPU tests poison them), checked as the forward's. A call whose
+    signature was seen before (_call_key) takes the prepared plan (_Prepared)."""
+    key = None
+    if rotary_cos is None and rotary_sin is None:
+        key = _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mask, softmax_scale,
+                        num_splits)
+        prep = _plans.lookup(key)
+        if prep is not None:
+            p = prep.p
+            lens, seqused = _lengths(cache_seqlens, p.batch, prep.n_new, p.seqlen_k, p.device)
+            return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, block_table, out, lse)
+
     import cupy
 
     q_info = problem.describe(q, "q")
@@ -401,24 +522,7 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     n_new = _check_new(k_new, v_new, q, infos[1])
     batch, cap = p.batch, p.seqlen_k
     host = _host_lengths(cache_seqlens, batch)
-    if host is not None:
-        bad = np.flatnonzero((host < 0) | (host + n_new > cap))
-        if bad.size:
-            b = int(bad[0])
-            raise ValueError(f"cache_seqlens[{b}] = {int(host[b])}: with n_new = {n_new} new rows the cache needs "
-                             f"0 <= cache_seqlens <= capacity - n_new = {cap - n_new} (k_cache has capacity {cap})")
-        # the lengths and the attended lengths (+ n_new) in one asynchronous copy (cuflash/staging.py:
-        # cupy.asarray's pageable copy waited for the previous step's kernels)
-        both = staging.upload(np.concatenate([host, host + n_new]).astype(np.int32))
-        lens, seqused = both[:batch], both[batch:]
-    else:
-        if cache_seqlens.shape != (batch,) or cache_seqlens.dtype.kind not in "iu":
-            raise ValueError(f"cache_seqlens must be an integer array of shape ({batch},), got "
-                             f"{cache_seqlens.dtype} {cache_seqlens.shape}")
-        if cache_seqlens.device.id != p.device:
-            raise ValueError(f"cache_seqlens is on device {cache_seqlens.device.id}, q on {p.device}")
-        lens = cache_seqlens.astype(cupy.int32, copy=False)
-        seqused = None  # from lens on the device, below
+    lens, seqused = _lengths(cache_seqlens if host is None else host, batch, n_new, cap, p.device)
 
     splits = check_num_splits(num_splits)
     if rotary_cos is not None or rotary_sin is not None:  # q and k_new rotated before anything reads them
@@ -471,26 +575,27 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     # every check (the plan's family and tile, the buffers) before the cache is written
     plan, partial = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale, splits,
                                         None if table is None else (table.shape, table.strides)), build)
+    prep = _Prepared(p, plan, partial, n_new)
+    if key is not None and table is block_table and not p.empty:  # the table as given (not a contiguous copy)
+        _plans.put(key, prep)
+    return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse)
+
+
+def _execute(prep: _Prepared, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse):
+    """Append k_new / v_new, attend, combine split results: the launches of a prepared call."""
+    p = prep.p
     if out is not None:
         out = _forward._checked_out(out, q)
     if lse is not None:
         lse = _forward._checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
-    _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table)
+    _append(k_new, v_new, lens, prep.n_new, p, k_cache, v_cache, table)
     if seqused is None:
-        seqused = _lengths_kernel()(lens, n_new, cap)
+        seqused = _lengths_kernel()(lens, prep.n_new, p.seqlen_k)
     paged = () if table is None else (table,)
-    if partial:
-        o_acc, lse_acc = plan.run((q, k_cache, v_cache, seqused, *paged))
-        merged, merged_lse = combine_splits(o_acc, lse_acc)
-        merged = merged.astype(q.dtype)
-        if out is not None:
-            out[...] = merged
-            merged = out
-        if lse is not None:
-            lse[...] = merged_lse
-            merged_lse = lse
-        return merged, merged_lse
-    return plan.run((q, k_cache, v_cache, out, lse, seqused, *paged))
+    if prep.partial:
+        o_acc, lse_acc = prep.plan.run((q, k_cache, v_cache, seqused, *paged))
+        return combine_splits(o_acc, lse_acc, q.dtype, out, lse)
+    return prep.plan.run((q, k_cache, v_cache, out, lse, seqused, *paged))
 
 
 def _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table):

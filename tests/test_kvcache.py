@@ -300,8 +300,11 @@ def test_split_combine_kernel_compiles():
     checked on the GPU against no split and the reference)."""
     from tests.test_params import _compile_ok
 
-    ok, log = _compile_ok(kvcache._COMBINE_SRC)
-    assert ok, log
+    for arch in ("sm_80", "sm_90a"):  # real architectures: ptxas checks the cvt to bf16 / f16 too
+        ok, log = _compile_ok(kvcache._COMBINE_SRC, arch)
+        assert ok, log
+    for name in ("float32", "float16", "bfloat16"):  # combine_splits' kernel per output dtype
+        assert f"cuflash_split_combine_{name}," in kvcache._COMBINE_SRC
 
 
 # ------------------------------------------------------------------ paged caches (block_table)

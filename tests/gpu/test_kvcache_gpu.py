@@ -250,3 +250,43 @@ def test_rotary_kvcache_matches_the_reference(rotary_fraction, causal, interleav
     for b, n in enumerate(lens + n_new):
         err, pt, allowed = fa_rule(out[b:b + 1], qr[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], mask, 1 / math.sqrt(d))
         assert err <= allowed, f"batch {b}: {err:.3e} > {allowed:.3e}"
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_repeated_calls_take_the_prepared_call_and_still_check_lengths(num_splits):
+    """The fast path (kvcache._call_key / _Prepared): a second call of one signature reuses the
+    first's resolved plan, gives bitwise the same result for the same inputs (int, host and device
+    lengths; split results combined straight into the output dtype), follows new lengths, and
+    still rejects host lengths that do not fit before the cache is written."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    mask = MaskOptions.of(causal=True)
+    q, kc, vc, _, _ = _case(rng, 3, 1, 8, 2, 128, dtype_of("bfloat16"), np.array([CAP] * 3), 0)
+    kc[:] = cupy.asarray(rng.standard_normal(kc.shape).astype(np.float32)).astype(kc.dtype)
+    vc[:] = cupy.asarray(rng.standard_normal(vc.shape).astype(np.float32)).astype(vc.dtype)
+    kvcache._plans.clear()
+    for lens in (200, [5, 200, CAP], cupy.asarray([5, 200, CAP], dtype=cupy.int32)):
+        call = lambda: kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True,  # noqa: E731
+                                                      num_splits=num_splits, return_lse=True)
+        key = kvcache._call_key(q, kc, vc, lens, None, None, None, mask, None, num_splits)
+        first = call()
+        assert kvcache._plans.lookup(key) is not None
+        again = call()
+        for a, b in zip(first, again):
+            assert bool((a.view(cupy.uint8) == b.view(cupy.uint8)).all()) if a.dtype != cupy.float32 else \
+                bool(cupy.array_equal(a, b, equal_nan=True))
+        host = [lens] * 3 if isinstance(lens, int) else cupy.asnumpy(cupy.asarray(lens)).tolist()
+        for b, n in enumerate(host):  # against the reference on each batch's keys
+            err, pt, allowed = fa_rule(again[0][b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], True,
+                                       1 / math.sqrt(128))
+            assert err <= allowed, (lens, b, err, allowed)
+    before = kc.copy()
+    kn = vn = cupy.zeros((3, 2, 2, 128), dtype=kc.dtype)
+    for lens in (0, [0, 1, 2]):  # both kinds of host lengths prepared, then
+        kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn)
+    kc[:] = before
+    for bad in (CAP - 1, [0, CAP - 1, 0]):
+        with pytest.raises(ValueError, match=r"cache_seqlens\[\d\] = 299"):
+            kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=bad, k_new=kn, v_new=vn)
+    assert bool((kc.view(cupy.uint16) == before.view(cupy.uint16)).all())
