@@ -14,6 +14,13 @@ threshold, scale) are not part of a plan: with dropout on, a run passes the fiel
 three replaced; with dropout off, the plan's own as they are.
 The names resolve to indices at build, so a run costs one list, the allocations and the launches.
 
+Launches go to the driver directly (cuLaunchKernel through CuPy's binding), not through CuPy's
+kernel call: each launch keeps its arguments packed in one buffer (_ArgBuffer: the parameter
+struct's fields once, the leading pointers and TMA maps rewritten per run) with the array of
+per-parameter pointers the driver reads. CuPy's call converts every argument per launch (about 40
+here), which was most of a small call's host time (docs/perf-notes.md). Kernels that are not CuPy
+functions (the CPU tests' recorders) are called as before, with the same arguments.
+
 A launch whose leading arguments are not the slots themselves (the Hopper forward takes TMA
 descriptors of q, k, v, which embed their data pointers) gives a `bind`: a callable that takes the
 run's slots (the caller's arrays and the allocated buffers) and returns the kernel's leading
@@ -22,6 +29,7 @@ arguments, called once per launch per run.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from operator import itemgetter
 from typing import Callable
 
@@ -61,6 +69,73 @@ class Launch:
     bind: Callable | None = None
 
 
+MAP_BYTES, MAP_ALIGN = 128, 64  # a TMA map parameter (cuflash/tma.py: CUtensorMap, __grid_constant__)
+
+
+def _is_map(v) -> bool:
+    return isinstance(v, np.ndarray) and v.dtype.itemsize == MAP_BYTES and v.size == 1
+
+
+class _ArgBuffer:
+    """One launch's kernel arguments for cuLaunchKernel's kernelParams: every parameter's bytes in one
+    buffer and an array of pointers to them, in parameter order. The driver copies the parameters
+    at the launch call, so the buffer is rewritten per run (under a lock: plans are shared by
+    threads): the leading pointers (8 bytes) and TMA maps (128 bytes), and dropout's three fields;
+    the parameter struct's other fields are written once. `lead_maps`: per leading argument,
+    whether it is a TMA map (else a device pointer)."""
+
+    __slots__ = ("view", "u64", "argv", "argv_ptr", "lead", "record", "base", "lock", "_mem", "_drop_dirty")
+
+    def __init__(self, lead_maps: tuple, params: KernelParams):
+        packed = params.packed
+        offsets, off = [], 0
+        for is_map in lead_maps:
+            size, align = (MAP_BYTES, MAP_ALIGN) if is_map else (8, 8)
+            off = -(-off // align) * align
+            offsets.append(off)
+            off += size
+        base = -(-off // MAP_ALIGN) * MAP_ALIGN  # the struct image, its fields at the mirror's offsets
+        total = base + packed.dtype.itemsize
+        self._mem = np.zeros(total + MAP_ALIGN, np.uint8)
+        shift = (-self._mem.ctypes.data) % MAP_ALIGN
+        self.view = self._mem[shift:shift + total]
+        self.view[base:] = packed.view(np.uint8)
+        self.u64 = self.view.view(np.uint64)  # total is a multiple of 8: the struct's size is
+        self.record = self.view[base:].view(packed.dtype)  # (1,) structured view of the image
+        addr = self.view.ctypes.data
+        fields = [packed.dtype.fields[n][1] for n in packed.dtype.names]
+        self.argv = np.array([addr + o for o in offsets] + [addr + base + f for f in fields], dtype=np.uint64)
+        self.argv_ptr = self.argv.ctypes.data
+        self.lead = tuple(zip(lead_maps, offsets))
+        self.base = base
+        self.lock = threading.Lock()
+        self._drop_dirty = False
+
+    def fill(self, values, dropout_args, params: KernelParams) -> None:
+        """Write the leading arguments (device pointers as ints, TMA maps as their arrays) and
+        dropout's fields (or restore the plan's after a dropout run). Hold self.lock."""
+        u64, view = self.u64, self.view
+        for (is_map, off), v in zip(self.lead, values):
+            if is_map:
+                view[off:off + MAP_BYTES] = v.view(np.uint8).reshape(-1)
+            else:
+                u64[off >> 3] = v
+        if dropout_args is not None:
+            r = self.record
+            r["drop_seed"], r["drop_threshold"], r["drop_scale"] = dropout_args
+            self._drop_dirty = True
+        elif self._drop_dirty:
+            self.view[self.base:] = params.packed.view(np.uint8)
+            self._drop_dirty = False
+
+
+def _pointer(v) -> int:
+    """A leading argument as the driver takes it: a CuPy array's data pointer, or the int itself
+    (NULL, a pointer a bind computed)."""
+    data = getattr(v, "data", None)
+    return int(v) if data is None or isinstance(v, np.generic) else data.ptr
+
+
 def _getter(indices):
     """slots -> tuple of slots[i] for i in indices (itemgetter returns a bare item for one index)."""
     if len(indices) == 1:
@@ -85,7 +160,7 @@ class Plan:
     `params`: the pass's packed parameter struct (params.pack_fwd / pack_bwd); its fields follow
     every launch's pointers."""
 
-    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_outputs")
+    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_outputs", "_args")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
                  params: np.ndarray):
@@ -100,6 +175,7 @@ class Plan:
         # spares the per-call gather on the path whose host overhead matters most; a bind is the take
         self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem, _take(ln, names, index)) for ln in launches)
         self._outputs = _getter([index[n] for n in outputs])
+        self._args = [None] * len(launches)  # per launch: its _ArgBuffer, made at its first run
 
     def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
         """args: the caller's arrays, in `inputs` order (None: allocate); dropout_args: None without
@@ -107,17 +183,38 @@ class Plan:
         per-call copy of the parameter struct's fields."""
         import cupy
 
-        params = self.params.arg if dropout_args is None else self.params.with_dropout(dropout_args)
         slots = [*args, *self._blank]
         with cupy.cuda.Device(self.device):
             for i, shape, dtype in self._alloc:
                 if slots[i] is None:
                     slots[i] = cupy.empty(shape, dtype=dtype)
-            for kernel, grid, block, smem, take in self._launches:
-                kernel(grid, block, (*(slots if take is None else take(slots)), *params), shared_mem=smem)
+            stream = None
+            for j, (kernel, grid, block, smem, take) in enumerate(self._launches):
+                lead = slots if take is None else take(slots)
+                if type(kernel) is not _Function:  # not a CuPy kernel (the CPU tests' recorders)
+                    params = self.params.arg if dropout_args is None else self.params.with_dropout(dropout_args)
+                    kernel(grid, block, (*lead, *params), shared_mem=smem)
+                    continue
+                if stream is None:
+                    stream = cupy.cuda.get_current_stream().ptr
+                buf = self._args[j]
+                if buf is None:
+                    buf = self._args[j] = _ArgBuffer(tuple(_is_map(v) for v in lead), self.params)
+                values = [v if is_map else _pointer(v) for (is_map, _), v in zip(buf.lead, lead)]
+                with buf.lock:
+                    buf.fill(values, dropout_args, self.params)
+                    _launch_kernel(kernel.ptr, *grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)),
+                                   smem, stream, buf.argv_ptr, 0)
         # Buffers that are not outputs go back to the pool when `slots` dies here; the pool reuses a
         # block only for work queued later on the same stream, so the running kernels keep them.
         return self._outputs(slots)
+
+
+try:  # CuPy's kernel objects and its binding of cuLaunchKernel
+    from cupy.cuda.function import Function as _Function
+    from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
+except ImportError:  # pragma: no cover - without CuPy nothing launches; tests use recorders
+    _Function = _launch_kernel = None
 
 
 class FilledPlan:

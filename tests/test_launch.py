@@ -191,3 +191,47 @@ def test_gqa_forward_arguments(calls, hkv):
         f = struct_arg(calls[0][3], n_ptr, "FwdParams")
         assert (int(f["heads"]), int(f["heads_kv"]), int(f["group"])) == (h, hkv, h // hkv)
         assert [int(f[f"v_s{x}"]) for x in "bnh"] == [NK * hkv * D, hkv * D, D]
+
+
+# ------------------------------------------------------------------ driver launches (_ArgBuffer)
+
+def _read(addr, n):
+    import ctypes
+
+    return ctypes.string_at(int(addr), n)
+
+
+@pytest.mark.parametrize("lead_maps", [(False,) * 5, (True, True, True, False, False), (False, True, False)])
+def test_arg_buffer_points_each_parameter_at_its_bytes(lead_maps):
+    """cuLaunchKernel's kernelParams: one pointer per parameter, in order, each at that parameter's
+    bytes (pointers 8, TMA maps 128 and 64-byte aligned, then every field of the parameter struct at
+    its size), rewritten per run; dropout's fields set for a run and restored after it."""
+    from cuflash.launch import MAP_BYTES, _ArgBuffer
+
+    packed = params.pack_fwd(fwd_problem(), 1)
+    kp = params.KernelParams(packed)
+    buf = _ArgBuffer(lead_maps, kp)
+    dt = packed.dtype
+    assert len(buf.argv) == len(lead_maps) + len(dt.names)
+    tma_map = lambda i: np.frombuffer(bytes(range(i, i + MAP_BYTES)), dtype=[("opaque", "<u8", (16,))]).copy()  # noqa: E731
+    values = [tma_map(i) if m else 0x7F0000001000 + 256 * i for i, m in enumerate(lead_maps)]
+    for drop in (problem.resolve_dropout(0.1, 7).kernel_args, None):
+        buf.fill(values, drop, kp)
+        for i, (is_map, v) in enumerate(zip(lead_maps, values)):
+            if is_map:
+                assert int(buf.argv[i]) % 64 == 0
+                assert _read(buf.argv[i], MAP_BYTES) == v.tobytes()
+            else:
+                assert _read(buf.argv[i], 8) == np.uint64(v).tobytes()
+        want = params.unpack(kp.arg if drop is None else kp.with_dropout(drop), "FwdParams")
+        for j, name in enumerate(dt.names):
+            f = dt.fields[name][0]
+            assert _read(buf.argv[len(lead_maps) + j], f.itemsize) == np.asarray(want[name], f).tobytes(), name
+
+
+def test_pointer_of_leading_arguments():
+    from cuflash.launch import NULL, _pointer
+
+    assert _pointer(NULL) == 0 and _pointer(1234) == 1234
+    fake = type("A", (), {"data": type("M", (), {"ptr": 99})()})()
+    assert _pointer(fake) == 99
