@@ -26,6 +26,9 @@ class PlanCache:
     def __init__(self, max_plans: int = 4096):
         self._plans: dict = {}
         self._max = max_plans
+        # bumped whenever entries go: holders of a plan outside the cache (the torch direct
+        # launches, cuflash/_torch.py) drop theirs when it changes (a test's clear, a new backend)
+        self.generation = 0
 
     def get(self, key_fn: Callable[[], tuple], build: Callable[[], object]):
         try:
@@ -37,7 +40,7 @@ class PlanCache:
             plan = build()
             if key is not None:
                 if len(self._plans) >= self._max:
-                    self._plans.clear()
+                    self.clear()
                 self._plans[key] = plan
         return plan
 
@@ -52,11 +55,12 @@ class PlanCache:
 
     def put(self, key, value) -> None:
         if len(self._plans) >= self._max:
-            self._plans.clear()
+            self.clear()
         self._plans[key] = value
 
     def clear(self) -> None:
         self._plans.clear()
+        self.generation += 1
 
     def __len__(self) -> int:
         return len(self._plans)

@@ -29,11 +29,15 @@ import inspect
 
 import torch
 
-from . import _interop, families, problem
+import numpy as np
+
+from . import _forward, _interop, families, problem
+from . import _plans as plan_cache
 from .api import forward_fn
+from .launch import Plan, Ptr
 from .mask import MaskOptions
-from .signature import (BWD_ARRAYS, BWD_OPTIONS, BWD_SCHEMA, FWD_ARRAYS, FWD_OPTIONS, FWD_SCHEMA, OPTION_GRADS,
-                        backward_options, mask_and_options, op_options, parameters, split_options)
+from .signature import (BWD_ARGS, BWD_ARRAYS, BWD_OPTIONS, BWD_SCHEMA, FWD_ARGS, FWD_ARRAYS, FWD_OPTIONS, FWD_SCHEMA,
+                        OPTION_GRADS, backward_options, mask_and_options, op_options, parameters, split_options)
 
 Tensor = torch.Tensor
 
@@ -104,14 +108,25 @@ def _dropout_options(dropout_p, seed):
 
 @_signed(_FWD_SIGNATURE)
 def _fwd_impl(q, k, v, *options):
+    return _fwd_run(q, k, v, options)
+
+
+def _fwd_run(q, k, v, options, remember=None):
+    """The forward on CuPy views of the tensors; `remember`: a direct-launch key (_direct_key) under
+    which to keep the plan the call ran, for the next calls of this signature."""
     mask, o = mask_and_options(FWD_OPTIONS, options)
     fwd = forward_fn(o["algorithm"])
     dev = _device((q, k, v), FWD_ARRAYS)
     seed = _seed_out(o["dropout_p"], o["seed"])
 
     def run(cq, ck, cv):
-        return fwd(cq, ck, cv, mask=mask, softmax_scale=o["softmax_scale"], dropout_p=o["dropout_p"], seed=seed,
-                   backend=o["backend"])
+        res = fwd(cq, ck, cv, mask=mask, softmax_scale=o["softmax_scale"], dropout_p=o["dropout_p"], seed=seed,
+                  backend=o["backend"])
+        if remember is not None and o["algorithm"] == "v2":
+            dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
+            _remember(remember, _forward._plans, (cq, ck, cv), (mask.key, o["softmax_scale"], dropout, o["backend"]),
+                      dev, dropout)
+        return res
 
     out, lse = _interop.run(run, (q, k, v), _interop.TORCH, dev, FWD_ARRAYS)
     return out.contiguous(), lse.contiguous()  # as the fake promises (no-ops: fresh arrays)
@@ -119,6 +134,11 @@ def _fwd_impl(q, k, v, *options):
 
 @_signed(_BWD_SIGNATURE)
 def _bwd_impl(dout, q, k, v, out, lse, *options):
+    return _bwd_run(dout, q, k, v, out, lse, options)
+
+
+def _bwd_run(dout, q, k, v, out, lse, options, remember=None):
+    """The backward on CuPy views; `remember` as _fwd_run's."""
     mask, o = mask_and_options(BWD_OPTIONS, options)
     dev = _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
@@ -126,8 +146,13 @@ def _bwd_impl(dout, q, k, v, out, lse, *options):
     from . import _backward
 
     def run(*arrays):
-        return _backward.backward(*arrays, mask=mask, softmax_scale=o["softmax_scale"],
-                                  deterministic=o["deterministic"], dropout_p=o["dropout_p"], seed=seed)
+        res = _backward.backward(*arrays, mask=mask, softmax_scale=o["softmax_scale"],
+                                 deterministic=o["deterministic"], dropout_p=o["dropout_p"], seed=seed)
+        if remember is not None:
+            dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
+            _remember(remember, _backward._plans, arrays,
+                      (mask.key, o["softmax_scale"], o["deterministic"], dropout, None), dev, dropout)
+        return res
 
     dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, BWD_ARRAYS)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()  # the fake's layout, whatever the kernel's
@@ -215,7 +240,7 @@ _bwd_op = torch.ops.cuflash.attention_bwd.default
 class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, *options):
-        out, lse = _fwd_impl(q, k, v, *options)
+        out, lse = _fwd_eager(q, k, v, options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = backward_options((q, k, v, *options))
         ctx.mark_non_differentiable(lse)
@@ -224,7 +249,87 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_bwd_impl(dout, q, k, v, out, lse, *ctx.options), *OPTION_GRADS)
+        return (*_bwd_eager(dout, q, k, v, out, lse, ctx.options), *OPTION_GRADS)
+
+
+# ------------------------------------------------------------------------------ direct launches
+# What an eager call still cost over the CuPy path (docs/perf-notes.md, per-call overhead): DLPack
+# both ways for every tensor, CuPy's device, stream and allocator contexts, the options parsed back
+# into a MaskOptions, the CuPy path's description of the arrays. A call whose signature (every
+# tensor's shape, strides, dtype and device, the pointers' alignment, the options but the dropout
+# seed) was seen before runs the plan that the CuPy path built for that signature, directly: the
+# outputs and workspaces from torch's allocator (torch.empty on the current stream: capturable),
+# the tensors' data_ptr(), the kernels on torch's current raw stream. The first call of a
+# signature takes the full path (its checks, errors and plan) and leaves the plan here.
+
+_FWD_SEED = FWD_ARGS.index("seed") - len(FWD_ARRAYS)
+_FWD_DROP = FWD_ARGS.index("dropout_p") - len(FWD_ARRAYS)
+_BWD_SEED = BWD_ARGS.index("seed") - len(BWD_ARRAYS)
+_BWD_DROP = BWD_ARGS.index("dropout_p") - len(BWD_ARRAYS)
+_MAX_DIRECT = 1024
+_direct: dict = {}  # _direct_key -> (plan, device, torch.device, dropout on, its PlanCache, generation)
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8}
+_torch_dtypes: dict = {}  # a plan's buffer dtype (NumPy's, or CuPy's bfloat16) -> torch's
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _stream(dev: int) -> int:
+    return _raw_stream(dev) if _raw_stream is not None else torch.cuda.current_stream(dev).cuda_stream
+
+
+def _direct_key(tensors, options, seed_at: int):
+    ptrs = 0
+    for t in tensors:
+        ptrs |= t.data_ptr()
+    return (tuple((t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), ptrs % 16,
+            options[:seed_at], options[seed_at + 1:])
+
+
+def _remember(key, plans, arrays, option_key, dev: int, dropout: bool) -> None:
+    """Keep the plan the CuPy path ran for `arrays` (its cache entry under the same key it used)."""
+    plan = plans.lookup((*plan_cache.array_key(arrays), *option_key))
+    if isinstance(plan, Plan):  # not FilledPlan (empty problems): those stay on the full path
+        if len(_direct) >= _MAX_DIRECT:
+            _direct.clear()
+        _direct[key] = (plan, dev, torch.device("cuda", dev), dropout, plans, plans.generation)
+
+
+def _run_direct(entry, tensors, options, drop_at: int, seed_at: int):
+    plan, dev, tdev, dropout, _, _ = entry
+    drop = None
+    if dropout:
+        p = options[drop_at]
+        drop = problem.resolve_dropout(p, _seed_out(p, options[seed_at])).kernel_args
+
+    def empty(shape, dtype):
+        td = _torch_dtypes.get(dtype)
+        if td is None:
+            td = _torch_dtypes[dtype] = _TORCH_DTYPES[np.dtype(dtype).name]
+        t = torch.empty(shape, dtype=td, device=tdev)
+        return t, t.data_ptr()
+
+    import cupy
+
+    with cupy.cuda.Device(dev):
+        return plan.run_external([Ptr(t.data_ptr()) for t in tensors], empty, _stream(dev), drop)
+
+
+def _fwd_eager(q, k, v, options):
+    key = _direct_key((q, k, v), options, _FWD_SEED)
+    entry = _direct.get(key)
+    if entry is None or entry[5] != entry[4].generation:  # new, or its plan cache was cleared since
+        return _fwd_run(q, k, v, options, remember=key)
+    return _run_direct(entry, (q, k, v), options, _FWD_DROP, _FWD_SEED)
+
+
+def _bwd_eager(dout, q, k, v, out, lse, options):
+    dout = dout.contiguous()
+    key = ("bwd", _direct_key((dout, q, k, v, out, lse), options, _BWD_SEED))
+    entry = _direct.get(key)
+    if entry is None or entry[5] != entry[4].generation:
+        return _bwd_run(dout, q, k, v, out, lse, options, remember=key)
+    return _run_direct(entry, (dout, q, k, v, out, lse), options, _BWD_DROP, _BWD_SEED)
 
 
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)

@@ -160,7 +160,7 @@ class Plan:
     `params`: the pass's packed parameter struct (params.pack_fwd / pack_bwd); its fields follow
     every launch's pointers."""
 
-    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_outputs", "_args")
+    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_outputs", "_out_idx", "_args")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
                  params: np.ndarray):
@@ -174,7 +174,8 @@ class Plan:
         # take None: the kernel's pointers are all the slots, in order (the sm80 forwards), which
         # spares the per-call gather on the path whose host overhead matters most; a bind is the take
         self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem, _take(ln, names, index)) for ln in launches)
-        self._outputs = _getter([index[n] for n in outputs])
+        self._out_idx = tuple(index[n] for n in outputs)
+        self._outputs = _getter(self._out_idx)
         self._args = [None] * len(launches)  # per launch: its _ArgBuffer, made at its first run
 
     def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
@@ -188,26 +189,60 @@ class Plan:
             for i, shape, dtype in self._alloc:
                 if slots[i] is None:
                     slots[i] = cupy.empty(shape, dtype=dtype)
-            stream = None
-            for j, (kernel, grid, block, smem, take) in enumerate(self._launches):
-                lead = slots if take is None else take(slots)
-                if type(kernel) is not _Function:  # not a CuPy kernel (the CPU tests' recorders)
-                    params = self.params.arg if dropout_args is None else self.params.with_dropout(dropout_args)
-                    kernel(grid, block, (*lead, *params), shared_mem=smem)
-                    continue
-                if stream is None:
-                    stream = cupy.cuda.get_current_stream().ptr
-                buf = self._args[j]
-                if buf is None:
-                    buf = self._args[j] = _ArgBuffer(tuple(_is_map(v) for v in lead), self.params)
-                values = [v if is_map else _pointer(v) for (is_map, _), v in zip(buf.lead, lead)]
-                with buf.lock:
-                    buf.fill(values, dropout_args, self.params)
-                    _launch_kernel(kernel.ptr, *grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)),
-                                   smem, stream, buf.argv_ptr, 0)
+            self._launch_all(slots, dropout_args, None)
         # Buffers that are not outputs go back to the pool when `slots` dies here; the pool reuses a
         # block only for work queued later on the same stream, so the running kernels keep them.
         return self._outputs(slots)
+
+    def run_external(self, args: list, empty: Callable, stream: int, dropout_args: tuple | None = None) -> tuple:
+        """run() for another framework's arrays (the torch fast path, cuflash/_torch.py): `args` the
+        caller's slots as Ptr (None: the plan allocates), `empty(shape, numpy dtype)` -> (array, its
+        data pointer) allocates in that framework (stream-ordered on `stream`, the raw stream the
+        kernels go to). Returns the outputs as `empty` made them. The caller makes the plan's device
+        current."""
+        slots = [*args, *self._blank]
+        owned = {}
+        for i, shape, dtype in self._alloc:
+            if slots[i] is None:
+                owned[i], ptr = empty(shape, dtype)
+                slots[i] = Ptr(ptr)
+        self._launch_all(slots, dropout_args, stream)
+        return tuple(owned[i] for i in self._out_idx)
+
+    def _launch_all(self, slots: list, dropout_args, stream) -> None:
+        """Every launch, in order, on `stream` (None: CuPy's current stream)."""
+        for j, (kernel, grid, block, smem, take) in enumerate(self._launches):
+            lead = slots if take is None else take(slots)
+            if type(kernel) is not _Function:  # not a CuPy kernel (the CPU tests' recorders)
+                params = self.params.arg if dropout_args is None else self.params.with_dropout(dropout_args)
+                kernel(grid, block, (*lead, *params), shared_mem=smem)
+                continue
+            if stream is None:
+                import cupy
+
+                stream = cupy.cuda.get_current_stream().ptr
+            buf = self._args[j]
+            if buf is None:
+                buf = self._args[j] = _ArgBuffer(tuple(_is_map(v) for v in lead), self.params)
+            values = [v if is_map else _pointer(v) for (is_map, _), v in zip(buf.lead, lead)]
+            with buf.lock:
+                buf.fill(values, dropout_args, self.params)
+                _launch_kernel(kernel.ptr, *grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)),
+                               smem, stream, buf.argv_ptr, 0)
+
+
+class Ptr:
+    """A raw device pointer where a plan expects an array: `.data.ptr` is the pointer (what plans and
+    TMA binds read of a CuPy array)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    @property
+    def data(self):
+        return self
 
 
 try:  # CuPy's kernel objects and its binding of cuLaunchKernel

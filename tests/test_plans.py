@@ -26,3 +26,16 @@ def test_unhashable_key_builds_every_time_and_lets_build_raise():
         assert "softmax_scale" in str(e)
     else:
         raise AssertionError("build's error must surface")
+
+
+def test_lookup_put_and_the_generation_that_clears_bump():
+    cache = PlanCache(max_plans=2)
+    g0 = cache.generation
+    assert cache.lookup(None) is None and cache.lookup(("k",)) is None and cache.lookup([1]) is None
+    cache.put(("a",), 1)
+    cache.put(("b",), 2)
+    assert cache.lookup(("a",)) == 1 and cache.generation == g0
+    cache.put(("c",), 3)  # full: emptied first, which outsiders holding plans must notice
+    assert cache.generation == g0 + 1 and cache.lookup(("a",)) is None and cache.lookup(("c",)) == 3
+    cache.clear()
+    assert cache.generation == g0 + 2 and len(cache) == 0

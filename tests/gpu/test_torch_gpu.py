@@ -90,26 +90,31 @@ def test_fp16_matches_reference():
 
 
 def test_runs_on_torch_current_stream(monkeypatch):
-    import cupy
+    """Every launch goes to torch's current stream: the first call of a signature (the CuPy path)
+    and the next (the direct launches of cuflash/_torch.py)."""
     import cuflash
-    from cuflash import _forward
+    from cuflash import _torch, launch
 
     q, k, v = _qkv(3, 2, 256, 256, 4, 64)
     expected = cuflash.attention(q, k, v, causal=True)
     torch.cuda.synchronize()
     streams = []
-    real = _forward.forward
-    monkeypatch.setattr(_forward, "forward",
-                        lambda *a, **kw: streams.append(cupy.cuda.get_current_stream().ptr) or real(*a, **kw))
+    real = launch._launch_kernel
+    monkeypatch.setattr(launch, "_launch_kernel", lambda *a: streams.append(a[8]) or real(*a))
     s = torch.cuda.Stream()  # from torch's pool: non-blocking w.r.t. the legacy default stream
-    with torch.cuda.stream(s):
-        if hasattr(torch.cuda, "_sleep"):
-            torch.cuda._sleep(50_000_000)  # keep s busy: work not ordered after this would run first
-        q2, k2, v2 = q.clone(), k.clone(), v.clone()
-        out = cuflash.attention(q2, k2, v2, causal=True)
-        same = bool(torch.equal(out, expected))  # on s, no explicit synchronisation
-    assert streams == [s.cuda_stream]
-    assert same
+    for direct in (False, True):
+        if not direct:
+            _torch._direct.clear()
+        streams.clear()
+        with torch.cuda.stream(s):
+            if hasattr(torch.cuda, "_sleep"):
+                torch.cuda._sleep(50_000_000)  # keep s busy: work not ordered after this would run first
+            q2, k2, v2 = q.clone(), k.clone(), v.clone()
+            out = cuflash.attention(q2, k2, v2, causal=True)
+            same = bool(torch.equal(out, expected))  # on s, no explicit synchronisation
+        assert streams and set(streams) == {s.cuda_stream}, (direct, streams)
+        assert same, direct
+        assert bool(_torch._direct) == True  # noqa: E712  (the first call left its plan)
 
 
 def test_errors_name_the_argument():
@@ -378,3 +383,37 @@ def test_eager_fast_path_matches_the_ops():
     assert _same_bits(fast[0], ops[0])
     for a, b in zip(fast[1:], ops[1:]):  # dq by atomics: the same to rounding, not bitwise
         assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("d,h,hk", [(64, 4, 4), (128, 8, 2)])  # d128 on an H200: the Hopper kernels
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_direct_launches_repeat_the_first_calls_results(d, h, hk, dropout_p):
+    """Issue 18: the second call of a signature skips DLPack and the CuPy path (cuflash/_torch.py,
+    direct launches) and gives the same bits as the first for the same inputs: forward, and the
+    gradients where they are deterministic (dK, dV; dQ adds by atomics); with dropout, the same seed
+    the same bits, another seed other bits; new inputs of the signature right by the reference."""
+    import cuflash
+    from cuflash import _torch
+
+    _torch._direct.clear()
+    q, k, v = _qkv(21, 2, 333, 333, h, d, requires_grad=True)
+    k, v = (x[:, :, :hk].detach().clone().requires_grad_() for x in (k, v))
+    dout = torch.randn_like(q)
+    seed = 5 if dropout_p else None
+    runs = []
+    for _ in range(3):
+        out = cuflash.attention(q, k, v, causal=True, dropout_p=dropout_p, seed=seed)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    assert len(_torch._direct) == 2  # the forward's and the backward's plans
+    for later in runs[1:]:
+        assert _same_bits(runs[0][0], later[0])
+        assert _same_bits(runs[0][2], later[2]) and _same_bits(runs[0][3], later[3])
+        assert torch.allclose(runs[0][1].float(), later[1].float(), atol=2e-2, rtol=0)
+    if dropout_p:
+        other = cuflash.attention(q, k, v, causal=True, dropout_p=dropout_p, seed=6)
+        assert not _same_bits(other, runs[0][0])
+    else:
+        q2, k2, v2 = (torch.randn_like(x) for x in (q, k, v))
+        out = cuflash.attention(q2, k2, v2, causal=True)
+        err, pt, allowed = fa_rule(_cupy(out), _cupy(q2), _cupy(k2), _cupy(v2), True, 1 / math.sqrt(d))
+        assert err <= allowed, (err, allowed)
