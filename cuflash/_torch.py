@@ -292,7 +292,10 @@ def _remember(key, plans, arrays, option_key, dev: int, dropout: bool) -> None:
     if isinstance(plan, Plan):  # not FilledPlan (empty problems): those stay on the full path
         if len(_direct) >= _MAX_DIRECT:
             _direct.clear()
-        _direct[key] = (plan, dev, torch.device("cuda", dev), dropout, plans, plans.generation)
+        try:
+            _direct[key] = (plan, dev, torch.device("cuda", dev), dropout, plans, plans.generation)
+        except TypeError:  # an unhashable option value (the call still ran): not kept
+            pass
 
 
 def _run_direct(entry, tensors, options, drop_at: int, seed_at: int):
@@ -315,9 +318,16 @@ def _run_direct(entry, tensors, options, drop_at: int, seed_at: int):
         return plan.run_external([Ptr(t.data_ptr()) for t in tensors], empty, _stream(dev), drop)
 
 
+def _lookup(key):
+    try:
+        return _direct.get(key)
+    except TypeError:  # an unhashable option: the full path checks it
+        return None
+
+
 def _fwd_eager(q, k, v, options):
     key = _direct_key((q, k, v), options, _FWD_SEED)
-    entry = _direct.get(key)
+    entry = _lookup(key)
     if entry is None or entry[5] != entry[4].generation:  # new, or its plan cache was cleared since
         return _fwd_run(q, k, v, options, remember=key)
     return _run_direct(entry, (q, k, v), options, _FWD_DROP, _FWD_SEED)
@@ -326,7 +336,7 @@ def _fwd_eager(q, k, v, options):
 def _bwd_eager(dout, q, k, v, out, lse, options):
     dout = dout.contiguous()
     key = ("bwd", _direct_key((dout, q, k, v, out, lse), options, _BWD_SEED))
-    entry = _direct.get(key)
+    entry = _lookup(key)
     if entry is None or entry[5] != entry[4].generation:
         return _bwd_run(dout, q, k, v, out, lse, options, remember=key)
     return _run_direct(entry, (dout, q, k, v, out, lse), options, _BWD_DROP, _BWD_SEED)

@@ -160,7 +160,7 @@ class Plan:
     `params`: the pass's packed parameter struct (params.pack_fwd / pack_bwd); its fields follow
     every launch's pointers."""
 
-    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_outputs", "_out_idx", "_args")
+    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_outputs", "_out_idx", "_args", "_n_inputs")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
                  params: np.ndarray):
@@ -170,6 +170,7 @@ class Plan:
         self.device = device
         self.params = KernelParams(params)
         self._blank = [NULL if b.shape is None else None for b in own]  # the plan's slots before allocation
+        self._n_inputs = len(inputs)
         self._alloc = tuple((index[b.name], b.shape, b.dtype) for b in buffers if b.shape is not None)
         # take None: the kernel's pointers are all the slots, in order (the sm80 forwards), which
         # spares the per-call gather on the path whose host overhead matters most; a bind is the take
@@ -196,11 +197,11 @@ class Plan:
 
     def run_external(self, args: list, empty: Callable, stream: int, dropout_args: tuple | None = None) -> tuple:
         """run() for another framework's arrays (the torch fast path, cuflash/_torch.py): `args` the
-        caller's slots as Ptr (None: the plan allocates), `empty(shape, numpy dtype)` -> (array, its
+        caller's slots as Ptr (None, or missing at the end: the plan allocates), `empty(shape, numpy dtype)` -> (array, its
         data pointer) allocates in that framework (stream-ordered on `stream`, the raw stream the
         kernels go to). Returns the outputs as `empty` made them. The caller makes the plan's device
         current."""
-        slots = [*args, *self._blank]
+        slots = [*args, *(None,) * (self._n_inputs - len(args)), *self._blank]
         owned = {}
         for i, shape, dtype in self._alloc:
             if slots[i] is None:

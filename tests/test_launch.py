@@ -235,3 +235,30 @@ def test_pointer_of_leading_arguments():
     assert _pointer(NULL) == 0 and _pointer(1234) == 1234
     fake = type("A", (), {"data": type("M", (), {"ptr": 99})()})()
     assert _pointer(fake) == 99
+
+
+def test_run_external_allocates_through_the_caller_and_fills_missing_inputs(calls):
+    """Plan.run_external (the torch direct launches): the caller's pointers, out and lse (missing:
+    allocated by `empty`, as every workspace), the outputs returned as `empty` made them."""
+    from cuflash.launch import Ptr
+
+    plan = _forward._plan(fwd_problem(), FwdConfig(64, 128, 64, 4, 2), np.float16)
+    made = []
+
+    def empty(shape, dtype):
+        made.append((tuple(shape), np.dtype(dtype).name))
+        return f"t{len(made)}", 0x1000 * len(made)
+
+    out, lse = plan.run_external([Ptr(1), Ptr(2), Ptr(3)], empty, 0)
+    assert made == [((B, NQ, H, D), "float16"), ((B, H, NQ), "float32")] and (out, lse) == ("t1", "t2")
+    [(_, _, _, args, _)] = calls
+    assert [a.data.ptr for a in args[:5]] == [1, 2, 3, 0x1000, 0x2000]
+    calls.clear()
+    shape, kv = (B, NQ, H, D), (B, NK, H, D)
+    p = problem.resolve_backward(info(shape), info(shape), info(kv), info(kv), info(shape), info((B, H, NQ), "float32"),
+                                 CAUSAL, None, False)
+    plan = _backward._plan(p, BwdConfig(64, 64, 64, 4, 2), None, np.float16)
+    made.clear()
+    grads = plan.run_external([Ptr(i) for i in range(1, 7)], empty, 0)
+    assert grads == ("t1", "t2", "t3") and len(made) == 6  # dq, dk, dv, delta, lse2, dq_acc
+    assert [c[0] for c in calls] == ["bwd_prep", "BwdConfig", "bwd_dq_convert"]
