@@ -174,7 +174,8 @@ class Plan:
         self._alloc = tuple((index[b.name], b.shape, b.dtype) for b in buffers if b.shape is not None)
         # take None: the kernel's pointers are all the slots, in order (the sm80 forwards), which
         # spares the per-call gather on the path whose host overhead matters most; a bind is the take
-        self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem, _take(ln, names, index)) for ln in launches)
+        self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem, _take(ln, names, index),
+                                _is_cupy_function(ln.kernel)) for ln in launches)
         self._out_idx = tuple(index[n] for n in outputs)
         self._outputs = _getter(self._out_idx)
         self._args = [None] * len(launches)  # per launch: its _ArgBuffer, made at its first run
@@ -212,9 +213,9 @@ class Plan:
 
     def _launch_all(self, slots: list, dropout_args, stream) -> None:
         """Every launch, in order, on `stream` (None: CuPy's current stream)."""
-        for j, (kernel, grid, block, smem, take) in enumerate(self._launches):
+        for j, (kernel, grid, block, smem, take, raw) in enumerate(self._launches):
             lead = slots if take is None else take(slots)
-            if type(kernel) is not _Function:  # not a CuPy kernel (the CPU tests' recorders)
+            if not raw:  # not a CuPy kernel (the CPU tests' recorders)
                 params = self.params.arg if dropout_args is None else self.params.with_dropout(dropout_args)
                 kernel(grid, block, (*lead, *params), shared_mem=smem)
                 continue
@@ -246,11 +247,21 @@ class Ptr:
         return self
 
 
-try:  # CuPy's kernel objects and its binding of cuLaunchKernel
-    from cupy.cuda.function import Function as _Function
-    from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
-except ImportError:  # pragma: no cover - without CuPy nothing launches; tests use recorders
-    _Function = _launch_kernel = None
+def _launch_kernel(*args):
+    """cuLaunchKernel (CuPy's binding), imported on the first launch: `import cuflash` imports no
+    framework (tests/test_package.py); later calls go to the binding directly."""
+    global _launch_kernel
+    from cupy_backends.cuda.api.driver import launchKernel
+
+    _launch_kernel = launchKernel
+    return launchKernel(*args)
+
+
+def _is_cupy_function(kernel) -> bool:
+    """A loaded CuPy kernel (cupy.cuda.function.Function), whose handle the driver launch takes;
+    anything else (the CPU tests' recorders) is called as CuPy's kernels used to be."""
+    t = type(kernel)
+    return t.__name__ == "Function" and t.__module__ == "cupy.cuda.function"
 
 
 class FilledPlan:
