@@ -213,16 +213,20 @@ class Plan:
 
     def _launch_all(self, slots: list, dropout_args, stream) -> None:
         """Every launch, in order, on `stream` (None: CuPy's current stream)."""
+        ready = False
         for j, (kernel, grid, block, smem, take, raw) in enumerate(self._launches):
             lead = slots if take is None else take(slots)
             if not raw:  # not a CuPy kernel (the CPU tests' recorders)
                 params = self.params.arg if dropout_args is None else self.params.with_dropout(dropout_args)
                 kernel(grid, block, (*lead, *params), shared_mem=smem)
                 continue
-            if stream is None:
-                import cupy
+            if not ready:  # once per run, before its first driver launch
+                if stream is None:
+                    import cupy
 
-                stream = cupy.cuda.get_current_stream().ptr
+                    stream = cupy.cuda.get_current_stream().ptr
+                _ensure_context(self.device)
+                ready = True
             buf = self._args[j]
             if buf is None:
                 buf = self._args[j] = _ArgBuffer(tuple(_is_map(v) for v in lead), self.params)
@@ -255,6 +259,23 @@ def _launch_kernel(*args):
 
     _launch_kernel = launchKernel
     return launchKernel(*args)
+
+
+_tls = threading.local()
+
+
+def _ensure_context(device: int) -> None:
+    """The driver launch needs a CUDA context current on the calling thread, which CuPy's own
+    launches make sure of (a runtime call once per thread and device): a thread that reaches a
+    launch without any runtime call before would otherwise get CUDA_ERROR_INVALID_CONTEXT."""
+    done = getattr(_tls, "devices", None)
+    if done is None:
+        done = _tls.devices = set()
+    if device not in done:
+        from cupy.cuda import runtime
+
+        runtime.memGetInfo()  # establishes the device's primary context on this thread
+        done.add(device)
 
 
 def _is_cupy_function(kernel) -> bool:
