@@ -262,3 +262,60 @@ def test_run_external_allocates_through_the_caller_and_fills_missing_inputs(call
     grads = plan.run_external([Ptr(i) for i in range(1, 7)], empty, 0)
     assert grads == ("t1", "t2", "t3") and len(made) == 6  # dq, dk, dv, delta, lse2, dq_acc
     assert [c[0] for c in calls] == ["bwd_prep", "BwdConfig", "bwd_dq_convert"]
+
+
+def test_driver_launch_passes_what_the_kernel_call_passed(calls, monkeypatch):
+    """The driver path of Plan.run end to end on the CPU: with cuLaunchKernel replaced by a reader of
+    its kernelParams, every launch of a forward and a dropout backward plan gets the grid, block,
+    shared memory, stream and, through the pointer array, the same argument values (pointers of
+    the slots, the parameter struct's fields, dropout's per run) as the kernel call of the CPU
+    recorders."""
+    import ctypes
+
+    import cupy
+
+    from cuflash import launch
+    from cuflash.launch import Ptr
+
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: Ptr(0x5EED))
+    monkeypatch.setattr(launch, "_ensure_context", lambda device: None)
+    allocated = []
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: allocated.append(0) or Ptr(0xA0000 + len(allocated)))
+    launched = []
+
+    def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        launched.append(((func, (gx, gy, gz), (bx, by, bz), smem, stream, extra), argv))
+
+    monkeypatch.setattr(launch, "_launch_kernel", fake_launch)
+    drop = problem.resolve_dropout(0.25, 7)
+    shape, kv = (B, NQ, H, D), (B, NK, H, D)
+    pb = problem.resolve_backward(info(shape), info(shape), info(kv), info(kv), info(shape), info((B, H, NQ), "float32"),
+                                  CAUSAL, None, False, drop)
+    plans = [(_forward._plan(fwd_problem(), FwdConfig(64, 128, 64, 4, 2), np.float16), 5, params.FWD),
+             (_backward._plan(pb, BwdConfig(64, 64, 64, 4, 2), None, np.float16), 6, params.BWD)]
+    for plan, n_in, struct in plans:
+        args = [Ptr(0x10000 * (i + 1)) for i in range(n_in)]
+        calls.clear()
+        allocated.clear()
+        plan.run(tuple(args), drop.kernel_args)  # the recorders' kernel calls
+        want = list(calls)
+        plan._launches = tuple((*ln[:5], True) for ln in plan._launches)  # as if CuPy's kernels
+        for j, ln in enumerate(plan._launches):
+            ln[0].ptr = 0xF00 + j
+        launched.clear()
+        allocated.clear()  # the same allocations, so the same pointers, as the recorded run
+        plan.run(tuple(args), drop.kernel_args)
+        assert len(launched) == len(want)
+        for j, ((func, grid, block, smem, stream, extra), argv), (_, wgrid, wblock, wargs, wsmem) in \
+                zip(range(len(want)), launched, want):
+            assert (func, stream, extra, smem) == (0xF00 + j, 0x5EED, 0, wsmem)
+            assert grid == (*wgrid, *(1,) * (3 - len(wgrid))) and block == (*wblock, *(1,) * (3 - len(wblock)))
+            n_lead = len(wargs) - len(struct.names)
+            ptrs = np.frombuffer(ctypes.string_at(argv, 8 * len(wargs)), np.uint64)
+            for i, a in enumerate(wargs[:n_lead]):
+                got = int(np.frombuffer(ctypes.string_at(int(ptrs[i]), 8), np.uint64)[0])
+                assert got == launch._pointer(a), (j, i)
+            for i, name in enumerate(struct.names):
+                f = struct.fields[name][0]
+                got = np.frombuffer(ctypes.string_at(int(ptrs[n_lead + i]), f.itemsize), f)[0]
+                assert got == wargs[n_lead + i], (j, name)
