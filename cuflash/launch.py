@@ -182,8 +182,8 @@ class Plan:
 
     def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
         """args: the caller's arrays, in `inputs` order (None: allocate); dropout_args: None without
-        dropout, else the kernels' (seed, threshold, scale) (problem.Dropout.kernel_args), set in a
-        per-call copy of the parameter struct's fields."""
+        dropout, else the kernels' (seed, threshold, scale) (problem.Dropout.kernel_args), the
+        parameter struct's fields for this run (the plan's own struct is not changed)."""
         import cupy
 
         slots = [*args, *self._blank]
