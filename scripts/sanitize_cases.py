@@ -62,12 +62,25 @@ for d in (64, 128):
                                           causal=causal)
 cupy.cuda.Device().synchronize()
 print("sanitize varlen cases done")
-# KV cache decoding: split-KV partial results and their merge, ragged cache lengths
-for d in (64, 128):
+# KV cache decoding: split-KV partial results and their merge (into the output dtype), ragged cache
+# lengths, appended rows, head dims with column splits (192, 256), paged caches of odd page sizes
+# (shuffled pages, a table longer than the lengths need), repeated calls (the prepared-call path)
+for d in (64, 128, 192, 256):
     kc = cupy.asarray(rng.standard_normal((3, 1000, 2, d)), dtype=dtype_of("bfloat16"))
     vc = cupy.asarray(rng.standard_normal((3, 1000, 2, d)), dtype=dtype_of("bfloat16"))
     q = cupy.asarray(rng.standard_normal((3, 1, 4, d)), dtype=dtype_of("bfloat16"))
+    kn = cupy.asarray(rng.standard_normal((3, 1, 2, d)), dtype=dtype_of("bfloat16"))
     for splits in (1, 3):
-        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=[0, 17, 999], causal=True, num_splits=splits)
+        for _ in range(2):
+            cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=[0, 17, 998], causal=True, num_splits=splits,
+                                           k_new=kn, v_new=kn)
+    for page in (16, 48):
+        per = -(-1000 // page)
+        perm = rng.permutation(3 * per).astype(np.int32).reshape(3, per)
+        kp = cupy.asarray(rng.standard_normal((3 * per, page, 2, d)), dtype=dtype_of("bfloat16"))
+        table = cupy.asarray(perm)
+        for splits in (0, 1, 3):
+            cuflash.attention_with_kvcache(q, kp, kp, cache_seqlens=[0, page + 1, 999], block_table=table,
+                                           causal=True, num_splits=splits, k_new=kn, v_new=kn)
 cupy.cuda.Device().synchronize()
 print("sanitize kvcache cases done")
