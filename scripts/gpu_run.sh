@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [decodetests] [decode] [varlen] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [decodetests] [decode] [profiledecode] [varlen] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -56,6 +56,8 @@ for s in $stages; do
                    | tee "$OUT/decode-tests.log" | tail -25 ;;  # the KV-cache kernels (issue 17)
     decode) timeout ${DECODE_TIMEOUT:-240} python3 scripts/bench_decode.py --json "$OUT/bench-decode.json" 2>&1 \
               | grep -v Warning | tee "$OUT/bench-decode.log" | tail -8 ;;  # issue 17's decode bandwidth bar
+    profiledecode) timeout ${PROFILE_DECODE_TIMEOUT:-120} python3 scripts/profile_decode.py 2>&1 | grep -v Warning \
+                     | tee "$OUT/profile-decode.log" | grep -E "==|host us|x  " ;;  # host vs kernel time per decode step
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
     benchshapes)  # issue 12's figures: Llama-3-8B GQA (32/8 heads) against MHA at the same shape; head_dim 256
