@@ -54,6 +54,13 @@ _plans = plan_cache.PlanCache()
 # strides, so any layout the attention accepts is written correctly.
 _APPEND = None
 _LENGTHS = None
+# Both append kernels: element i of k_new / v_new as (b, t, h, c) and the cache row it goes to.
+_APPEND_ROW = """
+            const int c = i % dim;
+            const int h = (i / dim) % heads;
+            const int t = (i / ((ptrdiff_t)dim * heads)) % n_new;
+            const ptrdiff_t b = i / ((ptrdiff_t)dim * heads * n_new);
+            const int row = lens[b] + t;"""
 
 
 def _append_kernel():
@@ -64,12 +71,7 @@ def _append_kernel():
         _APPEND = cupy.ElementwiseKernel(
             "T kn, T vn, raw int32 lens, int32 n_new, int32 heads, int32 dim, int32 cap",
             "raw T kc, raw T vc",
-            """
-            const int c = i % dim;
-            const int h = (i / dim) % heads;
-            const int t = (i / ((ptrdiff_t)dim * heads)) % n_new;
-            const ptrdiff_t b = i / ((ptrdiff_t)dim * heads * n_new);
-            const int row = lens[b] + t;
+            _APPEND_ROW + """
             if (row >= 0 && row < cap) {
                 const ptrdiff_t at = ((b * cap + row) * heads + h) * dim + c;
                 kc[at] = kn;
@@ -160,12 +162,7 @@ def _append_paged_kernel():
             "T kn, T vn, raw int32 lens, raw int32 table, int32 table_stride, int32 page_size, int32 n_new, "
             "int32 heads, int32 dim, int32 cap",
             "raw T kc, raw T vc",
-            """
-            const int c = i % dim;
-            const int h = (i / dim) % heads;
-            const int t = (i / ((ptrdiff_t)dim * heads)) % n_new;
-            const ptrdiff_t b = i / ((ptrdiff_t)dim * heads * n_new);
-            const int row = lens[b] + t;
+            _APPEND_ROW + """
             if (row >= 0 && row < cap) {
                 const ptrdiff_t page = table[b * table_stride + row / page_size];
                 const ptrdiff_t at = ((page * page_size + row % page_size) * heads + h) * dim + c;
