@@ -175,8 +175,10 @@ def test_softcap_avoids_the_tiles_whose_instance_spills():
 KNOWN_SPILLS = {("bwd_sm90", 128): 16}
 # NVRTC 13.0 only (the H200 image; 13.5 spills nothing): the sm80 backward's d128 softcap + dropout
 # default tile (64x128, 8 warps, 3 stages) spills 8 B. The tuner drops spilling tiles on the GPU's
-# own NVRTC, but the shipped tables do not cover softcap, so an untuned call runs this one.
-KNOWN_SPILLS_NVRTC_13_0 = {("bwd", 128, "dropout"): 8}
+# own NVRTC, but the shipped tables do not cover softcap, so an untuned call runs this one. The sm90
+# backward's store-warp tile with softcap (alone or with a window) spills 20 B under 13.0 (12 B under
+# 13.5; measured on the H200 image 2026-12-01).
+KNOWN_SPILLS_NVRTC_13_0 = {("bwd", 128, "dropout"): 8, ("bwd_sm90", 128, ""): 20, ("bwd_sm90", 128, "local"): 20}
 
 
 def _nvrtc_available():

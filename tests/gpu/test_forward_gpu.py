@@ -182,6 +182,8 @@ def test_custom_scale_and_nondefault_stream(backend):
     rng = np.random.default_rng(9)
     q, k, v = random_qkv(rng, 2, 177, 300, 2, 64, dtype_of("bfloat16"))
     s = cupy.cuda.Stream(non_blocking=True)
+    # the inputs were made on the legacy default stream, which a non-blocking stream does not wait for
+    s.wait_event(cupy.cuda.get_current_stream().record())
     with s:
         out = cuflash.attention(q, k, v, softmax_scale=0.3, backend=backend)
     s.synchronize()

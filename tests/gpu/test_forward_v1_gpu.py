@@ -143,6 +143,8 @@ def test_v1_large_logits_constant_inputs_and_custom_scale():
     assert float(cupy.abs(out.astype(cupy.float32) - 1000.0).max()) <= 0.5
     q, k, v = random_qkv(rng, 2, 177, 300, 2, 64, dtype_of("bfloat16"))
     s = cupy.cuda.Stream(non_blocking=True)
+    # the inputs were made on the legacy default stream, which a non-blocking stream does not wait for
+    s.wait_event(cupy.cuda.get_current_stream().record())
     with s:
         out, _ = forward_v1(q, k, v, softmax_scale=0.3)
     s.synchronize()
