@@ -84,7 +84,7 @@ class _ArgBuffer:
     the parameter struct's other fields are written once. `lead_maps`: per leading argument,
     whether it is a TMA map (else a device pointer)."""
 
-    __slots__ = ("view", "u64", "argv", "argv_ptr", "lead", "record", "base", "lock", "_mem", "_drop_dirty")
+    __slots__ = ("view", "u64", "argv", "argv_ptr", "lead", "record", "base", "lock", "func", "_mem", "_drop_dirty")
 
     def __init__(self, lead_maps: tuple, params: KernelParams):
         packed = params.packed
@@ -94,6 +94,7 @@ class _ArgBuffer:
             off = -(-off // align) * align
             offsets.append(off)
             off += size
+        self.func = 0  # the kernel's CUfunction, set by the plan when it makes the buffer
         base = -(-off // MAP_ALIGN) * MAP_ALIGN  # the struct image, its fields at the mirror's offsets
         total = base + packed.dtype.itemsize
         self._mem = np.zeros(total + MAP_ALIGN, np.uint8)
@@ -229,11 +230,13 @@ class Plan:
                 ready = True
             buf = self._args[j]
             if buf is None:
-                buf = self._args[j] = _ArgBuffer(tuple(_is_map(v) for v in lead), self.params)
+                buf = _ArgBuffer(tuple(_is_map(v) for v in lead), self.params)
+                buf.func = _function_handle(kernel)
+                self._args[j] = buf
             values = [v if is_map else _pointer(v) for (is_map, _), v in zip(buf.lead, lead)]
             with buf.lock:
                 buf.fill(values, dropout_args, self.params)
-                _launch_kernel(kernel.ptr, *grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)),
+                _launch_kernel(buf.func, *grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)),
                                smem, stream, buf.argv_ptr, 0)
 
 
@@ -279,10 +282,19 @@ def _ensure_context(device: int) -> None:
 
 
 def _is_cupy_function(kernel) -> bool:
-    """A loaded CuPy kernel (cupy.cuda.function.Function), whose handle the driver launch takes;
-    anything else (the CPU tests' recorders) is called as CuPy's kernels used to be."""
+    """A CuPy kernel (cupy.RawKernel, what RawModule.get_function returns, or a loaded
+    cupy.cuda.function.Function), whose handle the driver launch takes; anything else (the CPU tests'
+    recorders) is called as CuPy's kernels used to be."""
     t = type(kernel)
-    return t.__name__ == "Function" and t.__module__ == "cupy.cuda.function"
+    return (t.__name__, t.__module__) in (("RawKernel", "cupy._core.raw"), ("Function", "cupy.cuda.function"))
+
+
+def _function_handle(kernel) -> int:
+    """The CUfunction of a CuPy kernel on the current device: a RawKernel's loaded Function (loaded once
+    per device by CuPy, with the dynamic shared memory attribute _compile set on it), else the
+    Function's own handle."""
+    fn = getattr(type(kernel), "kernel", None)
+    return (kernel.kernel if fn is not None else kernel).ptr
 
 
 class FilledPlan:

@@ -319,3 +319,16 @@ def test_driver_launch_passes_what_the_kernel_call_passed(calls, monkeypatch):
                 f = struct.fields[name][0]
                 got = np.frombuffer(ctypes.string_at(int(ptrs[n_lead + i]), f.itemsize), f)[0]
                 assert got == wargs[n_lead + i], (j, name)
+
+
+def test_cupy_raw_kernels_take_the_driver_launch():
+    """What RawModule.get_function returns (a cupy.RawKernel in CuPy 14) is launched through the
+    driver: on the H200 a check of cupy.cuda.function.Function alone sent every plan down CuPy's
+    per-call path. Building a RawKernel compiles nothing, so this runs without a GPU."""
+    import cupy
+
+    from cuflash.launch import _is_cupy_function
+
+    kernel = cupy.RawKernel('extern "C" __global__ void f() {}', "f")
+    assert _is_cupy_function(kernel)
+    assert not _is_cupy_function(lambda *a, **k: None)
