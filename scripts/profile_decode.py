@@ -63,8 +63,8 @@ def main():
             gpu_us = sum(v[1] for v in kern.values()) / 20
             mb = 2 * kc.nbytes / 1e6
             print(f"== {cell} splits {s}: host {host_us:.1f} us/call, stream {stream_us:.1f} us/call, kernels "
-                  f"{gpu_us:.1f} us/call ({mb / gpu_us * 1e-3:.0f} GB/s of {mb:.0f} MB; stream: "
-                  f"{mb / stream_us * 1e-3:.0f} GB/s)")
+                  f"{gpu_us:.1f} us/call ({mb / gpu_us * 1e3:.0f} GB/s of {mb:.0f} MB; stream: "
+                  f"{mb / stream_us * 1e3:.0f} GB/s)")
             for name, (cnt, t) in sorted(kern.items(), key=lambda x: -x[1][1]):
                 print(f"   {cnt / 20:4.1f} x {t / cnt:8.1f} us  {name}")
             if s == a.splits[0]:
