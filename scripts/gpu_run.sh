@@ -26,7 +26,9 @@ python3 -c "import cupy, sys; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda
 for s in $stages; do
   case $s in
     golden) python3 scripts/golden/outputs_golden.py check tests/golden/outputs.json 2>&1 | tee "$OUT/golden.log" | tail -45 ;;
-    alltests) timeout ${ALLTESTS_TIMEOUT:-500} python3 -m pytest -q tests $XDIST -p no:cacheprovider -rfEs --durations=15 2>&1 | tee "$OUT/all-tests.log" | tail -60 ;;
+    alltests)  # -v: each result is written as it comes, so a timeout still leaves the failures' names
+      timeout ${ALLTESTS_TIMEOUT:-500} python3 -m pytest -v tests $XDIST -p no:cacheprovider -rfE --durations=15 >"$OUT/all-tests.log" 2>&1
+      grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/all-tests.log" | tail -60 ;;
     tune) python3 -m cuflash.tune --kernels ${TUNE_KERNELS:-fwd bwd bwd_dq fwd_sm90} --dtypes bf16 --seqlens 8192 --head-dims ${TUNE_HEAD_DIMS:-64 128} \
             --perf-classes dense dropout --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/nvidia-h200${TUNE_TAG:-}.json" \
             2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45 ;;
