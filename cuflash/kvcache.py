@@ -82,7 +82,20 @@ def _append_kernel():
     return _APPEND
 
 
-_COMBINE = None
+_COMBINE = None  # the combine's RawModule, and its kernels by dtype name (looked up once, not per call)
+_COMBINE_KERNELS: dict = {}
+
+
+def _combine_kernel(dtype_name: str):
+    global _COMBINE
+    kernel = _COMBINE_KERNELS.get(dtype_name)
+    if kernel is None:
+        import cupy
+
+        if _COMBINE is None:
+            _COMBINE = cupy.RawModule(code=_COMBINE_SRC)
+        kernel = _COMBINE_KERNELS[dtype_name] = _COMBINE.get_function(f"cuflash_split_combine_{dtype_name}")
+    return kernel
 # The split-KV partial results merged in one launch (cuflash.merge_attention's arithmetic, fused):
 # one thread per (batch, query, head, 4 columns) reads the splits' lse (max first, so no exp
 # overflows) and their fp32 O; out = sum_s exp(lse_s - m) O_s / sum_s exp(lse_s - m), lse = m +
@@ -162,11 +175,8 @@ def combine_splits(o_acc, lse_acc, dtype=np.float32, out=None, lse=None):
     heads, n_q)) of the split-KV partial results o_acc (splits, batch, n_q, heads, dim) and lse_acc
     (splits, batch, heads, n_q), C-contiguous float32, dim a multiple of 4: one launch. `out` and
     `lse`: C-contiguous arrays of those shapes to write (else new ones)."""
-    global _COMBINE
     import cupy
 
-    if _COMBINE is None:
-        _COMBINE = cupy.RawModule(code=_COMBINE_SRC)
     s, b, n_q, h, d = o_acc.shape
     name = np.dtype(dtype).name
     if out is not None and out.data.ptr % 8:  # the kernel stores 4 columns at once
@@ -178,7 +188,7 @@ def combine_splits(o_acc, lse_acc, dtype=np.float32, out=None, lse=None):
         lse = cupy.empty((b, h, n_q), dtype=cupy.float32)
     n = b * n_q * h * (d // 4)
     if n:
-        kernel = _COMBINE.get_function(f"cuflash_split_combine_{name}")
+        kernel = _combine_kernel(name)
         kernel((-(-n // _COMBINE_THREADS),), (_COMBINE_THREADS,),
                (o_acc, lse_acc, out, lse, np.int32(s), np.int32(b), np.int32(n_q), np.int32(h), np.int32(d)))
     return out, lse

@@ -293,8 +293,7 @@ def _function_handle(kernel) -> int:
     """The CUfunction of a CuPy kernel on the current device: a RawKernel's loaded Function (loaded once
     per device by CuPy, with the dynamic shared memory attribute _compile set on it), else the
     Function's own handle."""
-    fn = getattr(type(kernel), "kernel", None)
-    return (kernel.kernel if fn is not None else kernel).ptr
+    return getattr(kernel, "kernel", kernel).ptr
 
 
 class FilledPlan:
