@@ -107,6 +107,7 @@ FWD = KernelFamily(
     # d128 two-stage tile; the next defaults compile clean (tests/test_softcap.py); (the partial_d
     # instances, run for head dims between the instantiated ones, spill where these do)
     spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(32, 128, 128, 4, 3)}),
+              "alibi": frozenset({FwdConfig(64, 128, 96, 4, 2)}),  # 32-36 B (252 registers without ALiBi)
               "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(128, 128, 128, 8, 3)}),
               "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               # per-batch key lengths (the KV cache) with softcap: 44 B on d64's first tile (sm_80, sm_90a)
@@ -122,7 +123,7 @@ FWD = KernelFamily(
               "softcap+split_kv": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               "seqused_k+softcap+split_kv": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(128, 128, 128, 8, 3)})},
     plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True, takes_varlen=True,
-    takes_split_kv=True,
+    takes_split_kv=True, takes_alibi=True, nullable_pointers=True,
 )
 
 # The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of

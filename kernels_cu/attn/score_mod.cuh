@@ -24,6 +24,7 @@
 // Without V::kSoftcap every member compiles to nothing (apply) or the constant 1 (grad).
 #pragma once
 #include "attn/features.cuh"
+#include "core/frag.cuh"
 
 namespace cuflash {
 
@@ -85,6 +86,62 @@ struct ScoreMod {
     __device__ __forceinline__ static float grad(float t) {
         if constexpr (kOn) return fmaxf(fmaf(-t, t, 1.f), 0.f);
         return 1.f;
+    }
+};
+
+// ALiBi (BLOOM, MPT; FlashAttention's alibi_slopes), V::kAlibi: a position bias added to the
+// modified score, on every tile, before the mask:
+//
+//   score(q, k) += -slope_h |q + offset - k|        (softmax units; offset: the mask geometry's)
+//
+// so under bottom-right alignment a row's own diagonal key (k = q + seqlen_k - seqlen_q) has bias 0,
+// FlashAttention's convention, causal or not. The kernels hold scores in their own units (raw S,
+// or softcap's t), which the softmax scales by scale_log2: the host folds the conversion into
+// params.alibi_scale (1 / softmax_scale, or 1 / softcap), so the per-element cost is one FFMA on
+// |distance|. The slope is read once per (batch, head) from alibi_slopes[b * alibi_sb + h]. The
+// bias does not depend on S, so a backward's dS passes through it unchanged, and with softcap the
+// tanh's derivative is taken from t before the bias is added.
+template <class V>
+struct AlibiBias {
+    static constexpr bool kOn = V::kAlibi;
+    float slope;  // -slope_h * alibi_scale: the bias per key of distance, in the kernel's score units
+    int offset;   // query q's diagonal key is q + offset (MaskGeometry::offset, per batch where it moves)
+
+    template <class Params>
+    __device__ __forceinline__ static AlibiBias of(const Params& p, const float* __restrict__ slopes, int b, int h,
+                                                   int offset) {
+        AlibiBias a;
+        a.slope = 0.f;
+        a.offset = offset;
+        if constexpr (kOn) a.slope = -slopes[(long long)b * p.alibi_sb + h] * p.alibi_scale;
+        return a;
+    }
+
+    // One m16 tile acc[NT][4], rows queries q0 + 0..15, columns keys k0 + 0..8 NT-1 (Direct view:
+    // the forward, the dQ kernel).
+    template <int NT>
+    __device__ __forceinline__ void apply_tile(float (&acc)[NT][4], int q0, int k0, int lane) const {
+        if constexpr (kOn) {
+            using F = FragSm80<1, NT>;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int diag = q0 + F::row_of_half(lane, 0, half) + offset - k0;  // the row's diagonal, tile columns
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float dist = fabsf((float)(diag - F::col(lane, nt, e)));
+                        acc[nt][2 * half + e] = fmaf(slope, dist, acc[nt][2 * half + e]);
+                    }
+            }
+        }
+    }
+
+    // A warp tile acc[MT][NT][4] (rows = queries from q0, cols = keys from k0).
+    template <int MT, int NT>
+    __device__ __forceinline__ void apply(float (&acc)[MT][NT][4], int q0, int k0, int lane) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) apply_tile(acc[mt], q0 + 16 * mt, k0, lane);
     }
 };
 
