@@ -116,7 +116,7 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=No
     return o.transpose(0, 2, 1, 3), lse
 
 
-def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, keep_scale=None):
+def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, keep_scale=None, alibi_slopes=None):
     """(dq, dk, dv) of softmax(scale Q K^T) V for upstream dout, bottom-right causal, on the GPU.
     k, v may have fewer heads than q (GQA/MQA): dk, dv then have theirs (sums over each group).
 
@@ -124,6 +124,7 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     autograd would (the "pt" side of the 2x rule). Rows that see no key get zero gradient.
     keep_scale: dropout as Z = keep_mask * scale, a (b, h, nq, nk) CuPy array: O = (P o Z) V,
     dV = (P o Z)^T dO, dS = P o (dP o Z - D) with dP = dO V^T and D = rowsum(dO o O).
+    alibi_slopes: ALiBi's bias on the scores (after softcap; it passes dS through unchanged).
     """
     import cupy
 
@@ -131,7 +132,7 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])  # GQA/MQA: dK, dV summed back below
     qf, kf, vf, dof = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v, dout))  # b h n d
-    s, t = _masked_scores(qf, kf, causal, scale, rnd, with_tanh=True)
+    s, t = _masked_scores(qf, kf, causal, scale, rnd, with_tanh=True, alibi_slopes=alibi_slopes)
     m = s.max(axis=-1, keepdims=True)
     e = cupy.exp(s - cupy.where(cupy.isneginf(m), 0, m))
     l = e.sum(axis=-1, keepdims=True)
@@ -181,15 +182,16 @@ def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None, alibi_slop
     return _allowed(out, ref, pt, factor)
 
 
-def fa_rule_grads(grads, q, k, v, dout, causal, scale, factor=2.0, keep_scale=None):
+def fa_rule_grads(grads, q, k, v, dout, causal, scale, factor=2.0, keep_scale=None, alibi_slopes=None):
     """Per gradient name ("dq", "dk", "dv"): (kernel error, same-dtype error, allowed), as fa_rule
     does for the output. keep_scale: dropout's Z, applied on both sides (see naive_grads).
     GQA/MQA: k, v (and the kernel's dk, dv) with fewer heads than q; both references sum dK, dV
     over each group (naive_grads)."""
     import cupy
 
-    ref = naive_grads(q, k, v, dout, causal, scale, cupy.float64, keep_scale=keep_scale)
-    pt = naive_grads(q, k, v, dout, causal, scale, cupy.float32, round_dtype=q.dtype, keep_scale=keep_scale)
+    ref = naive_grads(q, k, v, dout, causal, scale, cupy.float64, keep_scale=keep_scale, alibi_slopes=alibi_slopes)
+    pt = naive_grads(q, k, v, dout, causal, scale, cupy.float32, round_dtype=q.dtype, keep_scale=keep_scale,
+                     alibi_slopes=alibi_slopes)
     return {name: _allowed(g, r, p, factor) for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, pt)}
 
 

@@ -87,9 +87,12 @@ def test_params_carry_the_scale_to_score_units_and_the_batch_stride():
     assert (plain["alibi_scale"], plain["alibi_sb"]) == (0, 0)
 
 
-def test_only_the_sm80_forward_takes_alibi_and_its_shell_passes_nullptr_for_the_rest():
+def test_the_mma_sync_v2_families_take_alibi_and_their_shells_pass_nullptr_for_the_rest():
     f = Features("bfloat16", 128, alibi=True)
-    assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["fwd"]
+    assert sorted(fam.name for fam in families.REGISTRY.values() if fam.supports(f)) == ["bwd", "bwd_dq", "fwd"]
+    for fam in (families.BWD, families.BWD_DQ):
+        src = _compile.kernel_source(fam.default(128, features=f), f)
+        assert src.rstrip().endswith("nullptr, nullptr, alibi_slopes, p);\n}"), src[-300:]
     assert "ALiBi (alibi_slopes)" in families.FWD_SM90._unsupported_part(f)
     cfg = families.FWD.default(128, features=f)
     src = _compile.kernel_source(cfg, f)
@@ -115,12 +118,16 @@ CASES = [(d, ()) for d in (32, 64, 96, 128, 192, 256)] + [
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
-@pytest.mark.parametrize("d,extra", CASES, ids=lambda x: "+".join(x) if isinstance(x, tuple) else str(x))
-def test_alibi_instances_compile_without_spills(d, extra):
-    """The tile the package picks for an ALiBi call (FWD.default with the call's features, which skips
-    the tiles marked as spilling) compiles for sm_80 and sm_90a without spills."""
+@pytest.mark.parametrize("d,extra", CASES + [(d, ("dropout", "softcap")) for d in (64, 128)],
+                         ids=lambda x: "+".join(x) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("fam", [families.FWD, families.BWD, families.BWD_DQ], ids=lambda f: f.name)
+def test_alibi_instances_compile_without_spills(fam, d, extra):
+    """The tile the package picks for an ALiBi call (the family's default for the call's features,
+    which skips the tiles marked as spilling) compiles for sm_80 and sm_90a without spills."""
     f = Features("bfloat16", d, alibi=True, **{e: True for e in extra})
-    cfg = families.FWD.default(d, features=f)
+    if not fam.supports(f):
+        pytest.skip(f"{fam.name} has no instance for {f}")
+    cfg = fam.default(d, features=f)
     for arch in ("sm_80", "sm_90a"):
         rep = _compile.compile_report(_compile.kernel_source(cfg, f), arch)
         assert rep["registers"] > 0, rep["log"][-2000:]

@@ -92,10 +92,12 @@ struct BwdParams {
     float softcap_scale;      // softcap: softmax_scale / softcap, as FwdParams' (0: off)
     int head_dim;             // the call's head dim (<= the instance's D; less only in V::kPartialD instances)
     int align_end;            // V::kVarlen: as FwdParams' (seqlen_q / seqlen_k are then total_q / total_k, seqlen_q_pad the workspace rows per head)
+    float alibi_scale;        // V::kAlibi: as FwdParams' (the dK/dV and dQ kernels multiply it by scale_log2)
+    int alibi_sb;             // V::kAlibi: as FwdParams'
 };
 
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 192, "FwdParams layout changed: update cuflash/params.py");
-static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 296, "BwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 304, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)
 

@@ -99,22 +99,33 @@ struct ScoreMod {
 // or softcap's t), which the softmax scales by scale_log2: the host folds the conversion into
 // params.alibi_scale (1 / softmax_scale, or 1 / softcap), so the per-element cost is one FFMA on
 // |distance|. The slope is read once per (batch, head) from alibi_slopes[b * alibi_sb + h]. The
-// bias does not depend on S, so a backward's dS passes through it unchanged, and with softcap the
-// tanh's derivative is taken from t before the bias is added.
+// bias does not depend on S, so a backward's dS passes through it unchanged. The backward kernels
+// add it inside the exp's argument instead (shift(), the slope pre-multiplied by scale_log2:
+// P = exp2(t c + bias c - lse2)), which leaves t in place for softcap's derivative 1 - t^2.
 template <class V>
 struct AlibiBias {
     static constexpr bool kOn = V::kAlibi;
     float slope;  // -slope_h * alibi_scale: the bias per key of distance, in the kernel's score units
     int offset;   // query q's diagonal key is q + offset (MaskGeometry::offset, per batch where it moves)
 
+    // `factor`: 1 for scores (the forward), scale_log2 for exp2 arguments (the backward's shift)
     template <class Params>
     __device__ __forceinline__ static AlibiBias of(const Params& p, const float* __restrict__ slopes, int b, int h,
-                                                   int offset) {
+                                                   int offset, float factor = 1.f) {
         AlibiBias a;
         a.slope = 0.f;
         a.offset = offset;
-        if constexpr (kOn) a.slope = -slopes[(long long)b * p.alibi_sb + h] * p.alibi_scale;
+        if constexpr (kOn) a.slope = -slopes[(long long)b * p.alibi_sb + h] * (p.alibi_scale * factor);
         return a;
+    }
+
+    // The bias of (query q, key k), in the units `of` was given.
+    __device__ __forceinline__ float at(int q, int k) const { return slope * fabsf((float)(q + offset - k)); }
+
+    // x + the bias of (q, k): an exp2 argument (-lse2) shifted by it; x itself without ALiBi.
+    __device__ __forceinline__ float shift(float x, int q, int k) const {
+        if constexpr (kOn) return fmaf(slope, fabsf((float)(q + offset - k)), x);
+        return x;
     }
 
     // One m16 tile acc[NT][4], rows queries q0 + 0..15, columns keys k0 + 0..8 NT-1 (Direct view:
