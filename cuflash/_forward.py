@@ -162,7 +162,7 @@ def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dro
     kernel where it can run the call, else sm80; CUFLASH_BACKEND forces one), "sm80" or "sm90".
     `alibi_slopes`: ALiBi, FlashAttention's convention: a float32 CuPy array (heads,) or (batch,
     heads) on q's device; each score softmax_scale q.k (after softcap) gains -slope |i + offset - j|,
-    offset the mask's alignment (seqlen_k - seqlen_q bottom-right). The sm80 kernel only, so far.
+    offset the mask's alignment (seqlen_k - seqlen_q bottom-right). Both backends.
     """
     if mask_options or type(mask) is not MaskOptions:
         mask = MaskOptions.given(mask, mask_options)

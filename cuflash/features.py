@@ -61,7 +61,8 @@ class Features:
     paged: bool = _variant("_paged", "kPaged")
     # ALiBi (BLOOM, MPT; FlashAttention's alibi_slopes): every score gains -slope_h |q + offset - k|
     # (the mask's alignment), slopes per head or per (batch, head) read from an alibi_slopes pointer
-    # after the kernel's others (kernels_cu/attn/score_mod.cuh AlibiBias); sm80 v2 forward only so far
+    # after the kernel's others (kernels_cu/attn/score_mod.cuh AlibiBias); the v2 forwards (sm80, sm90)
+    # and the sm80 backward
     alibi: bool = _variant("_alibi", "kAlibi")
 
     @classmethod

@@ -54,7 +54,8 @@ struct Variant {
     // -slope |q + offset - k| in softmax units, offset the mask geometry's (bottom-right or top-left
     // alignment, per batch with kSeqUsedK / kVarlen). The kernel takes a float pointer alibi_slopes
     // after all its other pointers; slope = alibi_slopes[b * params.alibi_sb + h]. A per-element
-    // FFMA on every tile, so its own instantiation. Only the sm80 v2 forward has these instances.
+    // FFMA on every tile, so its own instantiation. The v2 forwards (sm80, sm90) and the sm80
+    // backward (dK/dV, dQ) have these instances.
     static constexpr bool kAlibi = ALIBI;
 };
 

@@ -1,4 +1,4 @@
-"""ALiBi (issue 13) on the GPU: the sm80 forward with slopes per head and per (batch, head), causal
+"""ALiBi (issue 13) on the GPU: the forward (sm80 and sm90) and the sm80 backward, with slopes per head and per (batch, head), causal
 and not, windows, both alignments, softcap, GQA, ragged seqlens, both dtypes, head dims 64, 128 and
 256, against the float64 reference with FlashAttention's 2x rule (cuflash.testing's oracles add
 the same bias). Outputs poisoned before each launch. Slopes are large enough that the plain
@@ -13,6 +13,7 @@ import pytest
 
 from cuflash.mask import MaskOptions
 from cuflash.testing import dtype_of, fa_rule, naive, random_qkv
+from tests.gpu.test_forward_gpu import backend  # noqa: F401  (the fixture: every forward backend of the GPU)
 
 pytestmark = pytest.mark.gpu
 
@@ -52,16 +53,16 @@ def _poisoned(q, **kw):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("nq,nk,causal,window,alignment,softcap,per_batch", CASES)
-def test_alibi_forward(nq, nk, causal, window, alignment, softcap, per_batch, d, dtype):
+def test_alibi_forward(nq, nk, causal, window, alignment, softcap, per_batch, d, dtype, backend):  # noqa: F811
     import cupy
 
-    case = (nq, nk, causal, window, alignment, softcap, per_batch, d, dtype)
+    case = (nq, nk, causal, window, alignment, softcap, per_batch, d, dtype, backend)
     rng = np.random.default_rng(_seed(*case))
     b, h, h_kv = 2, 4, 2  # GQA: two query heads per k/v head
     q, k, v = random_qkv(rng, b, nq, nk, h, d, dtype_of(dtype), heads_kv=h_kv)
     slopes = _slopes(rng, b, h, per_batch)
     mask = MaskOptions.of(causal=causal, window_size=window, alignment=alignment, softcap=softcap)
-    out, lse = _poisoned(q, k=k, v=v, mask=mask, alibi_slopes=slopes)
+    out, lse = _poisoned(q, k=k, v=v, mask=mask, alibi_slopes=slopes, backend=backend)
     assert not bool(cupy.isnan(out.astype(cupy.float32)).any()) and not bool(cupy.isnan(lse).any())
     scale = 1 / math.sqrt(d)
     err, pt, allowed = fa_rule(out, q, k, v, mask, scale, alibi_slopes=slopes)
@@ -105,16 +106,19 @@ def test_repeated_calls_read_each_calls_slopes():
         assert err <= allowed
 
 
-def test_the_hopper_forward_refuses_alibi_by_name():
+def test_the_automatic_forward_takes_the_hopper_kernel_with_alibi():
+    """backend=None with ALiBi on a cc 9.0 GPU runs the sm90 forward (the same bits as forcing it)."""
     import cupy
     from cuflash import _forward, device
 
     if device.query(0).cc != (9, 0):
         pytest.skip("the sm90 forward runs on compute capability 9.0 only")
     rng = np.random.default_rng(7)
-    q, k, v = random_qkv(rng, 1, 64, 64, 2, 128, dtype_of("bfloat16"))
-    with pytest.raises(ValueError, match=r"ALiBi \(alibi_slopes\)"):
-        _forward.forward(q, k, v, backend="sm90", alibi_slopes=cupy.ones(2, cupy.float32))
+    q, k, v = random_qkv(rng, 2, 300, 300, 4, 128, dtype_of("bfloat16"))
+    slopes = cupy.asarray(np.float32([0.5, 0.2, 0.1, 0.05]))
+    auto = _forward.forward(q, k, v, causal=True, alibi_slopes=slopes)[0]
+    forced = _forward.forward(q, k, v, causal=True, alibi_slopes=slopes, backend="sm90")[0]
+    assert bool((auto.view(cupy.uint16) == forced.view(cupy.uint16)).all())
 
 
 # (seqlen_q, seqlen_k, causal, window_size, alignment, softcap, slopes per batch)
