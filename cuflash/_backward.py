@@ -208,8 +208,7 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     `config` / `dq_config` override the selected kernel configs (tuner, tests).
     `backend`: None (automatic: the Hopper dK/dV kernel on a cc 9.0 GPU at head_dim 128 where it
     can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0, no
-    dropout, not deterministic) to force one. `alibi_slopes`: the forward's (cuflash/_forward.py);
-    the mma.sync kernels only (the automatic choice takes them).
+    dropout, not deterministic) to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
     """
     import cupy
 

@@ -57,8 +57,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     alibi_slopes: ALiBi (BLOOM, MPT; FlashAttention's alibi_slopes): a float32 array (heads,) or
         (batch, heads) of q's framework and device; each score (after softcap) gains
         -slope * |i + seqlen_k - seqlen_q - j| (|i - j| with alignment="top_left"), causal or not.
-        Forward on both backends, backward on the mma.sync kernels (the Hopper backward does not
-        take it yet; backend None picks mma.sync there); algorithm "v2" only. Torch tensors: differentiable in
+        Forward and backward on every v2 kernel (both backends); algorithm "v2" only. Torch tensors: differentiable in
         q, k, v (not the slopes) through an autograd.Function, eager only (not torch.compile yet).
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.

@@ -61,8 +61,8 @@ class Features:
     paged: bool = _variant("_paged", "kPaged")
     # ALiBi (BLOOM, MPT; FlashAttention's alibi_slopes): every score gains -slope_h |q + offset - k|
     # (the mask's alignment), slopes per head or per (batch, head) read from an alibi_slopes pointer
-    # after the kernel's others (kernels_cu/attn/score_mod.cuh AlibiBias); the v2 forwards (sm80, sm90)
-    # and the sm80 backward
+    # after the kernel's others (kernels_cu/attn/score_mod.cuh AlibiBias); the v2 forwards and
+    # backwards (sm80, sm90)
     alibi: bool = _variant("_alibi", "kAlibi")
 
     @classmethod

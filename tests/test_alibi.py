@@ -87,16 +87,18 @@ def test_params_carry_the_scale_to_score_units_and_the_batch_stride():
     assert (plain["alibi_scale"], plain["alibi_sb"]) == (0, 0)
 
 
-def test_the_mma_sync_v2_families_take_alibi_and_their_shells_pass_nullptr_for_the_rest():
+def test_the_v2_families_take_alibi_and_their_shells_pass_nullptr_for_the_rest():
     f = Features("bfloat16", 128, alibi=True)
-    assert sorted(fam.name for fam in families.REGISTRY.values() if fam.supports(f)) == ["bwd", "bwd_dq", "fwd",
-                                                                                          "fwd_sm90"]
+    assert sorted(fam.name for fam in families.REGISTRY.values() if fam.supports(f)) == ["bwd", "bwd_dq", "bwd_sm90",
+                                                                                          "fwd", "fwd_sm90"]
     for fam in (families.BWD, families.BWD_DQ):
         src = _compile.kernel_source(fam.default(128, features=f), f)
         assert src.rstrip().endswith("nullptr, nullptr, alibi_slopes, p);\n}"), src[-300:]
-    assert "ALiBi (alibi_slopes)" in families.BWD_SM90._unsupported_part(f)
+    assert "ALiBi (alibi_slopes)" in families.FWD_V1._unsupported_part(f)
     sm90 = _compile.kernel_source(families.FWD_SM90.default(128, features=f), f)
     assert "(tq, tk, tv, out, lse, nullptr, nullptr, alibi_slopes, p);" in sm90
+    sm90b = _compile.kernel_source(families.BWD_SM90.default(128, features=f), f)
+    assert "(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, alibi_slopes, p);" in sm90b
     cfg = families.FWD.default(128, features=f)
     src = _compile.kernel_source(cfg, f)
     assert "const float* __restrict__ alibi_slopes, " in src and "_alibi(" in src
@@ -120,14 +122,20 @@ CASES = [(d, ()) for d in (32, 64, 96, 128, 192, 256)] + [
     for extra in (("softcap",), ("local",), ("dropout",), ("varlen",), ("seqused_k", "split_kv"), ("local", "softcap"))]
 
 
+# The sm90 backward's d128 tiles spill a little (its dense store-warp tile 16 B, tests/test_compile_sm90.py):
+# bytes with ALiBi and these extras, NVRTC 13.5 (13.0, the H200 image's: not yet measured)
+KNOWN_SM90_BWD_SPILLS = {(128, ()): 20, (128, ("local",)): 4, (128, ("softcap",)): 4, (128, ("local", "softcap")): 4}
+
+
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
 @pytest.mark.parametrize("d,extra", CASES + [(d, ("dropout", "softcap")) for d in (64, 128)],
                          ids=lambda x: "+".join(x) if isinstance(x, tuple) else str(x))
-@pytest.mark.parametrize("fam", [families.FWD, families.FWD_SM90, families.BWD, families.BWD_DQ],
+@pytest.mark.parametrize("fam", [families.FWD, families.FWD_SM90, families.BWD, families.BWD_DQ, families.BWD_SM90],
                          ids=lambda f: f.name)
 def test_alibi_instances_compile_without_spills(fam, d, extra):
     """The tile the package picks for an ALiBi call (the family's default for the call's features,
-    which skips the tiles marked as spilling) compiles for sm_80 and sm_90a without spills."""
+    which skips the tiles marked as spilling) compiles for sm_80 and sm_90a without spills (the sm90
+    backward: no more than its known ones)."""
     f = Features("bfloat16", d, alibi=True, **{e: True for e in extra})
     if not fam.supports(f):
         pytest.skip(f"{fam.name} has no instance for {f}")
@@ -135,5 +143,6 @@ def test_alibi_instances_compile_without_spills(fam, d, extra):
     for arch in ("sm_90a",) if fam.arch_specific else ("sm_80", "sm_90a"):
         rep = _compile.compile_report(_compile.kernel_source(cfg, f), arch)
         assert rep["registers"] > 0, rep["log"][-2000:]
-        assert rep["spill_stores"] == 0, (cfg, f, arch, rep["log"][-2000:])
+        known = KNOWN_SM90_BWD_SPILLS.get((d, extra), 0) if fam is families.BWD_SM90 else 0
+        assert rep["spill_stores"] <= known, (cfg, f, arch, rep["log"][-2000:])
         assert "serialized" not in rep["log"].lower(), (cfg, rep["log"][-2000:])

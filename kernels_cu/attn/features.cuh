@@ -54,8 +54,8 @@ struct Variant {
     // -slope |q + offset - k| in softmax units, offset the mask geometry's (bottom-right or top-left
     // alignment, per batch with kSeqUsedK / kVarlen). The kernel takes a float pointer alibi_slopes
     // after all its other pointers; slope = alibi_slopes[b * params.alibi_sb + h]. A per-element
-    // FFMA on every tile, so its own instantiation. The v2 forwards (sm80, sm90) and the sm80
-    // backward (dK/dV, dQ) have these instances.
+    // FFMA on every tile, so its own instantiation. The v2 forwards and backwards (sm80, sm90)
+    // have these instances (not v1, not the decode kernel).
     static constexpr bool kAlibi = ALIBI;
 };
 

@@ -1,8 +1,9 @@
-"""ALiBi (issue 13) on the GPU: the forward (sm80 and sm90) and the sm80 backward, with slopes per head and per (batch, head), causal
-and not, windows, both alignments, softcap, GQA, ragged seqlens, both dtypes, head dims 64, 128 and
-256, against the float64 reference with FlashAttention's 2x rule (cuflash.testing's oracles add
-the same bias). Outputs poisoned before each launch. Slopes are large enough that the plain
-attention's output is far off, so a bias the kernel dropped or misplaced fails."""
+"""ALiBi (issue 13) on the GPU: the forward and the backward (sm80 and sm90), with slopes per head
+and per (batch, head), causal and not, windows, both alignments, softcap, GQA, ragged seqlens, both
+dtypes, head dims 64, 128 and 256, against the float64 reference with FlashAttention's 2x rule
+(cuflash.testing's oracles add the same bias). Outputs poisoned before each launch. Slopes are
+large enough that the plain attention's output is far off, so a bias the kernel dropped or
+misplaced fails."""
 from __future__ import annotations
 
 import math
@@ -203,3 +204,27 @@ def test_torch_autograd_matches_the_cupy_passes(with_sinks):
         c = c.astype(cupy.float32)
         diff = float(cupy.abs(cupy.from_dlpack(t).astype(cupy.float32) - c).max())
         assert diff <= 1e-2 * max(float(cupy.abs(c).max()), 1.0), diff
+
+
+@pytest.mark.parametrize("backend_bwd", ["sm80", "sm90"])
+@pytest.mark.parametrize("nq,nk,causal,window,alignment,softcap,per_batch", [CASES[1], CASES[3], CASES[6], CASES[9]])
+def test_alibi_backward_on_each_backend(nq, nk, causal, window, alignment, softcap, per_batch, backend_bwd):
+    """d128 bf16, atomic dQ: the sm80 and the Hopper dK/dV kernels (forced) both meet the 2x rule."""
+    import cupy
+    from cuflash import _backward, _forward
+    from cuflash.testing import backend_unavailable, fa_rule_grads
+
+    why = backend_unavailable(backend_bwd)
+    if why:
+        pytest.skip(f"{backend_bwd} not on this GPU: {why}")
+    rng = np.random.default_rng(_seed(nq, nk, causal, window, alignment, softcap, per_batch, backend_bwd))
+    q, k, v = random_qkv(rng, 2, nq, nk, 4, 128, dtype_of("bfloat16"), heads_kv=2)
+    dout, _, _ = random_qkv(rng, 2, nq, 1, 4, 128, dtype_of("bfloat16"))
+    slopes = _slopes(rng, 2, 4, per_batch)
+    mask = MaskOptions.of(causal=causal, window_size=window, alignment=alignment, softcap=softcap)
+    out, lse = _forward.forward(q, k, v, mask=mask, alibi_slopes=slopes)
+    grads = _backward.backward(dout, q, k, v, out, lse, mask=mask, alibi_slopes=slopes, backend=backend_bwd)
+    for name, (err, pt, allowed) in fa_rule_grads(grads, q, k, v, dout, mask, 1 / math.sqrt(128),
+                                                  alibi_slopes=slopes).items():
+        assert err <= allowed, f"{name}: max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
+    assert not any(bool(cupy.isnan(g.astype(cupy.float32)).any()) for g in grads)
