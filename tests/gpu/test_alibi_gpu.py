@@ -228,3 +228,39 @@ def test_alibi_backward_on_each_backend(nq, nk, causal, window, alignment, softc
                                                   alibi_slopes=slopes).items():
         assert err <= allowed, f"{name}: max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
     assert not any(bool(cupy.isnan(g.astype(cupy.float32)).any()) for g in grads)
+
+
+@pytest.mark.parametrize("causal,per_batch", [(False, True), (True, False), (True, True)])
+def test_alibi_variable_length_batches(causal, per_batch, backend):  # noqa: F811
+    """attention_varlen(alibi_slopes=): each packed sequence against its own dense reference (its
+    batch's slopes, bottom-right per sequence); the backward's gradients likewise."""
+    import cupy
+    from cuflash import varlen
+    from cuflash.testing import fa_rule_grads
+
+    rng = np.random.default_rng(_seed(causal, per_batch, backend, "varlen"))
+    lens_q, lens_k, h, h_kv, d = [37, 200, 1, 129], [64, 150, 77, 300], 4, 2, 128
+    dt = dtype_of("bfloat16")
+    seqs = [random_qkv(rng, 1, nq, nk, h, d, dt, heads_kv=h_kv) for nq, nk in zip(lens_q, lens_k)]
+    q, k, v = (cupy.concatenate([s[i][0] for s in seqs]) for i in range(3))
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (lens_q, lens_k))
+    slopes = _slopes(rng, len(lens_q), h, per_batch)
+    mask = MaskOptions.of(causal=causal)
+    out, lse = varlen.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                       alibi_slopes=slopes, return_lse=True, backend=backend)
+    dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)).astype(out.dtype)
+    grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             causal=causal, alibi_slopes=slopes)
+    scale = 1 / math.sqrt(d)
+    for b in range(len(seqs)):
+        i0, i1 = int(cu_q[b]), int(cu_q[b + 1])
+        j0, j1 = int(cu_k[b]), int(cu_k[b + 1])
+        s_b = slopes[b] if per_batch else slopes
+        one = lambda x, a, z: x[a:z][None]  # noqa: E731  (the sequence as a batch of one)
+        qb, kb, vb = one(q, i0, i1), one(k, j0, j1), one(v, j0, j1)
+        err, pt, allowed = fa_rule(one(out, i0, i1), qb, kb, vb, mask, scale, alibi_slopes=s_b)
+        assert err <= allowed, f"sequence {b}: {err:.3e} > {allowed:.3e}"
+        g = (one(grads[0], i0, i1), one(grads[1], j0, j1), one(grads[2], j0, j1))
+        for name, (err, pt, allowed) in fa_rule_grads(g, qb, kb, vb, one(dout, i0, i1), mask, scale,
+                                                      alibi_slopes=s_b).items():
+            assert err <= allowed, f"sequence {b} {name}: {err:.3e} > {allowed:.3e}"
