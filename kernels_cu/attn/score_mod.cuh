@@ -112,10 +112,11 @@ struct AlibiBias {
     template <class Params>
     __device__ __forceinline__ static AlibiBias of(const Params& p, const float* __restrict__ slopes, int b, int h,
                                                    int offset, float factor = 1.f) {
-        AlibiBias a;
-        a.slope = 0.f;
-        a.offset = offset;
-        if constexpr (kOn) a.slope = -slopes[(long long)b * p.alibi_sb + h] * (p.alibi_scale * factor);
+        AlibiBias a{0.f, 0};  // without ALiBi nothing is read (the plain instances' code stays as it was)
+        if constexpr (kOn) {
+            a.slope = -slopes[(long long)b * p.alibi_sb + h] * (p.alibi_scale * factor);
+            a.offset = offset;
+        }
         return a;
     }
 

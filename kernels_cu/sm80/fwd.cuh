@@ -164,8 +164,9 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
         // ---- score modifier (softcap: t = tanh(S softcap_scale); nothing without one) ----
         score_mod.apply(acc_s);
 
-        // ---- ALiBi: -slope |q + offset - k| on every tile (nothing without it) ----
-        alibi.apply(acc_s, r0 + warp_row0, j * BC, lane);
+        // ---- ALiBi: -slope |q + offset - k| on every tile (under the flag: even a dead argument
+        // expression moved the dropout instances' code, whose SASS is kept as tuned) ----
+        if constexpr (V::kAlibi) alibi.apply(acc_s, r0 + warp_row0, j * BC, lane);
 
         // ---- mask (only tiles that cross the seqlen_k tail or a window edge, at either end) ----
         if (range.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
