@@ -10,20 +10,11 @@ import pytest
 from cuflash import _compile, families, params
 from cuflash.features import Features
 from cuflash.mask import NO_MASK, MaskOptions
-from cuflash.problem import ArrayInfo, check_alibi_slopes, resolve_forward, with_alibi
+from cuflash.problem import check_alibi_slopes, resolve_forward, with_alibi
 from cuflash.reference import alibi_bias, attention_naive
+from tests.test_problem_backward import info  # ArrayInfo of a C-contiguous array
 
 B, NQ, NK, H, D = 2, 5, 9, 4, 64
-
-
-def info(shape, dtype="bfloat16", strides=None, ptr=1 << 20, device=0):
-    itemsize = 2 if dtype in ("bfloat16", "float16") else 4
-    if strides is None:
-        strides, acc = [], itemsize
-        for n in reversed(shape):
-            strides.insert(0, acc)
-            acc *= n
-    return ArrayInfo(tuple(shape), dtype, itemsize, tuple(strides), ptr, device)
 
 
 def test_bias_is_minus_slope_times_distance_to_the_diagonal():
