@@ -108,7 +108,7 @@ FWD = KernelFamily(
     # instances, run for head dims between the instantiated ones, spill where these do)
     spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(32, 128, 128, 4, 3)}),
               "alibi": frozenset({FwdConfig(64, 128, 96, 4, 2)}),  # 32-36 B (252 registers without ALiBi)
-              "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2)}),
+              "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(128, 128, 128, 8, 3)}),
               "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               # per-batch key lengths (the KV cache) with softcap: 44 B on d64's first tile (sm_80, sm_90a)
               "softcap+seqused_k": frozenset({FwdConfig(64, 128, 96, 4, 2)}),
