@@ -114,8 +114,9 @@ CASES = [(d, ()) for d in (32, 64, 96, 128, 192, 256)] + [
 
 
 # The sm90 backward's d128 tiles spill a little (its dense store-warp tile 16 B, tests/test_compile_sm90.py):
-# bytes with ALiBi and these extras, NVRTC 13.5 (13.0, the H200 image's: not yet measured)
-KNOWN_SM90_BWD_SPILLS = {(128, ()): 20, (128, ("local",)): 4, (128, ("softcap",)): 4, (128, ("local", "softcap")): 4}
+# bytes with ALiBi and these extras: the larger of NVRTC 13.5's and 13.0's (the H200 image's; it spills
+# 8 B, not 4, with a window and softcap)
+KNOWN_SM90_BWD_SPILLS = {(128, ()): 20, (128, ("local",)): 4, (128, ("softcap",)): 4, (128, ("local", "softcap")): 8}
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")

@@ -137,15 +137,51 @@ struct AlibiBias {
             using F = FragSm80<1, NT>;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int diag = q0 + F::row_of_half(lane, 0, half) + offset - k0;  // the row's diagonal, tile columns
+                // The signed distance of this lane's first column, converted once: each score then
+                // takes an FADD with an immediate and an FFMA with |.| (full-rate FP32). Converting per
+                // score (I2F) ran on the quarter-rate pipe that exp2 needs: the sm90 forward lost 18%.
+                // Exact while distances stay below 2^24.
+                const float diag0 = (float)(q0 + F::row_of_half(lane, 0, half) + offset - k0 - F::col(lane, 0, 0));
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const float dist = fabsf((float)(diag - F::col(lane, nt, e)));
+                        const float dist = fabsf(diag0 - (float)(F::col(lane, nt, e) - F::col(lane, 0, 0)));
                         acc[nt][2 * half + e] = fmaf(slope, dist, acc[nt][2 * half + e]);
                     }
             }
+        }
+    }
+
+    // The sm90 forward's form: one FFMA per score on blocks away from the diagonal. When the warp's
+    // 16 rows (queries q0..q0+15) see the whole block [k0, k0 + 8 NT) on one side of their
+    // diagonals, the bias slope |D_r - c| (D_r the row's diagonal in block columns) splits into a
+    // column part, FFMA'd into the score with the column as an immediate, and a row part (with the
+    // lane's column offset) returned in row_shift[half]: the softmax adds that to this thread's
+    // max before the quad reduction and subtracts it from m in the exp2
+    // argument (OnlineSoftmax::max_get_scale_shifted), so no score pays for it. The column part is
+    // small (slope x 8 NT at most), which also keeps the large distances out of the scores. A
+    // block across a diagonal (one or two per row block) takes the full bias and a zero shift.
+    template <int NT>
+    __device__ __forceinline__ void apply_split(float (&acc)[NT][4], int q0, int k0, int lane,
+                                                float (&row_shift)[2]) const {
+        using F = FragSm80<1, NT>;
+        const int first = q0 + offset - k0;  // the warp's first row's diagonal, in block columns
+        const bool left = first >= 8 * NT - 1, right = first + 15 <= 0;  // warp-uniform
+        if (left || right) {
+            // left of every diagonal: slope (D - c); right: slope (c - D); c = lane part + immediate
+            const float step = left ? -slope : slope;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                row_shift[half] = -step * (float)(first + F::row_of_half(lane, 0, half) - F::col(lane, 0, 0));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc[nt][e] = fmaf((float)(F::col(lane, nt, e) - F::col(lane, 0, 0)), step, acc[nt][e]);
+        } else {
+            row_shift[0] = row_shift[1] = 0.f;
+            apply_tile(acc, q0, k0, lane);
         }
     }
 
