@@ -52,6 +52,11 @@ def _aux_pointers(name: str) -> tuple:
 VARLEN_SLOTS = ("cu_seqlens_q", "cu_seqlens_k")
 
 
+def _alibi_slot(p: AttnProblem) -> tuple:
+    """ALiBi's slopes: the plan's last input and the last pointer of the dK/dV and dQ kernels."""
+    return ("alibi_slopes",) if p.alibi else ()
+
+
 def varlen_ws_rows_per_head(p: AttnProblem) -> int:
     """Workspace rows per head of a varlen backward: every sequence starts at (its first row +
     _ROW_PAD x its index) rounded down to _ROW_PAD (kernels_cu/attn/mask.cuh, SeqSpan::ws_row0)."""
@@ -75,7 +80,7 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
     n_blocks = -(-p.seqlen_k // cfg.block_k) * getattr(cfg, "column_splits", 1)
     check_grid(n_blocks * h * b)
     main = _compile.get_kernel(cfg, p.features, p.device)
-    slots = _pointers(families.BWD) + VARLEN_SLOTS
+    slots = _pointers(families.BWD) + VARLEN_SLOTS + _alibi_slot(p)
     if gqa:
         slots = tuple(_EXPANDED.get(n, n) for n in slots)
     launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots))
@@ -84,7 +89,8 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
         m_blocks = -(-p.seqlen_q // dq_cfg.block_q)
         check_grid(m_blocks * h * b)
         launches.append(Launch(_compile.get_kernel(dq_cfg, p.features, p.device), (m_blocks * h * b,),
-                               (dq_cfg.threads,), dq_cfg.smem_bytes, pointers=_pointers(families.BWD_DQ) + VARLEN_SLOTS))
+                               (dq_cfg.threads,), dq_cfg.smem_bytes,
+                               pointers=_pointers(families.BWD_DQ) + VARLEN_SLOTS + _alibi_slot(p)))
     else:
         convert = _compile.get_aux_kernel("bwd_dq_convert_varlen", p.features, p.device)
         launches.append(Launch(convert, (-(-p.seqlen_q * chunks // _AUX_THREADS), h, b), (_AUX_THREADS,), 0,
@@ -98,7 +104,7 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
     buffers = (Buffer("dq", (p.total_q, h, d), dtype), Buffer("dk", (p.total_k, hkv, d), dtype),
                Buffer("dv", (p.total_k, hkv, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
-    return Plan(p.device, BWD_ARRAYS + VARLEN_SLOTS, buffers, tuple(launches), OUTPUTS,
+    return Plan(p.device, BWD_ARRAYS + VARLEN_SLOTS + _alibi_slot(p), buffers, tuple(launches), OUTPUTS,
                 pack_bwd(p, pad, n_blocks, m_blocks))
 
 
@@ -123,7 +129,7 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     fam = families.of(cfg)
     main = _compile.get_kernel(cfg, p.features, p.device)
     # the dK/dV kernel: its pointer slots, or (sm90) the slots a per-call bind turns into TMA maps
-    slots, bind = fam.main_args(p, cfg) if fam.main_args is not None else (_pointers(fam), None)
+    slots, bind = fam.main_args(p, cfg) if fam.main_args is not None else (_pointers(fam) + _alibi_slot(p), None)
     if gqa:  # dK, dV per query head, into the expanded buffers bwd_dkdv_reduce sums
         slots = tuple(_EXPANDED.get(n, n) for n in slots)
     launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
@@ -134,7 +140,7 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
         check_grid(m_blocks * h * b)
         dq_kernel = _compile.get_kernel(dq_cfg, p.features, p.device)
         launches.append(Launch(dq_kernel, (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes,
-                               pointers=_pointers(families.BWD_DQ)))
+                               pointers=_pointers(families.BWD_DQ) + _alibi_slot(p)))
     else:
         convert = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)
         n_rows = b * h * nq
@@ -152,7 +158,8 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, hkv, d), dtype),
                Buffer("dv", (b, nk, hkv, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
-    return Plan(p.device, BWD_ARRAYS, buffers, tuple(launches), OUTPUTS, pack_bwd(p, pad, n_blocks, m_blocks))
+    return Plan(p.device, BWD_ARRAYS + _alibi_slot(p), buffers, tuple(launches), OUTPUTS,
+                pack_bwd(p, pad, n_blocks, m_blocks))
 
 
 _plans = plan_cache.PlanCache()
@@ -171,6 +178,8 @@ def _main_family(p, config, backend):
 def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend=None) -> Plan:
     infos = [problem.describe(x, n) for x, n in zip(arrays, BWD_ARRAYS)]
     p = problem.resolve_backward(*infos, mask, softmax_scale, deterministic, dropout)
+    if len(arrays) > len(BWD_ARRAYS):  # ALiBi's slopes (backward())
+        p = problem.with_alibi(p, problem.describe(arrays[-1], "alibi_slopes"))
     if p.empty:  # no launch: zero gradients of q, k, v's shapes (empty where their arrays are)
         dtype = arrays[1].dtype
         return FilledPlan(p.device, BWD_ARRAYS, tuple((Buffer(n, x.shape, dtype), 0)
@@ -190,7 +199,7 @@ def _tile(family, config, p):
 
 def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softmax_scale=None, deterministic=False,
              dropout_p=0.0, seed=None, config: BwdConfig | None = None, dq_config: DqConfig | None = None,
-             backend: str | None = None, **mask_options):
+             backend: str | None = None, alibi_slopes=None, **mask_options):
     """Gradients (dq, dk, dv) of attention for upstream gradient `dout`; CuPy arrays like q, k, v.
 
     `out` and `lse` are the forward's results for the same q, k, v, mask, softmax_scale,
@@ -199,13 +208,13 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     `config` / `dq_config` override the selected kernel configs (tuner, tests).
     `backend`: None (automatic: the Hopper dK/dV kernel on a cc 9.0 GPU at head_dim 128 where it
     can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0, no
-    dropout, not deterministic) to force one.
+    dropout, not deterministic) to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
     """
     import cupy
 
     if mask_options or type(mask) is not MaskOptions:
         mask = MaskOptions.given(mask, mask_options)
-    arrays = (dout, q, k, v, out, lse)
+    arrays = (dout, q, k, v, out, lse) if alibi_slopes is None else (dout, q, k, v, out, lse, alibi_slopes)
     dropout = problem.resolve_dropout(dropout_p, seed)
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
         plan = _plans.get(lambda: (*plan_cache.array_key(arrays), mask.key, softmax_scale, deterministic,

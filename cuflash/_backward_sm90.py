@@ -39,4 +39,4 @@ def main_args(p, cfg, encoder=None):
         return (mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), mdo.get(dout.data.ptr), *rest)
 
     bind.caches = tuple(caches)
-    return SLOTS, bind
+    return SLOTS + (("alibi_slopes",) if p.alibi else ()), bind  # the slopes last, as they are

@@ -47,7 +47,8 @@ def kernel_name(tile, features) -> str:
     return f"cuflash_{families.of(tile).name}_{features.dtype_tag}_{tile.tag()}{features.tag()}"
 
 
-def _shell(header: str, name: str, launch_bounds: str, pointers: tuple, struct: str, call: str, asserts: str = "") -> str:
+def _shell(header: str, name: str, launch_bounds: str, pointers: tuple, struct: str, call: str, asserts: str = "",
+           args: tuple | None = None) -> str:
     """An extern "C" kernel `name`: the pointers, then the fields of the pass's parameter struct as
     scalar parameters, in the NumPy mirror's order (cuflash/params.py), gathered into a
     cuflash::<struct> that is forwarded to `call` with the pointers.
@@ -59,7 +60,7 @@ def _shell(header: str, name: str, launch_bounds: str, pointers: tuple, struct: 
     struct, and the host still builds it once per plan from one definition. `asserts`: more C++
     static_asserts for the shell (the feature set's mirror check)."""
     decls = ", ".join(f"{decl} {n}" for decl, n in pointers)
-    names = ", ".join(n for _, n in pointers)
+    names = ", ".join(n for _, n in pointers) if args is None else ", ".join(args)
     fields = params.fields(struct)
     scalars = ", ".join(f"{ctype} {f}_" for f, ctype in fields)
     gather = " ".join(f"p.{f} = {f}_;" for f, _ in fields)
@@ -92,10 +93,18 @@ def kernel_source(tile, features) -> str:
     targs = ", ".join(map(str, tile.template_args()))
     # per-batch key lengths (the KV cache), then variable-length batches: their pointers after the
     # family's, before the params (the kernels' overloads take them in this order)
-    pointers = (fam.pointers + ((fam.seqused_k_pointer,) if features.seqused_k else ())
-                + ((fam.paged_pointer,) if features.paged else ()) + (fam.varlen_pointers if features.varlen else ()))
+    # (pointer, whether this instance takes it) for the optional ones, in the templates' order
+    optional = ((fam.seqused_k_pointer, features.seqused_k, fam.takes_seqused_k),
+                (fam.paged_pointer, features.paged, fam.takes_paged),
+                *((ptr, features.varlen, fam.takes_varlen) for ptr in fam.varlen_pointers),
+                (fam.alibi_pointer, features.alibi, fam.takes_alibi))
+    pointers = fam.pointers + tuple(ptr for ptr, taken, _ in optional if taken)
+    # a nullable family's template takes all it has, nullptr for the absent ones
+    args = None if not fam.nullable_pointers else (
+        *(n for _, n in fam.pointers), *(ptr[1] if taken else "nullptr" for ptr, taken, has in optional if has))
     return _shell(fam.header, kernel_name(tile, features), f"{tile.launch_bounds()} ", pointers,
-                  fam.params, f"{fam.template}<{features.bf16}, {targs}, {features.cxx()}>", features.cxx_asserts())
+                  fam.params, f"{fam.template}<{features.bf16}, {targs}, {features.cxx()}>", features.cxx_asserts(),
+                  args)
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', flags=re.M)

@@ -45,6 +45,8 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     if p.seqused_k and p.varlen:
         raise NotImplementedError("per-batch key lengths (seqused_k) with variable-length batches")
     inputs = INPUTS_VARLEN if p.varlen else INPUTS_SEQUSED_K if p.seqused_k else INPUTS
+    if p.alibi:  # the slopes after every other pointer (the kernel's order; attn/score_mod.cuh AlibiBias)
+        inputs = (*inputs, "alibi_slopes")
     launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=inputs)
     return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
 
@@ -57,7 +59,7 @@ def empty_plan(p: AttnProblem, dtype) -> FilledPlan:
 
 
 def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask: MaskOptions, softmax_scale,
-                dropout_p, seed, config, out, lse, backend=None):
+                dropout_p, seed, config, out, lse, backend=None, alibi_slopes=None):
     """The body the v2 and v1 forwards share: the call's dropout, the cached (or, with an explicit
     config, fresh) launch plan, optional output buffers, the launch. `mask`: the call's MaskOptions
     (the plan key holds its `key`, the values of its fields).
@@ -67,7 +69,9 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     families.select(family, problem), or, with an explicit `config`, the config's family (checked
     against the candidates, `backend`, the device and the problem). Each family builds its plan
     (KernelFamily.plan). The backend choice is part of the plan: the plan key holds the `backend`
-    argument, and CUFLASH_BACKEND is read when a plan is built, not per call.
+    argument, and CUFLASH_BACKEND is read when a plan is built, not per call. `alibi_slopes`: None
+    or a float32 CuPy array (heads,) or (batch, heads) (problem.check_alibi_slopes), the plan's
+    last input.
     """
     import cupy
 
@@ -76,6 +80,8 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     def build(cfg):
         infos = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         p = problem.resolve_forward(*infos, mask, softmax_scale, dropout)
+        if alibi_slopes is not None:
+            p = problem.with_alibi(p, problem.describe(alibi_slopes, "alibi_slopes"))
         if p.empty:
             return empty_plan(p, q.dtype)
         if cfg is None:
@@ -85,8 +91,9 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
             family = _explicit_family(candidates, cfg, p, backend)
         return family.plan(p, cfg, q.dtype)
 
-    if config is None and type(q) is type(k) is type(v) is cupy.ndarray:
-        plan = plans.get(lambda: (*plan_cache.array_key((q, k, v)), mask.key, softmax_scale, dropout is not None,
+    arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
+    if config is None and all(type(a) is cupy.ndarray for a in arrays):
+        plan = plans.get(lambda: (*plan_cache.array_key(arrays), mask.key, softmax_scale, dropout is not None,
                                   backend),
                          lambda: build(None))
     else:
@@ -95,7 +102,8 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
         out = _checked_out(out, q)
     if lse is not None:
         lse = _checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
-    return plan.run((q, k, v, out, lse), None if dropout is None else dropout.kernel_args)
+    args = (q, k, v, out, lse) if alibi_slopes is None else (q, k, v, out, lse, alibi_slopes)
+    return plan.run(args, None if dropout is None else dropout.kernel_args)
 
 
 def _explicit_family(candidates: tuple, cfg, p: AttnProblem, backend):
@@ -141,7 +149,7 @@ _plans = plan_cache.PlanCache()
 
 def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dropout_p=0.0, seed=None,
             config: FwdConfig | Sm90FwdConfig | None = None, out=None, lse=None, backend: str | None = None,
-            **mask_options):
+            alibi_slopes=None, **mask_options):
     """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
     The mask: the record `mask` (what cuflash.attention hands on) or cuflash.attention's mask
@@ -152,8 +160,12 @@ def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dro
     fresh contiguous arrays are allocated. `config` overrides the selected kernel config (a
     FwdConfig runs the sm80 kernel, an Sm90FwdConfig the Hopper one). `backend`: None (the Hopper
     kernel where it can run the call, else sm80; CUFLASH_BACKEND forces one), "sm80" or "sm90".
+    `alibi_slopes`: ALiBi, FlashAttention's convention: a float32 CuPy array (heads,) or (batch,
+    heads) on q's device; each score softmax_scale q.k (after softcap) gains -slope |i + offset - j|,
+    offset the mask's alignment (seqlen_k - seqlen_q bottom-right). Both backends.
     """
     if mask_options or type(mask) is not MaskOptions:
         mask = MaskOptions.given(mask, mask_options)
     return run_forward(families.FORWARDS, _plans, q, k, v, mask=mask, softmax_scale=softmax_scale,
-                       dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse, backend=backend)
+                       dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse, backend=backend,
+                       alibi_slopes=alibi_slopes)

@@ -30,17 +30,13 @@ def geometries(p: AttnProblem, cfg: Sm90FwdConfig) -> tuple:
 
 
 def binder(p: AttnProblem, cfg: Sm90FwdConfig, encoder=None):
-    """slots (q, k, v, out, lse) -> the kernel's leading arguments (map(q), map(k), map(v), out, lse)."""
+    """slots (q, k, v, out, lse, then cu_seqlens_q / _k and alibi_slopes where the call has them) ->
+    the kernel's leading arguments: map(q), map(k), map(v), the other slots as they are."""
     mq, mk, mv = (tma.MapCache(g, encoder=encoder) for g in geometries(p, cfg))
 
-    if p.varlen:  # the cu_seqlens slots follow, as they are
-        def bind(slots):
-            q, k, v, out, lse, cu_q, cu_k = slots[:7]
-            return mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), out, lse, cu_q, cu_k
-    else:
-        def bind(slots):
-            q, k, v, out, lse = slots[:5]
-            return mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), out, lse
+    def bind(slots):
+        q, k, v = slots[:3]
+        return (mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), *slots[3:])
 
     bind.caches = (mq, mk, mv)  # tests, debugging
     return bind
@@ -60,6 +56,8 @@ def plan(p: AttnProblem, cfg: Sm90FwdConfig, dtype, encoder=None) -> Plan:
     grid = min(tiles, device.query(p.device).sm_count) if cfg.persistent else tiles
     kernel = _compile.get_kernel(cfg, p.features, p.device)
     inputs = INPUTS_VARLEN if p.varlen else INPUTS
+    if p.alibi:  # the slopes after every other pointer, as the sm80 forward's
+        inputs = (*inputs, "alibi_slopes")
     launch = Launch(kernel, (max(grid, 1),), (cfg.threads,), cfg.smem_bytes, pointers=inputs,
                     bind=binder(p, cfg, encoder))
     return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))

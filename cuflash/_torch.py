@@ -111,24 +111,28 @@ def _fwd_impl(q, k, v, *options):
     return _fwd_run(q, k, v, options)
 
 
-def _fwd_run(q, k, v, options, remember=None):
+def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None):
     """The forward on CuPy views of the tensors; `remember`: a direct-launch key (_direct_key) under
-    which to keep the plan the call ran, for the next calls of this signature."""
+    which to keep the plan the call ran, for the next calls of this signature; `alibi_slopes`: ALiBi's
+    (the v2 forward; no direct launches)."""
     mask, o = mask_and_options(FWD_OPTIONS, options)
     fwd = forward_fn(o["algorithm"])
-    dev = _device((q, k, v), FWD_ARRAYS)
+    arrays, names = ((q, k, v), FWD_ARRAYS) if alibi_slopes is None else ((q, k, v, alibi_slopes),
+                                                                          (*FWD_ARRAYS, "alibi_slopes"))
+    dev = _device(arrays, names)
     seed = _seed_out(o["dropout_p"], o["seed"])
 
-    def run(cq, ck, cv):
+    def run(cq, ck, cv, *slopes):
+        alibi = {"alibi_slopes": slopes[0]} if slopes else {}
         res = fwd(cq, ck, cv, mask=mask, softmax_scale=o["softmax_scale"], dropout_p=o["dropout_p"], seed=seed,
-                  backend=o["backend"])
+                  backend=o["backend"], **alibi)
         if remember is not None and o["algorithm"] == "v2":
             dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
             _remember(remember, _forward._plans, (cq, ck, cv), (mask.key, o["softmax_scale"], dropout, o["backend"]),
                       dev, dropout)
         return res
 
-    out, lse = _interop.run(run, (q, k, v), _interop.TORCH, dev, FWD_ARRAYS)
+    out, lse = _interop.run(run, arrays, _interop.TORCH, dev, names)
     return out.contiguous(), lse.contiguous()  # as the fake promises (no-ops: fresh arrays)
 
 
@@ -137,24 +141,28 @@ def _bwd_impl(dout, q, k, v, out, lse, *options):
     return _bwd_run(dout, q, k, v, out, lse, options)
 
 
-def _bwd_run(dout, q, k, v, out, lse, options, remember=None):
-    """The backward on CuPy views; `remember` as _fwd_run's."""
+def _bwd_run(dout, q, k, v, out, lse, options, remember=None, alibi_slopes=None):
+    """The backward on CuPy views; `remember` and `alibi_slopes` as _fwd_run's."""
     mask, o = mask_and_options(BWD_OPTIONS, options)
-    dev = _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
+    tensors, names = (dout, q, k, v, out, lse), BWD_ARRAYS
+    if alibi_slopes is not None:
+        tensors, names = (*tensors, alibi_slopes), (*BWD_ARRAYS, "alibi_slopes")
+    dev = _device(tensors, names)
     seed = _seed_out(o["dropout_p"], o["seed"])
     from . import _backward
 
     def run(*arrays):
-        res = _backward.backward(*arrays, mask=mask, softmax_scale=o["softmax_scale"],
-                                 deterministic=o["deterministic"], dropout_p=o["dropout_p"], seed=seed)
+        res = _backward.backward(*arrays[:6], mask=mask, softmax_scale=o["softmax_scale"],
+                                 deterministic=o["deterministic"], dropout_p=o["dropout_p"], seed=seed,
+                                 alibi_slopes=arrays[6] if len(arrays) > 6 else None)
         if remember is not None:
             dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
             _remember(remember, _backward._plans, arrays,
                       (mask.key, o["softmax_scale"], o["deterministic"], dropout, None), dev, dropout)
         return res
 
-    dq, dk, dv = _interop.run(run, (dout, q, k, v, out, lse), _interop.TORCH, dev, BWD_ARRAYS)
+    dq, dk, dv = _interop.run(run, tensors, _interop.TORCH, dev, names)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()  # the fake's layout, whatever the kernel's
 
 
@@ -376,16 +384,19 @@ def attention(q, k, v, mask: MaskOptions, softmax_scale, return_lse, algorithm, 
 
 
 class _SinkAttention(torch.autograd.Function):
-    """attention with sinks (cuflash/sinks.py): the kernels' forward, its (out, lse) rescaled; the
-    backward is the ordinary one fed the rescaled (out', lse'), plus the sinks' gradient."""
+    """attention with sinks (cuflash/sinks.py) and / or ALiBi slopes (either may be None): the
+    kernels' forward (with the slopes), its (out, lse) rescaled by the sinks; the backward is the
+    ordinary one (with the slopes) fed the rescaled (out', lse'), plus the sinks' gradient. The
+    slopes get none (FlashAttention's are not trained either)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, *options):
+    def forward(ctx, q, k, v, sinks, slopes, *options):
         from . import sinks as sinks_mod
 
-        out, lse = _fwd_impl(q, k, v, *options)
-        out, lse = sinks_mod.apply(out, lse, sinks)
-        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        out, lse = _fwd_run(q, k, v, options, alibi_slopes=slopes)
+        if sinks is not None:
+            out, lse = sinks_mod.apply(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks, slopes)
         ctx.options = backward_options((q, k, v, *options))
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -394,27 +405,30 @@ class _SinkAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         from . import sinks as sinks_mod
 
-        q, k, v, out, lse, sinks = ctx.saved_tensors
-        dq, dk, dv = _bwd_impl(dout, q, k, v, out, lse, *ctx.options)
-        dsinks = sinks_mod.grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
-        return (dq, dk, dv, dsinks, *OPTION_GRADS)
+        q, k, v, out, lse, sinks, slopes = ctx.saved_tensors
+        dq, dk, dv = _bwd_run(dout, q, k, v, out, lse, ctx.options, alibi_slopes=slopes)
+        dsinks = sinks_mod.grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return (dq, dk, dv, dsinks, None, *OPTION_GRADS)
 
 
 def attention_sinks(q, k, v, sinks, mask: MaskOptions, softmax_scale, return_lse, algorithm, deterministic,
-                    dropout_p=0.0, seed=None, backend=None):
-    """cuflash.attention(..., sinks=) for torch tensors, differentiable in q, k, v and sinks (an
-    autograd.Function around the ops' implementations: not traced by torch.compile yet)."""
+                    dropout_p=0.0, seed=None, backend=None, alibi_slopes=None):
+    """cuflash.attention(..., sinks=, alibi_slopes=) for torch tensors (either may be None),
+    differentiable in q, k, v and sinks (an autograd.Function around the ops' implementations: not
+    traced by torch.compile yet)."""
+    if alibi_slopes is not None:
+        _device((q, k, v, alibi_slopes), (*FWD_ARRAYS, "alibi_slopes"))
     _device((q, k, v), FWD_ARRAYS)
     scale = problem.check_softmax_scale(softmax_scale)
     dropout_p, seed = _dropout_options(dropout_p, seed)
     options = op_options(FWD_OPTIONS, mask, softmax_scale=scale, algorithm=algorithm,
                          deterministic=bool(deterministic), dropout_p=dropout_p, seed=seed, backend=backend)
-    out, lse = _SinkAttention.apply(q, k, v, sinks, *options)
+    out, lse = _SinkAttention.apply(q, k, v, sinks, alibi_slopes, *options)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, mask: MaskOptions, softmax_scale, deterministic, dropout_p=0.0,
-                       seed=None):
+                       seed=None, alibi_slopes=None):
     """cuflash.attention_backward for torch tensors: (dq, dk, dv), not itself differentiable."""
     _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     if dropout_p and seed is None:
@@ -425,4 +439,6 @@ def attention_backward(dout, q, k, v, out, lse, mask: MaskOptions, softmax_scale
                          dropout_p=dropout_p, seed=seed)
     with torch.no_grad():
         arrays = (dout, q, k, v, out, lse)
+        if alibi_slopes is not None:  # not an op argument yet: the implementation, eagerly
+            return _bwd_run(*arrays, options, alibi_slopes=alibi_slopes)
         return _bwd_impl(*arrays, *options) if _eager(arrays) else _bwd_op(*arrays, *options)

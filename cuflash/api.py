@@ -18,7 +18,7 @@ _tmod = None  # the cuflash._torch module (registers the torch ops), once a torc
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
               backend: str | None = None, window_size: tuple = (-1, -1), alignment: str = "bottom_right",
-              softcap: float | None = 0.0, sinks=None):
+              softcap: float | None = 0.0, sinks=None, alibi_slopes=None):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16 or
@@ -54,6 +54,11 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     softcap: c > 0 caps the scores, Gemma 2 style (FlashAttention >= 2.6's softcap): each score
         s = softmax_scale * q.k becomes c * tanh(s / c) before the mask and the softmax (lse is that
         of the capped scores); 0 or None (the default): no cap. Forward and backward, every kernel.
+    alibi_slopes: ALiBi (BLOOM, MPT; FlashAttention's alibi_slopes): a float32 array (heads,) or
+        (batch, heads) of q's framework and device; each score (after softcap) gains
+        -slope * |i + seqlen_k - seqlen_q - j| (|i - j| with alignment="top_left"), causal or not.
+        Forward and backward on every v2 kernel (both backends); algorithm "v2" only. Torch tensors: differentiable in
+        q, k, v (not the slopes) through an autograd.Function, eager only (not torch.compile yet).
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.
     algorithm: "v2" (FlashAttention-2 loop order, the default) or "v1" (FlashAttention-1). The
@@ -89,6 +94,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)  # checked
     t = type(q)
+    if alibi_slopes is not None:
+        return _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
+                                backend, sinks, alibi_slopes)
     if sinks is not None:
         return _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
                                 backend, sinks)
@@ -127,6 +135,41 @@ def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministi
     return (out, lse) if return_lse else out
 
 
+def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend,
+                     sinks, alibi_slopes):
+    """attention(..., alibi_slopes=...): the v2 forward with the slopes as one more array (CuPy, or
+    any DLPack framework but torch, whose ops do not take them yet); sinks rescale its results."""
+    from . import _interop, families, problem
+    from . import sinks as sinks_mod
+
+    if problem.check_algorithm(algorithm) != "v2":
+        raise ValueError("alibi_slopes: the v1 algorithm has no ALiBi kernels; use algorithm='v2'")
+    problem.check_flag(deterministic, "deterministic")
+    families.check_backend(backend)
+    if sinks is not None:
+        if len(getattr(q, "shape", ())) != 4:
+            raise ValueError(f"q must be (batch, seqlen_q, heads, head_dim), got shape {tuple(getattr(q, 'shape', ()))}")
+        sinks_mod.check(sinks, q.shape[2], q)
+    arrays, names = (q, k, v, alibi_slopes), ("q", "k", "v", "alibi_slopes")
+    fw, dev = _interop.common_framework(arrays, names)
+    if fw == _interop.TORCH:  # an autograd.Function (differentiable in q, k, v and sinks), eager only
+        return _load_torch().attention_sinks(q, k, v, sinks, mask, softmax_scale, return_lse, algorithm,
+                                             deterministic, dropout_p, seed, backend, alibi_slopes)
+    fwd = forward_fn("v2")
+
+    def body(q, k, v, slopes, *sinks_arg):
+        out, lse = fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
+                       backend=backend, alibi_slopes=slopes)
+        return sinks_mod.apply(out, lse, sinks_arg[0]) if sinks_arg else (out, lse)
+
+    extra = () if sinks is None else (sinks,)
+    if fw == _interop.CUPY:
+        out, lse = body(*arrays, *extra)
+    else:
+        out, lse = _interop.run(body, (*arrays, *extra), fw, dev, (*names, *(("sinks",) if extra else ())))
+    return (out, lse) if return_lse else out
+
+
 def _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend,
                      sinks):
     """attention(..., sinks=...): the kernels' (out, lse), rescaled by cuflash/sinks.py; torch
@@ -160,7 +203,8 @@ def _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
 
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                        deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
-                       window_size: tuple = (-1, -1), alignment: str = "bottom_right", softcap: float | None = 0.0):
+                       window_size: tuple = (-1, -1), alignment: str = "bottom_right", softcap: float | None = 0.0,
+                       alibi_slopes=None):
     """Gradients (dq, dk, dv) of attention(q, k, v) for the output gradient `dout`.
 
     `out` and `lse` are the forward's outputs (attention(..., return_lse=True)) for the same q, k, v,
@@ -170,6 +214,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     the gradients through its group of query heads (computed per query head, then summed in fp32).
     deterministic: bitwise reproducible dq (no floating-point atomics), at some speed cost.
     dropout_p, seed: those the forward used (the mask is regenerated from the seed).
+    alibi_slopes: the forward's (not with torch tensors yet).
 
     Accepts the same frameworks as `attention`, results in the caller's framework (torch: through
     the op `torch.ops.cuflash.attention_bwd`, which is not itself differentiable). Raises
@@ -178,34 +223,38 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     args = (dout, q, k, v, out, lse)
     t = type(q)
-    if t is _ndarray and all(type(a) is t for a in args) and (deterministic is False or deterministic is True):
+    if (alibi_slopes is None and t is _ndarray and all(type(a) is t for a in args)
+            and (deterministic is False or deterministic is True)):
         from ._backward import backward
 
         return backward(*args, mask=mask, softmax_scale=softmax_scale, deterministic=deterministic,
                         dropout_p=dropout_p, seed=seed)
-    return _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed)
+    return _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes)
 
 
-def _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed):
+def _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes=None):
     from . import _interop, problem
 
     deterministic = problem.check_flag(deterministic, "deterministic")
+    names = BWD_ARRAYS
+    if alibi_slopes is not None:
+        args, names = (*args, alibi_slopes), (*BWD_ARRAYS, "alibi_slopes")
     tm = _tmod
-    if tm is not None and isinstance(args[1], tm.Tensor):
-        return tm.attention_backward(*args, mask, softmax_scale, deterministic, dropout_p, seed)
-    fw, dev = _interop.common_framework(args, BWD_ARRAYS)
+    torch_args = tm is not None and isinstance(args[1], tm.Tensor)
+    fw, dev = (_interop.TORCH, None) if torch_args else _interop.common_framework(args, names)
     if fw == _interop.TORCH:
-        return _load_torch().attention_backward(*args, mask, softmax_scale, deterministic, dropout_p, seed)
+        return _load_torch().attention_backward(*args[:6], mask, softmax_scale, deterministic, dropout_p, seed,
+                                                alibi_slopes)
     from ._backward import backward
 
     def run(*a):
-        return backward(*a, mask=mask, softmax_scale=softmax_scale, deterministic=deterministic,
-                        dropout_p=dropout_p, seed=seed)
+        return backward(*a[:6], mask=mask, softmax_scale=softmax_scale, deterministic=deterministic,
+                        dropout_p=dropout_p, seed=seed, alibi_slopes=a[6] if len(a) > 6 else None)
 
     if fw == _interop.CUPY:
         _remember_cupy()
         return run(*args)
-    return _interop.run(run, args, fw, dev, BWD_ARRAYS)
+    return _interop.run(run, args, fw, dev, names)
 
 
 def forward_fn(algorithm):

@@ -8,7 +8,7 @@ and keys the tuned tables (tuning every feature combination is impossible, tunin
 
 The boolean variant fields (declared with `_variant`) are the kernels' compile-time feature set:
 the generated shell passes them, in field order, as ONE template argument,
-`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged>` (kernels_cu/attn/features.cuh), and asserts that each C++
+`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged, alibi>` (kernels_cu/attn/features.cuh), and asserts that each C++
 member holds the value of its field (`cxx_asserts`), so the two lists cannot drift apart. Adding a
 feature is: one `_variant` field here, one parameter and member there, and the policy header that
 reads it; the shells, kernel names and fingerprints follow.
@@ -59,6 +59,11 @@ class Features:
     # heads_kv, head_dim) and batch b's key row r lives in page block_table[b][r / page_size]; the
     # kernel takes block_table after seqused_k; only the decode kernel has it
     paged: bool = _variant("_paged", "kPaged")
+    # ALiBi (BLOOM, MPT; FlashAttention's alibi_slopes): every score gains -slope_h |q + offset - k|
+    # (the mask's alignment), slopes per head or per (batch, head) read from an alibi_slopes pointer
+    # after the kernel's others (kernels_cu/attn/score_mod.cuh AlibiBias); the v2 forwards and
+    # backwards (sm80, sm90)
+    alibi: bool = _variant("_alibi", "kAlibi")
 
     @classmethod
     @functools.cache
@@ -80,7 +85,7 @@ class Features:
         return "".join(f.metadata["tag"] for f in self.variant_fields() if getattr(self, f.name))
 
     def cxx(self) -> str:
-        """The kernels' feature-set template argument, e.g. cuflash::Variant<true, false, false, false, false, false, false, false>."""
+        """The kernels' feature-set template argument, e.g. cuflash::Variant<true, false, false, false, false, false, false, false, false>."""
         return f"cuflash::Variant<{', '.join(_cxx_bool(getattr(self, f.name)) for f in self.variant_fields())}>"
 
     def cxx_asserts(self) -> str:

@@ -37,17 +37,14 @@ def _unsupported(**options):
             raise NotImplementedError(f"cuflash.flash_attn_interface: {name}={value!r} is not supported yet")
 
 
-def _check(alibi_slopes):
-    _unsupported(alibi_slopes=(alibi_slopes, alibi_slopes is None))
-
-
-def _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs):
+def _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+         alibi_slopes=None):
     from .api import attention
 
     window = tuple(window_size) if window_size is not None else (-1, -1)
     res = attention(q, k, v, causal=bool(causal), softmax_scale=softmax_scale, dropout_p=float(dropout_p),
                     deterministic=bool(deterministic), window_size=window, softcap=softcap,
-                    return_lse=bool(return_attn_probs))
+                    return_lse=bool(return_attn_probs), alibi_slopes=alibi_slopes)
     if return_attn_probs:
         out, lse = res
         return out, lse, None
@@ -58,25 +55,25 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn 2's flash_attn_func: q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k,
     nheads_k, headdim); causal aligned to the bottom right; window_size (left, right), -1 = infinite.
+    alibi_slopes: float32 (nheads,) or (batch, nheads), bias -slope |i + seqlen_k - seqlen_q - j|.
     Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) with return_attn_probs."""
-    _check(alibi_slopes)
-    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+                alibi_slopes)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """qkv (batch, seqlen, 3, nheads, headdim): q, k, v as strided views of it (no copy)."""
-    _check(alibi_slopes)
     q, k, v = (qkv[:, :, i] for i in range(3))
-    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs)
+    return _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
+                alibi_slopes)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim), kv (batch, seqlen_k, 2, nheads_k, headdim)."""
-    _check(alibi_slopes)
     return _run(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                return_attn_probs)
+                return_attn_probs, alibi_slopes)
 
 
 def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -84,13 +81,12 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     """cuflash.attention_varlen (differentiable on torch tensors)."""
     from .varlen import attention_varlen
 
-    _check(alibi_slopes)
     _unsupported(block_table=(block_table, block_table is None))
     window = tuple(window_size) if window_size is not None else (-1, -1)
     res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
                            softmax_scale=softmax_scale, window_size=window, softcap=softcap,
                            return_lse=bool(return_attn_probs), deterministic=bool(deterministic),
-                           dropout_p=float(dropout_p))
+                           dropout_p=float(dropout_p), alibi_slopes=alibi_slopes)
     if return_attn_probs:
         out, lse = res
         return out, lse, None
@@ -140,8 +136,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_batch_idx, cache_leftpad and alibi raise NotImplementedError naming the option; rotary
     without cache_seqlens raises ValueError (the positions come from it)."""
     _unsupported(cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
-                 cache_leftpad=(cache_leftpad, cache_leftpad is None))
-    _check(alibi_slopes)
+                 cache_leftpad=(cache_leftpad, cache_leftpad is None),
+                 alibi_slopes=(alibi_slopes, alibi_slopes is None))  # the decode kernel has no ALiBi yet
     if block_table is not None and cache_seqlens is None:
         raise ValueError("flash_attn_with_kvcache: a paged cache (block_table) needs cache_seqlens")
     if cache_seqlens is not None or k is not None or v is not None:

@@ -57,6 +57,9 @@ FWD_FIELDS = [
     ("align_end", _I32),  # varlen: 1 adds each batch's seqlen_k - seqlen_q to offset (bottom-right); 0 otherwise
     ("n_splits", _I32), ("split_blocks", _I32),  # split-KV: blocks per work tile, key blocks per split
     ("page_size", _I32), ("table_stride", _I32),  # paged KV caches: rows per page, block_table entries per batch
+    # ALiBi: the slope's factor to the kernel's score units (1 / softmax_scale; 1 / softcap with
+    # softcap), and alibi_slopes' batch stride in elements (0: one slope per head; heads: per batch)
+    ("alibi_scale", _F32), ("alibi_sb", _I32),
 ]
 
 BWD_FIELDS = [
@@ -72,6 +75,7 @@ BWD_FIELDS = [
     ("softcap_scale", _F32),  # as FwdParams'
     ("head_dim", _I32),  # as FwdParams'
     ("align_end", _I32),  # as FwdParams'
+    ("alibi_scale", _F32), ("alibi_sb", _I32),  # as FwdParams'
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)
@@ -107,6 +111,12 @@ def _set_common(a, p: AttnProblem) -> None:
     a["drop_seed"], a["drop_threshold"], a["drop_scale"] = 0, 0, np.float32(1.0)
 
 
+def _set_alibi(a, p: AttnProblem) -> None:
+    if p.alibi:  # a bias b in softmax units is b / softmax_scale on S, b / softcap on softcap's t
+        a["alibi_scale"] = np.float32(1.0 / (p.softcap if p.softcap else p.softmax_scale))
+        a["alibi_sb"] = p.alibi_sb
+
+
 def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     """FwdParams of a forward plan: q, k, v strides from the problem, o's of a fresh (C-contiguous)
     output; m_blocks = ceil(seqlen_q / block_q) of the launched tile."""
@@ -118,6 +128,7 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     a["m_blocks"], a["tiles"] = m_blocks, m_blocks * p.heads * p.batch
     a["n_splits"], a["split_blocks"] = 1, 0  # split-KV plans set theirs (cuflash/kvcache.py)
     a["page_size"], a["table_stride"] = p.page_size, p.table_stride  # paged KV caches (0 otherwise)
+    _set_alibi(a, p)
     if p.varlen:  # packed rows: the kernel finds each batch's by cu_seqlens (kernels_cu/attn/mask.cuh, SeqSpan)
         _set_strides(a, "o", (0, p.heads * p.head_dim, p.head_dim))
         a["seqlen_q"], a["seqlen_k"], a["align_end"] = p.total_q, p.total_k, int(p.align_end)
@@ -144,6 +155,7 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     _set_common(a, p)
     a["seqlen_q_pad"], a["n_blocks"], a["m_blocks"] = seqlen_q_pad, n_blocks, m_blocks
     a["scale"] = np.float32(p.softmax_scale)
+    _set_alibi(a, p)
     if p.varlen:  # packed rows (cuflash/_backward.py _plan_varlen; kernels_cu/attn/mask.cuh SeqSpan)
         _set_strides(a, "dq", (0, p.heads * p.head_dim, p.head_dim))
         for t in ("dk", "dv"):

@@ -102,6 +102,10 @@ class AttnProblem:
     paged: bool = False
     page_size: int = 0
     table_stride: int = 0
+    # ALiBi (check_alibi_slopes): every score gains -slope |i + offset - j| in softmax units, the
+    # slopes a float32 device array (heads,) (alibi_sb 0) or (batch, heads) (alibi_sb = heads)
+    alibi: bool = False
+    alibi_sb: int = 0
 
     def __post_init__(self):
         check_geometry(self.window_left, self.window_right, self.offset)
@@ -118,7 +122,7 @@ class AttnProblem:
         d = kernel_head_dim(self.head_dim)
         return Features(self.dtype, d, self.dropout is not None, local=self.window_left != UNBOUNDED,
                         softcap=self.softcap > 0, partial_d=self.head_dim != d, seqused_k=self.seqused_k,
-                        varlen=self.varlen, split_kv=self.n_splits > 1, paged=self.paged)
+                        varlen=self.varlen, split_kv=self.n_splits > 1, paged=self.paged, alibi=self.alibi)
 
     @property
     def empty(self) -> bool:
@@ -264,6 +268,31 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
         strides={"q": _element_strides(q), "k": _element_strides(k), "v": _element_strides(v)},
         softmax_scale=1.0 / math.sqrt(d) if scale is None else scale,
         window_left=left, window_right=right, offset=offset, dropout=dropout, softcap=mask.softcap)
+
+
+def check_alibi_slopes(slopes: ArrayInfo, batch: int, heads: int, device: int) -> int:
+    """alibi_slopes' batch stride in elements (0 for (heads,), heads for (batch, heads)) after checking
+    it: float32, C-contiguous, 4-byte aligned, on q's device (FlashAttention's alibi_slopes)."""
+    if slopes.dtype != "float32":
+        raise TypeError(f"alibi_slopes must be float32 (one slope per head, or per batch and head), got {slopes.dtype}")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = ({batch}, {heads}), "
+                         f"got shape {tuple(slopes.shape)}")
+    contiguous = (4,) if len(slopes.shape) == 1 else (heads * 4, 4)
+    if any(n > 1 and st != c for n, st, c in zip(slopes.shape, slopes.strides, contiguous)):
+        raise ValueError(f"alibi_slopes must be C-contiguous (strides {contiguous} bytes), got strides {slopes.strides}")
+    if slopes.ptr % 4:
+        raise ValueError("alibi_slopes' data pointer is not 4-byte aligned; copy it first")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on q's device {device}, got device {slopes.device}")
+    return heads if len(slopes.shape) == 2 else 0
+
+
+def with_alibi(p: AttnProblem, slopes: ArrayInfo | None) -> AttnProblem:
+    """`p` with ALiBi of these slopes (checked), or `p` itself without."""
+    if slopes is None:
+        return p
+    return dataclasses.replace(p, alibi=True, alibi_sb=check_alibi_slopes(slopes, p.batch, p.heads, p.device))
 
 
 def resolve_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,

@@ -58,6 +58,7 @@ __all__ = [
     "visible",
     "attention_naive",
     "attention_v1_tiled",
+    "alibi_bias",
     "attention_v2_tiled",
     "attention_backward",
     "attention_backward_tiled",
@@ -181,12 +182,29 @@ def _softcap(causal, softcap) -> float:
     return c
 
 
-def _scores(qi, kj, scale, allowed, softcap=0.0):
-    """S_ij = tau Q_i K_j^T, or c tanh(tau Q_i K_j^T / c) with softcap c > 0, with disallowed
-    entries set to -inf after it (allowed=None: no mask)."""
+def alibi_bias(nq: int, nk: int, slopes, batch: int, heads: int, alignment="bottom_right") -> np.ndarray:
+    """ALiBi's bias, (B, H, N_q, N_k) float64: -slopes[b, h] |i + offset - j| with query i's
+    diagonal key i + offset, offset N_k - N_q (bottom_right, FlashAttention's alibi_slopes) or 0
+    (top_left). `slopes`: (H,) (one per head) or (B, H). `alignment` may also be a
+    cuflash.mask.MaskOptions (its alignment)."""
+    alignment = getattr(alignment, "alignment", alignment)
+    slopes = np.asarray(slopes, dtype=np.float64)
+    if slopes.shape not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), got {slopes.shape}")
+    slopes = np.broadcast_to(slopes, (batch, heads))
+    offset = nk - nq if alignment == "bottom_right" else 0
+    dist = np.abs(np.arange(nq)[:, None] + offset - np.arange(nk)[None, :]).astype(np.float64)
+    return -slopes[:, :, None, None] * dist
+
+
+def _scores(qi, kj, scale, allowed, softcap=0.0, bias=None):
+    """S_ij = tau Q_i K_j^T, or c tanh(tau Q_i K_j^T / c) with softcap c > 0, plus `bias` (ALiBi's,
+    broadcastable), with disallowed entries set to -inf after it (allowed=None: no mask)."""
     s = scale * (qi @ kj.swapaxes(-1, -2))
     if softcap:
         s = softcap * np.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias
     return s if allowed is None else np.where(allowed, s, -np.inf)
 
 
@@ -199,10 +217,11 @@ def _out_layout(*xs):
 
 
 def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1),
-                    softcap=None):
+                    softcap=None, alibi_slopes=None):
     """Standard attention, materialising the N_q x N_k matrices.
 
-    S = tau Q K^T (c tanh(tau Q K^T / c) with softcap c; masked entries -inf), P = softmax(S),
+    S = tau Q K^T (c tanh(tau Q K^T / c) with softcap c; plus ALiBi's alibi_bias with
+    alibi_slopes, after the cap; masked entries -inf), P = softmax(S),
     O = (P o Z) V with Z the dropout scale (Z = 1 without dropout), L = log rowsum(e^S).
 
     Returns ``(out, lse)``: out (B, N_q, H, d) and lse (B, H, N_q), float64.
@@ -212,7 +231,9 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=N
     nk = k.shape[2]
     z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
 
-    s = _scores(q, k, scale, visible(nq, nk, causal, window_size), _softcap(causal, softcap))
+    bias = None if alibi_slopes is None else alibi_bias(nq, nk, alibi_slopes, b, h, getattr(causal, "alignment",
+                                                                                           "bottom_right"))
+    s = _scores(q, k, scale, visible(nq, nk, causal, window_size), _softcap(causal, softcap), bias)
     m = s.max(axis=-1)
     e = np.exp(s - _finite_or_zero(m)[..., None])
     l = e.sum(axis=-1)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .reference import visible
+from .reference import alibi_bias, visible
 
 
 def bf16():
@@ -63,7 +63,7 @@ def _rounder(compute_dtype, round_dtype):
     return lambda x: x.astype(round_dtype).astype(compute_dtype)
 
 
-def _masked_scores(qf, kf, causal, scale, rnd, with_tanh=False):
+def _masked_scores(qf, kf, causal, scale, rnd, with_tanh=False, alibi_slopes=None):
     """Scores scale Q K^T, softcapped (c tanh(. / c)) when `causal` is a MaskOptions with softcap c
     (the same-dtype side rounds s / c, the tanh and its product with c, as a 16-bit PyTorch
     computation would), then masked (-inf). with_tanh: also the tanh (None without softcap), for
@@ -76,13 +76,17 @@ def _masked_scores(qf, kf, causal, scale, rnd, with_tanh=False):
     if c:
         t = rnd(cupy.tanh(rnd(s / c)))
         s = rnd(t * c)
+    if alibi_slopes is not None:  # ALiBi after the cap (cuflash.reference.alibi_bias), in the compute dtype
+        b, h, nq, nk = s.shape
+        bias = alibi_bias(nq, nk, cupy.asnumpy(alibi_slopes), b, h, getattr(causal, "alignment", "bottom_right"))
+        s = rnd(s + cupy.asarray(bias).astype(s.dtype))
     ok = visible(*s.shape[-2:], causal)  # causal: a bool or a cuflash.mask.MaskOptions (with its window)
     if ok is not None:
         s = cupy.where(cupy.asarray(ok), s, -cupy.inf)
     return (s, t) if with_tanh else s
 
 
-def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=None):
+def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=None, alibi_slopes=None):
     """softmax(scale Q K^T) V on the GPU in `compute_dtype`, bottom-right causal (`causal` may be a
     cuflash.mask.MaskOptions: its window, alignment and softcap apply). k, v may have
     fewer heads than q, dividing them (GQA/MQA: repeated for each group of query heads).
@@ -99,7 +103,7 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=No
     rnd = _rounder(compute_dtype, round_dtype)
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])  # GQA/MQA: one k/v head per query head
     qf, kf, vf = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v))  # b h n d
-    s = _masked_scores(qf, kf, causal, scale, rnd)
+    s = _masked_scores(qf, kf, causal, scale, rnd, alibi_slopes=alibi_slopes)
     m = s.max(axis=-1, keepdims=True)
     m_safe = cupy.where(cupy.isneginf(m), 0, m)
     e = cupy.exp(s - m_safe)
@@ -112,7 +116,7 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=No
     return o.transpose(0, 2, 1, 3), lse
 
 
-def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, keep_scale=None):
+def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, keep_scale=None, alibi_slopes=None):
     """(dq, dk, dv) of softmax(scale Q K^T) V for upstream dout, bottom-right causal, on the GPU.
     k, v may have fewer heads than q (GQA/MQA): dk, dv then have theirs (sums over each group).
 
@@ -120,6 +124,7 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     autograd would (the "pt" side of the 2x rule). Rows that see no key get zero gradient.
     keep_scale: dropout as Z = keep_mask * scale, a (b, h, nq, nk) CuPy array: O = (P o Z) V,
     dV = (P o Z)^T dO, dS = P o (dP o Z - D) with dP = dO V^T and D = rowsum(dO o O).
+    alibi_slopes: ALiBi's bias on the scores (after softcap; it passes dS through unchanged).
     """
     import cupy
 
@@ -127,7 +132,7 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])  # GQA/MQA: dK, dV summed back below
     qf, kf, vf, dof = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v, dout))  # b h n d
-    s, t = _masked_scores(qf, kf, causal, scale, rnd, with_tanh=True)
+    s, t = _masked_scores(qf, kf, causal, scale, rnd, with_tanh=True, alibi_slopes=alibi_slopes)
     m = s.max(axis=-1, keepdims=True)
     e = cupy.exp(s - cupy.where(cupy.isneginf(m), 0, m))
     l = e.sum(axis=-1, keepdims=True)
@@ -162,28 +167,31 @@ def _allowed(got, ref, pt, factor):
     return err, pt_err, factor * pt_err + atol
 
 
-def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None):
+def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None, alibi_slopes=None):
     """(kernel error, same-dtype error, allowed) by FlashAttention's rule against a float64 reference.
 
     keep_scale: dropout's Z = keep_mask * scale (b, h, nq, nk), applied on both sides (see naive).
-    k, v may have fewer heads than q (GQA/MQA), as the kernels take them.
+    k, v may have fewer heads than q (GQA/MQA), as the kernels take them. alibi_slopes: ALiBi's
+    (heads,) or (batch, heads) slopes, on both sides.
     """
     import cupy
 
-    ref, _ = naive(q, k, v, causal, scale, cupy.float64, keep_scale=keep_scale)
-    pt, _ = naive(q, k, v, causal, scale, cupy.float32, round_dtype=out.dtype, keep_scale=keep_scale)
+    ref, _ = naive(q, k, v, causal, scale, cupy.float64, keep_scale=keep_scale, alibi_slopes=alibi_slopes)
+    pt, _ = naive(q, k, v, causal, scale, cupy.float32, round_dtype=out.dtype, keep_scale=keep_scale,
+                  alibi_slopes=alibi_slopes)
     return _allowed(out, ref, pt, factor)
 
 
-def fa_rule_grads(grads, q, k, v, dout, causal, scale, factor=2.0, keep_scale=None):
+def fa_rule_grads(grads, q, k, v, dout, causal, scale, factor=2.0, keep_scale=None, alibi_slopes=None):
     """Per gradient name ("dq", "dk", "dv"): (kernel error, same-dtype error, allowed), as fa_rule
     does for the output. keep_scale: dropout's Z, applied on both sides (see naive_grads).
     GQA/MQA: k, v (and the kernel's dk, dv) with fewer heads than q; both references sum dK, dV
     over each group (naive_grads)."""
     import cupy
 
-    ref = naive_grads(q, k, v, dout, causal, scale, cupy.float64, keep_scale=keep_scale)
-    pt = naive_grads(q, k, v, dout, causal, scale, cupy.float32, round_dtype=q.dtype, keep_scale=keep_scale)
+    ref = naive_grads(q, k, v, dout, causal, scale, cupy.float64, keep_scale=keep_scale, alibi_slopes=alibi_slopes)
+    pt = naive_grads(q, k, v, dout, causal, scale, cupy.float32, round_dtype=q.dtype, keep_scale=keep_scale,
+                     alibi_slopes=alibi_slopes)
     return {name: _allowed(g, r, p, factor) for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, pt)}
 
 

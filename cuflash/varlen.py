@@ -137,15 +137,18 @@ def _empty_plan(p, dtype) -> FilledPlan:
 
 
 def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions,
-                  softmax_scale, out=None, lse=None, backend=None, dropout_p=0.0, seed=None):
-    """The CuPy body: (out, lse). `out`, `lse`: given buffers (internal: the GPU tests poison them)."""
+                  softmax_scale, out=None, lse=None, backend=None, dropout_p=0.0, seed=None, alibi_slopes=None):
+    """The CuPy body: (out, lse). `out`, `lse`: given buffers (internal: the GPU tests poison them).
+    `alibi_slopes`: ALiBi's (heads,) or (batch, heads) float32 slopes, the plan's last input."""
     import cupy
 
     infos = [problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     offsets = [_offsets_info(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))]
     dropout = problem.resolve_dropout(dropout_p, seed)
     p = resolve(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, dropout)
+    p = problem.with_alibi(p, None if alibi_slopes is None else problem.describe(alibi_slopes, "alibi_slopes"))
     cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
+    slopes = () if alibi_slopes is None else (alibi_slopes,)
 
     def build():
         if p.empty:
@@ -153,18 +156,18 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         family = families.choose(families.FORWARDS, p, backend)  # the Hopper kernel where it can run
         return family.plan(p, families.select(family, p), q.dtype)
 
-    plan = _plans.get(lambda: (*plan_cache.array_key((q, k, v)), p.batch, p.seqlen_q, p.seqlen_k, mask.key,
+    plan = _plans.get(lambda: (*plan_cache.array_key((q, k, v, *slopes)), p.batch, p.seqlen_q, p.seqlen_k, mask.key,
                                softmax_scale, backend, dropout is not None), build)
     if out is not None:
         out = _forward._checked_out(out, q)
     if lse is not None:
         lse = _forward._checked_lse(lse, (p.heads, p.total_q))
-    return plan.run((q, k, v, out, lse, cu_q, cu_k), None if dropout is None else dropout.kernel_args)
+    return plan.run((q, k, v, out, lse, cu_q, cu_k, *slopes), None if dropout is None else dropout.kernel_args)
 
 
 def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   mask: MaskOptions, softmax_scale, deterministic=False, dropout_p=0.0, seed=None):
-    """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed)."""
+                   mask: MaskOptions, softmax_scale, deterministic=False, dropout_p=0.0, seed=None, alibi_slopes=None):
+    """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed); `alibi_slopes` the forward's."""
     import cupy
 
     from . import _backward
@@ -174,7 +177,9 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     offsets = [_offsets_info(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))]
     dropout = problem.resolve_dropout(dropout_p, seed)
     p = resolve_backward(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic, dropout)
+    p = problem.with_alibi(p, None if alibi_slopes is None else problem.describe(alibi_slopes, "alibi_slopes"))
     cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
+    slopes = () if alibi_slopes is None else (alibi_slopes,)
 
     def build():
         if p.empty:  # no launch: zero gradients of q, k, v's shapes
@@ -184,16 +189,17 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
         dq_cfg = families.select(families.BWD_DQ, p) if p.deterministic else None
         return _backward._plan(p, cfg, dq_cfg, q.dtype)
 
-    key = lambda: (*plan_cache.array_key(arrays), p.batch, p.seqlen_q, p.seqlen_k, mask.key, softmax_scale,
+    key = lambda: (*plan_cache.array_key((*arrays, *slopes)), p.batch, p.seqlen_q, p.seqlen_k, mask.key, softmax_scale,
                    p.deterministic, dropout is not None)
     plan = _bwd_plans.get(key, build)
-    return plan.run((*arrays, cu_q, cu_k), None if dropout is None else dropout.kernel_args)
+    return plan.run((*arrays, cu_q, cu_k, *slopes), None if dropout is None else dropout.kernel_args)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                               max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
                               window_size=(-1, -1), alignment: str = "bottom_right", softcap: float = 0.0,
-                              deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None):
+                              deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
+                              alibi_slopes=None):
     """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient `dout` (packed like q);
     `out` and `lse` are the forward's (lse (heads, total_q)). The mask options must be the forward's.
     deterministic=True: bitwise reproducible dq (a dQ kernel instead of fp32 atomics). dropout_p, seed:
@@ -203,13 +209,16 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     names = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
     arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    if alibi_slopes is not None:
+        names, arrays = (*names, "alibi_slopes"), (*arrays, alibi_slopes)
     fw, dev = _interop.common_framework(arrays, names)
 
     if dropout_p and seed is None:
         raise ValueError("seed is required with dropout_p > 0: pass the seed the forward used")
 
     def body(*a):
-        return _backward_cupy(*a, max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic, dropout_p, seed)
+        return _backward_cupy(*a[:8], max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic, dropout_p, seed,
+                              a[8] if len(a) > 8 else None)
 
     return body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
 
@@ -218,7 +227,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False,
                      deterministic: bool = False, backend: str | None = None, dropout_p: float = 0.0,
-                     seed: int | None = None):
+                     seed: int | None = None, alibi_slopes=None):
     """Attention over a batch of packed sequences of different lengths (module docstring: the layout,
     what is checked).
 
@@ -234,12 +243,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     run; "sm80" / "sm90" force one). dropout_p, seed: dropout on the attention probabilities, as
     cuflash.attention's (a Philox mask of `seed`, regenerated by the backward; torch autograd draws
     a seed from torch's generator when none is given; CuPy and DLPack callers must give one).
+    alibi_slopes: ALiBi, as cuflash.attention's (float32 (heads,) or (batch, heads)), per sequence.
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     problem.check_flag(deterministic, "deterministic")
     families.check_backend(backend)
     names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
     arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if alibi_slopes is not None:
+        names, arrays = (*names, "alibi_slopes"), (*arrays, alibi_slopes)
     fw, dev = _interop.common_framework(arrays, names)
     if fw == _interop.TORCH and dropout_p and seed is None:
         import torch
@@ -248,12 +260,13 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     problem.resolve_dropout(dropout_p, seed)  # checked before any work
     if fw == _interop.TORCH and _needs_grad(q, k, v):
         out, lse = _torch_function().apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
-                                           softmax_scale, bool(deterministic), dev, backend, dropout_p, seed)
+                                           softmax_scale, bool(deterministic), dev, backend, dropout_p, seed,
+                                           alibi_slopes)
         return (out, lse) if return_lse else out
 
-    def body(q, k, v, cu_q, cu_k):
+    def body(q, k, v, cu_q, cu_k, *slopes):
         return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale, backend=backend,
-                             dropout_p=dropout_p, seed=seed)
+                             dropout_p=dropout_p, seed=seed, alibi_slopes=slopes[0] if slopes else None)
 
     out, lse = body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
     return (out, lse) if return_lse else out
@@ -280,28 +293,33 @@ def _torch_function():
         class VarlenAttention(torch.autograd.Function):
             @staticmethod
             def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, deterministic, dev, backend, dropout_p,
-                        seed):
-                def body(q, k, v, cu_q, cu_k):
-                    return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, backend=backend,
-                                         dropout_p=dropout_p, seed=seed)
+                        seed, slopes):
+                extra = () if slopes is None else (slopes,)
 
-                out, lse = _interop.run(body, (q, k, v, cu_q, cu_k), _interop.TORCH, dev, names)
-                ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+                def body(q, k, v, cu_q, cu_k, *s):
+                    return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, backend=backend,
+                                         dropout_p=dropout_p, seed=seed, alibi_slopes=s[0] if s else None)
+
+                out, lse = _interop.run(body, (q, k, v, cu_q, cu_k, *extra), _interop.TORCH, dev,
+                                        names + (("alibi_slopes",) if extra else ()))
+                ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, slopes)
                 ctx.options = (max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed)
                 ctx.mark_non_differentiable(lse)
                 return out, lse
 
             @staticmethod
             def backward(ctx, dout, dlse):
-                q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+                q, k, v, out, lse, cu_q, cu_k, slopes = ctx.saved_tensors
                 max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed = ctx.options
+                extra = () if slopes is None else (slopes,)
 
                 def body(*a):
-                    return _backward_cupy(*a, max_q, max_k, mask, scale, deterministic, dropout_p, seed)
+                    return _backward_cupy(*a[:8], max_q, max_k, mask, scale, deterministic, dropout_p, seed,
+                                          a[8] if len(a) > 8 else None)
 
-                dq, dk, dv = _interop.run(body, (dout.contiguous(), q, k, v, out, lse, cu_q, cu_k), _interop.TORCH,
-                                          dev, bwd_names)
-                return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+                dq, dk, dv = _interop.run(body, (dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *extra),
+                                          _interop.TORCH, dev, bwd_names + (("alibi_slopes",) if extra else ()))
+                return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
 
         _TORCH_FUNCTION = VarlenAttention
     return _TORCH_FUNCTION

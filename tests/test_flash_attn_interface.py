@@ -43,13 +43,26 @@ class FakePacked:
         return index
 
 
+def test_dense_entry_points_pass_alibi_slopes_on(monkeypatch):
+    from cuflash import api
+
+    seen = []
+    monkeypatch.setattr(api, "attention", lambda *a, **kw: seen.append(kw["alibi_slopes"]) or "out")
+    slopes = object()
+    assert fai.flash_attn_func(None, None, None, alibi_slopes=slopes) == "out"
+    assert fai.flash_attn_qkvpacked_func(FakePacked(), alibi_slopes=slopes) == "out"
+    assert fai.flash_attn_kvpacked_func(None, FakePacked(), alibi_slopes=slopes) == "out"
+    assert seen == [slopes] * 3
+    from cuflash import varlen
+
+    monkeypatch.setattr(varlen, "attention_varlen", lambda *a, **kw: seen.append(kw["alibi_slopes"]) or "out")
+    assert fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1, alibi_slopes=slopes) == "out"
+    assert seen == [slopes] * 4
+
+
 def test_unsupported_options_name_themselves():
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fai.flash_attn_func(None, None, None, alibi_slopes=[1.0])
     with pytest.raises(NotImplementedError, match="block_table"):
         fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1, block_table=object())
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fai.flash_attn_varlen_kvpacked_func(None, FakePacked(), None, None, 1, 1, alibi_slopes=[1.0])
     with pytest.raises(ValueError, match="block_table.*cache_seqlens"):  # paged caches need the lengths
         fai.flash_attn_with_kvcache(None, None, None, block_table=object())
     with pytest.raises(NotImplementedError, match="cache_batch_idx"):

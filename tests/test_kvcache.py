@@ -66,7 +66,7 @@ def test_reference_rejects_lengths_out_of_range():
 def test_only_the_sm80_forward_has_seqused_k_instances():
     f = Features("bfloat16", 64, seqused_k=True)
     assert f.tag() == "_kvlen" and f.perf_class() == "dense"
-    assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false, false, false>"
+    assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false, false, false, false>"
     assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["fwd", "decode"]
     for fam in families.FORWARDS:
         if fam is not families.FWD:
@@ -77,9 +77,9 @@ def test_shell_takes_seqused_k_after_the_data_pointers():
     tile = families.FWD.default(64)
     plain = _compile.kernel_source(tile, Features("float16", 64))
     kv = _compile.kernel_source(tile, Features("float16", 64, seqused_k=True))
-    assert "int* __restrict__ seqused_k" not in plain and "(q, k, v, out, lse, p);" in plain
+    assert "int* __restrict__ seqused_k" not in plain and "(q, k, v, out, lse, nullptr, nullptr, nullptr, nullptr, p);" in plain
     assert "float* __restrict__ lse, const int* __restrict__ seqused_k," in kv
-    assert "(q, k, v, out, lse, seqused_k, p);" in kv
+    assert "(q, k, v, out, lse, seqused_k, nullptr, nullptr, nullptr, p);" in kv
 
 
 def test_host_lengths():
@@ -112,19 +112,21 @@ def test_seqused_k_instances_compile_without_spills(arch, d, local, softcap, dty
 
 @needs_nvrtc
 @pytest.mark.parametrize("d", [64, 128])
-def test_plain_instances_compile_as_the_nullptr_call(d):
-    """The instances without seqused_k (and without varlen) compile to the same PTX as the body that
-    takes the seqused_k and cu_seqlens pointers, called with nullptrs and both features false: the
-    per-batch code is compiled out, not merely unused. (The
-    before/after check against the staging base, done by hand when this landed: the default d64/d128
-    plain, local, dropout, softcap instances' sm_80 PTX differed only in the Variant's new member.)"""
+def test_plain_instances_compile_the_optional_code_out(d):
+    """The forward's shell passes nullptr for the optional pointers an instance does not take
+    (seqused_k, cu_seqlens, alibi_slopes; KernelFamily.nullable_pointers), and the code that would
+    read them is compiled out, not merely unused: the plain instance's PTX loads none of the ALiBi
+    parameters, which the ALiBi instance loads. (When the shells still called per-pointer-set
+    overloads, the plain PTX was checked equal to the nullptr call's.)"""
     tile = families.FWD.default(d)
-    f = Features("bfloat16", d)
-    src = _compile.kernel_source(tile, f)
-    direct = src.replace("(q, k, v, out, lse, p);", "(q, k, v, out, lse, nullptr, nullptr, nullptr, p);")
-    assert direct != src
-    strip = lambda s: re.sub(r"//.*", "", s)
-    assert strip(_ptx(src, "sm_80")) == strip(_ptx(direct, "sm_80"))
+    plain = _ptx(_compile.kernel_source(tile, Features("bfloat16", d)), "sm_80")
+    alibi_tile = families.FWD.default(d, features=Features("bfloat16", d, alibi=True))
+    alibi = _ptx(_compile.kernel_source(alibi_tile, Features("bfloat16", d, alibi=True)), "sm_80")
+    def last_two_loaded(ptx):  # the struct's last fields, alibi_scale and alibi_sb, are the last parameters
+        n = len(re.findall(r"\.param \.\w+ \w+_param_\d+", ptx))
+        return [bool(re.search(rf"ld\.param\.\w+\s+%\w+, \[\w+_param_{i}\]", ptx)) for i in (n - 2, n - 1)]
+
+    assert last_two_loaded(plain) == [False, False] and last_two_loaded(alibi) == [True, True]
 
 
 @pytest.mark.parametrize("causal,window", MASKS)
@@ -321,7 +323,7 @@ def test_split_combine_kernel_compiles():
 
 def test_only_the_decode_kernel_has_paged_instances():
     f = Features("bfloat16", 128, seqused_k=True, paged=True)
-    assert f.tag() == "_kvlen_paged" and f.cxx().endswith("true, false, false, true>")
+    assert f.tag() == "_kvlen_paged" and f.cxx().endswith("true, false, false, true, false>")
     assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["decode"]
 
 

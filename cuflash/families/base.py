@@ -100,6 +100,12 @@ class KernelFamily:
     takes_paged: bool = False  # True: paged KV cache instances (a block_table pointer after seqused_k)
     paged_pointer: tuple = (I32_IN, "block_table")
     varlen_pointers: tuple = ((I32_IN, "cu_seqlens_q"), (I32_IN, "cu_seqlens_k"))
+    takes_alibi: bool = False  # True: ALiBi instances (an alibi_slopes pointer after all the others)
+    alibi_pointer: tuple = (F32_IN, "alibi_slopes")
+    # True: the device template takes every optional pointer the family has (seqused_k, block_table,
+    # cu_seqlens_q / _k, alibi_slopes, in that order), and the shell passes nullptr for those the
+    # instance's features do not take; False: the template has one overload per pointer set
+    nullable_pointers: bool = False
     # the tuner:
     run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
     deterministic_outputs: tuple = ()  # indices of run()'s outputs that must be bitwise reproducible
@@ -122,7 +128,8 @@ class KernelFamily:
                 and (features.seqused_k or not self.needs_seqused_k)
                 and (self.takes_varlen or not features.varlen)
                 and (self.takes_split_kv or not features.split_kv)
-                and (self.takes_paged or not features.paged))
+                and (self.takes_paged or not features.paged)
+                and (self.takes_alibi or not features.alibi))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
         """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order
@@ -201,6 +208,7 @@ class KernelFamily:
                      "varlen": "variable-length batches (cu_seqlens)",
                      "split_kv": "split-KV decoding (num_splits)",
                      "paged": "paged KV caches (block_table)",
+                     "alibi": "ALiBi (alibi_slopes)",
                      "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         run_as = f" (on the kernels of head dim {f.head_dim})" if call_head_dim not in (None, f.head_dim) else ""

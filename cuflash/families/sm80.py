@@ -107,6 +107,7 @@ FWD = KernelFamily(
     # d128 two-stage tile; the next defaults compile clean (tests/test_softcap.py); (the partial_d
     # instances, run for head dims between the instantiated ones, spill where these do)
     spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(32, 128, 128, 4, 3)}),
+              "alibi": frozenset({FwdConfig(64, 128, 96, 4, 2)}),  # 32-36 B (252 registers without ALiBi)
               "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(128, 128, 128, 8, 3)}),
               "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               # per-batch key lengths (the KV cache) with softcap: 44 B on d64's first tile (sm_80, sm_90a)
@@ -122,7 +123,7 @@ FWD = KernelFamily(
               "softcap+split_kv": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               "seqused_k+softcap+split_kv": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(128, 128, 128, 8, 3)})},
     plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True, takes_varlen=True,
-    takes_split_kv=True,
+    takes_split_kv=True, takes_alibi=True, nullable_pointers=True,
 )
 
 # The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of
@@ -148,13 +149,15 @@ BWD = KernelFamily(
     accumulator_registers=_bwd_acc,
     # the d64 128-query tiles with softcap and dropout: 12 B (three stages) and 8 B (two) on sm_80
     spilling={"dropout+softcap": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)}),
+              "alibi+dropout": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2),  # 4-28 B
+                                          BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2)}),
               # variable-length batches: 4-16 B on these (sm_90a for d128, both targets for d192);
               # d128 then runs 32-query tiles (231-246 registers)
               "varlen": frozenset({BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2),
                                    BwdConfig(192, 64, 128, 8, 2)}),
               "dropout+varlen": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)})},  # 12-16 B, sm_90a
     run=_run_bwd, deterministic_outputs=(1, 2),  # dK, dV (dQ is summed by atomics)
-    takes_varlen=True,
+    takes_varlen=True, takes_alibi=True, nullable_pointers=True,
 )
 
 BWD_DQ = KernelFamily(
@@ -172,12 +175,14 @@ BWD_DQ = KernelFamily(
         256: (DqConfig(256, 128, 32, 8, 2), DqConfig(256, 64, 32, 4, 2), DqConfig(256, 32, 16, 2, 2)),
     },
     accumulator_registers=_dq_acc,
-    spilling={"dropout": frozenset({DqConfig(192, 128, 64, 8, 2)}),  # 8 B on sm_90a
+    spilling={"alibi+softcap": frozenset({DqConfig(192, 128, 64, 8, 2)}),  # 8-20 B
+              "alibi+local": frozenset({DqConfig(192, 128, 64, 8, 2)}),
+              "dropout": frozenset({DqConfig(192, 128, 64, 8, 2)}),  # 8 B on sm_90a
               # variable-length batches: 4-16 B (sm_90a; d64 with softcap and a partial head dim)
               "softcap+varlen": frozenset({DqConfig(192, 128, 64, 8, 2)}),
               "partial_d+softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)}),
               "dropout+local+softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)})},  # 24 B, sm_90a
-    run=_run_bwd_dq, deterministic_outputs=(0, 1, 2), takes_varlen=True,
+    run=_run_bwd_dq, deterministic_outputs=(0, 1, 2), takes_varlen=True, takes_alibi=True, nullable_pointers=True,
 )
 
 # The v1 kernel exists to be compared with v2, so its defaults use v2's default tile shapes

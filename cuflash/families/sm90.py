@@ -89,7 +89,8 @@ FWD_SM90 = KernelFamily(
     spilling={"dropout": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)}),
               "local": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)}),
               "softcap": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)})}, call_problem=_call_problem,
-    plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True,
+    plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True,
+    nullable_pointers=True,
 )
 
 
@@ -139,8 +140,11 @@ BWD_SM90 = KernelFamily(
     # Windows and softcap take the store-warp tile too: with lse2 and delta in shared memory (bulk
     # copies on the Q / dO barrier) it spills 0 B with a window and 12 B with softcap (it spilled 28
     # and 52 B before, when those took the atomic tile), no more than the dense one.
-    spilling={},
+    # With ALiBi and softcap the store-warp tile spills 40 B (the atomic one 4 B; NVRTC 13.5): it
+    # takes the atomic tile. ALiBi alone: 20 B, with a window 4 B (as the dense tile's 16 B).
+    spilling={"alibi+softcap": frozenset({Sm90BwdConfig(128, 64, 2, 2, 1)})},
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, takes_dropout=False, run=_run_bwd, deterministic_outputs=(1, 2),
+    takes_alibi=True, nullable_pointers=True,
     tuned_by_default=False,
 )

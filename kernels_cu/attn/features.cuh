@@ -9,7 +9,8 @@
 
 namespace cuflash {
 
-template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN, bool SPLIT_KV, bool PAGED>
+template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN, bool SPLIT_KV, bool PAGED,
+          bool ALIBI>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -49,6 +50,13 @@ struct Variant {
     // r % params.page_size of page block_table[b * params.table_stride + r / params.page_size]
     // (an int32 pointer after seqused_k). Only the decode kernel has these instances.
     static constexpr bool kPaged = PAGED;
+    // ALiBi (attn/score_mod.cuh, AlibiBias): every score of (batch b, head h) gains
+    // -slope |q + offset - k| in softmax units, offset the mask geometry's (bottom-right or top-left
+    // alignment, per batch with kSeqUsedK / kVarlen). The kernel takes a float pointer alibi_slopes
+    // after all its other pointers; slope = alibi_slopes[b * params.alibi_sb + h]. A per-element
+    // FFMA on every tile, so its own instantiation. The v2 forwards and backwards (sm80, sm90)
+    // have these instances (not v1, not the decode kernel).
+    static constexpr bool kAlibi = ALIBI;
 };
 
 }  // namespace cuflash

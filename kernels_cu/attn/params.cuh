@@ -53,6 +53,8 @@ struct FwdParams {
     int split_blocks;  // V::kSplitKV: key blocks per split
     int page_size;     // V::kPaged: key rows per page of k and v
     int table_stride;  // V::kPaged: block_table's entries per batch (pages per sequence at most)
+    float alibi_scale; // V::kAlibi: a softmax-unit bias in score units: 1 / softmax_scale (1 / softcap with softcap)
+    int alibi_sb;      // V::kAlibi: alibi_slopes' batch stride in elements (0: one slope per head)
 };
 
 // The backward pass, one struct for its four kernels; each reads what it needs:
@@ -90,10 +92,12 @@ struct BwdParams {
     float softcap_scale;      // softcap: softmax_scale / softcap, as FwdParams' (0: off)
     int head_dim;             // the call's head dim (<= the instance's D; less only in V::kPartialD instances)
     int align_end;            // V::kVarlen: as FwdParams' (seqlen_q / seqlen_k are then total_q / total_k, seqlen_q_pad the workspace rows per head)
+    float alibi_scale;        // V::kAlibi: as FwdParams' (the dK/dV and dQ kernels multiply it by scale_log2)
+    int alibi_sb;             // V::kAlibi: as FwdParams'
 };
 
-static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 184, "FwdParams layout changed: update cuflash/params.py");
-static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 296, "BwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 192, "FwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 304, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)
 

@@ -24,6 +24,7 @@
 // Without V::kSoftcap every member compiles to nothing (apply) or the constant 1 (grad).
 #pragma once
 #include "attn/features.cuh"
+#include "core/frag.cuh"
 
 namespace cuflash {
 
@@ -85,6 +86,110 @@ struct ScoreMod {
     __device__ __forceinline__ static float grad(float t) {
         if constexpr (kOn) return fmaxf(fmaf(-t, t, 1.f), 0.f);
         return 1.f;
+    }
+};
+
+// ALiBi (BLOOM, MPT; FlashAttention's alibi_slopes), V::kAlibi: a position bias added to the
+// modified score, on every tile, before the mask:
+//
+//   score(q, k) += -slope_h |q + offset - k|        (softmax units; offset: the mask geometry's)
+//
+// so under bottom-right alignment a row's own diagonal key (k = q + seqlen_k - seqlen_q) has bias 0,
+// FlashAttention's convention, causal or not. The kernels hold scores in their own units (raw S,
+// or softcap's t), which the softmax scales by scale_log2: the host folds the conversion into
+// params.alibi_scale (1 / softmax_scale, or 1 / softcap), so the per-element cost is one FFMA on
+// |distance|. The slope is read once per (batch, head) from alibi_slopes[b * alibi_sb + h]. The
+// bias does not depend on S, so a backward's dS passes through it unchanged. The backward kernels
+// add it inside the exp's argument instead (shift(), the slope pre-multiplied by scale_log2:
+// P = exp2(t c + bias c - lse2)), which leaves t in place for softcap's derivative 1 - t^2.
+template <class V>
+struct AlibiBias {
+    static constexpr bool kOn = V::kAlibi;
+    float slope;  // -slope_h * alibi_scale: the bias per key of distance, in the kernel's score units
+    int offset;   // query q's diagonal key is q + offset (MaskGeometry::offset, per batch where it moves)
+
+    // `factor`: 1 for scores (the forward), scale_log2 for exp2 arguments (the backward's shift)
+    template <class Params>
+    __device__ __forceinline__ static AlibiBias of(const Params& p, const float* __restrict__ slopes, int b, int h,
+                                                   int offset, float factor = 1.f) {
+        AlibiBias a{0.f, 0};  // without ALiBi nothing is read (the plain instances' code stays as it was)
+        if constexpr (kOn) {
+            a.slope = -slopes[(long long)b * p.alibi_sb + h] * (p.alibi_scale * factor);
+            a.offset = offset;
+        }
+        return a;
+    }
+
+    // The bias of (query q, key k), in the units `of` was given.
+    __device__ __forceinline__ float at(int q, int k) const { return slope * fabsf((float)(q + offset - k)); }
+
+    // x + the bias of (q, k): an exp2 argument (-lse2) shifted by it; x itself without ALiBi.
+    __device__ __forceinline__ float shift(float x, int q, int k) const {
+        if constexpr (kOn) return fmaf(slope, fabsf((float)(q + offset - k)), x);
+        return x;
+    }
+
+    // One m16 tile acc[NT][4], rows queries q0 + 0..15, columns keys k0 + 0..8 NT-1 (Direct view:
+    // the forward, the dQ kernel).
+    template <int NT>
+    __device__ __forceinline__ void apply_tile(float (&acc)[NT][4], int q0, int k0, int lane) const {
+        if constexpr (kOn) {
+            using F = FragSm80<1, NT>;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                // The signed distance of this lane's first column, converted once: each score then
+                // takes an FADD with an immediate and an FFMA with |.| (full-rate FP32). Converting per
+                // score (I2F) ran on the quarter-rate pipe that exp2 needs: the sm90 forward lost 18%.
+                // Exact while distances stay below 2^24.
+                const float diag0 = (float)(q0 + F::row_of_half(lane, 0, half) + offset - k0 - F::col(lane, 0, 0));
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const float dist = fabsf(diag0 - (float)(F::col(lane, nt, e) - F::col(lane, 0, 0)));
+                        acc[nt][2 * half + e] = fmaf(slope, dist, acc[nt][2 * half + e]);
+                    }
+            }
+        }
+    }
+
+    // The sm90 forward's form: one FFMA per score on blocks away from the diagonal. When the warp's
+    // 16 rows (queries q0..q0+15) see the whole block [k0, k0 + 8 NT) on one side of their
+    // diagonals, the bias slope |D_r - c| (D_r the row's diagonal in block columns) splits into a
+    // column part, FFMA'd into the score with the column as an immediate, and a row part (with the
+    // lane's column offset) returned in row_shift[half]: the softmax adds that to this thread's
+    // max before the quad reduction and subtracts it from m in the exp2
+    // argument (OnlineSoftmax::max_get_scale_shifted), so no score pays for it. The column part is
+    // small (slope x 8 NT at most), which also keeps the large distances out of the scores. A
+    // block across a diagonal (one or two per row block) takes the full bias and a zero shift.
+    template <int NT>
+    __device__ __forceinline__ void apply_split(float (&acc)[NT][4], int q0, int k0, int lane,
+                                                float (&row_shift)[2]) const {
+        using F = FragSm80<1, NT>;
+        const int first = q0 + offset - k0;  // the warp's first row's diagonal, in block columns
+        const bool left = first >= 8 * NT - 1, right = first + 15 <= 0;  // warp-uniform
+        if (left || right) {
+            // left of every diagonal: slope (D - c); right: slope (c - D); c = lane part + immediate
+            const float step = left ? -slope : slope;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+                row_shift[half] = -step * (float)(first + F::row_of_half(lane, 0, half) - F::col(lane, 0, 0));
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    acc[nt][e] = fmaf((float)(F::col(lane, nt, e) - F::col(lane, 0, 0)), step, acc[nt][e]);
+        } else {
+            row_shift[0] = row_shift[1] = 0.f;
+            apply_tile(acc, q0, k0, lane);
+        }
+    }
+
+    // A warp tile acc[MT][NT][4] (rows = queries from q0, cols = keys from k0).
+    template <int MT, int NT>
+    __device__ __forceinline__ void apply(float (&acc)[MT][NT][4], int q0, int k0, int lane) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) apply_tile(acc[mt], q0 + 16 * mt, k0, lane);
     }
 };
 

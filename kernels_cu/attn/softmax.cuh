@@ -43,6 +43,23 @@ struct OnlineSoftmax {
         return m_scaled;
     }
 
+    // max_get_scale for scores that lack a term `shift`, constant over this thread's part of the row
+    // (ALiBi's split form, attn/score_mod.cuh; it may differ between the row's four lanes): the row
+    // max is the quad max of max(S) + shift; the caller passes exp_and_sum m_scaled - shift c, which
+    // gives exp2((S + shift) c - m c).
+    template <int NT>
+    __device__ __forceinline__ float max_get_scale_shifted(const float (&s)[NT][4], int mt, int half, float scale_log2,
+                                                           float& corr, float shift) {
+        float mx = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
+        mx = fmaxf(row_max[mt][half], warp_max4(mx + shift));  // shift may differ between a row's lanes
+        const float m_scaled = (mx == neg_inf()) ? 0.f : mx * scale_log2;
+        corr = fast_exp2(row_max[mt][half] * scale_log2 - m_scaled);
+        row_max[mt][half] = mx;
+        return m_scaled;
+    }
+
     // P = exp2(S c - m_scaled) in place for row (mt, half); returns the thread-partial sum.
     template <int NT>
     __device__ __forceinline__ static float exp_and_sum(float (&s)[NT][4], int half, float scale_log2, float m_scaled) {

@@ -82,7 +82,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                                                const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
                                                const float* __restrict__ delta, float* __restrict__ dq_acc, elem_t* __restrict__ dk,
                                                elem_t* __restrict__ dv, const int* __restrict__ cu_seqlens_q,
-                                               const int* __restrict__ cu_seqlens_k, const BwdParams& params) {
+                                               const int* __restrict__ cu_seqlens_k, const float* __restrict__ alibi_slopes,
+                                               const BwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -146,6 +147,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const BlockRange range = query_blocks<BR, BC, V::kLocal>(geo, nb, m_blocks);
     const Mask<V::kLocal> mask{geo};
     const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
+    // ALiBi in exp2 units: P^T = exp2(t c + bias c - lse2) (attn/score_mod.cuh; nothing without it)
+    const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, b, h, geo.offset, scale_log2);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int m_begin = range.begin, n_iter = range.size();
 
@@ -246,8 +249,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         const float g0 = ScoreMod<V>::grad(acc[nt][2 * half]), g1 = ScoreMod<V>::grad(acc[nt][2 * half + 1]);
-                        acc[nt][2 * half] = fast_exp2(fmaf(acc[nt][2 * half], scale_log2, -L.x));
-                        acc[nt][2 * half + 1] = fast_exp2(fmaf(acc[nt][2 * half + 1], scale_log2, -L.y));
+                        const int qc = q0 + 8 * nt + 2 * t, kr = key_w + g + 8 * half;  // (query, key) of the pair
+                        acc[nt][2 * half] = fast_exp2(fmaf(acc[nt][2 * half], scale_log2, alibi.shift(-L.x, qc, kr)));
+                        acc[nt][2 * half + 1] = fast_exp2(fmaf(acc[nt][2 * half + 1], scale_log2, alibi.shift(-L.y, qc + 1, kr)));
                         st_shared_u32(park_slot(nt, half), pack2<BF16>(acc[nt][2 * half] * g0, acc[nt][2 * half + 1] * g1));
                     }
                 }
@@ -256,7 +260,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                 for (int nt = 0; nt < SN; ++nt) {
                     const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
+                    for (int e = 0; e < 4; ++e)  // element e: query q0 + 8 nt + 2 t + e % 2, key key_w + g + 8 (e / 2)
+                        acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2,
+                                                    alibi.shift(-((e & 1) ? L.y : L.x), q0 + 8 * nt + 2 * t + (e & 1), key_w + g + 8 * (e >> 1))));
                 }
                 if (range.masked_head(m) || (V::kLocal && range.masked_tail(m))) mask.apply_transposed<true, true>(acc, q0, key_w, lane, 0.f);
             }
@@ -328,17 +334,6 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     elem_t* dvg = dv + (long long)b * dv_sb + (long long)k_start * dv_sn + (long long)h * dv_sh;
     store_rows_warp<CH, 16, DN, V::kPartialD>(sK, warp * 16, dkg, dk_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
     store_rows_warp<CH, 16, DN, V::kPartialD>(sV, warp * 16, dvg, dv_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
-}
-
-// The instances without variable-length batches: the shell passes no cu_seqlens, and the kernel
-// never reads them.
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
-__device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
-                                               const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
-                                               const float* __restrict__ delta, float* __restrict__ dq_acc, elem_t* __restrict__ dk,
-                                               elem_t* __restrict__ dv, const BwdParams& params) {
-    static_assert(!V::kVarlen, "variable-length batches need the cu_seqlens pointers");
-    flash_bwd_dkdv<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, dout, lse2, delta, dq_acc, dk, dv, nullptr, nullptr, params);
 }
 
 }  // namespace cuflash

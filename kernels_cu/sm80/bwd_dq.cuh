@@ -22,7 +22,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
                                              const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
                                              const float* __restrict__ delta, elem_t* __restrict__ dq,
                                              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                                             const BwdParams& params) {
+                                             const float* __restrict__ alibi_slopes, const BwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -67,6 +67,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     const BlockRange range = key_blocks<BR, BC, V::kLocal>(geo, r0);  // the forward's key blocks and masks
     const Mask<V::kLocal> mask{geo};
     const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
+    // ALiBi in exp2 units: P = exp2(t c + bias c - lse2) (attn/score_mod.cuh; nothing without it)
+    const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, b, h, geo.offset, scale_log2);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_begin = range.begin, n_iter = range.size();
 
@@ -164,7 +166,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
         for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float p = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -(e < 2 ? L0 : L1)));
+                const float p = fast_exp2(fmaf(acc_s[nt][e], scale_log2,  // query row_a + 8 (e / 2), key j BC + 8 nt + 2 t + e % 2
+                                               alibi.shift(-(e < 2 ? L0 : L1), row_a + 8 * (e >> 1), j * BC + 8 * nt + 2 * t + (e & 1))));
                 float dp = acc_dp[nt][e];
                 if constexpr (V::kDropout) dp = Dropout::kept(dbits[nt / 2], nt, e) ? dp * drop_scale : 0.f;
                 float ds = p * (dp - (e < 2 ? D0 : D1));
@@ -197,15 +200,6 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     const int q_start = SeqSpan::reload<V>(cu_seqlens_q, b);  // V::kVarlen (reloaded); else 0
     elem_t* dqg = dq + (long long)b * dq_sb + (long long)q_start * dq_sn + (long long)h * dq_sh;
     store_rows_warp<CH, 16, CH, V::kPartialD>(sQ, warp * 16, dqg, dq_sn, r0 + warp * 16, seqlen_q, lane, 0, d_chunks);
-}
-
-// The instances without variable-length batches: the shell passes no cu_seqlens.
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
-__device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
-                                             const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
-                                             const float* __restrict__ delta, elem_t* __restrict__ dq, const BwdParams& params) {
-    static_assert(!V::kVarlen, "variable-length batches need the cu_seqlens pointers");
-    flash_bwd_dq<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, dout, lse2, delta, dq, nullptr, nullptr, params);
 }
 
 }  // namespace cuflash

@@ -7,7 +7,7 @@
 //   block: WARPS warps; warp w owns Q rows [w*BR/WARPS, (w+1)*BR/WARPS) of the tile, so the
 //          softmax statistics of a row live in one warp and need no shared-memory reduction
 //   loop : over the K/V tiles of BlockRange, STAGES-deep cp.async ring (sm80/tile_copy.cuh)
-//   step : S = Q K^T (raw) -> score modifier (softcap: tanh, attn/score_mod.cuh) -> mask (boundary tiles only) -> online softmax (P = exp2(S c - m c),
+//   step : S = Q K^T (raw) -> score modifier (softcap: tanh, attn/score_mod.cuh) -> ALiBi -> mask (boundary tiles only) -> online softmax (P = exp2(S c - m c),
 //          O~ and l rescaled) -> dropout (P o mask, P V only) -> P to A fragments -> O~ += P V
 //   end  : O = O~ / l (x 1/(1-p) with dropout), lse = (m c + log2 l) ln 2 (attn/epilogue.cuh)
 // Rows that see no key get O = 0 and lse = -inf.
@@ -17,6 +17,9 @@
 // V::kVarlen (variable-length batches): batch b's queries and keys are row ranges of packed arrays
 // given by cu_seqlens_q / cu_seqlens_k (attn/mask.cuh, SeqSpan); the grid covers the longest
 // batch's query blocks and a block past its batch's queries returns at once; lse is (heads, total_q).
+// V::kAlibi: each score gains -slope_h |q + offset - k| before the mask (attn/score_mod.cuh).
+// The generated shell passes every optional pointer (seqused_k, cu_seqlens_q / _k, alibi_slopes),
+// nullptr where the instance's features do not take it (KernelFamily.nullable_pointers).
 // V::kSplitKV (split-KV decoding): blockIdx.x = split + n_splits x work tile; the split visits its
 // slice of the tile's key blocks and writes O normalised over them (fp32, `o` is the accumulator
 // (n_splits, batch, seqlen_q, heads, head_dim) at o_s* strides) and their lse to
@@ -41,7 +44,8 @@ template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                           const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
                                           const int* __restrict__ seqused_k, const int* __restrict__ cu_seqlens_q,
-                                          const int* __restrict__ cu_seqlens_k, const FwdParams& params) {
+                                          const int* __restrict__ cu_seqlens_k, const float* __restrict__ alibi_slopes,
+                                          const FwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -95,6 +99,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     }
     const Mask<V::kLocal> mask{geo};
     const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
+    const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, b, h, geo.offset);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_begin = range.begin, n_iter = range.size();
 
@@ -158,6 +163,10 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
 
         // ---- score modifier (softcap: t = tanh(S softcap_scale); nothing without one) ----
         score_mod.apply(acc_s);
+
+        // ---- ALiBi: -slope |q + offset - k| on every tile (under the flag: even a dead argument
+        // expression moved the dropout instances' code, whose SASS is kept as tuned) ----
+        if constexpr (V::kAlibi) alibi.apply(acc_s, r0 + warp_row0, j * BC, lane);
 
         // ---- mask (only tiles that cross the seqlen_k tail or a window edge, at either end) ----
         if (range.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
@@ -254,31 +263,6 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             }
         }
     }
-}
-
-// The instances without per-batch key lengths or variable-length batches: the shell passes only
-// the pointers its features need (cuflash/_compile.py), and the kernel never reads the others.
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
-__device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
-                                          const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
-                                          const FwdParams& params) {
-    static_assert(!V::kSeqUsedK && !V::kVarlen, "per-batch lengths need their pointers");
-    flash_fwd<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, o, lse, nullptr, nullptr, nullptr, params);
-}
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
-__device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
-                                          const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
-                                          const int* __restrict__ seqused_k, const FwdParams& params) {
-    static_assert(V::kSeqUsedK && !V::kVarlen, "the seqused_k instances");
-    flash_fwd<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, o, lse, seqused_k, nullptr, nullptr, params);
-}
-template <bool BF16, int D, int BR, int BC, int WARPS, int STAGES, class V>
-__device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
-                                          const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
-                                          const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                                          const FwdParams& params) {
-    static_assert(V::kVarlen && !V::kSeqUsedK, "the variable-length instances");
-    flash_fwd<BF16, D, BR, BC, WARPS, STAGES, V>(q, k, v, o, lse, nullptr, cu_seqlens_q, cu_seqlens_k, params);
 }
 
 }  // namespace cuflash

@@ -73,7 +73,8 @@ template <bool BF16, int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK, clas
 __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tdo,
                                                const float* __restrict__ lse2, const float* __restrict__ delta,
                                                float* __restrict__ dq_acc, elem_t* __restrict__ dk,
-                                               elem_t* __restrict__ dv, const BwdParams& params) {
+                                               elem_t* __restrict__ dv, const float* __restrict__ alibi_slopes,
+                                               const BwdParams& params) {
     using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES, DQ_BULK>;
     constexpr int BC = Tr::kBlockK;
     static_assert(!V::kDropout, "the sm90 backward does not take dropout yet");
@@ -178,6 +179,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         const float scale_log2 = params.scale_log2;
         const Mask<V::kLocal> mask{geo};
         const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
+        // ALiBi in exp2 units: P^T = exp2(t c + bias c - lse2) (attn/score_mod.cuh; nothing without it)
+        const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, blk.batch, blk.head, geo.offset, scale_log2);
         const long long pad = params.seqlen_q_pad;
 
         // Descriptors. K-major (contraction over D): this consumer's 64 K / V rows (A of S^T, dP^T),
@@ -263,14 +266,18 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                         for (int e = 0; e < 4; e += 2) {
                             const float g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
-                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -L.x));
-                            acc_s[nt][e + 1] = fast_exp2(fmaf(acc_s[nt][e + 1], scale_log2, -L.y));
+                            const int qc = m0 + 8 * nt + 2 * t, kr = key_w + g + 8 * (e / 2);  // (query, key) of e
+                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, alibi.shift(-L.x, qc, kr)));
+                            acc_s[nt][e + 1] = fast_exp2(fmaf(acc_s[nt][e + 1], scale_log2, alibi.shift(-L.y, qc + 1, kr)));
                             st_shared_u32(pg_rows + 8 * (e / 2) * 128 + ((nt ^ g) << 4) + 4 * t,
                                           pack2<BF16>(acc_s[nt][e] * g0, acc_s[nt][e + 1] * g1));
                         }
                     } else {
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, -((e & 1) ? L.y : L.x)));
+                        for (int e = 0; e < 4; ++e)  // element e: query m0 + 8 nt + 2 t + e % 2, key key_w + g + 8 (e / 2)
+                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2,
+                                                          alibi.shift(-((e & 1) ? L.y : L.x), m0 + 8 * nt + 2 * t + (e & 1),
+                                                                      key_w + g + 8 * (e >> 1))));
                     }
                 }
                 // in query order the masked head is the right edge + seqlen_k tail, the tail the

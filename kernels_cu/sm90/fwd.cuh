@@ -132,7 +132,7 @@ template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int
 __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                                elem_t* __restrict__ o, float* __restrict__ lse,
                                                const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                                               const FwdParams& params) {
+                                               const float* __restrict__ alibi_slopes, const FwdParams& params) {
     using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES, QSTAGES>;
     using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V>;
     // V::kVarlen: q, k, v are packed (total, heads, D) and mapped as one batch of total rows; a
@@ -256,6 +256,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     final_tile = Tile(nt, geo, m_blocks, n_heads, bh_count, seqs).range.size() <= 0;
             }
             const Dropout drop{params.drop_seed, params.drop_threshold, w.blk.bh};
+            // ALiBi: -slope |q + offset - k| after the modifier (attn/score_mod.cuh; nothing without it)
+            const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, w.blk.batch, w.blk.head, w.geo.offset);
             OnlineSoftmax<1> softmax;
             softmax.init();
 
@@ -263,11 +265,25 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             // P = exp2(S c - m c) in place; corr[half] is O's rescale factor for this block.
             auto softmax_block = [&](int j, float (&corr)[2]) {
                 score_mod.apply(acc_s);
+                // ALiBi's row part: its split form (one FFMA per score off the diagonal) keeps two row
+                // shifts through the softmax, which three consumers' 128 registers cannot hold (12 B of
+                // spills at d64): they add the whole bias per score (an FADD and an FFMA)
+                float shift[2] = {0.f, 0.f};
+                if constexpr (V::kAlibi) {
+                    if constexpr (CONSUMERS >= 3) alibi.apply(acc_s, r0 + warp_row0, j * BC, lane);
+                    else alibi.apply_split(acc_s[0], r0 + warp_row0, j * BC, lane, shift);
+                }
                 if (range.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
                 if (range.masked_head(j)) mask.apply<true, false>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const float m_scaled = softmax.max_get_scale(acc_s[0], 0, half, scale_log2, corr[half]);
+                    float m_scaled;
+                    if constexpr (V::kAlibi && CONSUMERS < 3) {
+                        m_scaled = softmax.max_get_scale_shifted(acc_s[0], 0, half, scale_log2, corr[half], shift[half]);
+                        m_scaled = fmaf(-shift[half], scale_log2, m_scaled);  // the exp's m, in this block's frame
+                    } else {
+                        m_scaled = softmax.max_get_scale(acc_s[0], 0, half, scale_log2, corr[half]);
+                    }
                     const float sum = OnlineSoftmax<1>::exp_and_sum(acc_s[0], half, scale_log2, m_scaled);
                     softmax.row_sum[0][half] = softmax.row_sum[0][half] * corr[half] + sum;
                 }
@@ -409,16 +425,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             }
         }
     }
-}
-
-// The instances without variable-length batches: the shell passes no cu_seqlens.
-template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int OVERLAP, int QSTAGES, class V>
-__device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
-                                               elem_t* __restrict__ o, float* __restrict__ lse,
-                                               const FwdParams& params) {
-    static_assert(!V::kVarlen, "variable-length batches need the cu_seqlens pointers");
-    flash_fwd_sm90<BF16, D, BC, CONSUMERS, STAGES, PINGPONG, OVERLAP, QSTAGES, V>(tq, tk, tv, o, lse, nullptr, nullptr,
-                                                                                   params);
 }
 
 }  // namespace cuflash
