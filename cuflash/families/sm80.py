@@ -107,7 +107,6 @@ FWD = KernelFamily(
     # d128 two-stage tile; the next defaults compile clean (tests/test_softcap.py); (the partial_d
     # instances, run for head dims between the instantiated ones, spill where these do)
     spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(32, 128, 128, 4, 3)}),
-              "alibi": frozenset({FwdConfig(64, 128, 96, 4, 2)}),  # 32-36 B (252 registers without ALiBi)
               "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(128, 128, 128, 8, 3)}),
               "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               # per-batch key lengths (the KV cache) with softcap: 44 B on d64's first tile (sm_80, sm_90a)
@@ -117,6 +116,7 @@ FWD = KernelFamily(
               "softcap+varlen": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(64, 128, 96, 4, 2),
                                            FwdConfig(128, 128, 128, 8, 3), FwdConfig(128, 128, 128, 8, 2)}),
               "local+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)}),
+              "alibi+varlen": frozenset({FwdConfig(64, 128, 96, 4, 2)}),  # 44 B
               "dropout+local+softcap+varlen": frozenset({FwdConfig(64, 128, 64, 4, 2)}),  # 16 B, sm_80
               "partial_d+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)}),
               # split-KV (the fp32 epilogue) with softcap: 4-72 B on these
