@@ -112,7 +112,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full(s), 1);
-            mbar_init(bar_free(s), CONSUMERS);
+            mbar_init(bar_free(s), 128 * CONSUMERS);  // every consumer thread, after its own reads
         }
         fence_barrier_init();
     }
@@ -355,7 +355,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             }
             wgmma_wait<0>();
             fence_regs(acc_dk);
-            if (ctid == 0) mbar_arrive(bar_free(s));  // Q_i and dO_i are read
+            mbar_arrive(bar_free(s));  // Q_i, dO_i, lse2 and delta are read (this thread's part)
             if (cw < Tr::kDqWarpgroups) {
                 fence_regs(acc_dq);
                 if constexpr (DQ_BULK) {
