@@ -14,8 +14,9 @@ plus each auxiliary array by its name (`aux`: float32 as `const float*`, int32 a
 contiguous, on the call's device; the snippet indexes them itself). `score` is the scaled score
 softmax_scale * q.k (after softcap); `b` the batch, `h` the query head, `q_idx` and `kv_idx` the
 query's and key's positions in their sequences (FlexAttention's convention). The built-in mask
-(causal, window) and ALiBi apply after the modification; a snippet is never called for padding
-positions (q_idx >= seqlen_q or kv_idx >= seqlen_k).
+(causal, window) and ALiBi apply after the modification. q_idx and kv_idx stay inside the
+sequences (a kernel's padding positions are clamped to the last one and dropped after), so a
+snippet may index aux arrays by position.
 
 The snippets are part of the kernel (`ModSource`): their hash joins the kernel's name and the
 compile cache's key, so each distinct snippet compiles once per tile, and a compile error names the

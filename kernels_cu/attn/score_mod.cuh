@@ -202,8 +202,8 @@ struct AlibiBias {
 // modification never call it). The kernels keep raw scores S; with a score snippet the host sets
 // params.softcap_scale = softmax_scale (the snippet's `score` is softmax_scale S) and scale_log2 =
 // log2(e) (the snippet's result is already in softmax units). q_idx, kv_idx are positions in the
-// batch's sequences; the snippets are not called for padding rows or columns (q_idx >= seqlen_q,
-// kv_idx >= seqlen_k), which the masks remove anyway, so they may index aux arrays by position.
+// batch's sequences, clamped to them for padding rows and columns (which the masks remove and the
+// stores skip), so a snippet may index aux arrays by position.
 template <bool ON>
 struct UserModDefs {
     static constexpr bool kScore = false, kMask = false;
@@ -240,7 +240,7 @@ struct UserMod {
     }
 
     // One m16 tile acc[NT][4], rows queries q0 + 0..15, columns keys k0 + 0..8 NT-1 (Direct view:
-    // the forwards). A tile wholly inside both sequences (warp-uniform) skips the bounds tests.
+    // the forwards).
     template <int NT>
     __device__ __forceinline__ void apply_tile(float (&acc)[NT][4], int q0, int k0, int lane) const {
         if constexpr (kOn) {
@@ -249,16 +249,18 @@ struct UserMod {
             // of a snippet that does not depend on k0 (q_idx - 8 nt - e ...) out of the key loop, one
             // register per element (a band mask spilled 36-300 B)
             asm volatile("" : "+r"(q0), "+r"(k0));
-            const bool inside = q0 + 16 <= seqlen_q && k0 + 8 * NT <= seqlen_k;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int q = q0 + F::row_of_half(lane, 0, half);
+                // padding rows and columns take the last position's value (clamped, so that a snippet
+                // may index aux arrays by position); the mask and the store drop them anyway. A
+                // branch to an unclamped copy for interior tiles made the band-mask instance spill.
+                const int q = min(q0 + F::row_of_half(lane, 0, half), seqlen_q - 1);
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
-                        const int k = k0 + F::col(lane, nt, e);
-                        if (inside || (q < seqlen_q && k < seqlen_k)) acc[nt][2 * half + e] = at(acc[nt][2 * half + e], q, k);
+                        const int k = min(k0 + F::col(lane, nt, e), seqlen_k - 1);
+                        acc[nt][2 * half + e] = at(acc[nt][2 * half + e], q, k);
                     }
             }
         }
