@@ -97,14 +97,19 @@ def kernel_source(tile, features) -> str:
     optional = ((fam.seqused_k_pointer, features.seqused_k, fam.takes_seqused_k),
                 (fam.paged_pointer, features.paged, fam.takes_paged),
                 *((ptr, features.varlen, fam.takes_varlen) for ptr in fam.varlen_pointers),
-                (fam.alibi_pointer, features.alibi, fam.takes_alibi))
+                (fam.alibi_pointer, features.alibi, fam.takes_alibi),
+                (fam.mod_pointer, features.user_mod, fam.takes_user_mod))
     pointers = fam.pointers + tuple(ptr for ptr, taken, _ in optional if taken)
     # a nullable family's template takes all it has, nullptr for the absent ones
     args = None if not fam.nullable_pointers else (
         *(n for _, n in fam.pointers), *(ptr[1] if taken else "nullptr" for ptr, taken, has in optional if has))
+    asserts = features.cxx_asserts()
+    if features.user_mod:  # the snippets, as UserModDefs<true> (attn/score_mod.cuh), before the kernel
+        if features.mod is None:
+            raise ValueError("a user_mod instance needs its snippets (Features.mod)")
+        asserts += features.mod.cxx()
     return _shell(fam.header, kernel_name(tile, features), f"{tile.launch_bounds()} ", pointers,
-                  fam.params, f"{fam.template}<{features.bf16}, {targs}, {features.cxx()}>", features.cxx_asserts(),
-                  args)
+                  fam.params, f"{fam.template}<{features.bf16}, {targs}, {features.cxx()}>", asserts, args)
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', flags=re.M)
@@ -169,11 +174,24 @@ def compile_report(source: str, arch: str) -> dict:
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as e:
-            raise RuntimeError(f"NVRTC failed for {arch}:\n{nvrtc.getProgramLog(prog)}") from e
+            log = nvrtc.getProgramLog(prog)
+            if "UserModDefs<true>" in source:  # a user snippet's error, with the snippet's lines
+                from .score_mods import ModSource, compile_error
+
+                err = compile_error(log, ModSource(score=_snippet(source, "score_mod"), mask=_snippet(source, "mask_mod")))
+                if err is not None:
+                    raise err from None
+            raise RuntimeError(f"NVRTC failed for {arch}:\n{log}") from e
         log = nvrtc.getProgramLog(prog)
     finally:
         nvrtc.destroyProgram(prog)
     return parse_ptxas_log(log)
+
+
+def _snippet(source: str, which: str) -> str | None:
+    """The snippet a shell carries under `#line 1 "which"` (score_mods.ModSource.cxx), as the body it compiled."""
+    m = re.search(rf'#line 1 "{which}"\n(.*?)\n    }}\n', source, flags=re.S)
+    return m.group(1) if m else None
 
 
 def parse_ptxas_log(log: str) -> dict:
@@ -222,9 +240,23 @@ def get_kernel(tile, features, device_id: int):
         arch = None
         if fam.arch_specific:  # the others take CuPy's target for the device, as they always did
             arch = fam.nvrtc_arch(props)
-        fn = _loaded[key] = _load(kernel_source(tile, features), kernel_name(tile, features), tile.smem_bytes,
-                                  device_id, arch)
+        try:
+            fn = _load(kernel_source(tile, features), kernel_name(tile, features), tile.smem_bytes, device_id, arch)
+        except Exception as e:
+            _raise_snippet_error(e, features)
+            raise
+        _loaded[key] = fn
     return fn
+
+
+def _raise_snippet_error(e: Exception, features) -> None:
+    """A compile failure that a user modification's snippet caused, as its ScoreModError."""
+    if getattr(features, "user_mod", False) and features.mod is not None:
+        from .score_mods import compile_error
+
+        err = compile_error(str(e), features.mod)
+        if err is not None:
+            raise err from None
 
 
 # The small config-free kernels of flash_bwd.cuh (rowwise/): their pointer parameters (named after

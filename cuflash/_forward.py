@@ -45,10 +45,19 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     if p.seqused_k and p.varlen:
         raise NotImplementedError("per-batch key lengths (seqused_k) with variable-length batches")
     inputs = INPUTS_VARLEN if p.varlen else INPUTS_SEQUSED_K if p.seqused_k else INPUTS
-    if p.alibi:  # the slopes after every other pointer (the kernel's order; attn/score_mod.cuh AlibiBias)
-        inputs = (*inputs, "alibi_slopes")
+    inputs = with_mod_inputs(p, inputs)
     launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=inputs)
     return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
+
+
+def with_mod_inputs(p: AttnProblem, inputs: tuple) -> tuple:
+    """The forwards' optional last slots, in the kernels' order: alibi_slopes (attn/score_mod.cuh
+    AlibiBias), then a user modification's aux pointer table mod_aux (UserMod)."""
+    if p.alibi:
+        inputs = (*inputs, "alibi_slopes")
+    if p.mod is not None:
+        inputs = (*inputs, "mod_aux")
+    return inputs
 
 
 def empty_plan(p: AttnProblem, dtype) -> FilledPlan:
@@ -59,7 +68,7 @@ def empty_plan(p: AttnProblem, dtype) -> FilledPlan:
 
 
 def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask: MaskOptions, softmax_scale,
-                dropout_p, seed, config, out, lse, backend=None, alibi_slopes=None):
+                dropout_p, seed, config, out, lse, backend=None, alibi_slopes=None, score_mod=None):
     """The body the v2 and v1 forwards share: the call's dropout, the cached (or, with an explicit
     config, fresh) launch plan, optional output buffers, the launch. `mask`: the call's MaskOptions
     (the plan key holds its `key`, the values of its fields).
@@ -70,8 +79,8 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     against the candidates, `backend`, the device and the problem). Each family builds its plan
     (KernelFamily.plan). The backend choice is part of the plan: the plan key holds the `backend`
     argument, and CUFLASH_BACKEND is read when a plan is built, not per call. `alibi_slopes`: None
-    or a float32 CuPy array (heads,) or (batch, heads) (problem.check_alibi_slopes), the plan's
-    last input.
+    or a float32 CuPy array (heads,) or (batch, heads) (problem.check_alibi_slopes), an input after
+    the others; `score_mod`: None or a cuflash.ScoreMod, its aux pointer table the last input.
     """
     import cupy
 
@@ -82,6 +91,7 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
         p = problem.resolve_forward(*infos, mask, softmax_scale, dropout)
         if alibi_slopes is not None:
             p = problem.with_alibi(p, problem.describe(alibi_slopes, "alibi_slopes"))
+        p = problem.with_score_mod(p, score_mod)
         if p.empty:
             return empty_plan(p, q.dtype)
         if cfg is None:
@@ -94,7 +104,7 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
     if config is None and all(type(a) is cupy.ndarray for a in arrays):
         plan = plans.get(lambda: (*plan_cache.array_key(arrays), mask.key, softmax_scale, dropout is not None,
-                                  backend),
+                                  backend, None if score_mod is None else score_mod.source),
                          lambda: build(None))
     else:
         plan = build(config)
@@ -103,6 +113,8 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     if lse is not None:
         lse = _checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
     args = (q, k, v, out, lse) if alibi_slopes is None else (q, k, v, out, lse, alibi_slopes)
+    if score_mod is not None:
+        args = (*args, score_mod.pointer_table(q.device.id))
     return plan.run(args, None if dropout is None else dropout.kernel_args)
 
 
@@ -149,7 +161,7 @@ _plans = plan_cache.PlanCache()
 
 def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dropout_p=0.0, seed=None,
             config: FwdConfig | Sm90FwdConfig | None = None, out=None, lse=None, backend: str | None = None,
-            alibi_slopes=None, **mask_options):
+            alibi_slopes=None, score_mod=None, **mask_options):
     """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
     The mask: the record `mask` (what cuflash.attention hands on) or cuflash.attention's mask
@@ -163,9 +175,11 @@ def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dro
     `alibi_slopes`: ALiBi, FlashAttention's convention: a float32 CuPy array (heads,) or (batch,
     heads) on q's device; each score softmax_scale q.k (after softcap) gains -slope |i + offset - j|,
     offset the mask's alignment (seqlen_k - seqlen_q bottom-right). Both backends.
+    `score_mod`: a cuflash.ScoreMod (user CUDA C++ score and/or mask snippets, cuflash/score_mods.py),
+    applied before the built-in mask and ALiBi. Both backends.
     """
     if mask_options or type(mask) is not MaskOptions:
         mask = MaskOptions.given(mask, mask_options)
     return run_forward(families.FORWARDS, _plans, q, k, v, mask=mask, softmax_scale=softmax_scale,
                        dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse, backend=backend,
-                       alibi_slopes=alibi_slopes)
+                       alibi_slopes=alibi_slopes, score_mod=score_mod)

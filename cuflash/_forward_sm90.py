@@ -13,7 +13,7 @@ tma.MapCache lookups, which encode a map only for a pointer the plan has not see
 from __future__ import annotations
 
 from . import _compile, device, tma
-from ._forward import INPUTS, INPUTS_VARLEN, OUTPUTS, output_buffers
+from ._forward import INPUTS, INPUTS_VARLEN, OUTPUTS, output_buffers, with_mod_inputs
 from .launch import Launch, Plan, check_grid
 from .params import pack_fwd
 from .problem import AttnProblem
@@ -56,8 +56,7 @@ def plan(p: AttnProblem, cfg: Sm90FwdConfig, dtype, encoder=None) -> Plan:
     grid = min(tiles, device.query(p.device).sm_count) if cfg.persistent else tiles
     kernel = _compile.get_kernel(cfg, p.features, p.device)
     inputs = INPUTS_VARLEN if p.varlen else INPUTS
-    if p.alibi:  # the slopes after every other pointer, as the sm80 forward's
-        inputs = (*inputs, "alibi_slopes")
+    inputs = with_mod_inputs(p, inputs)  # alibi_slopes, mod_aux after every other pointer, as the sm80 forward's
     launch = Launch(kernel, (max(grid, 1),), (cfg.threads,), cfg.smem_bytes, pointers=inputs,
                     bind=binder(p, cfg, encoder))
     return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))

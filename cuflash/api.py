@@ -18,7 +18,7 @@ _tmod = None  # the cuflash._torch module (registers the torch ops), once a torc
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
               backend: str | None = None, window_size: tuple = (-1, -1), alignment: str = "bottom_right",
-              softcap: float | None = 0.0, sinks=None, alibi_slopes=None):
+              softcap: float | None = 0.0, sinks=None, alibi_slopes=None, score_mod=None):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16 or
@@ -59,6 +59,13 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         -slope * |i + seqlen_k - seqlen_q - j| (|i - j| with alignment="top_left"), causal or not.
         Forward and backward on every v2 kernel (both backends); algorithm "v2" only. Torch tensors: differentiable in
         q, k, v (not the slopes) through an autograd.Function, eager only (not torch.compile yet).
+    score_mod: a cuflash.ScoreMod: your own score and/or mask modification as CUDA C++ snippets
+        compiled into the kernel (FlexAttention's score_mod / mask_mod over (score, b, h, q_idx,
+        kv_idx), with auxiliary arrays; cuflash/score_mods.py says how to write one). The score
+        snippet sees softmax_scale * q.k and replaces softcap; the built-in mask and ALiBi apply
+        after it. Forward only for now, on every v2 kernel (both backends): torch tensors that
+        require grad raise; algorithm "v2" only. A snippet that does not compile raises
+        cuflash.ScoreModError naming its line.
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.
     algorithm: "v2" (FlashAttention-2 loop order, the default) or "v1" (FlashAttention-1). The
@@ -94,9 +101,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)  # checked
     t = type(q)
-    if alibi_slopes is not None:
+    if alibi_slopes is not None or score_mod is not None:
         return _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
-                                backend, sinks, alibi_slopes)
+                                backend, sinks, alibi_slopes, score_mod)
     if sinks is not None:
         return _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
                                 backend, sinks)
@@ -136,31 +143,48 @@ def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministi
 
 
 def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend,
-                     sinks, alibi_slopes):
-    """attention(..., alibi_slopes=...): the v2 forward with the slopes as one more array (CuPy, or
-    any DLPack framework but torch, whose ops do not take them yet); sinks rescale its results."""
+                     sinks, alibi_slopes, score_mod=None):
+    """attention(..., alibi_slopes=... and/or score_mod=...): the v2 forward with the slopes as one
+    more array (CuPy, or any DLPack framework; torch through an autograd.Function, which a score_mod
+    does not have yet) and the ScoreMod's snippets; sinks rescale its results."""
     from . import _interop, families, problem
     from . import sinks as sinks_mod
 
+    what = "alibi_slopes" if score_mod is None else "score_mod"
     if problem.check_algorithm(algorithm) != "v2":
-        raise ValueError("alibi_slopes: the v1 algorithm has no ALiBi kernels; use algorithm='v2'")
+        raise ValueError(f"{what}: the v1 algorithm has no such kernels; use algorithm='v2'")
     problem.check_flag(deterministic, "deterministic")
     families.check_backend(backend)
     if sinks is not None:
         if len(getattr(q, "shape", ())) != 4:
             raise ValueError(f"q must be (batch, seqlen_q, heads, head_dim), got shape {tuple(getattr(q, 'shape', ()))}")
         sinks_mod.check(sinks, q.shape[2], q)
-    arrays, names = (q, k, v, alibi_slopes), ("q", "k", "v", "alibi_slopes")
+    arrays, names = (q, k, v), ("q", "k", "v")
+    if alibi_slopes is not None:
+        arrays, names = (*arrays, alibi_slopes), (*names, "alibi_slopes")
     fw, dev = _interop.common_framework(arrays, names)
-    if fw == _interop.TORCH:  # an autograd.Function (differentiable in q, k, v and sinks), eager only
+    if score_mod is not None:
+        from .score_mods import ScoreMod
+
+        if not isinstance(score_mod, ScoreMod):
+            raise TypeError(f"score_mod must be a cuflash.ScoreMod, got {type(score_mod).__name__}")
+        if fw == _interop.TORCH:
+            import torch
+
+            if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v, sinks)):
+                raise NotImplementedError("score_mod has no backward yet: call it under torch.no_grad() or on "
+                                          "tensors that do not require grad")
+    elif fw == _interop.TORCH:  # an autograd.Function (differentiable in q, k, v and sinks), eager only
         return _load_torch().attention_sinks(q, k, v, sinks, mask, softmax_scale, return_lse, algorithm,
                                              deterministic, dropout_p, seed, backend, alibi_slopes)
     fwd = forward_fn("v2")
+    n_main = len(arrays)
 
-    def body(q, k, v, slopes, *sinks_arg):
-        out, lse = fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
-                       backend=backend, alibi_slopes=slopes)
-        return sinks_mod.apply(out, lse, sinks_arg[0]) if sinks_arg else (out, lse)
+    def body(*a):
+        slopes = a[3] if alibi_slopes is not None else None
+        out, lse = fwd(a[0], a[1], a[2], mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
+                       backend=backend, alibi_slopes=slopes, score_mod=score_mod)
+        return sinks_mod.apply(out, lse, a[n_main]) if len(a) > n_main else (out, lse)
 
     extra = () if sinks is None else (sinks,)
     if fw == _interop.CUPY:

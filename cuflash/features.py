@@ -8,7 +8,7 @@ and keys the tuned tables (tuning every feature combination is impossible, tunin
 
 The boolean variant fields (declared with `_variant`) are the kernels' compile-time feature set:
 the generated shell passes them, in field order, as ONE template argument,
-`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged, alibi>` (kernels_cu/attn/features.cuh), and asserts that each C++
+`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged, alibi, user_mod>` (kernels_cu/attn/features.cuh), and asserts that each C++
 member holds the value of its field (`cxx_asserts`), so the two lists cannot drift apart. Adding a
 feature is: one `_variant` field here, one parameter and member there, and the policy header that
 reads it; the shells, kernel names and fingerprints follow.
@@ -64,6 +64,11 @@ class Features:
     # after the kernel's others (kernels_cu/attn/score_mod.cuh AlibiBias); the v2 forwards and
     # backwards (sm80, sm90)
     alibi: bool = _variant("_alibi", "kAlibi")
+    # a user score / mask modification (cuflash.ScoreMod): CUDA C++ snippets compiled into the kernel
+    # (kernels_cu/attn/score_mod.cuh UserMod), auxiliary arrays through a pointer table after every
+    # other pointer; `mod` holds the snippets (cuflash.score_mods.ModSource), whose hash joins the tag
+    user_mod: bool = _variant("_mod", "kUserMod")
+    mod: object = None  # ModSource when user_mod (compared and hashed: each snippet is its own kernel)
 
     @classmethod
     @functools.cache
@@ -81,11 +86,13 @@ class Features:
         return _DTYPES[self.dtype][1]
 
     def tag(self) -> str:
-        """The variant's suffix in kernel names: "" for the plain kernel, then "_drop", "_local", ..."""
-        return "".join(f.metadata["tag"] for f in self.variant_fields() if getattr(self, f.name))
+        """The variant's suffix in kernel names: "" for the plain kernel, then "_drop", "_local", ...
+        (a user modification: "_mod" and its snippets' hash)."""
+        tag = "".join(f.metadata["tag"] for f in self.variant_fields() if getattr(self, f.name))
+        return tag + self.mod.digest() if self.user_mod and self.mod is not None else tag
 
     def cxx(self) -> str:
-        """The kernels' feature-set template argument, e.g. cuflash::Variant<true, false, false, false, false, false, false, false, false>."""
+        """The kernels' feature-set template argument, e.g. cuflash::Variant<true, false, false, false, false, false, false, false, false, false>."""
         return f"cuflash::Variant<{', '.join(_cxx_bool(getattr(self, f.name)) for f in self.variant_fields())}>"
 
     def cxx_asserts(self) -> str:

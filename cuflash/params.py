@@ -104,6 +104,9 @@ def _set_common(a, p: AttnProblem) -> None:
     if p.softcap:  # score = c tanh(S softcap_scale), softmax over it: exp2 units c log2(e) (attn/score_mod.cuh)
         a["scale_log2"] = np.float32(p.softcap * LOG2E)
         a["softcap_scale"] = np.float32(p.softmax_scale / p.softcap)
+    elif _user_score(p):  # the snippet takes softmax_scale S and returns softmax units (attn/score_mod.cuh UserMod)
+        a["scale_log2"] = np.float32(LOG2E)
+        a["softcap_scale"] = np.float32(p.softmax_scale)
     else:
         a["scale_log2"] = np.float32(p.softmax_scale * LOG2E)
         a["softcap_scale"] = 0.0
@@ -111,9 +114,15 @@ def _set_common(a, p: AttnProblem) -> None:
     a["drop_seed"], a["drop_threshold"], a["drop_scale"] = 0, 0, np.float32(1.0)
 
 
+def _user_score(p: AttnProblem) -> bool:
+    """Whether a user modification rewrites the scores (a mask-only one keeps the kernel's units)."""
+    return getattr(p, "mod", None) is not None and p.mod.score is not None
+
+
 def _set_alibi(a, p: AttnProblem) -> None:
-    if p.alibi:  # a bias b in softmax units is b / softmax_scale on S, b / softcap on softcap's t
-        a["alibi_scale"] = np.float32(1.0 / (p.softcap if p.softcap else p.softmax_scale))
+    if p.alibi:  # a bias b in softmax units is b / softmax_scale on S, b / softcap on softcap's t, b
+        # itself on a user score snippet's result
+        a["alibi_scale"] = np.float32(1.0 / (p.softcap if p.softcap else 1.0 if _user_score(p) else p.softmax_scale))
         a["alibi_sb"] = p.alibi_sb
 
 

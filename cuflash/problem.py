@@ -106,6 +106,9 @@ class AttnProblem:
     # slopes a float32 device array (heads,) (alibi_sb 0) or (batch, heads) (alibi_sb = heads)
     alibi: bool = False
     alibi_sb: int = 0
+    # a user modification (cuflash.ScoreMod, with_score_mod): its snippets (score_mods.ModSource); the
+    # aux arrays' pointer table is a per-call input (mod_aux)
+    mod: object = None
 
     def __post_init__(self):
         check_geometry(self.window_left, self.window_right, self.offset)
@@ -122,7 +125,8 @@ class AttnProblem:
         d = kernel_head_dim(self.head_dim)
         return Features(self.dtype, d, self.dropout is not None, local=self.window_left != UNBOUNDED,
                         softcap=self.softcap > 0, partial_d=self.head_dim != d, seqused_k=self.seqused_k,
-                        varlen=self.varlen, split_kv=self.n_splits > 1, paged=self.paged, alibi=self.alibi)
+                        varlen=self.varlen, split_kv=self.n_splits > 1, paged=self.paged, alibi=self.alibi,
+                        user_mod=self.mod is not None, mod=self.mod)
 
     @property
     def empty(self) -> bool:
@@ -293,6 +297,22 @@ def with_alibi(p: AttnProblem, slopes: ArrayInfo | None) -> AttnProblem:
     if slopes is None:
         return p
     return dataclasses.replace(p, alibi=True, alibi_sb=check_alibi_slopes(slopes, p.batch, p.heads, p.device))
+
+
+def with_score_mod(p: AttnProblem, score_mod) -> AttnProblem:
+    """`p` with a user modification (a cuflash.ScoreMod, checked against the call), or `p` itself
+    without. Its score snippet replaces softcap (write the cap in the snippet), so not both."""
+    if score_mod is None:
+        return p
+    from .score_mods import ScoreMod
+
+    if not isinstance(score_mod, ScoreMod):
+        raise TypeError(f"score_mod must be a cuflash.ScoreMod, got {type(score_mod).__name__}")
+    if score_mod.source.score is not None and p.softcap:
+        raise ValueError("softcap with a score_mod that has a score snippet: write the cap in the snippet "
+                         "(score_mod's score is softmax_scale * q.k)")
+    score_mod.check_device(p.device)
+    return dataclasses.replace(p, mod=score_mod.source)
 
 
 def resolve_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,

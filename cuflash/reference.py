@@ -197,12 +197,19 @@ def alibi_bias(nq: int, nk: int, slopes, batch: int, heads: int, alignment="bott
     return -slopes[:, :, None, None] * dist
 
 
-def _scores(qi, kj, scale, allowed, softcap=0.0, bias=None):
-    """S_ij = tau Q_i K_j^T, or c tanh(tau Q_i K_j^T / c) with softcap c > 0, plus `bias` (ALiBi's,
+def _scores(qi, kj, scale, allowed, softcap=0.0, bias=None, mods=None):
+    """S_ij = tau Q_i K_j^T, or c tanh(tau Q_i K_j^T / c) with softcap c > 0, then a user
+    modification `mods` = (score_mod, mask_mod) (see attention_naive), plus `bias` (ALiBi's,
     broadcastable), with disallowed entries set to -inf after it (allowed=None: no mask)."""
     s = scale * (qi @ kj.swapaxes(-1, -2))
     if softcap:
         s = softcap * np.tanh(s / softcap)
+    if mods is not None:
+        grids = tuple(np.arange(n).reshape([n if i == j else 1 for j in range(4)]) for i, n in enumerate(s.shape))
+        if mods[0] is not None:
+            s = np.asarray(mods[0](s, *grids), dtype=np.float64)
+        if mods[1] is not None:
+            s = np.where(np.broadcast_to(mods[1](*grids), s.shape), s, -np.inf)
     if bias is not None:
         s = s + bias
     return s if allowed is None else np.where(allowed, s, -np.inf)
@@ -217,11 +224,13 @@ def _out_layout(*xs):
 
 
 def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=None, dropout_p=0.0, window_size=(-1, -1),
-                    softcap=None, alibi_slopes=None):
+                    softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None):
     """Standard attention, materialising the N_q x N_k matrices.
 
-    S = tau Q K^T (c tanh(tau Q K^T / c) with softcap c; plus ALiBi's alibi_bias with
-    alibi_slopes, after the cap; masked entries -inf), P = softmax(S),
+    S = tau Q K^T (c tanh(tau Q K^T / c) with softcap c; then a user modification: S =
+    score_mod(S, b, h, q_idx, kv_idx) and -inf where not mask_mod(b, h, q_idx, kv_idx), NumPy
+    functions over broadcastable index grids, what a cuflash.ScoreMod's snippets compute per score;
+    plus ALiBi's alibi_bias with alibi_slopes; masked entries -inf), P = softmax(S),
     O = (P o Z) V with Z the dropout scale (Z = 1 without dropout), L = log rowsum(e^S).
 
     Returns ``(out, lse)``: out (B, N_q, H, d) and lse (B, H, N_q), float64.
@@ -233,7 +242,8 @@ def attention_naive(q, k, v, *, causal=False, softmax_scale=None, dropout_mask=N
 
     bias = None if alibi_slopes is None else alibi_bias(nq, nk, alibi_slopes, b, h, getattr(causal, "alignment",
                                                                                            "bottom_right"))
-    s = _scores(q, k, scale, visible(nq, nk, causal, window_size), _softcap(causal, softcap), bias)
+    s = _scores(q, k, scale, visible(nq, nk, causal, window_size), _softcap(causal, softcap), bias,
+                (score_mod, mask_mod) if score_mod is not None or mask_mod is not None else None)
     m = s.max(axis=-1)
     e = np.exp(s - _finite_or_zero(m)[..., None])
     l = e.sum(axis=-1)

@@ -63,7 +63,14 @@ def _rounder(compute_dtype, round_dtype):
     return lambda x: x.astype(round_dtype).astype(compute_dtype)
 
 
-def _masked_scores(qf, kf, causal, scale, rnd, with_tanh=False, alibi_slopes=None):
+def _index_grids(shape):
+    """(b, h, q_idx, kv_idx) as broadcastable CuPy int arrays over scores of `shape` (b, h, nq, nk)."""
+    import cupy
+
+    return tuple(cupy.arange(n).reshape([n if i == j else 1 for j in range(4)]) for i, n in enumerate(shape))
+
+
+def _masked_scores(qf, kf, causal, scale, rnd, with_tanh=False, alibi_slopes=None, mods=None):
     """Scores scale Q K^T, softcapped (c tanh(. / c)) when `causal` is a MaskOptions with softcap c
     (the same-dtype side rounds s / c, the tanh and its product with c, as a 16-bit PyTorch
     computation would), then masked (-inf). with_tanh: also the tanh (None without softcap), for
@@ -76,6 +83,13 @@ def _masked_scores(qf, kf, causal, scale, rnd, with_tanh=False, alibi_slopes=Non
     if c:
         t = rnd(cupy.tanh(rnd(s / c)))
         s = rnd(t * c)
+    if mods is not None:  # a user modification (cuflash.ScoreMod) as CuPy functions over index grids
+        score_fn, mask_fn = mods
+        grids = _index_grids(s.shape)
+        if score_fn is not None:
+            s = rnd(score_fn(s, *grids).astype(s.dtype))
+        if mask_fn is not None:
+            s = cupy.where(cupy.broadcast_to(mask_fn(*grids), s.shape), s, -cupy.inf)
     if alibi_slopes is not None:  # ALiBi after the cap (cuflash.reference.alibi_bias), in the compute dtype
         b, h, nq, nk = s.shape
         bias = alibi_bias(nq, nk, cupy.asnumpy(alibi_slopes), b, h, getattr(causal, "alignment", "bottom_right"))
@@ -86,7 +100,7 @@ def _masked_scores(qf, kf, causal, scale, rnd, with_tanh=False, alibi_slopes=Non
     return (s, t) if with_tanh else s
 
 
-def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=None, alibi_slopes=None):
+def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=None, alibi_slopes=None, mods=None):
     """softmax(scale Q K^T) V on the GPU in `compute_dtype`, bottom-right causal (`causal` may be a
     cuflash.mask.MaskOptions: its window, alignment and softcap apply). k, v may have
     fewer heads than q, dividing them (GQA/MQA: repeated for each group of query heads).
@@ -97,13 +111,16 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=No
     same-dtype side rounds P o Z, as dropout applied to a bf16 P would); lse stays undropped.
     Returns (out, lse) in compute_dtype; fully masked rows give 0 and -inf; a NaN (or +inf) score
     a row sees makes its out and lse NaN, as in cuflash.reference.
+    mods: a user modification as (score_fn, mask_fn), either None: score_fn(s, b, h, q_idx, kv_idx)
+    -> the new scores and mask_fn(b, h, q_idx, kv_idx) -> visible, CuPy functions over broadcastable
+    index grids, applied after softcap and before ALiBi and the mask (cuflash.ScoreMod's order).
     """
     import cupy
 
     rnd = _rounder(compute_dtype, round_dtype)
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])  # GQA/MQA: one k/v head per query head
     qf, kf, vf = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v))  # b h n d
-    s = _masked_scores(qf, kf, causal, scale, rnd, alibi_slopes=alibi_slopes)
+    s = _masked_scores(qf, kf, causal, scale, rnd, alibi_slopes=alibi_slopes, mods=mods)
     m = s.max(axis=-1, keepdims=True)
     m_safe = cupy.where(cupy.isneginf(m), 0, m)
     e = cupy.exp(s - m_safe)
@@ -167,18 +184,19 @@ def _allowed(got, ref, pt, factor):
     return err, pt_err, factor * pt_err + atol
 
 
-def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None, alibi_slopes=None):
+def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None, alibi_slopes=None, mods=None):
     """(kernel error, same-dtype error, allowed) by FlashAttention's rule against a float64 reference.
 
     keep_scale: dropout's Z = keep_mask * scale (b, h, nq, nk), applied on both sides (see naive).
     k, v may have fewer heads than q (GQA/MQA), as the kernels take them. alibi_slopes: ALiBi's
-    (heads,) or (batch, heads) slopes, on both sides.
+    (heads,) or (batch, heads) slopes, on both sides. mods: a user modification's (score_fn, mask_fn)
+    (see naive), on both sides.
     """
     import cupy
 
-    ref, _ = naive(q, k, v, causal, scale, cupy.float64, keep_scale=keep_scale, alibi_slopes=alibi_slopes)
+    ref, _ = naive(q, k, v, causal, scale, cupy.float64, keep_scale=keep_scale, alibi_slopes=alibi_slopes, mods=mods)
     pt, _ = naive(q, k, v, causal, scale, cupy.float32, round_dtype=out.dtype, keep_scale=keep_scale,
-                  alibi_slopes=alibi_slopes)
+                  alibi_slopes=alibi_slopes, mods=mods)
     return _allowed(out, ref, pt, factor)
 
 

@@ -63,12 +63,36 @@ def select(family: KernelFamily, problem):
     # instances (the family's `spilling` marks) gives way to the default that does not. (The older
     # variants, windows and softcap, keep their class's tuned tile, as they were measured with it.)
     untuned = problem.features.varlen or problem.features.split_kv
+    if problem.features.user_mod:  # each snippet is its own kernel: pick by its own compile report
+        return _tile_for_snippet(family, problem, props, tile)
     if tile is not None and not (untuned and family.avoids(tile, problem.features)):
         return tile
     try:
         return family.default(problem.features.head_dim, props.smem_optin, problem.features)
     except RuntimeError as e:  # e.g. the d128 backward on a ~99 KB GPU: say which GPU
         raise RuntimeError(f"{e} per block on {props.name} (cc {props.cc_str})") from None
+
+
+def _tile_for_snippet(family: KernelFamily, problem, props, tuned):
+    """A user modification's tile: the first of (the class's tuned tile, then the family's defaults
+    that fit the device) whose instance with the caller's snippets compiles without spilling
+    registers (ptxas' report, one NVRTC compile of ~0.5 s each, cached per process: a snippet's
+    register use cannot be known in advance); the least spilling one if every candidate spills."""
+    from .. import _compile
+
+    f = problem.features
+    cands = [] if tuned is None else [tuned]
+    cands += [t for t in family.defaults[f.head_dim]
+              if t not in cands and t.fits(props.smem_optin) and not family.avoids(t, f)]
+    if not cands:
+        return family.default(f.head_dim, props.smem_optin, f)  # raises, naming the head dim
+    spills = []
+    for t in cands:
+        rep = _compile.compile_report(_compile.kernel_source(t, f), family.nvrtc_arch(props))
+        if rep["spill_stores"] == 0:
+            return t
+        spills.append((rep["spill_stores"], t))
+    return min(spills, key=lambda x: x[0])[1]
 
 
 # ----------------------------------------------------------------------------- backends

@@ -32,6 +32,7 @@ F32_IN = "const float* __restrict__"
 F32 = "float* __restrict__"
 I32_IN = "const int* __restrict__"  # per-batch lengths (seqused_k)
 F32_WS = "float*"  # a workspace the kernel reads back (v1's O, m, l): not __restrict__
+AUX_TABLE = "const void* const* __restrict__"  # a user modification's aux arrays (cuflash/score_mods.py)
 
 
 def register_cap(threads: int, props) -> int:
@@ -102,8 +103,10 @@ class KernelFamily:
     varlen_pointers: tuple = ((I32_IN, "cu_seqlens_q"), (I32_IN, "cu_seqlens_k"))
     takes_alibi: bool = False  # True: ALiBi instances (an alibi_slopes pointer after all the others)
     alibi_pointer: tuple = (F32_IN, "alibi_slopes")
+    takes_user_mod: bool = False  # True: user score/mask modification instances (cuflash.ScoreMod)
+    mod_pointer: tuple = (AUX_TABLE, "mod_aux")  # the ScoreMod's aux pointer table, after alibi_slopes
     # True: the device template takes every optional pointer the family has (seqused_k, block_table,
-    # cu_seqlens_q / _k, alibi_slopes, in that order), and the shell passes nullptr for those the
+    # cu_seqlens_q / _k, alibi_slopes, mod_aux, in that order), and the shell passes nullptr for those the
     # instance's features do not take; False: the template has one overload per pointer set
     nullable_pointers: bool = False
     # the tuner:
@@ -129,7 +132,8 @@ class KernelFamily:
                 and (self.takes_varlen or not features.varlen)
                 and (self.takes_split_kv or not features.split_kv)
                 and (self.takes_paged or not features.paged)
-                and (self.takes_alibi or not features.alibi))
+                and (self.takes_alibi or not features.alibi)
+                and (self.takes_user_mod or not features.user_mod))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
         """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order
@@ -209,6 +213,7 @@ class KernelFamily:
                      "split_kv": "split-KV decoding (num_splits)",
                      "paged": "paged KV caches (block_table)",
                      "alibi": "ALiBi (alibi_slopes)",
+                     "user_mod": "user score/mask modifications (score_mod)",
                      "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         run_as = f" (on the kernels of head dim {f.head_dim})" if call_head_dim not in (None, f.head_dim) else ""

@@ -89,7 +89,7 @@ FWD_SM90 = KernelFamily(
     spilling={"dropout": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)}),
               "local": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)}),
               "softcap": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)})}, call_problem=_call_problem,
-    plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True,
+    plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True, takes_user_mod=True,
     nullable_pointers=True,
 )
 

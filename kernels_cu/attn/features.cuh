@@ -10,7 +10,7 @@
 namespace cuflash {
 
 template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN, bool SPLIT_KV, bool PAGED,
-          bool ALIBI>
+          bool ALIBI, bool USER_MOD>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -57,6 +57,12 @@ struct Variant {
     // FFMA on every tile, so its own instantiation. The v2 forwards and backwards (sm80, sm90)
     // have these instances (not v1, not the decode kernel).
     static constexpr bool kAlibi = ALIBI;
+    // A user score / mask modification (cuflash.ScoreMod; attn/score_mod.cuh UserMod): the shell
+    // specialises UserModDefs<true> with the caller's CUDA C++ snippets (the snippets' hash joins
+    // the kernel name) and the kernel takes a pointer table mod_aux (the snippets' auxiliary arrays)
+    // after all its other pointers. With a score snippet the kernel's scores are in softmax units
+    // (params.scale_log2 = log2(e), softcap_scale = softmax_scale). The v2 forwards (sm80, sm90).
+    static constexpr bool kUserMod = USER_MOD;
 };
 
 }  // namespace cuflash

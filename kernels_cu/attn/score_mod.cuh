@@ -25,6 +25,7 @@
 #pragma once
 #include "attn/features.cuh"
 #include "core/frag.cuh"
+#include "core/types.cuh"
 
 namespace cuflash {
 
@@ -182,6 +183,86 @@ struct AlibiBias {
         } else {
             row_shift[0] = row_shift[1] = 0.f;
             apply_tile(acc, q0, k0, lane);
+        }
+    }
+
+    // A warp tile acc[MT][NT][4] (rows = queries from q0, cols = keys from k0).
+    template <int MT, int NT>
+    __device__ __forceinline__ void apply(float (&acc)[MT][NT][4], int q0, int k0, int lane) const {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) apply_tile(acc[mt], q0 + 16 * mt, k0, lane);
+    }
+};
+
+// A user modification (cuflash.ScoreMod, V::kUserMod): the caller's CUDA C++ snippets, which the
+// generated shell compiles in as the specialisation UserModDefs<true> (cuflash/score_mods.py
+// ModSource.cxx): static score(score, b, h, q_idx, kv_idx, aux) -> the modified score in softmax
+// units, and mask(b, h, q_idx, kv_idx, aux) -> whether the key is visible, with kScore / kMask
+// saying which the caller wrote. The primary template is the identity (instances without a user
+// modification never call it). The kernels keep raw scores S; with a score snippet the host sets
+// params.softcap_scale = softmax_scale (the snippet's `score` is softmax_scale S) and scale_log2 =
+// log2(e) (the snippet's result is already in softmax units). q_idx, kv_idx are positions in the
+// batch's sequences, clamped to them for padding rows and columns (which the masks remove and the
+// stores skip), so a snippet may index aux arrays by position.
+template <bool ON>
+struct UserModDefs {
+    static constexpr bool kScore = false, kMask = false;
+    __device__ __forceinline__ static float score(float s, int, int, int, int, const void* const*) { return s; }
+    __device__ __forceinline__ static bool mask(int, int, int, int, const void* const*) { return true; }
+};
+
+template <class V>
+struct UserMod {
+    using Defs = UserModDefs<V::kUserMod>;
+    static constexpr bool kOn = V::kUserMod;
+    static constexpr bool kScore = kOn && Defs::kScore;
+    static constexpr bool kMask = kOn && Defs::kMask;
+    const void* const* aux;  // the aux arrays' pointer table (mod_aux)
+    float scale;             // softmax_scale: the snippet's score is scale * S
+    int b, h, seqlen_q, seqlen_k;
+
+    template <class Params>
+    __device__ __forceinline__ static UserMod of(const Params& p, const void* const* __restrict__ mod_aux, int b, int h,
+                                                 int seqlen_q, int seqlen_k) {
+        UserMod m{nullptr, 0.f, 0, 0, 0, 0};
+        if constexpr (kOn) m = UserMod{mod_aux, p.softcap_scale, b, h, seqlen_q, seqlen_k};
+        return m;
+    }
+
+    // One score of (query q, key k), both inside their sequences.
+    __device__ __forceinline__ float at(float s, int q, int k) const {
+        float r = s;
+        if constexpr (kScore) r = Defs::score(s * scale, b, h, q, k, aux);
+        if constexpr (kMask) {
+            if (!Defs::mask(b, h, q, k, aux)) r = neg_inf();
+        }
+        return r;
+    }
+
+    // One m16 tile acc[NT][4], rows queries q0 + 0..15, columns keys k0 + 0..8 NT-1 (Direct view:
+    // the forwards).
+    template <int NT>
+    __device__ __forceinline__ void apply_tile(float (&acc)[NT][4], int q0, int k0, int lane) const {
+        if constexpr (kOn) {
+            using F = FragSm80<1, NT>;
+            // The positions made opaque per tile: otherwise the compiler hoists each element's part
+            // of a snippet that does not depend on k0 (q_idx - 8 nt - e ...) out of the key loop, one
+            // register per element (a band mask spilled 36-300 B)
+            asm volatile("" : "+r"(q0), "+r"(k0));
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                // padding rows and columns take the last position's value (clamped, so that a snippet
+                // may index aux arrays by position); the mask and the store drop them anyway. A
+                // branch to an unclamped copy for interior tiles made the band-mask instance spill.
+                const int q = min(q0 + F::row_of_half(lane, 0, half), seqlen_q - 1);
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int k = min(k0 + F::col(lane, nt, e), seqlen_k - 1);
+                        acc[nt][2 * half + e] = at(acc[nt][2 * half + e], q, k);
+                    }
+            }
         }
     }
 

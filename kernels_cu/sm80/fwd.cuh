@@ -45,7 +45,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
                                           const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
                                           const int* __restrict__ seqused_k, const int* __restrict__ cu_seqlens_q,
                                           const int* __restrict__ cu_seqlens_k, const float* __restrict__ alibi_slopes,
-                                          const FwdParams& params) {
+                                          const void* const* __restrict__ mod_aux, const FwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -100,6 +100,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const Mask<V::kLocal> mask{geo};
     const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
     const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, b, h, geo.offset);
+    const UserMod<V> user_mod = UserMod<V>::of(params, mod_aux, b, h, geo.seqlen_q, geo.seqlen_k);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_begin = range.begin, n_iter = range.size();
 
@@ -163,6 +164,9 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
 
         // ---- score modifier (softcap: t = tanh(S softcap_scale); nothing without one) ----
         score_mod.apply(acc_s);
+
+        // ---- a user modification (cuflash.ScoreMod): its score and mask snippets on every tile ----
+        if constexpr (V::kUserMod) user_mod.apply(acc_s, r0 + warp_row0, j * BC, lane);
 
         // ---- ALiBi: -slope |q + offset - k| on every tile (under the flag: even a dead argument
         // expression moved the dropout instances' code, whose SASS is kept as tuned) ----

@@ -132,7 +132,8 @@ template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int
 __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                                elem_t* __restrict__ o, float* __restrict__ lse,
                                                const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                                               const float* __restrict__ alibi_slopes, const FwdParams& params) {
+                                               const float* __restrict__ alibi_slopes,
+                                               const void* const* __restrict__ mod_aux, const FwdParams& params) {
     using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES, QSTAGES>;
     using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V>;
     // V::kVarlen: q, k, v are packed (total, heads, D) and mapped as one batch of total rows; a
@@ -258,6 +259,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             const Dropout drop{params.drop_seed, params.drop_threshold, w.blk.bh};
             // ALiBi: -slope |q + offset - k| after the modifier (attn/score_mod.cuh; nothing without it)
             const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, w.blk.batch, w.blk.head, w.geo.offset);
+            const UserMod<V> user_mod = UserMod<V>::of(params, mod_aux, w.blk.batch, w.blk.head, w.geo.seqlen_q, w.geo.seqlen_k);
             OnlineSoftmax<1> softmax;
             softmax.init();
 
@@ -265,6 +267,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             // P = exp2(S c - m c) in place; corr[half] is O's rescale factor for this block.
             auto softmax_block = [&](int j, float (&corr)[2]) {
                 score_mod.apply(acc_s);
+                if constexpr (V::kUserMod) user_mod.apply(acc_s, r0 + warp_row0, j * BC, lane);
                 // ALiBi's row part: its split form (one FFMA per score off the diagonal) keeps two row
                 // shifts through the softmax, which three consumers' 128 registers cannot hold (12 B of
                 // spills at d64): they add the whole bias per score (an FADD and an FFMA)
