@@ -152,7 +152,8 @@ def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
 
     what = "alibi_slopes" if score_mod is None else "score_mod"
     if problem.check_algorithm(algorithm) != "v2":
-        raise ValueError(f"{what}: the v1 algorithm has no such kernels; use algorithm='v2'")
+        raise ValueError(f"{what}: the v1 algorithm has no {'ALiBi' if score_mod is None else 'score_mod'} kernels; "
+                         "use algorithm='v2'")
     problem.check_flag(deterministic, "deterministic")
     families.check_backend(backend)
     if sinks is not None:
