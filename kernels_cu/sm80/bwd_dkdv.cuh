@@ -244,15 +244,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
             if constexpr (kGrad) {
                 // t = the capped S^T (or a user snippet's score), masked to -inf before the exp (P = 0
                 // and 1 - t^2 = 0 there); P^T o grad parked for the dS^T phase
-                float raw[UserMod<V>::kScore ? SN : 1][4];  // a user snippet's grad is taken at the raw S
-                if constexpr (UserMod<V>::kScore) {
-#pragma unroll
-                    for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) raw[nt][e] = acc[nt][e];
-                }
-                score_mod.apply_tile(acc);
-                user_mod.apply_transposed(acc, q0, key_w, lane);
+                score_mod.apply_tile(acc);  // softcap (a score snippet: per element below, on the masked raw S)
+                if constexpr (!UserMod<V>::kScore) user_mod.apply_transposed(acc, q0, key_w, lane);  // a mask snippet
                 if (range.masked_head(m) || (V::kLocal && range.masked_tail(m))) mask.apply_transposed<true, true>(acc, q0, key_w, lane, neg_inf());
 #pragma unroll
                 for (int nt = 0; nt < SN; ++nt) {
@@ -262,9 +255,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                         const int qc = q0 + 8 * nt + 2 * t, kr = key_w + g + 8 * half;  // (query, key) of the pair
                         float g0, g1;
                         if constexpr (UserMod<V>::kScore) {
-                            // 0 where masked (P = 0 there; a grad snippet need not be finite off the mask)
-                            g0 = acc[nt][2 * half] == neg_inf() ? 0.f : user_mod.grad(raw[nt][2 * half], qc, kr);
-                            g1 = acc[nt][2 * half + 1] == neg_inf() ? 0.f : user_mod.grad(raw[nt][2 * half + 1], qc + 1, kr);
+                            acc[nt][2 * half] = user_mod.value_grad(acc[nt][2 * half], qc, kr, g0);
+                            acc[nt][2 * half + 1] = user_mod.value_grad(acc[nt][2 * half + 1], qc + 1, kr, g1);
                         } else {
                             g0 = ScoreMod<V>::grad(acc[nt][2 * half]), g1 = ScoreMod<V>::grad(acc[nt][2 * half + 1]);
                         }

@@ -161,30 +161,25 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
         // score modifier (softcap: t = tanh(S softcap_scale)), mask S (-inf, so P = exp2(-inf) = 0
         // there; c > 0), then P = exp2(S c - lse2) and dS = P o (dP o Z - delta) o grad(t), Z =
         // dropout keep / (1 - p), grad the modifier's derivative (attn/score_mod.cuh; 1 without)
-        float raw[UserMod<V>::kScore ? SN : 1][4];  // a user score snippet's grad is taken at the raw S
-        if constexpr (UserMod<V>::kScore) {
-#pragma unroll
-            for (int nt = 0; nt < SN; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) raw[nt][e] = acc_s[nt][e];
-        }
         score_mod.apply_tile(acc_s);
-        user_mod.apply_tile(acc_s, r0 + warp * 16, j * BC, lane);  // a user modification (-inf where masked)
+        // a mask snippet (-inf where masked); a score snippet runs per element below, on the masked raw S
+        if constexpr (!UserMod<V>::kScore) user_mod.apply_tile(acc_s, r0 + warp * 16, j * BC, lane);
         if (range.masked_tail(j)) mask.apply_tile<false, true>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
         if (range.masked_head(j)) mask.apply_tile<true, false>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
 #pragma unroll
         for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
+                float gu = 1.f;  // a score snippet's derivative (its value replaces the masked raw S)
+                if constexpr (UserMod<V>::kScore)
+                    acc_s[nt][e] = user_mod.value_grad(acc_s[nt][e], row_a + 8 * (e >> 1), j * BC + 8 * nt + 2 * t + (e & 1), gu);
                 const float p = fast_exp2(fmaf(acc_s[nt][e], scale_log2,  // query row_a + 8 (e / 2), key j BC + 8 nt + 2 t + e % 2
                                                alibi.shift(-(e < 2 ? L0 : L1), row_a + 8 * (e >> 1), j * BC + 8 * nt + 2 * t + (e & 1))));
                 float dp = acc_dp[nt][e];
                 if constexpr (V::kDropout) dp = Dropout::kept(dbits[nt / 2], nt, e) ? dp * drop_scale : 0.f;
                 float ds = p * (dp - (e < 2 ? D0 : D1));
                 if constexpr (V::kSoftcap) ds *= ScoreMod<V>::grad(acc_s[nt][e]);
-                if constexpr (UserMod<V>::kScore)  // 0 where masked (p = 0; the snippet's grad may not be finite there)
-                    ds = acc_s[nt][e] == neg_inf() ? 0.f
-                                                   : ds * user_mod.grad(raw[nt][e], row_a + 8 * (e >> 1), j * BC + 8 * nt + 2 * t + (e & 1));
+                if constexpr (UserMod<V>::kScore) ds *= gu;
                 acc_dp[nt][e] = ds;
             }
 

@@ -244,15 +244,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     wgmma_wait<0>();
                 }
                 fence_regs(acc_s);
-                float raw[UserMod<V>::kScore ? BR / 8 : 1][4];  // a user score snippet's grad is taken at the raw S
-                if constexpr (UserMod<V>::kScore) {
-#pragma unroll
-                    for (int nt = 0; nt < BR / 8; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) raw[nt][e] = acc_s[nt][e];
-                }
                 score_mod.apply_tile(acc_s);
-                user_mod.apply_transposed(acc_s, m0, key_w, lane);  // a user modification (-inf where masked)
+                // a mask snippet (-inf where masked); a score snippet runs per element below, on the masked raw S
+                if constexpr (!UserMod<V>::kScore) user_mod.apply_transposed(acc_s, m0, key_w, lane);
                 // softcap: the mask goes on t (-inf) before the exp, so that P = 0 and grad = 0 there
                 if constexpr (kGrad) {
                     if (range.masked_head(m) || (V::kLocal && range.masked_tail(m)))
@@ -278,9 +272,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         for (int e = 0; e < 4; e += 2) {
                             const int qc = m0 + 8 * nt + 2 * t, kr = key_w + g + 8 * (e / 2);  // (query, key) of e
                             float g0, g1;
-                            if constexpr (UserMod<V>::kScore) {  // 0 where masked (P = 0 there)
-                                g0 = acc_s[nt][e] == neg_inf() ? 0.f : user_mod.grad(raw[nt][e], qc, kr);
-                                g1 = acc_s[nt][e + 1] == neg_inf() ? 0.f : user_mod.grad(raw[nt][e + 1], qc + 1, kr);
+                            if constexpr (UserMod<V>::kScore) {
+                                acc_s[nt][e] = user_mod.value_grad(acc_s[nt][e], qc, kr, g0);
+                                acc_s[nt][e + 1] = user_mod.value_grad(acc_s[nt][e + 1], qc + 1, kr, g1);
                             } else {
                                 g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
                             }
