@@ -243,3 +243,42 @@ def test_torch_autograd_through_a_snippet(with_sinks):
         cuflash.attention(q, k, v, score_mod=cuflash.ScoreMod("score * 2.f"))
     with torch.no_grad():
         cuflash.attention(q, k, v, score_mod=cuflash.ScoreMod("score * 2.f"))
+
+
+@pytest.mark.parametrize("kind", ["cap", "scale", "band", "docs"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_mod_variable_length_batches(kind, causal, backend):  # noqa: F811
+    """attention_varlen(score_mod=): each packed sequence against its own dense reference (b the
+    sequence, q_idx / kv_idx positions within it); the backward's gradients likewise."""
+    import cupy
+    from cuflash import varlen
+    from cuflash.testing import fa_rule_grads
+
+    rng = np.random.default_rng(_seed(kind, causal, backend, "varlen"))
+    lens_q, lens_k, h, h_kv, d = [37, 200, 1, 129], [64, 150, 77, 300], 4, 2, 128
+    dt = dtype_of("bfloat16")
+    seqs = [random_qkv(rng, 1, nq, nk, h, d, dt, heads_kv=h_kv) for nq, nk in zip(lens_q, lens_k)]
+    q, k, v = (cupy.concatenate([s[i][0] for s in seqs]) for i in range(3))
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (lens_q, lens_k))
+    if kind == "band":  # per-sequence top-left band (the snippet cannot know each sequence's offset)
+        mod, fns = (cuflash.ScoreMod(mask="kv_idx <= q_idx + 20 && kv_idx + 40 >= q_idx"),
+                    (None, lambda bb, hh, qi, kj: (kj <= qi + 20) & (kj + 40 >= qi), None))
+    else:
+        mod, fns = _mod(kind, rng, 1, h, max(lens_q), max(lens_k))
+    mask = MaskOptions.of(causal=causal)
+    out, lse = varlen.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                       score_mod=mod, return_lse=True, backend=backend)
+    dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)).astype(out.dtype)
+    grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             causal=causal, score_mod=mod)
+    scale = 1 / math.sqrt(d)
+    for b in range(len(seqs)):
+        i0, i1 = int(cu_q[b]), int(cu_q[b + 1])
+        j0, j1 = int(cu_k[b]), int(cu_k[b + 1])
+        one = lambda x, a, z: x[a:z][None]  # noqa: E731  (the sequence as a batch of one)
+        qb, kb, vb = one(q, i0, i1), one(k, j0, j1), one(v, j0, j1)
+        err, pt, allowed = fa_rule(one(out, i0, i1), qb, kb, vb, mask, scale, mods=fns)
+        assert err <= allowed, f"sequence {b}: {err:.3e} > {allowed:.3e}"
+        g = (one(grads[0], i0, i1), one(grads[1], j0, j1), one(grads[2], j0, j1))
+        for name, (err, pt, allowed) in fa_rule_grads(g, qb, kb, vb, one(dout, i0, i1), mask, scale, mods=fns).items():
+            assert err <= allowed, f"sequence {b} {name}: {err:.3e} > {allowed:.3e}"
