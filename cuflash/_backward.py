@@ -53,8 +53,9 @@ VARLEN_SLOTS = ("cu_seqlens_q", "cu_seqlens_k")
 
 
 def _alibi_slot(p: AttnProblem) -> tuple:
-    """ALiBi's slopes: the plan's last input and the last pointer of the dK/dV and dQ kernels."""
-    return ("alibi_slopes",) if p.alibi else ()
+    """The optional last inputs of the plan and last pointers of the dK/dV and dQ kernels: ALiBi's
+    slopes, then a user modification's aux pointer table (cuflash.ScoreMod)."""
+    return (("alibi_slopes",) if p.alibi else ()) + (("mod_aux",) if p.mod is not None else ())
 
 
 def varlen_ws_rows_per_head(p: AttnProblem) -> int:
@@ -175,11 +176,17 @@ def _main_family(p, config, backend):
     return families.choose(families.BACKWARDS, p, backend)
 
 
-def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend=None) -> Plan:
+def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend=None,
+                alibi_slopes=None, score_mod=None) -> Plan:
     infos = [problem.describe(x, n) for x, n in zip(arrays, BWD_ARRAYS)]
     p = problem.resolve_backward(*infos, mask, softmax_scale, deterministic, dropout)
-    if len(arrays) > len(BWD_ARRAYS):  # ALiBi's slopes (backward())
-        p = problem.with_alibi(p, problem.describe(arrays[-1], "alibi_slopes"))
+    if alibi_slopes is not None:
+        p = problem.with_alibi(p, problem.describe(alibi_slopes, "alibi_slopes"))
+    if score_mod is not None:
+        if score_mod.source.score is not None and score_mod.source.grad is None:
+            raise ValueError("score_mod: the backward of a score snippet needs its derivative: "
+                             "ScoreMod(score=..., grad=...) (d score_mod / d score)")
+        p = problem.with_score_mod(p, score_mod)
     if p.empty:  # no launch: zero gradients of q, k, v's shapes (empty where their arrays are)
         dtype = arrays[1].dtype
         return FilledPlan(p.device, BWD_ARRAYS, tuple((Buffer(n, x.shape, dtype), 0)
@@ -199,7 +206,7 @@ def _tile(family, config, p):
 
 def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softmax_scale=None, deterministic=False,
              dropout_p=0.0, seed=None, config: BwdConfig | None = None, dq_config: DqConfig | None = None,
-             backend: str | None = None, alibi_slopes=None, **mask_options):
+             backend: str | None = None, alibi_slopes=None, score_mod=None, **mask_options):
     """Gradients (dq, dk, dv) of attention for upstream gradient `dout`; CuPy arrays like q, k, v.
 
     `out` and `lse` are the forward's results for the same q, k, v, mask, softmax_scale,
@@ -209,6 +216,7 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     `backend`: None (automatic: the Hopper dK/dV kernel on a cc 9.0 GPU at head_dim 128 where it
     can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0, no
     dropout, not deterministic) to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
+    `score_mod`: the forward's cuflash.ScoreMod; a score snippet needs its `grad` snippet here.
     """
     import cupy
 
@@ -218,8 +226,12 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     dropout = problem.resolve_dropout(dropout_p, seed)
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
         plan = _plans.get(lambda: (*plan_cache.array_key(arrays), mask.key, softmax_scale, deterministic,
-                                   dropout is not None, backend),
-                          lambda: _build_plan(arrays, mask, softmax_scale, deterministic, dropout, None, None, backend))
+                                   dropout is not None, backend, None if score_mod is None else score_mod.source),
+                          lambda: _build_plan(arrays, mask, softmax_scale, deterministic, dropout, None, None, backend,
+                                              alibi_slopes, score_mod))
     else:
-        plan = _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend)
+        plan = _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend,
+                           alibi_slopes, score_mod)
+    if score_mod is not None:
+        arrays = (*arrays, score_mod.pointer_table(q.device.id))
     return plan.run(arrays, None if dropout is None else dropout.kernel_args)

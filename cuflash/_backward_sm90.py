@@ -39,4 +39,5 @@ def main_args(p, cfg, encoder=None):
         return (mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), mdo.get(dout.data.ptr), *rest)
 
     bind.caches = tuple(caches)
-    return SLOTS + (("alibi_slopes",) if p.alibi else ()), bind  # the slopes last, as they are
+    # the slopes, then a user modification's aux table, last, as they are
+    return SLOTS + (("alibi_slopes",) if p.alibi else ()) + (("mod_aux",) if p.mod is not None else ()), bind

@@ -178,7 +178,8 @@ def compile_report(source: str, arch: str) -> dict:
             if "UserModDefs<true>" in source:  # a user snippet's error, with the snippet's lines
                 from .score_mods import ModSource, compile_error
 
-                err = compile_error(log, ModSource(score=_snippet(source, "score_mod"), mask=_snippet(source, "mask_mod")))
+                err = compile_error(log, ModSource(score=_snippet(source, "score_mod"), mask=_snippet(source, "mask_mod"),
+                                                   grad=_snippet(source, "score_grad")))
                 if err is not None:
                     raise err from None
             raise RuntimeError(f"NVRTC failed for {arch}:\n{log}") from e

@@ -111,10 +111,10 @@ def _fwd_impl(q, k, v, *options):
     return _fwd_run(q, k, v, options)
 
 
-def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None):
+def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None, score_mod=None):
     """The forward on CuPy views of the tensors; `remember`: a direct-launch key (_direct_key) under
     which to keep the plan the call ran, for the next calls of this signature; `alibi_slopes`: ALiBi's
-    (the v2 forward; no direct launches)."""
+    and `score_mod` a cuflash.ScoreMod (the v2 forward; no direct launches)."""
     mask, o = mask_and_options(FWD_OPTIONS, options)
     fwd = forward_fn(o["algorithm"])
     arrays, names = ((q, k, v), FWD_ARRAYS) if alibi_slopes is None else ((q, k, v, alibi_slopes),
@@ -123,9 +123,11 @@ def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None):
     seed = _seed_out(o["dropout_p"], o["seed"])
 
     def run(cq, ck, cv, *slopes):
-        alibi = {"alibi_slopes": slopes[0]} if slopes else {}
+        extra = {"alibi_slopes": slopes[0]} if slopes else {}
+        if score_mod is not None:
+            extra["score_mod"] = score_mod
         res = fwd(cq, ck, cv, mask=mask, softmax_scale=o["softmax_scale"], dropout_p=o["dropout_p"], seed=seed,
-                  backend=o["backend"], **alibi)
+                  backend=o["backend"], **extra)
         if remember is not None and o["algorithm"] == "v2":
             dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
             _remember(remember, _forward._plans, (cq, ck, cv), (mask.key, o["softmax_scale"], dropout, o["backend"]),
@@ -141,8 +143,8 @@ def _bwd_impl(dout, q, k, v, out, lse, *options):
     return _bwd_run(dout, q, k, v, out, lse, options)
 
 
-def _bwd_run(dout, q, k, v, out, lse, options, remember=None, alibi_slopes=None):
-    """The backward on CuPy views; `remember` and `alibi_slopes` as _fwd_run's."""
+def _bwd_run(dout, q, k, v, out, lse, options, remember=None, alibi_slopes=None, score_mod=None):
+    """The backward on CuPy views; `remember`, `alibi_slopes` and `score_mod` as _fwd_run's."""
     mask, o = mask_and_options(BWD_OPTIONS, options)
     dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
     tensors, names = (dout, q, k, v, out, lse), BWD_ARRAYS
@@ -155,7 +157,7 @@ def _bwd_run(dout, q, k, v, out, lse, options, remember=None, alibi_slopes=None)
     def run(*arrays):
         res = _backward.backward(*arrays[:6], mask=mask, softmax_scale=o["softmax_scale"],
                                  deterministic=o["deterministic"], dropout_p=o["dropout_p"], seed=seed,
-                                 alibi_slopes=arrays[6] if len(arrays) > 6 else None)
+                                 alibi_slopes=arrays[6] if len(arrays) > 6 else None, score_mod=score_mod)
         if remember is not None:
             dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
             _remember(remember, _backward._plans, arrays,
@@ -384,19 +386,21 @@ def attention(q, k, v, mask: MaskOptions, softmax_scale, return_lse, algorithm, 
 
 
 class _SinkAttention(torch.autograd.Function):
-    """attention with sinks (cuflash/sinks.py) and / or ALiBi slopes (either may be None): the
-    kernels' forward (with the slopes), its (out, lse) rescaled by the sinks; the backward is the
-    ordinary one (with the slopes) fed the rescaled (out', lse'), plus the sinks' gradient. The
-    slopes get none (FlashAttention's are not trained either)."""
+    """attention with sinks (cuflash/sinks.py), ALiBi slopes and / or a user modification (a
+    cuflash.ScoreMod; any may be None): the kernels' forward (with the slopes and the snippets), its
+    (out, lse) rescaled by the sinks; the backward is the ordinary one (with the slopes and the
+    snippets) fed the rescaled (out', lse'), plus the sinks' gradient. The slopes and the
+    modification's aux arrays get none (FlashAttention's slopes are not trained either)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, slopes, *options):
+    def forward(ctx, q, k, v, sinks, slopes, score_mod, *options):
         from . import sinks as sinks_mod
 
-        out, lse = _fwd_run(q, k, v, options, alibi_slopes=slopes)
+        out, lse = _fwd_run(q, k, v, options, alibi_slopes=slopes, score_mod=score_mod)
         if sinks is not None:
             out, lse = sinks_mod.apply(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks, slopes)
+        ctx.score_mod = score_mod
         ctx.options = backward_options((q, k, v, *options))
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -406,16 +410,21 @@ class _SinkAttention(torch.autograd.Function):
         from . import sinks as sinks_mod
 
         q, k, v, out, lse, sinks, slopes = ctx.saved_tensors
-        dq, dk, dv = _bwd_run(dout, q, k, v, out, lse, ctx.options, alibi_slopes=slopes)
+        dq, dk, dv = _bwd_run(dout, q, k, v, out, lse, ctx.options, alibi_slopes=slopes, score_mod=ctx.score_mod)
         dsinks = sinks_mod.grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return (dq, dk, dv, dsinks, None, *OPTION_GRADS)
+        return (dq, dk, dv, dsinks, None, None, *OPTION_GRADS)
 
 
 def attention_sinks(q, k, v, sinks, mask: MaskOptions, softmax_scale, return_lse, algorithm, deterministic,
-                    dropout_p=0.0, seed=None, backend=None, alibi_slopes=None):
-    """cuflash.attention(..., sinks=, alibi_slopes=) for torch tensors (either may be None),
+                    dropout_p=0.0, seed=None, backend=None, alibi_slopes=None, score_mod=None):
+    """cuflash.attention(..., sinks=, alibi_slopes=, score_mod=) for torch tensors (any may be None),
     differentiable in q, k, v and sinks (an autograd.Function around the ops' implementations: not
-    traced by torch.compile yet)."""
+    traced by torch.compile yet). A score snippet without its grad snippet is refused here when a
+    gradient will be needed, not at the backward."""
+    if (score_mod is not None and score_mod.source.score is not None and score_mod.source.grad is None
+            and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks))):
+        raise ValueError("score_mod: a score snippet needs its derivative for autograd: ScoreMod(score=..., "
+                         "grad=...) (d score_mod / d score), or call under torch.no_grad()")
     if alibi_slopes is not None:
         _device((q, k, v, alibi_slopes), (*FWD_ARRAYS, "alibi_slopes"))
     _device((q, k, v), FWD_ARRAYS)
@@ -423,12 +432,12 @@ def attention_sinks(q, k, v, sinks, mask: MaskOptions, softmax_scale, return_lse
     dropout_p, seed = _dropout_options(dropout_p, seed)
     options = op_options(FWD_OPTIONS, mask, softmax_scale=scale, algorithm=algorithm,
                          deterministic=bool(deterministic), dropout_p=dropout_p, seed=seed, backend=backend)
-    out, lse = _SinkAttention.apply(q, k, v, sinks, alibi_slopes, *options)
+    out, lse = _SinkAttention.apply(q, k, v, sinks, alibi_slopes, score_mod, *options)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, mask: MaskOptions, softmax_scale, deterministic, dropout_p=0.0,
-                       seed=None, alibi_slopes=None):
+                       seed=None, alibi_slopes=None, score_mod=None):
     """cuflash.attention_backward for torch tensors: (dq, dk, dv), not itself differentiable."""
     _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     if dropout_p and seed is None:
@@ -439,6 +448,6 @@ def attention_backward(dout, q, k, v, out, lse, mask: MaskOptions, softmax_scale
                          dropout_p=dropout_p, seed=seed)
     with torch.no_grad():
         arrays = (dout, q, k, v, out, lse)
-        if alibi_slopes is not None:  # not an op argument yet: the implementation, eagerly
-            return _bwd_run(*arrays, options, alibi_slopes=alibi_slopes)
+        if alibi_slopes is not None or score_mod is not None:  # not op arguments yet: the implementation, eagerly
+            return _bwd_run(*arrays, options, alibi_slopes=alibi_slopes, score_mod=score_mod)
         return _bwd_impl(*arrays, *options) if _eager(arrays) else _bwd_op(*arrays, *options)

@@ -63,9 +63,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         compiled into the kernel (FlexAttention's score_mod / mask_mod over (score, b, h, q_idx,
         kv_idx), with auxiliary arrays; cuflash/score_mods.py says how to write one). The score
         snippet sees softmax_scale * q.k and replaces softcap; the built-in mask and ALiBi apply
-        after it. Forward only for now, on every v2 kernel (both backends): torch tensors that
-        require grad raise; algorithm "v2" only. A snippet that does not compile raises
-        cuflash.ScoreModError naming its line.
+        after it. Forward and backward on every v2 kernel (both backends; the backward of a score
+        snippet needs its `grad` snippet), torch autograd included (eager, not torch.compile);
+        algorithm "v2" only. A snippet that does not compile raises cuflash.ScoreModError naming
+        its line.
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.
     algorithm: "v2" (FlashAttention-2 loop order, the default) or "v1" (FlashAttention-1). The
@@ -145,8 +146,8 @@ def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministi
 def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend,
                      sinks, alibi_slopes, score_mod=None):
     """attention(..., alibi_slopes=... and/or score_mod=...): the v2 forward with the slopes as one
-    more array (CuPy, or any DLPack framework; torch through an autograd.Function, which a score_mod
-    does not have yet) and the ScoreMod's snippets; sinks rescale its results."""
+    more array (CuPy, or any DLPack framework; torch through an autograd.Function) and the
+    ScoreMod's snippets; sinks rescale its results."""
     from . import _interop, families, problem
     from . import sinks as sinks_mod
 
@@ -169,15 +170,9 @@ def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
 
         if not isinstance(score_mod, ScoreMod):
             raise TypeError(f"score_mod must be a cuflash.ScoreMod, got {type(score_mod).__name__}")
-        if fw == _interop.TORCH:
-            import torch
-
-            if torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in (q, k, v, sinks)):
-                raise NotImplementedError("score_mod has no backward yet: call it under torch.no_grad() or on "
-                                          "tensors that do not require grad")
-    elif fw == _interop.TORCH:  # an autograd.Function (differentiable in q, k, v and sinks), eager only
+    if fw == _interop.TORCH:  # an autograd.Function (differentiable in q, k, v and sinks), eager only
         return _load_torch().attention_sinks(q, k, v, sinks, mask, softmax_scale, return_lse, algorithm,
-                                             deterministic, dropout_p, seed, backend, alibi_slopes)
+                                             deterministic, dropout_p, seed, backend, alibi_slopes, score_mod)
     fwd = forward_fn("v2")
     n_main = len(arrays)
 
@@ -229,7 +224,7 @@ def _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                        deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
                        window_size: tuple = (-1, -1), alignment: str = "bottom_right", softcap: float | None = 0.0,
-                       alibi_slopes=None):
+                       alibi_slopes=None, score_mod=None):
     """Gradients (dq, dk, dv) of attention(q, k, v) for the output gradient `dout`.
 
     `out` and `lse` are the forward's outputs (attention(..., return_lse=True)) for the same q, k, v,
@@ -239,7 +234,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     the gradients through its group of query heads (computed per query head, then summed in fp32).
     deterministic: bitwise reproducible dq (no floating-point atomics), at some speed cost.
     dropout_p, seed: those the forward used (the mask is regenerated from the seed).
-    alibi_slopes: the forward's (not with torch tensors yet).
+    alibi_slopes, score_mod: the forward's (a score snippet needs its grad snippet here).
 
     Accepts the same frameworks as `attention`, results in the caller's framework (torch: through
     the op `torch.ops.cuflash.attention_bwd`, which is not itself differentiable). Raises
@@ -248,16 +243,16 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     args = (dout, q, k, v, out, lse)
     t = type(q)
-    if (alibi_slopes is None and t is _ndarray and all(type(a) is t for a in args)
+    if (alibi_slopes is None and score_mod is None and t is _ndarray and all(type(a) is t for a in args)
             and (deterministic is False or deterministic is True)):
         from ._backward import backward
 
         return backward(*args, mask=mask, softmax_scale=softmax_scale, deterministic=deterministic,
                         dropout_p=dropout_p, seed=seed)
-    return _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes)
+    return _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes, score_mod)
 
 
-def _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes=None):
+def _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes=None, score_mod=None):
     from . import _interop, problem
 
     deterministic = problem.check_flag(deterministic, "deterministic")
@@ -269,12 +264,12 @@ def _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, see
     fw, dev = (_interop.TORCH, None) if torch_args else _interop.common_framework(args, names)
     if fw == _interop.TORCH:
         return _load_torch().attention_backward(*args[:6], mask, softmax_scale, deterministic, dropout_p, seed,
-                                                alibi_slopes)
+                                                alibi_slopes, score_mod)
     from ._backward import backward
 
     def run(*a):
         return backward(*a[:6], mask=mask, softmax_scale=softmax_scale, deterministic=deterministic,
-                        dropout_p=dropout_p, seed=seed, alibi_slopes=a[6] if len(a) > 6 else None)
+                        dropout_p=dropout_p, seed=seed, alibi_slopes=a[6] if len(a) > 6 else None, score_mod=score_mod)
 
     if fw == _interop.CUPY:
         _remember_cupy()

@@ -9,6 +9,7 @@ A snippet is an expression or a function body (with `return`) over
 
     score_mod:  float score, int b, int h, int q_idx, int kv_idx   -> float (softmax units)
     mask_mod:   int b, int h, int q_idx, int kv_idx                 -> bool (false: masked out)
+    grad:       float score, int b, int h, int q_idx, int kv_idx   -> d score_mod / d score (backward)
 
 plus each auxiliary array by its name (`aux`: float32 as `const float*`, int32 as `const int*`,
 contiguous, on the call's device; the snippet indexes them itself). `score` is the scaled score
@@ -45,10 +46,11 @@ class ModSource:
     score: str | None = None
     mask: str | None = None
     aux: tuple = ()  # ((name, ctype), ...) in the pointer table's order
+    grad: str | None = None  # d score_mod / d score, for the backward
 
     def digest(self) -> str:
-        h = hashlib.sha256(repr((self.score, self.mask, self.aux)).encode()).hexdigest()
-        return h[:12]
+        h = hashlib.sha256(repr((self.score, self.mask, self.aux) + ((self.grad,) if self.grad else ())).encode())
+        return h.hexdigest()[:12]
 
     def cxx(self) -> str:
         """The specialisation cuflash::UserModDefs<true> (kernels_cu/attn/score_mod.cuh) that the
@@ -70,10 +72,13 @@ class ModSource:
                 f"    static constexpr bool kMask = {'true' if self.mask else 'false'};\n"
                 + fn("float", "score", "float score, int b, int h, int q_idx, int kv_idx", self.score, "score_mod")
                 + fn("bool", "mask", "int b, int h, int q_idx, int kv_idx", self.mask, "mask_mod")
+                + fn("float", "grad", "float score, int b, int h, int q_idx, int kv_idx", self.grad, "score_grad")
                 + ("" if self.score else "    __device__ __forceinline__ static float score(float s, int, int, int, int, "
                    "const void* const*) { return s; }\n")
                 + ("" if self.mask else "    __device__ __forceinline__ static bool mask(int, int, int, int, "
                    "const void* const*) { return true; }\n")
+                + ("" if self.grad else "    __device__ __forceinline__ static float grad(float, int, int, int, int, "
+                   "const void* const*) { return 1.f; }\n")
                 + "};\n}  // namespace cuflash\n")
 
 
@@ -89,15 +94,20 @@ class ScoreMod:
     """A user modification of the attention scores and/or mask (see the module's docstring).
 
     score: CUDA C++ for the modified score, or None; mask: CUDA C++ for whether the key is visible,
-    or None (one of them is needed); aux: {name: array} of float32 / int32 contiguous arrays (CuPy,
+    or None (one of them is needed); grad: CUDA C++ for d score_mod / d score over the same
+    arguments, which the backward needs with a score snippet (a mask-only modification has no
+    derivative to give); aux: {name: array} of float32 / int32 contiguous arrays (CuPy,
     or any DLPack array, used zero-copy), at most 8, named as C identifiers."""
 
-    def __init__(self, score: str | None = None, *, mask: str | None = None, aux: dict | None = None):
-        for what, snip in (("score", score), ("mask", mask)):
+    def __init__(self, score: str | None = None, *, mask: str | None = None, grad: str | None = None,
+                 aux: dict | None = None):
+        for what, snip in (("score", score), ("mask", mask), ("grad", grad)):
             if snip is not None and (not isinstance(snip, str) or not snip.strip()):
                 raise ValueError(f"{what} must be a non-empty string of CUDA C++, got {snip!r}")
         if score is None and mask is None:
             raise ValueError("a ScoreMod needs a score snippet, a mask snippet or both")
+        if grad is not None and score is None:
+            raise ValueError("grad is the derivative of the score snippet: give score too")
         aux = dict(aux or {})
         if len(aux) > MAX_AUX:
             raise ValueError(f"aux takes at most {MAX_AUX} arrays, got {len(aux)}")
@@ -114,13 +124,14 @@ class ScoreMod:
                 raise ValueError(f"aux array {name!r} must be C-contiguous")
             arrays.append(arr)
             decl.append((name, ct))
-        self.source = ModSource(score=score, mask=mask, aux=tuple(decl))
+        self.source = ModSource(score=score, mask=mask, aux=tuple(decl), grad=grad)
         self.aux = tuple(arrays)
         self._tables = {}
 
     def __repr__(self) -> str:
         parts = [f"score={self.source.score!r}"] if self.source.score else []
         parts += [f"mask={self.source.mask!r}"] if self.source.mask else []
+        parts += [f"grad={self.source.grad!r}"] if self.source.grad else []
         parts += [f"aux={[n for n, _ in self.source.aux]}"] if self.source.aux else []
         return f"ScoreMod({', '.join(parts)})"
 
@@ -157,13 +168,13 @@ def _as_cupy(arr, name: str):
 def compile_error(log: str, source: ModSource) -> ScoreModError | None:
     """The compiler's messages about the snippets (lines `score_mod(N): ...`), with each snippet line
     they cite, or None when the log blames no snippet."""
-    hits = [l for l in log.splitlines() if re.match(r"\s*(score_mod|mask_mod)\(\d+\)", l)]
+    hits = [l for l in log.splitlines() if re.match(r"\s*(score_mod|mask_mod|score_grad)\(\d+\)", l)]
     if not hits:
         return None
-    texts = {"score_mod": source.score or "", "mask_mod": source.mask or ""}
+    texts = {"score_mod": source.score or "", "mask_mod": source.mask or "", "score_grad": source.grad or ""}
     out = []
     for l in hits:
-        m = re.match(r"\s*(score_mod|mask_mod)\((\d+)\)", l)
+        m = re.match(r"\s*(score_mod|mask_mod|score_grad)\((\d+)\)", l)
         out.append(l.strip())
         lines = _as_body(texts[m.group(1)]).splitlines()
         n = int(m.group(2))

@@ -84,7 +84,7 @@ def _masked_scores(qf, kf, causal, scale, rnd, with_tanh=False, alibi_slopes=Non
         t = rnd(cupy.tanh(rnd(s / c)))
         s = rnd(t * c)
     if mods is not None:  # a user modification (cuflash.ScoreMod) as CuPy functions over index grids
-        score_fn, mask_fn = mods
+        score_fn, mask_fn = mods[:2]
         grids = _index_grids(s.shape)
         if score_fn is not None:
             s = rnd(score_fn(s, *grids).astype(s.dtype))
@@ -133,7 +133,8 @@ def naive(q, k, v, causal, scale, compute_dtype, round_dtype=None, keep_scale=No
     return o.transpose(0, 2, 1, 3), lse
 
 
-def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, keep_scale=None, alibi_slopes=None):
+def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, keep_scale=None, alibi_slopes=None,
+                mods=None):
     """(dq, dk, dv) of softmax(scale Q K^T) V for upstream dout, bottom-right causal, on the GPU.
     k, v may have fewer heads than q (GQA/MQA): dk, dv then have theirs (sums over each group).
 
@@ -142,6 +143,8 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     keep_scale: dropout as Z = keep_mask * scale, a (b, h, nq, nk) CuPy array: O = (P o Z) V,
     dV = (P o Z)^T dO, dS = P o (dP o Z - D) with dP = dO V^T and D = rowsum(dO o O).
     alibi_slopes: ALiBi's bias on the scores (after softcap; it passes dS through unchanged).
+    mods: a user modification (score_fn, mask_fn, grad_fn) (naive's, plus grad_fn(s, b, h, q_idx,
+    kv_idx) = d score_fn / d s), dS taking grad_fn at the unmodified scaled score (0 where P is 0).
     """
     import cupy
 
@@ -149,7 +152,7 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])  # GQA/MQA: dK, dV summed back below
     qf, kf, vf, dof = (x.astype(compute_dtype).transpose(0, 2, 1, 3) for x in (q, k, v, dout))  # b h n d
-    s, t = _masked_scores(qf, kf, causal, scale, rnd, with_tanh=True, alibi_slopes=alibi_slopes)
+    s, t = _masked_scores(qf, kf, causal, scale, rnd, with_tanh=True, alibi_slopes=alibi_slopes, mods=mods)
     m = s.max(axis=-1, keepdims=True)
     e = cupy.exp(s - cupy.where(cupy.isneginf(m), 0, m))
     l = e.sum(axis=-1, keepdims=True)
@@ -165,6 +168,10 @@ def naive_grads(q, k, v, dout, causal, scale, compute_dtype, round_dtype=None, k
     ds = rnd(p * (dp - delta))
     if t is not None:  # softcap: through c tanh(x / c), the factor 1 - tanh^2 (p = 0 where masked)
         ds = rnd(ds * (1 - t * t))
+    if mods is not None and len(mods) > 2 and mods[2] is not None:  # a user score snippet's derivative
+        raw = rnd(cupy.matmul(qf, kf.transpose(0, 1, 3, 2))) * scale
+        g = mods[2](raw, *_index_grids(raw.shape)).astype(ds.dtype)
+        ds = rnd(cupy.where(p != 0, ds * g, 0))
     dq = rnd(cupy.matmul(ds, kf)) * scale
     dk = rnd(cupy.matmul(ds.transpose(0, 1, 3, 2), qf)) * scale
     back = lambda x: x.transpose(0, 2, 1, 3)
@@ -200,16 +207,17 @@ def fa_rule(out, q, k, v, causal, scale, factor=2.0, keep_scale=None, alibi_slop
     return _allowed(out, ref, pt, factor)
 
 
-def fa_rule_grads(grads, q, k, v, dout, causal, scale, factor=2.0, keep_scale=None, alibi_slopes=None):
+def fa_rule_grads(grads, q, k, v, dout, causal, scale, factor=2.0, keep_scale=None, alibi_slopes=None, mods=None):
     """Per gradient name ("dq", "dk", "dv"): (kernel error, same-dtype error, allowed), as fa_rule
     does for the output. keep_scale: dropout's Z, applied on both sides (see naive_grads).
     GQA/MQA: k, v (and the kernel's dk, dv) with fewer heads than q; both references sum dK, dV
     over each group (naive_grads)."""
     import cupy
 
-    ref = naive_grads(q, k, v, dout, causal, scale, cupy.float64, keep_scale=keep_scale, alibi_slopes=alibi_slopes)
+    ref = naive_grads(q, k, v, dout, causal, scale, cupy.float64, keep_scale=keep_scale, alibi_slopes=alibi_slopes,
+                      mods=mods)
     pt = naive_grads(q, k, v, dout, causal, scale, cupy.float32, round_dtype=q.dtype, keep_scale=keep_scale,
-                     alibi_slopes=alibi_slopes)
+                     alibi_slopes=alibi_slopes, mods=mods)
     return {name: _allowed(g, r, p, factor) for name, g, r, p in zip(("dq", "dk", "dv"), grads, ref, pt)}
 
 

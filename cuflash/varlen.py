@@ -137,9 +137,11 @@ def _empty_plan(p, dtype) -> FilledPlan:
 
 
 def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions,
-                  softmax_scale, out=None, lse=None, backend=None, dropout_p=0.0, seed=None, alibi_slopes=None):
+                  softmax_scale, out=None, lse=None, backend=None, dropout_p=0.0, seed=None, alibi_slopes=None,
+                  score_mod=None):
     """The CuPy body: (out, lse). `out`, `lse`: given buffers (internal: the GPU tests poison them).
-    `alibi_slopes`: ALiBi's (heads,) or (batch, heads) float32 slopes, the plan's last input."""
+    `alibi_slopes`: ALiBi's (heads,) or (batch, heads) float32 slopes, an input after the offsets;
+    `score_mod`: a cuflash.ScoreMod (positions within each sequence), its aux table the last input."""
     import cupy
 
     infos = [problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
@@ -147,8 +149,10 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     dropout = problem.resolve_dropout(dropout_p, seed)
     p = resolve(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, dropout)
     p = problem.with_alibi(p, None if alibi_slopes is None else problem.describe(alibi_slopes, "alibi_slopes"))
+    p = problem.with_score_mod(p, score_mod)
     cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
     slopes = () if alibi_slopes is None else (alibi_slopes,)
+    table = () if score_mod is None else (score_mod.pointer_table(p.device),)
 
     def build():
         if p.empty:
@@ -157,17 +161,19 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
         return family.plan(p, families.select(family, p), q.dtype)
 
     plan = _plans.get(lambda: (*plan_cache.array_key((q, k, v, *slopes)), p.batch, p.seqlen_q, p.seqlen_k, mask.key,
-                               softmax_scale, backend, dropout is not None), build)
+                               softmax_scale, backend, dropout is not None, p.mod), build)
     if out is not None:
         out = _forward._checked_out(out, q)
     if lse is not None:
         lse = _forward._checked_lse(lse, (p.heads, p.total_q))
-    return plan.run((q, k, v, out, lse, cu_q, cu_k, *slopes), None if dropout is None else dropout.kernel_args)
+    return plan.run((q, k, v, out, lse, cu_q, cu_k, *slopes, *table), None if dropout is None else dropout.kernel_args)
 
 
 def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                   mask: MaskOptions, softmax_scale, deterministic=False, dropout_p=0.0, seed=None, alibi_slopes=None):
-    """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed); `alibi_slopes` the forward's."""
+                   mask: MaskOptions, softmax_scale, deterministic=False, dropout_p=0.0, seed=None, alibi_slopes=None,
+                   score_mod=None):
+    """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed); `alibi_slopes` and
+    `score_mod` the forward's (a score snippet with its grad snippet)."""
     import cupy
 
     from . import _backward
@@ -178,8 +184,13 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
     dropout = problem.resolve_dropout(dropout_p, seed)
     p = resolve_backward(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic, dropout)
     p = problem.with_alibi(p, None if alibi_slopes is None else problem.describe(alibi_slopes, "alibi_slopes"))
+    if score_mod is not None and score_mod.source.score is not None and score_mod.source.grad is None:
+        raise ValueError("score_mod: the backward of a score snippet needs its derivative: "
+                         "ScoreMod(score=..., grad=...) (d score_mod / d score)")
+    p = problem.with_score_mod(p, score_mod)
     cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
     slopes = () if alibi_slopes is None else (alibi_slopes,)
+    table = () if score_mod is None else (score_mod.pointer_table(p.device),)
 
     def build():
         if p.empty:  # no launch: zero gradients of q, k, v's shapes
@@ -190,16 +201,16 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
         return _backward._plan(p, cfg, dq_cfg, q.dtype)
 
     key = lambda: (*plan_cache.array_key((*arrays, *slopes)), p.batch, p.seqlen_q, p.seqlen_k, mask.key, softmax_scale,
-                   p.deterministic, dropout is not None)
+                   p.deterministic, dropout is not None, p.mod)
     plan = _bwd_plans.get(key, build)
-    return plan.run((*arrays, cu_q, cu_k, *slopes), None if dropout is None else dropout.kernel_args)
+    return plan.run((*arrays, cu_q, cu_k, *slopes, *table), None if dropout is None else dropout.kernel_args)
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                               max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
                               window_size=(-1, -1), alignment: str = "bottom_right", softcap: float = 0.0,
                               deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
-                              alibi_slopes=None):
+                              alibi_slopes=None, score_mod=None):
     """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient `dout` (packed like q);
     `out` and `lse` are the forward's (lse (heads, total_q)). The mask options must be the forward's.
     deterministic=True: bitwise reproducible dq (a dQ kernel instead of fp32 atomics). dropout_p, seed:
@@ -218,7 +229,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
     def body(*a):
         return _backward_cupy(*a[:8], max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic, dropout_p, seed,
-                              a[8] if len(a) > 8 else None)
+                              a[8] if len(a) > 8 else None, score_mod)
 
     return body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
 
@@ -227,7 +238,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False,
                      deterministic: bool = False, backend: str | None = None, dropout_p: float = 0.0,
-                     seed: int | None = None, alibi_slopes=None):
+                     seed: int | None = None, alibi_slopes=None, score_mod=None):
     """Attention over a batch of packed sequences of different lengths (module docstring: the layout,
     what is checked).
 
@@ -244,6 +255,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     cuflash.attention's (a Philox mask of `seed`, regenerated by the backward; torch autograd draws
     a seed from torch's generator when none is given; CuPy and DLPack callers must give one).
     alibi_slopes: ALiBi, as cuflash.attention's (float32 (heads,) or (batch, heads)), per sequence.
+    score_mod: a cuflash.ScoreMod, as cuflash.attention's: b is the sequence, q_idx and kv_idx
+    positions within it (a score snippet needs its grad snippet for the backward).
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     problem.check_flag(deterministic, "deterministic")
@@ -259,14 +272,18 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())  # torch.manual_seed repeats it
     problem.resolve_dropout(dropout_p, seed)  # checked before any work
     if fw == _interop.TORCH and _needs_grad(q, k, v):
+        if score_mod is not None and score_mod.source.score is not None and score_mod.source.grad is None:
+            raise ValueError("score_mod: a score snippet needs its derivative for autograd: ScoreMod(score=..., "
+                             "grad=...) (d score_mod / d score), or call under torch.no_grad()")
         out, lse = _torch_function().apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
                                            softmax_scale, bool(deterministic), dev, backend, dropout_p, seed,
-                                           alibi_slopes)
+                                           alibi_slopes, score_mod)
         return (out, lse) if return_lse else out
 
     def body(q, k, v, cu_q, cu_k, *slopes):
         return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale, backend=backend,
-                             dropout_p=dropout_p, seed=seed, alibi_slopes=slopes[0] if slopes else None)
+                             dropout_p=dropout_p, seed=seed, alibi_slopes=slopes[0] if slopes else None,
+                             score_mod=score_mod)
 
     out, lse = body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
     return (out, lse) if return_lse else out
@@ -293,33 +310,34 @@ def _torch_function():
         class VarlenAttention(torch.autograd.Function):
             @staticmethod
             def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, deterministic, dev, backend, dropout_p,
-                        seed, slopes):
+                        seed, slopes, score_mod):
                 extra = () if slopes is None else (slopes,)
 
                 def body(q, k, v, cu_q, cu_k, *s):
                     return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, backend=backend,
-                                         dropout_p=dropout_p, seed=seed, alibi_slopes=s[0] if s else None)
+                                         dropout_p=dropout_p, seed=seed, alibi_slopes=s[0] if s else None,
+                                         score_mod=score_mod)
 
                 out, lse = _interop.run(body, (q, k, v, cu_q, cu_k, *extra), _interop.TORCH, dev,
                                         names + (("alibi_slopes",) if extra else ()))
                 ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, slopes)
-                ctx.options = (max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed)
+                ctx.options = (max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed, score_mod)
                 ctx.mark_non_differentiable(lse)
                 return out, lse
 
             @staticmethod
             def backward(ctx, dout, dlse):
                 q, k, v, out, lse, cu_q, cu_k, slopes = ctx.saved_tensors
-                max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed = ctx.options
+                max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed, score_mod = ctx.options
                 extra = () if slopes is None else (slopes,)
 
                 def body(*a):
                     return _backward_cupy(*a[:8], max_q, max_k, mask, scale, deterministic, dropout_p, seed,
-                                          a[8] if len(a) > 8 else None)
+                                          a[8] if len(a) > 8 else None, score_mod)
 
                 dq, dk, dv = _interop.run(body, (dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *extra),
                                           _interop.TORCH, dev, bwd_names + (("alibi_slopes",) if extra else ()))
-                return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None
+                return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
 
         _TORCH_FUNCTION = VarlenAttention
     return _TORCH_FUNCTION

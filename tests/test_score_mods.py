@@ -52,10 +52,15 @@ def test_each_snippet_is_its_own_kernel():
     assert Features("bfloat16", 128).tag() == ""
 
 
-def test_only_the_v2_forwards_take_user_modifications():
+def test_the_v2_families_take_user_modifications():
     f = Features("bfloat16", 128, user_mod=True, mod=SOFTCAP)
-    assert sorted(fam.name for fam in families.REGISTRY.values() if fam.supports(f)) == ["fwd", "fwd_sm90"]
-    assert "user score/mask modifications (score_mod)" in families.BWD._unsupported_part(f)
+    assert sorted(fam.name for fam in families.REGISTRY.values() if fam.supports(f)) == ["bwd", "bwd_dq", "bwd_sm90",
+                                                                                          "fwd", "fwd_sm90"]
+    assert "user score/mask modifications (score_mod)" in families.FWD_V1._unsupported_part(f)
+    bwd = _compile.kernel_source(families.BWD.default(128), f)
+    assert bwd.rstrip().endswith("nullptr, nullptr, nullptr, mod_aux, p);\n}"), bwd[-300:]
+    sm90b = _compile.kernel_source(families.BWD_SM90.default(128), f)
+    assert "(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, nullptr, mod_aux, p);" in sm90b
     src = _compile.kernel_source(families.FWD.default(128), f)
     assert "const void* const* __restrict__ mod_aux, " in src
     assert "(q, k, v, out, lse, nullptr, nullptr, nullptr, nullptr, mod_aux, p);" in src
@@ -80,6 +85,29 @@ def test_snippets_compile_and_some_tile_does_not_spill(fam, d, mod):
     assert rep["registers"] > 0 and rep["spill_stores"] == 0, (tile, rep["log"][-1500:])
 
 
+CAP_GRAD = ModSource(score="30.f * tanhf(score / 30.f)", grad="const float t = tanhf(score / 30.f);\nreturn 1.f - t * t;")
+BIAS_GRAD = ModSource(score="score + bias[h * 4096 + kv_idx]", grad="1.f", mask="doc[q_idx] == doc[kv_idx]",
+                      aux=(("bias", "float"), ("doc", "int")))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("mod", [CAP_GRAD, BAND, BIAS_GRAD], ids=["cap", "band", "bias+docs"])
+@pytest.mark.parametrize("fam", [families.BWD, families.BWD_DQ, families.BWD_SM90], ids=lambda f: f.name)
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_snippets_compile(fam, d, mod):
+    """The backward families compile every kind of snippet; the sm80 ones find a tile without spills
+    for the cap and the band (NVRTC 13.5: with a bias and a document mask, three aux loads per score,
+    the d128 dQ tiles spill 24-36 B and the sm90 backward's 48-80 B; the least spilling is taken)."""
+    f = Features("bfloat16", d, user_mod=True, mod=mod)
+    props = types.SimpleNamespace(smem_optin=227 * 1024, arch="sm_90", arch_specific="sm_90a")
+    tile = families._tile_for_snippet(fam, types.SimpleNamespace(features=f), props, None)
+    rep = _compile.compile_report(_compile.kernel_source(tile, f), "sm_90a" if fam.arch_specific else "sm_90")
+    assert rep["registers"] > 0
+    if not fam.arch_specific and mod is not BIAS_GRAD:
+        assert rep["spill_stores"] == 0, (tile, rep["log"][-1500:])
+    assert "#line 1 \"score_grad\"" in mod.cxx() or mod.grad is None
+
+
 @needs_nvrtc
 def test_a_broken_snippet_names_its_own_line():
     bad = ModSource(score="float x = score * 2.f;\nreturn x + undefined_thing;")
@@ -88,6 +116,10 @@ def test_a_broken_snippet_names_its_own_line():
         _compile.compile_report(_compile.kernel_source(families.FWD.default(128), f), "sm_80")
     msg = str(e.value)
     assert "score_mod(2)" in msg and "undefined_thing" in msg and "score_mod line 2: return x + undefined_thing;" in msg
+    grad_bad = ModSource(score="score", grad="return nope;")
+    with pytest.raises(ScoreModError, match=r"score_grad\(1\).*nope"):
+        _compile.compile_report(_compile.kernel_source(families.BWD.default(128),
+                                                       Features("bfloat16", 128, user_mod=True, mod=grad_bad)), "sm_80")
     mask_bad = ModSource(mask="doc[q_idx] == doc[kv_idx]")
     with pytest.raises(ScoreModError, match=r"mask_mod\(1\).*doc"):
         _compile.compile_report(_compile.kernel_source(families.FWD_SM90.default(128),
@@ -105,6 +137,8 @@ def test_score_mod_arguments_are_checked():
         ScoreMod("   ")
     with pytest.raises(ValueError, match="mask must be a non-empty string"):
         ScoreMod(mask=3)
+    with pytest.raises(ValueError, match="give score too"):
+        ScoreMod(mask="true", grad="1.f")
     for name in ("q_idx", "2x", "a-b", "__x", "cuflash"):
         with pytest.raises(ValueError, match="must be a C identifier"):
             ScoreMod("score", aux={name: None})

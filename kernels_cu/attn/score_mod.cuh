@@ -197,9 +197,11 @@ struct AlibiBias {
 // A user modification (cuflash.ScoreMod, V::kUserMod): the caller's CUDA C++ snippets, which the
 // generated shell compiles in as the specialisation UserModDefs<true> (cuflash/score_mods.py
 // ModSource.cxx): static score(score, b, h, q_idx, kv_idx, aux) -> the modified score in softmax
-// units, and mask(b, h, q_idx, kv_idx, aux) -> whether the key is visible, with kScore / kMask
-// saying which the caller wrote. The primary template is the identity (instances without a user
-// modification never call it). The kernels keep raw scores S; with a score snippet the host sets
+// units, mask(b, h, q_idx, kv_idx, aux) -> whether the key is visible, and grad(score, b, h, q_idx,
+// kv_idx, aux) -> d score_mod / d score (the backward), with kScore / kMask saying which the caller
+// wrote. The backward masks the raw S first and takes the score and its derivative per element
+// (value_grad). The primary template is the identity (instances without a user modification never
+// call it). The kernels keep raw scores S; with a score snippet the host sets
 // params.softcap_scale = softmax_scale (the snippet's `score` is softmax_scale S) and scale_log2 =
 // log2(e) (the snippet's result is already in softmax units). q_idx, kv_idx are positions in the
 // batch's sequences, clamped to them for padding rows and columns (which the masks remove and the
@@ -209,6 +211,7 @@ struct UserModDefs {
     static constexpr bool kScore = false, kMask = false;
     __device__ __forceinline__ static float score(float s, int, int, int, int, const void* const*) { return s; }
     __device__ __forceinline__ static bool mask(int, int, int, int, const void* const*) { return true; }
+    __device__ __forceinline__ static float grad(float, int, int, int, int, const void* const*) { return 1.f; }
 };
 
 template <class V>
@@ -271,6 +274,40 @@ struct UserMod {
     __device__ __forceinline__ void apply(float (&acc)[MT][NT][4], int q0, int k0, int lane) const {
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) apply_tile(acc[mt], q0 + 16 * mt, k0, lane);
+    }
+
+    // The backward's S^T tiles (keys are rows): element e of n8 tile nt is query q0 + 8 nt + 2 (lane
+    // % 4) + e % 2 and key k0 + lane / 4 + 8 (e / 2) (the dK/dV kernels' view, sm80 and sm90).
+    template <int NT>
+    __device__ __forceinline__ void apply_transposed(float (&acc)[NT][4], int q0, int k0, int lane) const {
+        if constexpr (kOn) {
+            asm volatile("" : "+r"(q0), "+r"(k0));  // see apply_tile
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int q = min(q0 + 8 * nt + 2 * (lane % 4) + (e & 1), seqlen_q - 1);
+                    const int k = min(k0 + lane / 4 + 8 * (e >> 1), seqlen_k - 1);
+                    acc[nt][e] = at(acc[nt][e], q, k);
+                }
+        }
+    }
+
+    // The backward's per-element form with a score snippet, where the exp needs the modified score
+    // and dS its derivative: raw S of (q, k), -inf where a built-in mask removed the key (the
+    // kernels mask the raw tile first, so no copy of it is kept) -> the modified score, -inf where
+    // either mask hides the key, and in g d score_mod / d score there (0 where hidden). Selects,
+    // not branches: the snippets' values at hidden keys are computed and dropped.
+    __device__ __forceinline__ float value_grad(float s, int q, int k, float& g) const {
+        q = min(q, seqlen_q - 1);
+        k = min(k, seqlen_k - 1);
+        const float x = s * scale;
+        const float r = Defs::score(x, b, h, q, k, aux);
+        const float d = Defs::grad(x, b, h, q, k, aux);
+        bool visible = s != neg_inf();
+        if constexpr (kMask) visible = visible && Defs::mask(b, h, q, k, aux);
+        g = visible ? d : 0.f;
+        return visible ? r : neg_inf();
     }
 };
 

@@ -83,7 +83,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                                                const float* __restrict__ delta, float* __restrict__ dq_acc, elem_t* __restrict__ dk,
                                                elem_t* __restrict__ dv, const int* __restrict__ cu_seqlens_q,
                                                const int* __restrict__ cu_seqlens_k, const float* __restrict__ alibi_slopes,
-                                               const BwdParams& params) {
+                                               const void* const* __restrict__ mod_aux, const BwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -149,6 +149,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
     // ALiBi in exp2 units: P^T = exp2(t c + bias c - lse2) (attn/score_mod.cuh; nothing without it)
     const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, b, h, geo.offset, scale_log2);
+    const UserMod<V> user_mod = UserMod<V>::of(params, mod_aux, b, h, geo.seqlen_q, geo.seqlen_k);
+    // a score modifier whose derivative dS needs: softcap's (from t), a user score snippet's (from S)
+    constexpr bool kGrad = V::kSoftcap || UserMod<V>::kScore;
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int m_begin = range.begin, n_iter = range.size();
 
@@ -238,24 +241,32 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
             tile_mma_abt<BF16, CH, KD, SN, S_::kHeadUnroll>(acc, sK, a_off, sQs, bn_off);
             // in query order the masked head is the right edge + seqlen_k tail, the tail the left
             // edge (local instances only): one pass checks both edges on either kind of tile
-            if constexpr (V::kSoftcap) {
-                // t = the capped S^T, masked to -inf before the exp (P = 0 and 1 - t^2 = 0 there);
-                // P^T o (1 - t^2) parked for the dS^T phase
-                score_mod.apply_tile(acc);
+            if constexpr (kGrad) {
+                // t = the capped S^T (or a user snippet's score), masked to -inf before the exp (P = 0
+                // and 1 - t^2 = 0 there); P^T o grad parked for the dS^T phase
+                score_mod.apply_tile(acc);  // softcap (a score snippet: per element below, on the masked raw S)
+                if constexpr (!UserMod<V>::kScore) user_mod.apply_transposed(acc, q0, key_w, lane);  // a mask snippet
                 if (range.masked_head(m) || (V::kLocal && range.masked_tail(m))) mask.apply_transposed<true, true>(acc, q0, key_w, lane, neg_inf());
 #pragma unroll
                 for (int nt = 0; nt < SN; ++nt) {
                     const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
-                        const float g0 = ScoreMod<V>::grad(acc[nt][2 * half]), g1 = ScoreMod<V>::grad(acc[nt][2 * half + 1]);
                         const int qc = q0 + 8 * nt + 2 * t, kr = key_w + g + 8 * half;  // (query, key) of the pair
+                        float g0, g1;
+                        if constexpr (UserMod<V>::kScore) {
+                            acc[nt][2 * half] = user_mod.value_grad(acc[nt][2 * half], qc, kr, g0);
+                            acc[nt][2 * half + 1] = user_mod.value_grad(acc[nt][2 * half + 1], qc + 1, kr, g1);
+                        } else {
+                            g0 = ScoreMod<V>::grad(acc[nt][2 * half]), g1 = ScoreMod<V>::grad(acc[nt][2 * half + 1]);
+                        }
                         acc[nt][2 * half] = fast_exp2(fmaf(acc[nt][2 * half], scale_log2, alibi.shift(-L.x, qc, kr)));
                         acc[nt][2 * half + 1] = fast_exp2(fmaf(acc[nt][2 * half + 1], scale_log2, alibi.shift(-L.y, qc + 1, kr)));
                         st_shared_u32(park_slot(nt, half), pack2<BF16>(acc[nt][2 * half] * g0, acc[nt][2 * half + 1] * g1));
                     }
                 }
             } else {
+                user_mod.apply_transposed(acc, q0, key_w, lane);  // a mask snippet: -inf, so P = 0
 #pragma unroll
                 for (int nt = 0; nt < SN; ++nt) {
                     const float2 L = *reinterpret_cast<const float2*>(sLf + nt * 8 + 2 * t);
@@ -278,8 +289,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 #pragma unroll
             for (int nt = 0; nt < SN; ++nt) {
                 const float2 Dl = *reinterpret_cast<const float2*>(sDf + nt * 8 + 2 * t);
-                float pg[V::kSoftcap ? 4 : 1];  // softcap: P^T o (1 - t^2), parked by the S^T phase
-                if constexpr (V::kSoftcap) {
+                float pg[kGrad ? 4 : 1];  // softcap / a score snippet: P^T o grad, parked by the S^T phase
+                if constexpr (kGrad) {
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         u32 w;
@@ -293,7 +304,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                     float dp = acc[nt][e];
                     if constexpr (V::kDropout)  // dP o Z, Z = mask / (1 - p)
                         dp = ((keep[nt / 8] >> (((nt / 2) % 4) * 8 + (nt % 2) * 4 + e)) & 1u) ? dp * drop_scale : 0.f;
-                    if constexpr (V::kSoftcap)
+                    if constexpr (kGrad)
                         acc[nt][e] = pg[e] * (dp - ((e & 1) ? Dl.y : Dl.x));
                     else
                         acc[nt][e] = a_frag_elem<BF16, KQ>(frag, nt, e) * (dp - ((e & 1) ? Dl.y : Dl.x));

@@ -22,7 +22,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
                                              const elem_t* __restrict__ v, const elem_t* __restrict__ dout, const float* __restrict__ lse2,
                                              const float* __restrict__ delta, elem_t* __restrict__ dq,
                                              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
-                                             const float* __restrict__ alibi_slopes, const BwdParams& params) {
+                                             const float* __restrict__ alibi_slopes,
+                                             const void* const* __restrict__ mod_aux, const BwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -69,6 +70,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
     // ALiBi in exp2 units: P = exp2(t c + bias c - lse2) (attn/score_mod.cuh; nothing without it)
     const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, b, h, geo.offset, scale_log2);
+    const UserMod<V> user_mod = UserMod<V>::of(params, mod_aux, b, h, geo.seqlen_q, geo.seqlen_k);
     const Dropout drop{drop_seed, drop_threshold, bh};
     const int n_begin = range.begin, n_iter = range.size();
 
@@ -160,18 +162,24 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
         // there; c > 0), then P = exp2(S c - lse2) and dS = P o (dP o Z - delta) o grad(t), Z =
         // dropout keep / (1 - p), grad the modifier's derivative (attn/score_mod.cuh; 1 without)
         score_mod.apply_tile(acc_s);
+        // a mask snippet (-inf where masked); a score snippet runs per element below, on the masked raw S
+        if constexpr (!UserMod<V>::kScore) user_mod.apply_tile(acc_s, r0 + warp * 16, j * BC, lane);
         if (range.masked_tail(j)) mask.apply_tile<false, true>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
         if (range.masked_head(j)) mask.apply_tile<true, false>(acc_s, r0 + warp * 16, j * BC, lane, neg_inf());
 #pragma unroll
         for (int nt = 0; nt < SN; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
+                float gu = 1.f;  // a score snippet's derivative (its value replaces the masked raw S)
+                if constexpr (UserMod<V>::kScore)
+                    acc_s[nt][e] = user_mod.value_grad(acc_s[nt][e], row_a + 8 * (e >> 1), j * BC + 8 * nt + 2 * t + (e & 1), gu);
                 const float p = fast_exp2(fmaf(acc_s[nt][e], scale_log2,  // query row_a + 8 (e / 2), key j BC + 8 nt + 2 t + e % 2
                                                alibi.shift(-(e < 2 ? L0 : L1), row_a + 8 * (e >> 1), j * BC + 8 * nt + 2 * t + (e & 1))));
                 float dp = acc_dp[nt][e];
                 if constexpr (V::kDropout) dp = Dropout::kept(dbits[nt / 2], nt, e) ? dp * drop_scale : 0.f;
                 float ds = p * (dp - (e < 2 ? D0 : D1));
                 if constexpr (V::kSoftcap) ds *= ScoreMod<V>::grad(acc_s[nt][e]);
+                if constexpr (UserMod<V>::kScore) ds *= gu;
                 acc_dp[nt][e] = ds;
             }
 

@@ -74,7 +74,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                                                const float* __restrict__ lse2, const float* __restrict__ delta,
                                                float* __restrict__ dq_acc, elem_t* __restrict__ dk,
                                                elem_t* __restrict__ dv, const float* __restrict__ alibi_slopes,
-                                               const BwdParams& params) {
+                                               const void* const* __restrict__ mod_aux, const BwdParams& params) {
     using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES, DQ_BULK>;
     constexpr int BC = Tr::kBlockK;
     static_assert(!V::kDropout, "the sm90 backward does not take dropout yet");
@@ -181,6 +181,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
         // ALiBi in exp2 units: P^T = exp2(t c + bias c - lse2) (attn/score_mod.cuh; nothing without it)
         const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, blk.batch, blk.head, geo.offset, scale_log2);
+        const UserMod<V> user_mod = UserMod<V>::of(params, mod_aux, blk.batch, blk.head, geo.seqlen_q, geo.seqlen_k);
+        // a score modifier whose derivative dS needs: softcap's (from t), a user score snippet's (from S)
+        constexpr bool kGrad = V::kSoftcap || UserMod<V>::kScore;
         const long long pad = params.seqlen_q_pad;
 
         // Descriptors. K-major (contraction over D): this consumer's 64 K / V rows (A of S^T, dP^T),
@@ -242,8 +245,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 }
                 fence_regs(acc_s);
                 score_mod.apply_tile(acc_s);
+                // a mask snippet (-inf where masked); a score snippet runs per element below, on the masked raw S
+                if constexpr (!UserMod<V>::kScore) user_mod.apply_transposed(acc_s, m0, key_w, lane);
                 // softcap: the mask goes on t (-inf) before the exp, so that P = 0 and grad = 0 there
-                if constexpr (V::kSoftcap) {
+                if constexpr (kGrad) {
                     if (range.masked_head(m) || (V::kLocal && range.masked_tail(m)))
                         mask.template apply_transposed<true, true>(acc_s, m0, key_w, lane, neg_inf());
                 }
@@ -257,16 +262,22 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 // this block's dS^T image, in the very slots this thread writes dS^T to below: in
                 // registers (16 more per thread) the d128 consumers spilled. The buffer is free here
                 // (see the dS^T stores) and only this thread touches these slots until then.
-                const u32 pg_rows = V::kSoftcap ? opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128 : 0u;
+                const u32 pg_rows = kGrad ? opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128 : 0u;
 #pragma unroll
                 for (int nt = 0; nt < BR / 8; ++nt) {
                     float2 L;
                     asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(L.x), "=f"(L.y) : "r"(lrow + 32 * nt));
-                    if constexpr (V::kSoftcap) {
+                    if constexpr (kGrad) {
 #pragma unroll
                         for (int e = 0; e < 4; e += 2) {
-                            const float g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
                             const int qc = m0 + 8 * nt + 2 * t, kr = key_w + g + 8 * (e / 2);  // (query, key) of e
+                            float g0, g1;
+                            if constexpr (UserMod<V>::kScore) {
+                                acc_s[nt][e] = user_mod.value_grad(acc_s[nt][e], qc, kr, g0);
+                                acc_s[nt][e + 1] = user_mod.value_grad(acc_s[nt][e + 1], qc + 1, kr, g1);
+                            } else {
+                                g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
+                            }
                             acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, alibi.shift(-L.x, qc, kr)));
                             acc_s[nt][e + 1] = fast_exp2(fmaf(acc_s[nt][e + 1], scale_log2, alibi.shift(-L.y, qc + 1, kr)));
                             st_shared_u32(pg_rows + 8 * (e / 2) * 128 + ((nt ^ g) << 4) + 4 * t,
@@ -282,7 +293,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 }
                 // in query order the masked head is the right edge + seqlen_k tail, the tail the
                 // left edge (local instances only; the softcap ones masked t above)
-                if (!V::kSoftcap && (range.masked_head(m) || (V::kLocal && range.masked_tail(m))))
+                if (!kGrad && (range.masked_head(m) || (V::kLocal && range.masked_tail(m))))
                     mask.template apply_transposed<true, true>(acc_s, m0, key_w, lane, 0.f);
                 c_to_a_frags<BF16, Tr::kQuerySteps>(p_frag, acc_s);
             }
@@ -316,7 +327,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         // key row 64 cw + 16 warp + g + 8 half (row % 8 = g), query column 8 nt + 2 t
-                        if constexpr (V::kSoftcap) {  // P^T o (1 - t^2), parked in this slot by the S^T phase
+                        if constexpr (kGrad) {  // P^T o grad, parked in this slot by the S^T phase
                             const u32 slot = ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t;
                             u32 pw;
                             asm volatile("ld.shared.u32 %0, [%1];" : "=r"(pw) : "r"(slot) : "memory");

@@ -4,7 +4,8 @@ band, documents from int aux arrays), alone and with the built-in causal mask, w
 ragged seqlens, both dtypes, head dims 64 and 128, every forward backend, against the float64
 reference with FlashAttention's 2x rule (cuflash.testing applies the same modification as CuPy
 functions). Outputs poisoned before each launch. Snippets that re-express softcap, ALiBi and a
-window agree with the built-ins; a broken snippet raises before any launch; aux arrays are per call."""
+window agree with the built-ins; a broken snippet raises before any launch; aux arrays are per call;
+the backward (grad snippets, mask snippets) on both dQ paths and through torch autograd."""
 from __future__ import annotations
 
 import math
@@ -31,28 +32,30 @@ def _seed(*case) -> int:
 
 
 def _mod(kind, rng, b, h, nq, nk):
-    """(cuflash.ScoreMod, (score_fn, mask_fn) for cuflash.testing) of one kind of modification."""
+    """(cuflash.ScoreMod, (score_fn, mask_fn, grad_fn) for cuflash.testing) of one kind of modification."""
     import cupy
 
     if kind == "cap":
-        return (cuflash.ScoreMod("12.f * tanhf(score / 12.f)"), (lambda s, *_: 12 * cupy.tanh(s / 12), None))
+        return (cuflash.ScoreMod("12.f * tanhf(score / 12.f)", grad="const float t = tanhf(score / 12.f);\nreturn 1.f - t * t;"),
+                (lambda s, *_: 12 * cupy.tanh(s / 12), None, lambda s, *_: 1 - cupy.tanh(s / 12) ** 2))
     if kind == "bias":  # a learned (head, key) bias, float aux
         bias = cupy.asarray(rng.standard_normal((h, nk)).astype(np.float32) * 2)
-        return (cuflash.ScoreMod(f"score + bias[h * {nk} + kv_idx]", aux={"bias": bias}),
-                (lambda s, bb, hh, qi, kj: s + bias.astype(s.dtype)[hh, kj], None))
+        return (cuflash.ScoreMod(f"score + bias[h * {nk} + kv_idx]", grad="1.f", aux={"bias": bias}),
+                (lambda s, bb, hh, qi, kj: s + bias.astype(s.dtype)[hh, kj], None, lambda s, *_: cupy.ones_like(s)))
     if kind == "scale":  # a per-head temperature, written as a body
         w = cupy.asarray(rng.uniform(0.3, 2.0, h).astype(np.float32))
-        return (cuflash.ScoreMod("const float t = temp[h];\nreturn score * t;", aux={"temp": w}),
-                (lambda s, bb, hh, qi, kj: s * w.astype(s.dtype)[hh], None))
+        return (cuflash.ScoreMod("const float t = temp[h];\nreturn score * t;", grad="temp[h]", aux={"temp": w}),
+                (lambda s, bb, hh, qi, kj: s * w.astype(s.dtype)[hh], None,
+                 lambda s, bb, hh, qi, kj: cupy.broadcast_to(w.astype(s.dtype)[hh], s.shape)))
     if kind == "band":  # keys within 40 before the (bottom-right) diagonal
         off = nk - nq
         return (cuflash.ScoreMod(mask=f"kv_idx <= q_idx + {off} && q_idx + {off} - kv_idx < 40"),
-                (None, lambda bb, hh, qi, kj: (kj <= qi + off) & (qi + off - kj < 40)))
+                (None, lambda bb, hh, qi, kj: (kj <= qi + off) & (qi + off - kj < 40), None))
     if kind == "docs":  # packed documents: a query sees the keys of its own document (int aux)
         dq = cupy.asarray(np.sort(rng.integers(0, 3, nq)).astype(np.int32))
         dk = cupy.asarray(np.sort(rng.integers(0, 3, nk)).astype(np.int32))
         return (cuflash.ScoreMod(mask="doc_q[q_idx] == doc_k[kv_idx]", aux={"doc_q": dq, "doc_k": dk}),
-                (None, lambda bb, hh, qi, kj: dq[qi] == dk[kj]))
+                (None, lambda bb, hh, qi, kj: dq[qi] == dk[kj], None))
     raise ValueError(kind)
 
 
@@ -161,23 +164,121 @@ def test_a_new_snippet_compiles_cold_in_seconds():
     assert took <= 6.0, f"{took:.2f} s"
 
 
-def test_torch_tensors_forward_only():
-    torch = pytest.importorskip("torch")
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 96, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    temp = torch.tensor([0.5, 1.5], device="cuda")
-    mod = cuflash.ScoreMod("score * temp[h]", aux={"temp": temp})  # a torch aux array, zero-copy
-    out = cuflash.attention(q, k, v, score_mod=mod)
-    assert isinstance(out, torch.Tensor) and out.shape == q.shape
-    import cupy
+BWD_CASES = [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5]]
 
-    qc, kc, vc = (cupy.from_dlpack(x) for x in (q, k, v))
-    tc = cupy.from_dlpack(temp)
-    err, _, allowed = fa_rule(cupy.from_dlpack(out), qc, kc, vc, False, 1 / 8,
-                              mods=(lambda s, b, h, qi, kj: s * tc.astype(s.dtype)[h], None))
-    assert err <= allowed
-    qg = q.clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match="no backward yet"):
-        cuflash.attention(qg, k, v, score_mod=mod)
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("dtype,d", [("bfloat16", 64), ("float16", 128), ("bfloat16", 128)])
+@pytest.mark.parametrize("kind", ["cap", "bias", "scale", "band", "docs"])
+@pytest.mark.parametrize("nq,nk,causal,window,alibi", BWD_CASES)
+def test_score_mod_backward(nq, nk, causal, window, alibi, kind, dtype, d, deterministic):
+    """dq, dk, dv through a modified forward's out and lse (the grad snippet's derivative; mask
+    snippets), both dQ paths, GQA, the automatic backward (sm90 at d128 on an H200), against the
+    float64 reference with the 2x rule; the public entry point agrees."""
+    import cupy
+    from cuflash import _backward, _forward
+    from cuflash.testing import fa_rule_grads
+
+    case = (nq, nk, causal, window, alibi, kind, dtype, d, deterministic, "bwd")
+    rng = np.random.default_rng(_seed(*case))
+    b, h, h_kv = 2, 4, 2
+    q, k, v = random_qkv(rng, b, nq, nk, h, d, dtype_of(dtype), heads_kv=h_kv)
+    dout, _, _ = random_qkv(rng, b, nq, 1, h, d, dtype_of(dtype))
+    mod, fns = _mod(kind, rng, b, h, nq, nk)
+    slopes = cupy.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)) if alibi else None
+    mask = MaskOptions.of(causal=causal, window_size=window)
+    out, lse = _forward.forward(q, k, v, mask=mask, alibi_slopes=slopes, score_mod=mod)
+    grads = _backward.backward(dout, q, k, v, out, lse, mask=mask, deterministic=deterministic, alibi_slopes=slopes,
+                               score_mod=mod)
+    for g in grads:
+        assert not bool(cupy.isnan(g.astype(cupy.float32)).any())
+    scale = 1 / math.sqrt(d)
+    res = fa_rule_grads(grads, q, k, v, dout, mask, scale, alibi_slopes=slopes, mods=fns)
+    for name, (err, pt, allowed) in res.items():
+        assert err <= allowed, f"{name}: max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
+    api = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, window_size=window,
+                                     deterministic=deterministic, alibi_slopes=slopes, score_mod=mod)
+    if deterministic:
+        for a, g in zip(api, grads):
+            assert bool((a.view(cupy.uint16) == g.view(cupy.uint16)).all())
+
+
+def test_the_backward_of_a_score_snippet_needs_its_derivative():
+    from cuflash import _backward
+
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 1, 64, 64, 2, 64, dtype_of("bfloat16"))
+    mod = cuflash.ScoreMod("score * 0.5f")
+    out, lse = cuflash.attention(q, k, v, score_mod=mod, return_lse=True)
+    with pytest.raises(ValueError, match="needs its derivative"):
+        _backward.backward(out, q, k, v, out, lse, score_mod=mod)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_torch_autograd_through_a_snippet(with_sinks):
+    """torch tensors: cuflash.attention(..., score_mod=) is differentiable in q, k, v (and sinks); the
+    gradients match the CuPy passes; a score snippet without grad is refused up front."""
+    torch = pytest.importorskip("torch")
+    import cupy
+    from cuflash import _backward, _forward
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 96, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    temp = torch.tensor([0.5, 1.5], device="cuda")
+    mod = cuflash.ScoreMod("score * temp[h]", grad="temp[h]", aux={"temp": temp})  # a torch aux array, zero-copy
+    sinks = torch.tensor([0.3, -0.2], device="cuda", requires_grad=True) if with_sinks else None
+    out = cuflash.attention(q, k, v, causal=True, score_mod=mod, sinks=sinks)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    if not with_sinks:
+        qc, kc, vc, doc = (cupy.from_dlpack(x.detach()) for x in (q, k, v, dout))
+        o, lse = _forward.forward(qc, kc, vc, causal=True, score_mod=mod)
+        ref = _backward.backward(doc, qc, kc, vc, o, lse, causal=True, score_mod=mod)
+        for t, r in zip((q.grad, k.grad, v.grad), ref):
+            assert float(cupy.abs(cupy.from_dlpack(t).astype(cupy.float32) - r.astype(cupy.float32)).max()) < 2e-2
+    else:
+        assert sinks.grad is not None and bool(torch.isfinite(sinks.grad).all())
+    with pytest.raises(ValueError, match="needs its derivative"):
+        cuflash.attention(q, k, v, score_mod=cuflash.ScoreMod("score * 2.f"))
     with torch.no_grad():
-        cuflash.attention(qg, k, v, score_mod=mod)
+        cuflash.attention(q, k, v, score_mod=cuflash.ScoreMod("score * 2.f"))
+
+
+@pytest.mark.parametrize("kind", ["cap", "scale", "band", "docs"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_score_mod_variable_length_batches(kind, causal, backend):  # noqa: F811
+    """attention_varlen(score_mod=): each packed sequence against its own dense reference (b the
+    sequence, q_idx / kv_idx positions within it); the backward's gradients likewise."""
+    import cupy
+    from cuflash import varlen
+    from cuflash.testing import fa_rule_grads
+
+    rng = np.random.default_rng(_seed(kind, causal, backend, "varlen"))
+    lens_q, lens_k, h, h_kv, d = [37, 200, 1, 129], [64, 150, 77, 300], 4, 2, 128
+    dt = dtype_of("bfloat16")
+    seqs = [random_qkv(rng, 1, nq, nk, h, d, dt, heads_kv=h_kv) for nq, nk in zip(lens_q, lens_k)]
+    q, k, v = (cupy.concatenate([s[i][0] for s in seqs]) for i in range(3))
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]).astype(np.int32)) for x in (lens_q, lens_k))
+    if kind == "band":  # per-sequence top-left band (the snippet cannot know each sequence's offset)
+        mod, fns = (cuflash.ScoreMod(mask="kv_idx <= q_idx + 20 && kv_idx + 40 >= q_idx"),
+                    (None, lambda bb, hh, qi, kj: (kj <= qi + 20) & (kj + 40 >= qi), None))
+    else:
+        mod, fns = _mod(kind, rng, 1, h, max(lens_q), max(lens_k))
+    mask = MaskOptions.of(causal=causal)
+    out, lse = varlen.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                       score_mod=mod, return_lse=True, backend=backend)
+    dout = cupy.asarray(rng.standard_normal(out.shape, dtype=np.float32)).astype(out.dtype)
+    grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             causal=causal, score_mod=mod)
+    scale = 1 / math.sqrt(d)
+    for b in range(len(seqs)):
+        i0, i1 = int(cu_q[b]), int(cu_q[b + 1])
+        j0, j1 = int(cu_k[b]), int(cu_k[b + 1])
+        one = lambda x, a, z: x[a:z][None]  # noqa: E731  (the sequence as a batch of one)
+        qb, kb, vb = one(q, i0, i1), one(k, j0, j1), one(v, j0, j1)
+        err, pt, allowed = fa_rule(one(out, i0, i1), qb, kb, vb, mask, scale, mods=fns)
+        assert err <= allowed, f"sequence {b}: {err:.3e} > {allowed:.3e}"
+        g = (one(grads[0], i0, i1), one(grads[1], j0, j1), one(grads[2], j0, j1))
+        for name, (err, pt, allowed) in fa_rule_grads(g, qb, kb, vb, one(dout, i0, i1), mask, scale, mods=fns).items():
+            assert err <= allowed, f"sequence {b} {name}: {err:.3e} > {allowed:.3e}"
