@@ -76,9 +76,9 @@ def test_kvcache_alibi(nq, n_new, h, hk, splits, dtype, d, causal, per_batch, pa
         assert not bool(cupy.isnan(ob.astype(cupy.float32)).any()) and not bool(cupy.isnan(lse[b]).any())
         err, pt, allowed = fa_rule(ob, q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], mask, scale, alibi_slopes=sb)
         assert err <= allowed, f"batch {b} (length {n}): max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
-        if n > 8:
+        if n > 32 and nq <= n // 2:  # enough keys per row that the bias matters
             plain, _, _ = fa_rule(ob, q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], mask, scale)
-            assert plain > 4 * allowed  # the bias matters
+            assert plain > 4 * allowed
 
 
 def test_flash_attn_with_kvcache_takes_alibi():
