@@ -133,11 +133,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     them (cuflash.attention_with_kvcache, forward only); without cache_seqlens and k/v, attention
     over the whole caches (contiguous). num_splits: split-KV decoding there (0: heuristic; 1: none);
     rotary_cos / rotary_sin / rotary_interleaved: rotary embedding of q and k there.
-    cache_batch_idx, cache_leftpad and alibi raise NotImplementedError naming the option; rotary
-    without cache_seqlens raises ValueError (the positions come from it)."""
+    cache_batch_idx and cache_leftpad raise NotImplementedError naming the option; rotary
+    without cache_seqlens raises ValueError (the positions come from it). alibi_slopes: as
+    flash-attn's, on every path."""
     _unsupported(cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
-                 cache_leftpad=(cache_leftpad, cache_leftpad is None),
-                 alibi_slopes=(alibi_slopes, alibi_slopes is None))  # the decode kernel has no ALiBi yet
+                 cache_leftpad=(cache_leftpad, cache_leftpad is None))
     if block_table is not None and cache_seqlens is None:
         raise ValueError("flash_attn_with_kvcache: a paged cache (block_table) needs cache_seqlens")
     if cache_seqlens is not None or k is not None or v is not None:
@@ -150,9 +150,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                      causal=bool(causal), softmax_scale=softmax_scale, window_size=window,
                                      softcap=softcap, return_lse=bool(return_softmax_lse), num_splits=num_splits,
                                      rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                                     rotary_interleaved=bool(rotary_interleaved), block_table=block_table)
+                                     rotary_interleaved=bool(rotary_interleaved), block_table=block_table,
+                                     alibi_slopes=alibi_slopes)
         return res
     if rotary_cos is not None or rotary_sin is not None:
         raise ValueError("flash_attn_with_kvcache: rotary embedding needs cache_seqlens (its positions)")
-    res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse)
+    res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse,
+               alibi_slopes)
     return res[:2] if return_softmax_lse else res

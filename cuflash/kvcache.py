@@ -349,7 +349,8 @@ def _plan_split(p, cfg, dtype) -> Plan:
     tiles = m_blocks * p.heads * p.batch
     check_grid(tiles * n_splits)
     kernel = _compile.get_kernel(cfg, p.features, p.device)
-    slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k")
+    alibi = ("alibi_slopes",) if p.alibi else ()  # the slopes after the other pointers (the kernel's order)
+    slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k", *alibi)
     params = pack_fwd(p, m_blocks)
     params["n_splits"], params["split_blocks"] = n_splits, split_blocks
     d = p.head_dim
@@ -357,7 +358,7 @@ def _plan_split(p, cfg, dtype) -> Plan:
     launch = Launch(kernel, (tiles * n_splits,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
     buffers = (Buffer("o_acc", (n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
                Buffer("lse_acc", (n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
-    return Plan(p.device, ("q", "k", "v", "seqused_k"), buffers, (launch,), ("o_acc", "lse_acc"), params)
+    return Plan(p.device, ("q", "k", "v", "seqused_k", *alibi), buffers, (launch,), ("o_acc", "lse_acc"), params)
 
 
 def decode_problem(p) -> str | None:
@@ -392,6 +393,7 @@ def plan_decode(p, cfg, dtype) -> Plan:
     # key blocks (kernels_cu/sm80/decode.cuh), so split_blocks is not used
     params["tiles"], params["n_splits"], params["split_blocks"] = p.heads_kv * p.batch, p.n_splits, 0
     paged = ("block_table",) if p.paged else ()  # the kernel's pointer after seqused_k
+    paged += ("alibi_slopes",) if p.alibi else ()  # and ALiBi's slopes after that (sm80/decode.cuh)
     if p.n_splits == 1:
         inputs = (*_forward.INPUTS_SEQUSED_K, *paged)
         launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=inputs)
@@ -432,7 +434,7 @@ class _Prepared:
 
 
 def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mask: MaskOptions, softmax_scale,
-              num_splits):
+              num_splits, alibi_slopes=None):
     """The fast path's key: everything the validation and the plan depend on (array_key of the CuPy
     arrays: shapes, strides, dtypes, devices, pointer alignment; the kinds of the lengths and the
     table; the options), or None for calls it does not take (rotary embedding, host block tables,
@@ -453,7 +455,8 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mas
         return None
     arrays = (q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)
     try:
-        return ("call", plan_cache.array_key(arrays), lk, tk, mask.key, softmax_scale, num_splits)
+        ak = None if alibi_slopes is None else plan_cache.array_key((alibi_slopes,))
+        return ("call", plan_cache.array_key(arrays), lk, tk, mask.key, softmax_scale, num_splits, ak)
     except AttributeError:  # not CuPy arrays: the slow path names the argument
         return None
 
@@ -495,19 +498,21 @@ def _lengths_do_not_fit(b: int, n: int, n_new: int, cap: int):
 
 def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale, out=None,
                   lse=None, num_splits: int = 0, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True,
-                  block_table=None):
+                  block_table=None, alibi_slopes=None):
     """The CuPy body: (out, lse). Checks everything it can before the first launch. `out`, `lse`:
     given buffers (internal: the GPU tests poison them), checked as the forward's. A call whose
-    signature was seen before (_call_key) takes the prepared plan (_Prepared)."""
+    signature was seen before (_call_key) takes the prepared plan (_Prepared). `alibi_slopes`:
+    ALiBi's (problem.check_alibi_slopes), aligned as the mask (to each batch's length)."""
     key = None
     if rotary_cos is None and rotary_sin is None:
         key = _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mask, softmax_scale,
-                        num_splits)
+                        num_splits, alibi_slopes)
         prep = _plans.lookup(key)
         if prep is not None:
             p = prep.p
             lens, seqused = _lengths(cache_seqlens, p.batch, prep.n_new, p.seqlen_k, p.device)
-            return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, block_table, out, lse)
+            return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, block_table, out, lse,
+                            alibi_slopes)
 
     import cupy
 
@@ -524,6 +529,8 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
                              f"{infos[1].shape} and {infos[2].shape}")
     p = problem.resolve_forward(*infos, mask, softmax_scale)  # geometry against the capacity
     p = dataclasses.replace(p, seqused_k=True)  # the kernel moves it to each batch's length
+    slopes_info = None if alibi_slopes is None else problem.describe(alibi_slopes, "alibi_slopes")
+    p = problem.with_alibi(p, slopes_info)
     if table is not None:
         p = dataclasses.replace(p, paged=True, page_size=k_cache.shape[1], table_stride=table.strides[0] // 4)
     n_new = _check_new(k_new, v_new, q, infos[1])
@@ -547,7 +554,8 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         if n_new:
             k_new = rotary.apply(k_new, cos32, sin32, rotary.positions(lens, n_new, True), bool(rotary_interleaved))
         infos[0] = problem.describe(q, "q")
-        p = dataclasses.replace(problem.resolve_forward(*infos, mask, softmax_scale), seqused_k=True)
+        p = problem.with_alibi(dataclasses.replace(problem.resolve_forward(*infos, mask, softmax_scale), seqused_k=True),
+                               slopes_info)
 
     if table is not None and not p.empty and decode_problem(p) is not None:
         # more rows per K/V head than the decode kernel's tile (chunked prefill): append into the
@@ -559,7 +567,7 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         pages = cupy.clip(table, 0, k_cache.shape[0] - 1)
         kg, vg = (c[pages].reshape(batch, cap, *c.shape[2:]) for c in (k_cache, v_cache))
         return _forward_cupy(q, kg, vg, seqused, None, None, mask, softmax_scale, out=out, lse=lse,
-                             num_splits=num_splits)
+                             num_splits=num_splits, alibi_slopes=alibi_slopes)
 
     def build():
         if p.empty:
@@ -585,10 +593,10 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     prep = _Prepared(p, plan, partial, n_new)
     if key is not None and table is block_table and not p.empty:  # the table as given (not a contiguous copy)
         _plans.put(key, prep)
-    return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse)
+    return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse, alibi_slopes)
 
 
-def _execute(prep: _Prepared, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse):
+def _execute(prep: _Prepared, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse, alibi_slopes=None):
     """Append k_new / v_new, attend, combine split results: the launches of a prepared call."""
     p = prep.p
     if out is not None:
@@ -599,6 +607,8 @@ def _execute(prep: _Prepared, q, k_cache, v_cache, lens, seqused, k_new, v_new, 
     if seqused is None:
         seqused = _lengths_kernel()(lens, prep.n_new, p.seqlen_k)
     paged = () if table is None else (table,)
+    if prep.p.alibi:  # the slopes after the table (the plans' input order)
+        paged += (alibi_slopes,)
     if prep.partial:
         o_acc, lse_acc = prep.plan.run((q, k_cache, v_cache, seqused, *paged))
         return combine_splits(o_acc, lse_acc, q.dtype, out, lse)
@@ -623,7 +633,7 @@ def _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table):
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = False,
                            softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
                            return_lse: bool = False, num_splits: int = 0, rotary_cos=None, rotary_sin=None,
-                           rotary_interleaved: bool = True, block_table=None):
+                           rotary_interleaved: bool = True, block_table=None, alibi_slopes=None):
     """Attention of q (batch, n_q, heads, head_dim) to each batch's first cache_seqlens[b] (+ n_new)
     keys of k_cache / v_cache (batch, capacity, heads_kv, head_dim), after appending k_new / v_new
     (batch, n_new, heads_kv, head_dim) in place at row cache_seqlens[b] (module docstring: the
@@ -651,6 +661,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     on q's device) is not: entries a batch's length reaches must be pages of the cache, the rest
     are never read. The decode kernel reads the pages in place; calls with more rows per K/V head
     than its tile (group x n_q > 16) gather the pages into a contiguous copy first.
+    alibi_slopes: ALiBi (FlashAttention's): float32 (heads,) or (batch, heads) of q's framework and
+    device; each score gains -slope |i + offset - j|, aligned as the mask to each batch's length
+    (query i of the n_q new ones at key position cache_seqlens[b] + n_new - n_q + i). Every path:
+    the decode kernel (each packed row its head's slope), split-KV, the forward kernel.
     CuPy arrays, or torch tensors (through DLPack on torch's current stream; the caches are written
     in place either way).
     """
@@ -683,6 +697,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     if table_on_device:
         names.append("block_table")
         arrays.append(block_table)
+    if alibi_slopes is not None:  # of q's framework and device, as the other arrays
+        names.append("alibi_slopes")
+        arrays.append(alibi_slopes)
+        fw, dev = _interop.common_framework(arrays, names)
 
     def body(q, k_cache, v_cache, *rest):
         rest = list(rest)
@@ -690,9 +708,10 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         cos, sin = (rest.pop(0), rest.pop(0)) if rotary else (None, None)
         lens = rest.pop(0) if seqlens_on_device else cache_seqlens
         table = rest.pop(0) if table_on_device else block_table
+        slopes = rest.pop(0) if alibi_slopes is not None else None
         out, lse = _forward_cupy(q, k_cache, v_cache, lens, kn, vn, mask, softmax_scale, num_splits=num_splits,
                                  rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary_interleaved,
-                                 block_table=table)
+                                 block_table=table, alibi_slopes=slopes)
         return out, lse
 
     if fw == _interop.CUPY:

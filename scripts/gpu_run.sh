@@ -62,7 +62,7 @@ for s in $stages; do
                      | tee "$OUT/profile-decode.log" | grep -E "==|host us|x  " ;;  # host vs kernel time per decode step
     alibi)  # issue 13's ALiBi: its GPU and compile tests, then its cost against the plain kernels
       timeout ${ALIBI_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE tests/gpu/test_alibi_gpu.py \
-        tests/test_alibi.py >"$OUT/alibi-tests.log" 2>&1; grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/alibi-tests.log" | tail -30
+        tests/gpu/test_kvcache_alibi_gpu.py tests/test_alibi.py >"$OUT/alibi-tests.log" 2>&1; grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/alibi-tests.log" | tail -30
       timeout 240 python3 scripts/bench_alibi.py --json "$OUT/bench-alibi.json" 2>&1 | tee "$OUT/bench-alibi.log" ;;
     scoremod)  # issue 13's user snippets: their GPU and CPU tests, then their cost against the built-ins
       timeout ${SCOREMOD_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE -s tests/gpu/test_score_mod_gpu.py \

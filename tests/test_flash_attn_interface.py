@@ -78,10 +78,11 @@ def test_kvcache_arguments_reach_attention_with_kvcache(monkeypatch):
     seen = []
     monkeypatch.setattr(kvcache, "attention_with_kvcache", lambda *a, **kw: seen.append((a, kw)) or "out")
     assert fai.flash_attn_with_kvcache(1, 2, 3, k=4, v=5, cache_seqlens=6, causal=True, window_size=[2, 0],
-                                       softcap=1.5, return_softmax_lse=True, num_splits=7, block_table=8) == "out"
+                                       softcap=1.5, return_softmax_lse=True, num_splits=7, block_table=8,
+                                       alibi_slopes=9) == "out"
     (args, kw), = seen
     assert args == (1, 2, 3)
     assert kw == dict(cache_seqlens=6, k_new=4, v_new=5, causal=True, softmax_scale=None, window_size=(2, 0),
                       softcap=1.5, return_lse=True, num_splits=7, rotary_cos=None, rotary_sin=None,
-                      rotary_interleaved=True, block_table=8)
+                      rotary_interleaved=True, block_table=8, alibi_slopes=9)
     assert set(fai.__all__) <= set(dir(fai))

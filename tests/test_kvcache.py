@@ -331,7 +331,7 @@ def test_shell_takes_block_table_after_seqused_k():
     tile = families.DECODE.default(128)
     src = _compile.kernel_source(tile, Features("bfloat16", 128, seqused_k=True, paged=True))
     assert "const int* __restrict__ seqused_k, const int* __restrict__ block_table," in src
-    assert "(q, k, v, out, lse, seqused_k, block_table, p);" in src
+    assert "(q, k, v, out, lse, seqused_k, block_table, nullptr, p);" in src
 
 
 @pytest.mark.parametrize("table,why", [([[0, 4]], r"block_table\[0, 1\] = 4 is not a page"),
@@ -362,3 +362,24 @@ def test_decode_tiles_split_columns_above_d128():
     assert (DecodeConfig(256, 8, 2).col_splits, DecodeConfig(256, 8, 2).block_k) == (2, 64)
     assert "even" in DecodeConfig(256, 3, 2).structural_problem()
     assert DecodeConfig(128, 3, 2).structural_problem() is None
+
+
+def test_the_decode_kernel_takes_alibi_slopes_after_the_block_table():
+    """ALiBi on the decode kernel: its instances take the slopes after seqused_k and the (possibly
+    absent: nullptr) block table, and compile for sm_80 and sm_90 without spills at every head dim."""
+    from tests.test_compile import _nvrtc_available
+
+    for paged in (False, True):
+        f = Features("bfloat16", 128, seqused_k=True, paged=paged, alibi=True)
+        assert families.DECODE.supports(f)
+        src = _compile.kernel_source(families.DECODE.default(128), f)
+        table = "block_table" if paged else "nullptr"
+        assert f"(q, k, v, out, lse, seqused_k, {table}, alibi_slopes, p);" in src
+    if not _nvrtc_available():
+        return
+    for d in sorted(families.DECODE.defaults):
+        for split in (False, True):
+            f = Features("float16", d, seqused_k=True, split_kv=split, alibi=True)
+            for arch in ("sm_80", "sm_90"):
+                rep = _compile.compile_report(_compile.kernel_source(families.DECODE.default(d, features=f), f), arch)
+                assert rep["registers"] > 0 and rep["spill_stores"] == 0, (d, split, arch)

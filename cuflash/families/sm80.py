@@ -240,4 +240,5 @@ DECODE = KernelFamily(
     },
     accumulator_registers=_decode_acc, plan=_plan_decode, takes_dropout=False, takes_partial_d=False,
     takes_seqused_k=True, needs_seqused_k=True, takes_split_kv=True, takes_paged=True, tuned_by_default=False,
+    takes_alibi=True, nullable_pointers=True,
 )

@@ -55,7 +55,7 @@ struct Variant {
     // alignment, per batch with kSeqUsedK / kVarlen). The kernel takes a float pointer alibi_slopes
     // after all its other pointers; slope = alibi_slopes[b * params.alibi_sb + h]. A per-element
     // FFMA on every tile, so its own instantiation. The v2 forwards and backwards (sm80, sm90)
-    // have these instances (not v1, not the decode kernel).
+    // and the decode kernel (per packed row: its head's slope) have these instances (not v1).
     static constexpr bool kAlibi = ALIBI;
     // A user score / mask modification (cuflash.ScoreMod; attn/score_mod.cuh UserMod): the shell
     // specialises UserModDefs<true> with the caller's CUDA C++ snippets (the snippets' hash joins

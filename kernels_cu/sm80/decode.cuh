@@ -129,7 +129,8 @@ template <bool BF16, int D, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                                   const elem_t* __restrict__ v, elem_t* __restrict__ o,
                                                   float* __restrict__ lse, const int* __restrict__ seqused_k,
-                                                  const int* __restrict__ block_table, const FwdParams& params) {
+                                                  const int* __restrict__ block_table, const float* __restrict__ alibi_slopes,
+                                                  const FwdParams& params) {
     static_assert(V::kSeqUsedK && !V::kVarlen && !V::kDropout && !V::kPartialD,
                   "the decode kernel: per-batch key lengths, no packed batches, no dropout, an instantiated head dim");
     using Tr = Sm80DecodeTraits<D, WARPS, STAGES>;
@@ -220,6 +221,18 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     const u32 q_unused[1][4] = {};
     // the query of this thread's two fragment rows (g, g + 8): the mask's row coordinate
     const int q_row[2] = {g / group, (g + 8) / group};
+    // V::kAlibi: each packed row has its own head, so its own slope (attn/score_mod.cuh AlibiBias's
+    // convention: -slope |q + offset - k| in score units, alibi_scale folding the softmax's scale);
+    // the distance of the row's first fragment column converted once per tile (FADD + FFMA per score)
+    float alibi_slope[2] = {0.f, 0.f};
+    if constexpr (V::kAlibi) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int r = g + 8 * half;
+            if (r < live_rows)
+                alibi_slope[half] = -alibi_slopes[(long long)b * params.alibi_sb + h_kv * group + r % group] * params.alibi_scale;
+        }
+    }
 
     for (int it = 0; it < n_iter; ++it) {
         const int j = n_begin + it;
@@ -241,8 +254,21 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
         warp_mma_abt<BF16, CH, Tr::kHeadSteps, 1, 2, false>(acc_s, q_unused, sQ, q_frag_off,
                                                            sK + slot * Tr::kKVTileBytes + warp_keys, k_frag_off);
         score_mod.apply(acc_s);
-        // ---- mask: the length tail, the causal / right window edge and the left edge per row ----
         const int k0 = j * BC + 16 * kw;
+        if constexpr (V::kAlibi) {
+            using F = FragSm80<1, 2>;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const float d0 = (float)(q_row[half] + geo.offset - k0 - F::col(lane, 0, 0));
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        acc_s[0][nt][2 * half + e] = fmaf(alibi_slope[half], fabsf(d0 - (float)(F::col(lane, nt, e) - F::col(lane, 0, 0))),
+                                                          acc_s[0][nt][2 * half + e]);
+            }
+        }
+        // ---- mask: the length tail, the causal / right window edge and the left edge per row ----
         if (k0 + 16 > seqlen_k || k0 + 16 > geo.key_end(0) || (V::kLocal && k0 < geo.key_begin(n_q - 1))) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
@@ -338,22 +364,15 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     }
 }
 
-// The shells' entry points: contiguous caches, and (V::kPaged) paged ones with their block table.
+// The shells' entry point: every optional pointer (the block table of V::kPaged caches, ALiBi's
+// slopes), nullptr where the instance does not take it (the family's nullable_pointers).
 template <bool BF16, int D, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                              const elem_t* __restrict__ v, elem_t* __restrict__ o,
                                              float* __restrict__ lse, const int* __restrict__ seqused_k,
+                                             const int* __restrict__ block_table, const float* __restrict__ alibi_slopes,
                                              const FwdParams& params) {
-    static_assert(!V::kPaged, "paged instances take the block table");
-    flash_decode_impl<BF16, D, WARPS, STAGES, V>(q, k, v, o, lse, seqused_k, nullptr, params);
-}
-template <bool BF16, int D, int WARPS, int STAGES, class V>
-__device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
-                                             const elem_t* __restrict__ v, elem_t* __restrict__ o,
-                                             float* __restrict__ lse, const int* __restrict__ seqused_k,
-                                             const int* __restrict__ block_table, const FwdParams& params) {
-    static_assert(V::kPaged, "the paged instances");
-    flash_decode_impl<BF16, D, WARPS, STAGES, V>(q, k, v, o, lse, seqused_k, block_table, params);
+    flash_decode_impl<BF16, D, WARPS, STAGES, V>(q, k, v, o, lse, seqused_k, block_table, alibi_slopes, params);
 }
 
 }  // namespace cuflash
