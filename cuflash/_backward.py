@@ -166,6 +166,12 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
 _plans = plan_cache.PlanCache()
 
 
+def plan_key(arrays, mask_key, softmax_scale, deterministic, dropout_on: bool, backend, score_mod=None) -> tuple:
+    """The backward plans' cache key (as _forward.plan_key: cuflash/_torch.py looks plans up under it)."""
+    return (*plan_cache.array_key(arrays), mask_key, softmax_scale, deterministic, dropout_on, backend,
+            None if score_mod is None else score_mod.source)
+
+
 def _main_family(p, config, backend):
     """The dK/dV kernel's family: the config's, else the one `backend` forces, else the automatic
     choice (families.BACKWARDS: the Hopper kernel where it can run and was measured faster,
@@ -225,8 +231,8 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     arrays = (dout, q, k, v, out, lse) if alibi_slopes is None else (dout, q, k, v, out, lse, alibi_slopes)
     dropout = problem.resolve_dropout(dropout_p, seed)
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
-        plan = _plans.get(lambda: (*plan_cache.array_key(arrays), mask.key, softmax_scale, deterministic,
-                                   dropout is not None, backend, None if score_mod is None else score_mod.source),
+        plan = _plans.get(lambda: plan_key(arrays, mask.key, softmax_scale, deterministic, dropout is not None, backend,
+                                           score_mod),
                           lambda: _build_plan(arrays, mask, softmax_scale, deterministic, dropout, None, None, backend,
                                               alibi_slopes, score_mod))
     else:

@@ -103,8 +103,7 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
 
     arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
     if config is None and all(type(a) is cupy.ndarray for a in arrays):
-        plan = plans.get(lambda: (*plan_cache.array_key(arrays), mask.key, softmax_scale, dropout is not None,
-                                  backend, None if score_mod is None else score_mod.source),
+        plan = plans.get(lambda: plan_key(arrays, mask.key, softmax_scale, dropout is not None, backend, score_mod),
                          lambda: build(None))
     else:
         plan = build(config)
@@ -157,6 +156,13 @@ def _checked_lse(lse, shape):
 
 
 _plans = plan_cache.PlanCache()
+
+
+def plan_key(arrays, mask_key, softmax_scale, dropout_on: bool, backend, score_mod=None) -> tuple:
+    """The forward plans' cache key (one function: cuflash/_torch.py's direct launches look the plan
+    up again under it, and a key that differs there silently disables them)."""
+    return (*plan_cache.array_key(arrays), mask_key, softmax_scale, dropout_on, backend,
+            None if score_mod is None else score_mod.source)
 
 
 def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dropout_p=0.0, seed=None,

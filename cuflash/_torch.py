@@ -32,7 +32,6 @@ import torch
 import numpy as np
 
 from . import _forward, _interop, families, problem
-from . import _plans as plan_cache
 from .api import forward_fn
 from .launch import Plan, Ptr
 from .mask import MaskOptions
@@ -130,8 +129,8 @@ def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None, score_mod=None)
                   backend=o["backend"], **extra)
         if remember is not None and o["algorithm"] == "v2":
             dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
-            _remember(remember, _forward._plans, (cq, ck, cv), (mask.key, o["softmax_scale"], dropout, o["backend"]),
-                      dev, dropout)
+            _remember(remember, _forward._plans,
+                      _forward.plan_key((cq, ck, cv), mask.key, o["softmax_scale"], dropout, o["backend"]), dev, dropout)
         return res
 
     out, lse = _interop.run(run, arrays, _interop.TORCH, dev, names)
@@ -160,8 +159,9 @@ def _bwd_run(dout, q, k, v, out, lse, options, remember=None, alibi_slopes=None,
                                  alibi_slopes=arrays[6] if len(arrays) > 6 else None, score_mod=score_mod)
         if remember is not None:
             dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
-            _remember(remember, _backward._plans, arrays,
-                      (mask.key, o["softmax_scale"], o["deterministic"], dropout, None), dev, dropout)
+            _remember(remember, _backward._plans,
+                      _backward.plan_key(arrays, mask.key, o["softmax_scale"], o["deterministic"], dropout, None), dev,
+                      dropout)
         return res
 
     dq, dk, dv = _interop.run(run, tensors, _interop.TORCH, dev, names)
@@ -296,9 +296,9 @@ def _direct_key(tensors, options, seed_at: int):
             options[:seed_at], options[seed_at + 1:])
 
 
-def _remember(key, plans, arrays, option_key, dev: int, dropout: bool) -> None:
-    """Keep the plan the CuPy path ran for `arrays` (its cache entry under the same key it used)."""
-    plan = plans.lookup((*plan_cache.array_key(arrays), *option_key))
+def _remember(key, plans, plan_key, dev: int, dropout: bool) -> None:
+    """Keep the plan the CuPy path ran (its cache entry under `plan_key`, the key it used)."""
+    plan = plans.lookup(plan_key)
     if isinstance(plan, Plan):  # not FilledPlan (empty problems): those stay on the full path
         if len(_direct) >= _MAX_DIRECT:
             _direct.clear()

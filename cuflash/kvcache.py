@@ -588,8 +588,11 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         return family.plan(p, families.select(family, p), q.dtype), False
 
     # every check (the plan's family and tile, the buffers) before the cache is written
+    # the plan's key holds everything the plan depends on: ALiBi's slopes decide the kernel (kAlibi)
+    # and their batch stride a parameter, so a call with other (or no) slopes must not take it
     plan, partial = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale, splits,
-                                        None if table is None else (table.shape, table.strides)), build)
+                                        None if table is None else (table.shape, table.strides),
+                                        None if alibi_slopes is None else alibi_slopes.shape), build)
     prep = _Prepared(p, plan, partial, n_new)
     if key is not None and table is block_table and not p.empty:  # the table as given (not a contiguous copy)
         _plans.put(key, prep)

@@ -95,3 +95,24 @@ def test_flash_attn_with_kvcache_takes_alibi():
         err, _, allowed = fa_rule(out[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], True, 1 / math.sqrt(128),
                                   alibi_slopes=slopes)
         assert err <= allowed
+
+
+@pytest.mark.parametrize("nq,splits", [(1, 1), (1, 3), (40, 1)])
+def test_calls_with_other_slopes_do_not_share_a_plan(nq, splits):
+    """One cache, q and options called without slopes, with per-head, with per-batch slopes and
+    without again: each call is right (the plans are cached by signature, and the slopes, their
+    presence and their shape, are part of it: a per-head plan run for per-batch slopes reads every
+    batch's slopes as batch 0's)."""
+    rng = np.random.default_rng(11)
+    batch, h, hk, d = 4, 8, 2, 64
+    lens = np.array([3, 1, CAP - 1, 150], np.int64)
+    q, kc, vc, _, _ = _case(rng, batch, nq, h, hk, d, dtype_of("float16"), lens, 0)
+    mask = MaskOptions.of(causal=True)
+    for slopes in (None, _slopes(rng, batch, h, False), _slopes(rng, batch, h, True), None):
+        out, _ = kvcache._forward_cupy(q, kc, vc, lens, None, None, mask, None, num_splits=splits,
+                                       alibi_slopes=slopes)
+        for b, n in enumerate(lens):
+            sb = None if slopes is None else slopes[b:b + 1] if slopes.ndim == 2 else slopes
+            err, _, allowed = fa_rule(out[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], mask,
+                                      1 / math.sqrt(d), alibi_slopes=sb)
+            assert err <= allowed, (None if slopes is None else slopes.shape, b, err, allowed)
