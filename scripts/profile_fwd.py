@@ -1,6 +1,6 @@
 """One bf16 forward (the automatic kernel: the sm90 one on an H200), batch 2, 16 heads, N 8192, for
-`ncu -k regex:fwd_sm90 --launch-skip 3 -c 1 --section ... python scripts/profile_fwd.py [--alibi] [--causal] [--d 64]`
-(issue 13's ALiBi cost: the same launch with and without alibi_slopes). Warm-up runs come first."""
+`ncu -k regex:fwd_sm90 --launch-skip 3 -c 1 --section ... python scripts/profile_fwd.py [--alibi] [--softcap] [--causal] [--d 64]`
+(issue 13's ALiBi and softcap costs: the same launch with and without them). Warm-up runs come first."""
 import sys
 
 import cupy
@@ -15,7 +15,8 @@ h = 16 if d >= 128 else 32
 rng = np.random.default_rng(0)
 q, k, v = testing.random_qkv(rng, 2, 8192, 8192, h, d, testing.bf16())
 slopes = cupy.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)) if "--alibi" in sys.argv else None
+softcap = 30.0 if "--softcap" in sys.argv else 0.0
 for _ in range(4):
-    cuflash.attention(q, k, v, causal=causal, alibi_slopes=slopes)
+    cuflash.attention(q, k, v, causal=causal, alibi_slopes=slopes, softcap=softcap)
 cupy.cuda.Device().synchronize()
 print("done")
