@@ -21,7 +21,7 @@ import functools
 # dtype name -> (kernel-name tag, the kernel template's BF16 argument)
 _DTYPES = {"float16": ("f16", "false"), "bfloat16": ("bf16", "true")}
 SUPPORTED_DTYPES = tuple(_DTYPES)
-PERF_CLASSES = ("dense", "dropout")
+PERF_CLASSES = ("dense", "dropout", "softcap")
 
 
 def _variant(tag: str, member: str):
@@ -104,14 +104,21 @@ class Features:
 
     def perf_class(self) -> str:
         """The tuning class: features that move the optimum get their own tuned tables (a bounded
-        left edge only removes work from the masked ends, so `local` keeps its class). `softcap`
-        keeps its class too, until measurements ask otherwise: in the forward it adds one FMUL and
-        one MUFU op per score element and no registers, so the tile trade-offs (shared memory,
-        registers, occupancy) stay those of its class; in the backward it adds a packed 16-bit
-        fragment (the tanh's derivative), and tiles whose softcap instance spills are avoided
-        through the families' `spilling["softcap"]` (as `local`), not a tuned class.
-        `partial_d` keeps its class too: it runs the tiles of its instantiated head dim."""
-        return "dropout" if self.dropout else "dense"
+        left edge only removes work from the masked ends, so `local` keeps its class).
+        `softcap` has its own class (without dropout, whose class it keeps): its MUFU.TANH beside
+        every score's ex2 makes the softmax, not the tensor cores, the sm90 forward's critical
+        path, and the best tile moves: on the H200 (2026-12-01, perf-notes) dense's tuned d128
+        tile (block_k 192, ping-pong) runs softcap at 0.75x of plain where the 128-key tile
+        without ping-pong runs it at 0.82x. `partial_d` keeps its class: it runs the tiles of its
+        instantiated head dim."""
+        return "dropout" if self.dropout else "softcap" if self.softcap else "dense"
+
+    @classmethod
+    def of_class(cls, dtype: str, head_dim: int, perf_class: str) -> "Features":
+        """The features a perf class is tuned with (the tuner's problems, a tuned entry's spills)."""
+        if perf_class not in PERF_CLASSES:
+            raise ValueError(f"unknown perf class {perf_class!r} (one of {', '.join(PERF_CLASSES)})")
+        return cls(dtype, head_dim, dropout=perf_class == "dropout", softcap=perf_class == "softcap")
 
 
 def _cxx_bool(x: bool) -> str:

@@ -10,7 +10,7 @@ ENTRY holds the key fields (gpu, cc, sm_count, driver, nvrtc, kernel, source, dt
 perf_class, causal, seqlen_bucket), the winning "config", and what was measured (time_ms,
 default_config, default_ms, method, trials, valid, per-config "timings", ...). `kernel` names a
 kernel family (cuflash/families/); `perf_class` the feature class the entry was tuned for
-(Features.perf_class(): "dense", "dropout"). Version-1 tables predate perf_class: they were tuned
+(Features.perf_class(): "dense", "dropout", "softcap"). Version-1 tables predate perf_class: they were tuned
 without dropout, so their entries are read as "dense".
 
 Matching an entry against the running process:
@@ -35,7 +35,7 @@ import tempfile
 import warnings
 
 from . import _compile, families
-from .features import Features
+from .features import PERF_CLASSES, Features
 
 FORMAT = "cuflash-tuning"
 VERSION = 2
@@ -108,7 +108,7 @@ def shape_key(kernel: str, dtype: str, head_dim: int, perf_class: str, causal: b
 
 def _features(e: dict) -> Features:
     """The features an entry was tuned for (enough to judge its tile: its perf class's spills)."""
-    return Features(e["dtype"], e["head_dim"], dropout=e["perf_class"] == "dropout")
+    return Features.of_class(e["dtype"], e["head_dim"], e["perf_class"])
 
 
 def source_fingerprint(kernel: str) -> str | None:
@@ -324,6 +324,8 @@ def load_index(path, dev: DeviceKey, props, shipped: bool, warn: bool = True) ->
         why = check_entry(e)
         if why is None and e["kernel"] not in families.REGISTRY:
             why = f"unknown kernel {e['kernel']!r}"
+        if why is None and e["perf_class"] not in PERF_CLASSES:  # a newer cuflash's table
+            why = f"unknown perf class {e['perf_class']!r}"
         if why:
             bad.append(why)
             continue

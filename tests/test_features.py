@@ -26,7 +26,8 @@ def test_variant_fields_tags_and_perf_class():
         assert (f.tag(), f.perf_class()) == (tag, pc)
         assert f.cxx() == f"cuflash::Variant<{str(drop).lower()}, {str(local).lower()}, false, false, false, false, false, false, false, false>"
     assert Features("float16", 128) == Features("float16", 128, False, False, False, False)
-    # softcap keeps the class of its call (dense / dropout), as local does
+    # softcap has its own class, but with dropout it keeps dropout's (local keeps its call's)
+    assert Features("bfloat16", 64, local=True, softcap=True).perf_class() == "softcap"
     sc = Features("bfloat16", 64, dropout=True, local=True, softcap=True)
     assert (sc.tag(), sc.perf_class(), sc.cxx()) == ("_drop_local_softcap", "dropout",
                                                      "cuflash::Variant<true, true, true, false, false, false, false, false, false, false>")
@@ -96,3 +97,26 @@ def test_bounded_left_edge_selects_local_features():
     for pack in (lambda q: params.pack_fwd(q, 2), lambda q: params.pack_bwd(q, 128, 1, 1)):
         assert pack(p)[0]["window_left"] == problem.UNBOUNDED
         assert pack(windowed)[0]["window_left"] == 16
+
+
+def test_each_perf_class_has_the_features_it_is_tuned_with():
+    from cuflash.features import PERF_CLASSES
+
+    for pc in PERF_CLASSES:
+        f = Features.of_class("bfloat16", 128, pc)
+        assert f.perf_class() == pc and f.dtype == "bfloat16" and f.head_dim == 128
+    assert Features.of_class("float16", 64, "softcap") == Features("float16", 64, softcap=True)
+    with pytest.raises(ValueError, match="unknown perf class 'alibi'"):
+        Features.of_class("float16", 64, "alibi")
+
+
+def test_softcap_prefers_its_class_default_on_the_sm90_forward():
+    """Softcap's class default (families.sm90: the 128-key tile without ping-pong at d128, measured
+    faster for softcap); other classes and head dims keep the head dim's defaults, and spilling
+    tiles stay avoided (d64's three consumers spill with softcap)."""
+    fam = families.REGISTRY["fwd_sm90"]
+    sc = fam.default(128, features=Features("bfloat16", 128, softcap=True))
+    assert (sc.block_k, sc.pingpong) == (128, 0)
+    assert fam.default(128, features=Features("bfloat16", 128)) == fam.defaults[128][0]
+    assert fam.default(64, features=Features("bfloat16", 64, softcap=True)).consumers == 2
+    assert sc in fam.selectable()

@@ -127,7 +127,7 @@ def _info(shape):
 def test_problem_features_and_packed_scales():
     q = _info((1, 100, 2, 64))
     p = resolve_forward(q, q, q, MaskOptions.of(causal=True, softcap=30.0), 0.125)
-    assert p.softcap == 30.0 and p.features.softcap and p.features.perf_class() == "dense"
+    assert p.softcap == 30.0 and p.features.softcap and p.features.perf_class() == "softcap"
     assert p.features.tag() == "_softcap"
     a = params.pack_fwd(p, 1)[0]
     # the kernels compute tanh(S * softcap_scale) and scale the softmax by softcap (attn/score_mod.cuh)

@@ -251,6 +251,19 @@ def test_dropout_is_tuned_separately_and_spilling_tiles_are_avoided(env):
         assert lookup("fwd", problem(d=d, seqlen=1024, dropout=True)) is None
 
 
+def test_softcap_is_its_own_class_and_unknown_classes_are_ignored(env):
+    """Softcap calls take softcap entries only (not dense's tile); an entry of a class this cuflash
+    does not know (a newer one's table) is ignored with a warning, the others still serve."""
+    softcap_tile = tiles.FwdConfig(128, 64, 64, 4, 2)
+    tuning_store.save_entries(env.user, [entry(), entry(cfg=softcap_tile, perf_class="softcap"),
+                                         entry(cfg=softcap_tile, perf_class="future", bucket=1024)])
+    sc = problem()
+    sc.features = Features("bfloat16", 128, softcap=True)
+    with pytest.warns(TuningCacheWarning, match="unknown perf class 'future'"):
+        assert lookup("fwd", sc) == softcap_tile
+    assert lookup("fwd", problem()) == TUNED
+
+
 def test_version_1_tables_are_read_as_dense(env):
     e = entry()
     del e["perf_class"]

@@ -83,6 +83,9 @@ class KernelFamily:
     # the instance with all of them) -> tiles whose instantiation spills registers (ptxas, sm_80
     # and sm_90a); tests/test_compile_dropout.py and tests/test_softcap.py keep this data honest
     spilling: Mapping[str, frozenset] = dataclasses.field(default_factory=dict)
+    # perf class -> head_dim -> tiles preferred to `defaults` for that class while nothing tuned
+    # applies (a class whose best tile was measured to differ from its head dim's default)
+    class_defaults: Mapping[str, Mapping[int, tuple]] = dataclasses.field(default_factory=dict)
     # --- execution
     # (problem, tile, dtype) -> launch.Plan of one call (the passes' plan builders); None: the pass
     # builds its plan itself (the backward)
@@ -155,8 +158,10 @@ class KernelFamily:
         return any(tile in tiles and set(key.split("+")) <= on for key, tiles in self.spilling.items())
 
     def default(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN, features: Features | None = None):
-        """The heuristic tile: the first default that fits the device and does not spill for `features`."""
-        for t in self.defaults[head_dim]:
+        """The heuristic tile: the first default (the class's own first: class_defaults) that fits the
+        device and does not spill for `features`."""
+        first = () if features is None else self.class_defaults.get(features.perf_class(), {}).get(head_dim, ())
+        for t in (*first, *self.defaults[head_dim]):
             if t.fits(smem_optin_bytes) and not self.avoids(t, features):
                 return t
         raise RuntimeError(f"no {self.what} config for head_dim {head_dim} fits in {smem_optin_bytes} bytes "
@@ -164,7 +169,8 @@ class KernelFamily:
 
     def selectable(self) -> list:
         """Tiles the package may pick at run time without tuning (the CPU compile tests cover these)."""
-        return sorted({t for cands in self.defaults.values() for t in cands})
+        return sorted({t for table in (self.defaults, *self.class_defaults.values()) for cands in table.values()
+                       for t in cands})
 
     def device_problem(self, props) -> str | None:
         """Why no tile of this family runs on a device with these properties (its compute capability), or None."""

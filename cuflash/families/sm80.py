@@ -57,13 +57,13 @@ def _plan_fwd_v1(p, tile, dtype):
 def _run_fwd(tile, d, causal, features, props, out=None, lse=None):
     from .._forward import forward
 
-    return tuple(forward(d["q"], d["k"], d["v"], causal=causal, config=tile, out=out, lse=lse, **d["dropout"]))
+    return tuple(forward(d["q"], d["k"], d["v"], causal=causal, config=tile, out=out, lse=lse, **d["options"]))
 
 
 def _run_fwd_v1(tile, d, causal, features, props, out=None, lse=None):
     from .._forward_v1 import forward_v1
 
-    return tuple(forward_v1(d["q"], d["k"], d["v"], causal=causal, config=tile, out=out, lse=lse, **d["dropout"]))
+    return tuple(forward_v1(d["q"], d["k"], d["v"], causal=causal, config=tile, out=out, lse=lse, **d["options"]))
 
 
 def _bwd_args(d):
@@ -73,7 +73,7 @@ def _bwd_args(d):
 def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
     from .._backward import backward
 
-    return tuple(backward(*_bwd_args(d), causal=causal, config=tile, **d["dropout"]))
+    return tuple(backward(*_bwd_args(d), causal=causal, config=tile, **d["options"]))
 
 
 def _run_bwd_dq(tile, d, causal, features, props, out=None, lse=None):
@@ -82,7 +82,7 @@ def _run_bwd_dq(tile, d, causal, features, props, out=None, lse=None):
     # the dK/dV kernel fixed at its default, so only dQ's tile varies
     main = BWD.default(tile.head_dim, props.smem_optin, features)
     return tuple(backward(*_bwd_args(d), causal=causal, deterministic=True, config=main, dq_config=tile,
-                          **d["dropout"]))
+                          **d["options"]))
 
 
 FWD = KernelFamily(

@@ -89,6 +89,11 @@ FWD_SM90 = KernelFamily(
     spilling={"dropout": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)}),
               "local": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)}),
               "softcap": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)})}, call_problem=_call_problem,
+    # softcap's MUFU.TANH lengthens each consumer's softmax past the other's GEMMs, so ping-pong's
+    # alternation costs more than it hides: at d128 the 128-key tile without it runs softcap at
+    # 0.79-0.82x of plain where the ping-pong default gives 0.73-0.79x and dense's tuned tile
+    # (192 keys) 0.74-0.75x (H200, bf16, N 2048 and 8192, scripts/bench_softcap.py, 2026-12-01)
+    class_defaults={"softcap": {128: (Sm90FwdConfig(128, 128, 2, 2, 0, 1, 1, 1),)}},
     plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True, takes_user_mod=True,
     nullable_pointers=True,
 )
@@ -115,7 +120,7 @@ def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
     from .._backward import backward
 
     return tuple(backward(d["dout"], d["q"], d["k"], d["v"], d["out"], d["lse"], causal=causal, config=tile,
-                          backend="sm90", **d["dropout"]))
+                          backend="sm90", **d["options"]))
 
 
 # Measured on the H200 (docs/perf-notes.md, 2026-11-30): with the store warp (dq_bulk 1) 1.2x the

@@ -25,8 +25,9 @@ DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 # Max |config - default| allowed, relative to max |default|: 4 ulps of the largest value for the
 # 16-bit outputs (configs differ only in summation order), fp32 lse to 1e-4 of its largest value.
 RTOL = {"bfloat16": 2.0**-6, "float16": 2.0**-9, "float32": 1e-4}
-# The dropout perf class is tuned at this rate and seed (the mask's cost does not depend on either).
-TUNE_DROPOUT = {"dropout_p": 0.1, "seed": 20261130}
+# Each perf class's call options while tuning: dropout at this rate and seed (the mask's cost depends
+# on neither), softcap at Gemma 2's cap (every cap costs the same).
+CLASS_OPTIONS = {"dense": {}, "dropout": {"dropout_p": 0.1, "seed": 20261130}, "softcap": {"softcap": 30.0}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Shape:
     seqlen: int
     batch: int
     heads: int
-    perf_class: str = "dense"  # Features.perf_class(): "dense" | "dropout"
+    perf_class: str = "dense"  # Features.perf_class(): "dense" | "dropout" | "softcap"
 
     @property
     def bucket(self) -> int:
@@ -48,7 +49,7 @@ class Shape:
 
     @property
     def features(self) -> Features:
-        return Features(self.dtype, self.head_dim, dropout=self.perf_class == "dropout")
+        return Features.of_class(self.dtype, self.head_dim, self.perf_class)
 
     @property
     def label(self) -> str:
@@ -143,11 +144,11 @@ class Bench:
         rs = cupy.random.RandomState(seed)
         mk = lambda: rs.standard_normal((s.batch, s.seqlen, s.heads, s.head_dim), dtype=cupy.float32).astype(dt)
         q, k, v = mk(), mk(), mk()
-        d = {"q": q, "k": k, "v": v, "dropout": TUNE_DROPOUT if s.features.dropout else {}}
+        d = {"q": q, "k": k, "v": v, "options": CLASS_OPTIONS[s.perf_class]}
         if self.family.pass_ == "backward":
             from .. import _forward
 
-            d["out"], d["lse"] = _forward.forward(q, k, v, causal=s.causal, **d["dropout"])
+            d["out"], d["lse"] = _forward.forward(q, k, v, causal=s.causal, **d["options"])
             d["dout"] = mk()
         return d
 
