@@ -17,8 +17,9 @@ from .api import attention, attention_backward
 from .kvcache import attention_with_kvcache
 from .varlen import attention_varlen, attention_varlen_backward
 from .merge import merge_attention
+from .block_mask import BlockMask
 from .score_mods import ScoreMod, ScoreModError
 from .device import CudaUnavailableError, UnsupportedDeviceError
 
-__all__ = ["attention", "ScoreMod", "ScoreModError", "attention_backward", "attention_with_kvcache", "attention_varlen", "attention_varlen_backward", "merge_attention", "UnsupportedDeviceError", "CudaUnavailableError",
+__all__ = ["attention", "BlockMask", "ScoreMod", "ScoreModError", "attention_backward", "attention_with_kvcache", "attention_varlen", "attention_varlen_backward", "merge_attention", "UnsupportedDeviceError", "CudaUnavailableError",
            "__version__"]

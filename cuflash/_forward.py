@@ -47,7 +47,10 @@ def _plan(p: AttnProblem, cfg: FwdConfig, dtype) -> Plan:
     inputs = INPUTS_VARLEN if p.varlen else INPUTS_SEQUSED_K if p.seqused_k else INPUTS
     inputs = with_mod_inputs(p, inputs)
     launch = Launch(kernel, (n_blocks,), (cfg.threads,), cfg.smem_bytes, pointers=inputs)
-    return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
+    params = pack_fwd(p, m_blocks)
+    if p.block_mask is not None:  # entries per key-block list: the tile's key blocks
+        params["bm_nb"] = -(-p.seqlen_k // cfg.block_k)
+    return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, params)
 
 
 def with_mod_inputs(p: AttnProblem, inputs: tuple) -> tuple:
@@ -57,6 +60,8 @@ def with_mod_inputs(p: AttnProblem, inputs: tuple) -> tuple:
         inputs = (*inputs, "alibi_slopes")
     if p.mod is not None:
         inputs = (*inputs, "mod_aux")
+    if p.block_mask is not None:
+        inputs = (*inputs, "bm_counts", "bm_index")
     return inputs
 
 
@@ -68,7 +73,7 @@ def empty_plan(p: AttnProblem, dtype) -> FilledPlan:
 
 
 def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask: MaskOptions, softmax_scale,
-                dropout_p, seed, config, out, lse, backend=None, alibi_slopes=None, score_mod=None):
+                dropout_p, seed, config, out, lse, backend=None, alibi_slopes=None, score_mod=None, block_mask=None):
     """The body the v2 and v1 forwards share: the call's dropout, the cached (or, with an explicit
     config, fresh) launch plan, optional output buffers, the launch. `mask`: the call's MaskOptions
     (the plan key holds its `key`, the values of its fields).
@@ -80,33 +85,47 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     (KernelFamily.plan). The backend choice is part of the plan: the plan key holds the `backend`
     argument, and CUFLASH_BACKEND is read when a plan is built, not per call. `alibi_slopes`: None
     or a float32 CuPy array (heads,) or (batch, heads) (problem.check_alibi_slopes), an input after
-    the others; `score_mod`: None or a cuflash.ScoreMod, its aux pointer table the last input.
+    the others; `score_mod`: None or a cuflash.ScoreMod, its aux pointer table the last input;
+    `block_mask`: None or a cuflash.BlockMask of score_mod's mask, whose key-block lists for the
+    plan's tile follow the table (the plan cache keeps the tile beside the plan).
     """
     import cupy
 
     dropout = problem.resolve_dropout(dropout_p, seed)
+    if block_mask is not None:
+        from .block_mask import BlockMask
 
-    def build(cfg):
+        if score_mod is None or not isinstance(block_mask, BlockMask):
+            problem.with_block_mask(None, block_mask, score_mod)  # raises, naming the argument
+
+    def build_with_tile(cfg):  # (plan, its tile: None for an empty problem)
         infos = (problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
         p = problem.resolve_forward(*infos, mask, softmax_scale, dropout)
         if alibi_slopes is not None:
             p = problem.with_alibi(p, problem.describe(alibi_slopes, "alibi_slopes"))
         p = problem.with_score_mod(p, score_mod)
+        p = problem.with_block_mask(p, block_mask, score_mod)
         if p.empty:
-            return empty_plan(p, q.dtype)
+            return empty_plan(p, q.dtype), None
         if cfg is None:
             family = families.choose(candidates, p, backend)
             cfg = families.select(family, p)
         else:
             family = _explicit_family(candidates, cfg, p, backend)
-        return family.plan(p, cfg, q.dtype)
+        return family.plan(p, cfg, q.dtype), cfg
 
     arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
+    tile = None
     if config is None and all(type(a) is cupy.ndarray for a in arrays):
-        plan = plans.get(lambda: plan_key(arrays, mask.key, softmax_scale, dropout is not None, backend, score_mod),
-                         lambda: build(None))
+        key = lambda: plan_key(arrays, mask.key, softmax_scale, dropout is not None, backend, score_mod)
+        if block_mask is None:
+            plan = plans.get(key, lambda: build_with_tile(None)[0])
+        else:  # the lists are the tile's: the cache keeps it beside the plan
+            plan, tile = plans.get(lambda: (*key(), "block_mask", block_mask.layout), lambda: build_with_tile(None))
+            # this mask against this call, every call (a cached plan knows only its layout)
+            block_mask.check_call(score_mod.source, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device.id)
     else:
-        plan = build(config)
+        plan, tile = build_with_tile(config)
     if out is not None:
         out = _checked_out(out, q)
     if lse is not None:
@@ -114,6 +133,8 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     args = (q, k, v, out, lse) if alibi_slopes is None else (q, k, v, out, lse, alibi_slopes)
     if score_mod is not None:
         args = (*args, score_mod.pointer_table(q.device.id))
+    if block_mask is not None and tile is not None:
+        args = (*args, *block_mask.lists(tile.block_q, tile.block_k))
     return plan.run(args, None if dropout is None else dropout.kernel_args)
 
 
@@ -167,7 +188,7 @@ def plan_key(arrays, mask_key, softmax_scale, dropout_on: bool, backend, score_m
 
 def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dropout_p=0.0, seed=None,
             config: FwdConfig | Sm90FwdConfig | None = None, out=None, lse=None, backend: str | None = None,
-            alibi_slopes=None, score_mod=None, **mask_options):
+            alibi_slopes=None, score_mod=None, block_mask=None, **mask_options):
     """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
     The mask: the record `mask` (what cuflash.attention hands on) or cuflash.attention's mask
@@ -183,9 +204,11 @@ def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dro
     offset the mask's alignment (seqlen_k - seqlen_q bottom-right). Both backends.
     `score_mod`: a cuflash.ScoreMod (user CUDA C++ score and/or mask snippets, cuflash/score_mods.py),
     applied before the built-in mask and ALiBi. Both backends.
+    `block_mask`: a cuflash.BlockMask of score_mod's mask snippet (score_mod.block_mask(...)): the
+    key blocks it empties are skipped (cuflash/block_mask.py). The sm80 kernel.
     """
     if mask_options or type(mask) is not MaskOptions:
         mask = MaskOptions.given(mask, mask_options)
     return run_forward(families.FORWARDS, _plans, q, k, v, mask=mask, softmax_scale=softmax_scale,
                        dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse, backend=backend,
-                       alibi_slopes=alibi_slopes, score_mod=score_mod)
+                       alibi_slopes=alibi_slopes, score_mod=score_mod, block_mask=block_mask)

@@ -18,7 +18,7 @@ _tmod = None  # the cuflash._torch module (registers the torch ops), once a torc
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
               algorithm: str = "v2", deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
               backend: str | None = None, window_size: tuple = (-1, -1), alignment: str = "bottom_right",
-              softcap: float | None = 0.0, sinks=None, alibi_slopes=None, score_mod=None):
+              softcap: float | None = 0.0, sinks=None, alibi_slopes=None, score_mod=None, block_mask=None):
     """Exact softmax attention, FlashAttention algorithm, never materialising the N x N matrix.
 
     q: (batch, seqlen_q, heads, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim); float16 or
@@ -67,6 +67,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         snippet needs its `grad` snippet), torch autograd included (eager, not torch.compile);
         algorithm "v2" only. A snippet that does not compile raises cuflash.ScoreModError naming
         its line.
+    block_mask: a cuflash.BlockMask of score_mod's mask snippet (score_mod.block_mask(batch, heads,
+        seqlen_q, seqlen_k), made once per mask and shape): the key blocks the mask empties are not
+        visited, the result the same bits (cuflash/block_mask.py). Forward only for now (a call
+        that needs gradients raises NotImplementedError), on the sm80 kernel; not with sinks.
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.
     algorithm: "v2" (FlashAttention-2 loop order, the default) or "v1" (FlashAttention-1). The
@@ -102,9 +106,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)  # checked
     t = type(q)
-    if alibi_slopes is not None or score_mod is not None:
+    if alibi_slopes is not None or score_mod is not None or block_mask is not None:
         return _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
-                                backend, sinks, alibi_slopes, score_mod)
+                                backend, sinks, alibi_slopes, score_mod, block_mask)
     if sinks is not None:
         return _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
                                 backend, sinks)
@@ -143,8 +147,15 @@ def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministi
     return (out, lse) if return_lse else out
 
 
+def _needs_grad(arrays) -> bool:
+    """Whether torch will want gradients of any of these tensors (autograd on, one requires them)."""
+    import torch
+
+    return torch.is_grad_enabled() and any(getattr(a, "requires_grad", False) for a in arrays)
+
+
 def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend,
-                     sinks, alibi_slopes, score_mod=None):
+                     sinks, alibi_slopes, score_mod=None, block_mask=None):
     """attention(..., alibi_slopes=... and/or score_mod=...): the v2 forward with the slopes as one
     more array (CuPy, or any DLPack framework; torch through an autograd.Function) and the
     ScoreMod's snippets; sinks rescale its results."""
@@ -170,7 +181,15 @@ def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
 
         if not isinstance(score_mod, ScoreMod):
             raise TypeError(f"score_mod must be a cuflash.ScoreMod, got {type(score_mod).__name__}")
-    if fw == _interop.TORCH:  # an autograd.Function (differentiable in q, k, v and sinks), eager only
+    if block_mask is not None:
+        if score_mod is None:
+            raise ValueError("block_mask needs the score_mod whose mask snippet it was made from")
+        if sinks is not None:
+            raise NotImplementedError("block_mask with sinks")
+        if fw == _interop.TORCH and _needs_grad(arrays):
+            raise NotImplementedError("block_mask: the backward does not take block masks yet; call under "
+                                      "torch.no_grad() (or drop block_mask: the result is the same)")
+    if fw == _interop.TORCH and block_mask is None:  # an autograd.Function (differentiable in q, k, v and sinks), eager only
         return _load_torch().attention_sinks(q, k, v, sinks, mask, softmax_scale, return_lse, algorithm,
                                              deterministic, dropout_p, seed, backend, alibi_slopes, score_mod)
     fwd = forward_fn("v2")
@@ -179,7 +198,7 @@ def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
     def body(*a):
         slopes = a[3] if alibi_slopes is not None else None
         out, lse = fwd(a[0], a[1], a[2], mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
-                       backend=backend, alibi_slopes=slopes, score_mod=score_mod)
+                       backend=backend, alibi_slopes=slopes, score_mod=score_mod, block_mask=block_mask)
         return sinks_mod.apply(out, lse, a[n_main]) if len(a) > n_main else (out, lse)
 
     extra = () if sinks is None else (sinks,)

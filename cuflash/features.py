@@ -8,7 +8,7 @@ and keys the tuned tables (tuning every feature combination is impossible, tunin
 
 The boolean variant fields (declared with `_variant`) are the kernels' compile-time feature set:
 the generated shell passes them, in field order, as ONE template argument,
-`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged, alibi, user_mod>` (kernels_cu/attn/features.cuh), and asserts that each C++
+`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged, alibi, user_mod, block_mask>` (kernels_cu/attn/features.cuh), and asserts that each C++
 member holds the value of its field (`cxx_asserts`), so the two lists cannot drift apart. Adding a
 feature is: one `_variant` field here, one parameter and member there, and the policy header that
 reads it; the shells, kernel names and fingerprints follow.
@@ -69,6 +69,10 @@ class Features:
     # other pointer; `mod` holds the snippets (cuflash.score_mods.ModSource), whose hash joins the tag
     user_mod: bool = _variant("_mod", "kUserMod")
     mod: object = None  # ModSource when user_mod (compared and hashed: each snippet is its own kernel)
+    # a block mask for a mask snippet (cuflash.BlockMask): per query block, the key blocks the snippet
+    # leaves non-empty; the kernel takes the lists after mod_aux and visits only those
+    # (kernels_cu/attn/block_mask.cuh); the sm80 v2 forward
+    block_mask: bool = _variant("_bm", "kBlockMask")
 
     @classmethod
     @functools.cache

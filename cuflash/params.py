@@ -60,6 +60,10 @@ FWD_FIELDS = [
     # ALiBi: the slope's factor to the kernel's score units (1 / softmax_scale; 1 / softcap with
     # softcap), and alibi_slopes' batch stride in elements (0: one slope per head; heads: per batch)
     ("alibi_scale", _F32), ("alibi_sb", _I32),
+    # a block mask's key-block lists (cuflash/block_mask.py): the (batch, head) strides of a list row
+    # in rows of m_blocks lists (0 where the mask broadcasts), and the entries per list
+    ("bm_sb", _I32), ("bm_sh", _I32), ("bm_nb", _I32),
+    ("pad0", _I32),  # keeps the struct a multiple of 8 bytes (the mirror check)
 ]
 
 BWD_FIELDS = [
@@ -138,6 +142,9 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     a["n_splits"], a["split_blocks"] = 1, 0  # split-KV plans set theirs (cuflash/kvcache.py)
     a["page_size"], a["table_stride"] = p.page_size, p.table_stride  # paged KV caches (0 otherwise)
     _set_alibi(a, p)
+    if p.block_mask is not None:  # the lists' row strides (bm_nb: the plan's, from its tile)
+        bm_batch, bm_heads = p.block_mask
+        a["bm_sb"], a["bm_sh"] = (bm_heads if bm_batch > 1 else 0), (1 if bm_heads > 1 else 0)
     if p.varlen:  # packed rows: the kernel finds each batch's by cu_seqlens (kernels_cu/attn/mask.cuh, SeqSpan)
         _set_strides(a, "o", (0, p.heads * p.head_dim, p.head_dim))
         a["seqlen_q"], a["seqlen_k"], a["align_end"] = p.total_q, p.total_k, int(p.align_end)

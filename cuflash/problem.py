@@ -109,6 +109,9 @@ class AttnProblem:
     # a user modification (cuflash.ScoreMod, with_score_mod): its snippets (score_mods.ModSource); the
     # aux arrays' pointer table is a per-call input (mod_aux)
     mod: object = None
+    # a block mask of the mask snippet (cuflash.BlockMask, with_block_mask): its (batch, heads), 1
+    # where it broadcasts; the key-block lists of the plan's tile are per-call inputs
+    block_mask: tuple | None = None
 
     def __post_init__(self):
         check_geometry(self.window_left, self.window_right, self.offset)
@@ -126,7 +129,7 @@ class AttnProblem:
         return Features(self.dtype, d, self.dropout is not None, local=self.window_left != UNBOUNDED,
                         softcap=self.softcap > 0, partial_d=self.head_dim != d, seqused_k=self.seqused_k,
                         varlen=self.varlen, split_kv=self.n_splits > 1, paged=self.paged, alibi=self.alibi,
-                        user_mod=self.mod is not None, mod=self.mod)
+                        user_mod=self.mod is not None, mod=self.mod, block_mask=self.block_mask is not None)
 
     @property
     def empty(self) -> bool:
@@ -313,6 +316,24 @@ def with_score_mod(p: AttnProblem, score_mod) -> AttnProblem:
                          "(score_mod's score is softmax_scale * q.k)")
     score_mod.check_device(p.device)
     return dataclasses.replace(p, mod=score_mod.source)
+
+
+def with_block_mask(p: AttnProblem, block_mask, score_mod) -> AttnProblem:
+    """`p` with a block mask (a cuflash.BlockMask of score_mod's mask snippet, checked against the
+    call), or `p` itself without."""
+    if block_mask is None:
+        return p
+    from .block_mask import BlockMask  # (p may be None: the argument checks alone)
+
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(f"block_mask must be a cuflash.BlockMask (score_mod.block_mask(...)), got "
+                        f"{type(block_mask).__name__}")
+    if score_mod is None:
+        raise ValueError("block_mask needs the score_mod whose mask snippet it was made from")
+    if p.varlen or p.seqused_k or p.n_splits > 1:
+        raise NotImplementedError("block_mask with variable-length batches or the KV cache")
+    block_mask.check_call(score_mod.source, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.device)
+    return dataclasses.replace(p, block_mask=block_mask.layout)
 
 
 def resolve_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, out: ArrayInfo, lse: ArrayInfo,

@@ -135,6 +135,14 @@ class ScoreMod:
         parts += [f"aux={[n for n, _ in self.source.aux]}"] if self.source.aux else []
         return f"ScoreMod({', '.join(parts)})"
 
+    def block_mask(self, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: int | None = None):
+        """A cuflash.BlockMask of this modification's mask snippet for calls of this shape (batch and
+        heads: the call's, or 1 where the snippet reads neither b nor h): the key blocks the mask
+        empties are then skipped (cuflash/block_mask.py). The aux arrays are read now."""
+        from . import block_mask
+
+        return block_mask.build(self, batch, heads, seqlen_q, seqlen_k, device)
+
     def check_device(self, device: int) -> None:
         for (name, _), arr in zip(self.source.aux, self.aux):
             if arr.device.id != device:

@@ -235,3 +235,29 @@ def backend_unavailable(backend: str, device_id: int = 0) -> str | None:
     if why is None and fam is families.FWD_SM90:
         why = tma.bindings_problem()
     return why
+
+
+def block_mask_reference(keep, block_q: int, block_k: int, cell: int = 16):
+    """The NumPy twin of a BlockMask (kernels_cu/attn/block_mask.cuh) from a boolean keep array
+    (batch, heads, seqlen_q, seqlen_k) (the mask snippet's value per pair): (cells, counts, index)
+    with cells bool (batch * heads, ceil(seqlen_q / cell), ceil(seqlen_k / cell)) (some pair of the
+    cell kept) and the lists of tiles block_q x block_k as BlockMask.lists gives them: counts
+    (batch * heads, m_blocks), index (batch * heads, m_blocks, n_blocks), unused entries 0."""
+    import numpy as np
+
+    keep = np.asarray(keep, dtype=bool)
+    b, h, nq, nk = keep.shape
+    qc, kc = -(-nq // cell), -(-nk // cell)
+    padded = np.zeros((b * h, qc * cell, kc * cell), dtype=bool)
+    padded[:, :nq, :nk] = keep.reshape(b * h, nq, nk)
+    cells = padded.reshape(b * h, qc, cell, kc, cell).any(axis=(2, 4))
+    mb, nb = -(-nq // block_q), -(-nk // block_k)
+    rb, cb = block_q // cell, block_k // cell
+    counts = np.zeros((b * h, max(mb, 1)), dtype=np.int32)
+    index = np.zeros((b * h, max(mb, 1), max(nb, 1)), dtype=np.int32)
+    for bh in range(b * h):
+        for i in range(mb):
+            live = [j for j in range(nb) if cells[bh, i * rb:(i + 1) * rb, j * cb:(j + 1) * cb].any()]
+            counts[bh, i] = len(live)
+            index[bh, i, :len(live)] = live
+    return cells, counts, index

@@ -108,8 +108,10 @@ class KernelFamily:
     alibi_pointer: tuple = (F32_IN, "alibi_slopes")
     takes_user_mod: bool = False  # True: user score/mask modification instances (cuflash.ScoreMod)
     mod_pointer: tuple = (AUX_TABLE, "mod_aux")  # the ScoreMod's aux pointer table, after alibi_slopes
+    takes_block_mask: bool = False  # True: block-mask instances (cuflash.BlockMask's key-block lists)
+    block_mask_pointers: tuple = ((I32_IN, "bm_counts"), (I32_IN, "bm_index"))  # after mod_aux
     # True: the device template takes every optional pointer the family has (seqused_k, block_table,
-    # cu_seqlens_q / _k, alibi_slopes, mod_aux, in that order), and the shell passes nullptr for those the
+    # cu_seqlens_q / _k, alibi_slopes, mod_aux, bm_counts / bm_index, in that order), and the shell passes nullptr for those the
     # instance's features do not take; False: the template has one overload per pointer set
     nullable_pointers: bool = False
     # the tuner:
@@ -136,7 +138,8 @@ class KernelFamily:
                 and (self.takes_split_kv or not features.split_kv)
                 and (self.takes_paged or not features.paged)
                 and (self.takes_alibi or not features.alibi)
-                and (self.takes_user_mod or not features.user_mod))
+                and (self.takes_user_mod or not features.user_mod)
+                and (self.takes_block_mask or not features.block_mask))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
         """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order
@@ -220,6 +223,7 @@ class KernelFamily:
                      "paged": "paged KV caches (block_table)",
                      "alibi": "ALiBi (alibi_slopes)",
                      "user_mod": "user score/mask modifications (score_mod)",
+                     "block_mask": "block masks (block_mask)",
                      "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         run_as = f" (on the kernels of head dim {f.head_dim})" if call_head_dim not in (None, f.head_dim) else ""

@@ -123,7 +123,7 @@ FWD = KernelFamily(
               "softcap+split_kv": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               "seqused_k+softcap+split_kv": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(128, 128, 128, 8, 3)})},
     plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True, takes_varlen=True,
-    takes_split_kv=True, takes_alibi=True, takes_user_mod=True, nullable_pointers=True,
+    takes_split_kv=True, takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
 )
 
 # The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of

@@ -10,7 +10,7 @@
 namespace cuflash {
 
 template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN, bool SPLIT_KV, bool PAGED,
-          bool ALIBI, bool USER_MOD>
+          bool ALIBI, bool USER_MOD, bool BLOCK_MASK>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -63,6 +63,10 @@ struct Variant {
     // after all its other pointers. With a score snippet the kernel's scores are in softmax units
     // (params.scale_log2 = log2(e), softcap_scale = softmax_scale). The v2 forwards (sm80, sm90).
     static constexpr bool kUserMod = USER_MOD;
+    // A block mask (cuflash.BlockMask, attn/block_mask.cuh) for a mask snippet: the kernel takes its
+    // per-query-block key-block lists (bm_counts, bm_index) after mod_aux and visits only the
+    // listed blocks of each range (KeyBlockList). The sm80 v2 forward.
+    static constexpr bool kBlockMask = BLOCK_MASK;
 };
 
 }  // namespace cuflash

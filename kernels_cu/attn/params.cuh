@@ -55,6 +55,9 @@ struct FwdParams {
     int table_stride;  // V::kPaged: block_table's entries per batch (pages per sequence at most)
     float alibi_scale; // V::kAlibi: a softmax-unit bias in score units: 1 / softmax_scale (1 / softcap with softcap)
     int alibi_sb;      // V::kAlibi: alibi_slopes' batch stride in elements (0: one slope per head)
+    int bm_sb, bm_sh;  // V::kBlockMask: the batch and head strides of a key-block list row, in query blocks' rows (0: broadcast)
+    int bm_nb;         // V::kBlockMask: entries per list (the key blocks of the lists' tile)
+    int pad0;          // (the struct a multiple of 8 bytes)
 };
 
 // The backward pass, one struct for its four kernels; each reads what it needs:
@@ -96,7 +99,7 @@ struct BwdParams {
     int alibi_sb;             // V::kAlibi: as FwdParams'
 };
 
-static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 192, "FwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 208, "FwdParams layout changed: update cuflash/params.py");
 static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 304, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)

@@ -25,6 +25,7 @@
 // (n_splits, batch, seqlen_q, heads, head_dim) at o_s* strides) and their lse to
 // (n_splits, batch, heads, seqlen_q); the host merges the splits (cuflash.merge_attention).
 #pragma once
+#include "attn/block_mask.cuh"
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
 #include "attn/epilogue.cuh"
@@ -45,7 +46,8 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
                                           const elem_t* __restrict__ v, elem_t* __restrict__ o, float* __restrict__ lse,
                                           const int* __restrict__ seqused_k, const int* __restrict__ cu_seqlens_q,
                                           const int* __restrict__ cu_seqlens_k, const float* __restrict__ alibi_slopes,
-                                          const void* const* __restrict__ mod_aux, const FwdParams& params) {
+                                          const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
+                                          const int* __restrict__ bm_index, const FwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -102,7 +104,10 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, b, h, geo.offset);
     const UserMod<V> user_mod = UserMod<V>::of(params, mod_aux, b, h, geo.seqlen_q, geo.seqlen_k);
     const Dropout drop{drop_seed, drop_threshold, bh};
-    const int n_begin = range.begin, n_iter = range.size();
+    // the range's key blocks, or those of them a block mask lists (attn/block_mask.cuh)
+    const KeyBlockList<V::kBlockMask> blocks =
+        KeyBlockList<V::kBlockMask>::of(params, bm_counts, bm_index, b, h, blk.block, m_blocks, range);
+    const int n_iter = blocks.size();
 
     float acc_o[kRowTiles][kOutTiles][4];
 #pragma unroll
@@ -113,13 +118,13 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     softmax.init();
 
     if (n_iter > 0) {
-        // Prologue: Q joins the first K/V group; steps 0..STAGES-2 (key blocks n_begin..) in flight.
+        // Prologue: Q joins the first K/V group; steps 0..STAGES-2 (their key blocks) in flight.
         load_tile<BR, kRowChunks, kNumThreads, V::kPartialD>(sQ, qg, q_sn, r0, seqlen_q, tid, d_chunks);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter)
                 load_kv_tile<BC, kRowChunks, kNumThreads, V::kPartialD>(sK + s * Tr::kKVTileBytes, sV + s * Tr::kKVTileBytes, kg, k_sn,
-                                                          vg, v_sn, n_begin + s, seqlen_k, tid, d_chunks);
+                                                          vg, v_sn, blocks.at(s), seqlen_k, tid, d_chunks);
             cp_async_commit();  // empty groups keep the wait count uniform
         }
     }
@@ -131,7 +136,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const u32 k_frag_off = Ld::b_operand(lane);
     const u32 v_frag_off = Ld::b_trans(lane);
     for (int it = 0; it < n_iter; ++it) {
-        const int j = n_begin + it;  // key block of this step
+        const int j = blocks.at(it);  // key block of this step
         // Step it has landed once at most STAGES-2 younger groups are pending. The barrier also
         // tells every warp that all others finished step it-1, whose slot is refilled next.
         cp_async_wait<STAGES - 2>();
@@ -141,7 +146,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             if (in < n_iter) {
                 int slot = in % STAGES;
                 load_kv_tile<BC, kRowChunks, kNumThreads, V::kPartialD>(sK + slot * Tr::kKVTileBytes, sV + slot * Tr::kKVTileBytes, kg,
-                                                          k_sn, vg, v_sn, n_begin + in, seqlen_k, tid, d_chunks);
+                                                          k_sn, vg, v_sn, blocks.at(in), seqlen_k, tid, d_chunks);
             }
             cp_async_commit();
         }

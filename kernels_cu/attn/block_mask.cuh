@@ -1,0 +1,117 @@
+// cuflash/kernels_cu/attn/block_mask.cuh
+// Block masks for mask snippets (cuflash.BlockMask, cuflash/block_mask.py): the key blocks a mask
+// snippet leaves empty are not visited at all (FlexAttention's BlockMask, built explicitly).
+//
+//   cells  (once per mask and shape): one bit per 16 x 16 cell of (query, key) positions of each
+//          (batch, head) of the mask (1 where the snippet reads neither: broadcast), set iff the
+//          snippet keeps some pair of the cell; bits[bh][query cell][key cell / 32], bit cell % 32.
+//   lists  (once per tile shape BR x BC, multiples of 16): for each query block i, the key blocks
+//          j with a set cell in rows [i BR, i BR + BR) x keys [j BC, j BC + BC), ascending:
+//          counts[bh][i] and index[bh][i][0 .. counts).
+//   KeyBlockList (the kernels): query block i's steps are the listed blocks inside the built-in
+//          mask's BlockRange instead of the whole range. Visiting an empty block changes nothing
+//          (its P is 0: no rescale, no sum, no P V term), so skipping it gives the same bits.
+#pragma once
+#include "attn/block_range.cuh"
+
+namespace cuflash {
+
+constexpr int kMaskCell = 16;  // positions per cell side
+
+// First index of the ascending list a[0 .. n) whose value is >= x (n when none).
+__device__ __forceinline__ int lower_bound(const int* __restrict__ a, int n, int x) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (__ldg(a + mid) < x) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+// The cells pass: a warp per (32 key cells, query cell, bh); grid (kwords, qcells, bh count).
+// Defs: the snippets' UserModDefs<true> (attn/score_mod.cuh); `heads`: the mask's heads (1 when
+// broadcast), so bh = b * heads + h.
+template <class Defs>
+__device__ __forceinline__ void block_mask_cells(unsigned* __restrict__ bits, const void* const* __restrict__ aux,
+                                                 int heads, int seqlen_q, int seqlen_k, int qcells, int kcells,
+                                                 int kwords) {
+    const int lane = threadIdx.x, kw = blockIdx.x, qc = blockIdx.y, bh = blockIdx.z;
+    const int b = bh / heads, h = bh % heads, kc = kw * 32 + lane;
+    bool any = false;
+    if (kc < kcells) {
+        const int q_end = min(qc * kMaskCell + kMaskCell, seqlen_q), k_end = min(kc * kMaskCell + kMaskCell, seqlen_k);
+        for (int q = qc * kMaskCell; q < q_end && !any; ++q)
+            for (int k = kc * kMaskCell; k < k_end; ++k)
+                if (Defs::mask(b, h, q, k, aux)) {
+                    any = true;
+                    break;
+                }
+    }
+    const unsigned word = __ballot_sync(0xffffffffu, any);
+    if (lane == 0) bits[((long long)bh * qcells + qc) * kwords + kw] = word;
+}
+
+// The lists pass: a warp per (query block, bh); grid (m_blocks, bh count). rb, cb: cells per
+// query block and per key block (BR / 16, BC / 16).
+__device__ __forceinline__ void block_mask_lists(const unsigned* __restrict__ bits, int* __restrict__ counts,
+                                                 int* __restrict__ index, int qcells, int kcells, int kwords, int rb,
+                                                 int cb, int m_blocks, int n_blocks) {
+    const int lane = threadIdx.x, i = blockIdx.x, bh = blockIdx.y;
+    const unsigned* rows = bits + (long long)bh * qcells * kwords;
+    int* out = index + ((long long)bh * m_blocks + i) * n_blocks;
+    const int r_end = min(i * rb + rb, qcells);
+    int count = 0;
+    for (int j0 = 0; j0 < n_blocks; j0 += 32) {
+        const int j = j0 + lane;
+        bool live = false;
+        if (j < n_blocks) {
+            const int c_end = min(j * cb + cb, kcells);
+            for (int r = i * rb; r < r_end && !live; ++r)
+                for (int c = j * cb; c < c_end; ++c)
+                    if ((rows[(long long)r * kwords + c / 32] >> (c % 32)) & 1u) {
+                        live = true;
+                        break;
+                    }
+        }
+        const unsigned ballot = __ballot_sync(0xffffffffu, live);
+        if (live) out[count + __popc(ballot & ((1u << lane) - 1u))] = j;
+        count += __popc(ballot);
+    }
+    if (lane == 0) counts[(long long)bh * m_blocks + i] = count;
+}
+
+// A query block's key-block steps: with a block mask (ON) the listed blocks inside `range` (the
+// built-in mask's), else the range itself. at(it) is step it's key block; masked_head / _tail
+// stay the range's (a listed block at a window edge or the seqlen_k tail still needs the mask).
+// The list's strides (params.bm_sb, bm_sh: 0 where the mask broadcasts) and length per query
+// block (params.bm_nb) are the plan's.
+template <bool ON>
+struct KeyBlockList {
+    const int* list;  // ON: the first listed block inside the range
+    int n, begin;
+
+    __device__ __forceinline__ int at(int it) const {
+        if constexpr (ON) return __ldg(list + it);
+        return begin + it;
+    }
+    __device__ __forceinline__ int size() const { return n; }
+
+    template <class Params>
+    __device__ __forceinline__ static KeyBlockList of(const Params& p, const int* __restrict__ counts,
+                                                      const int* __restrict__ index, int b, int h, int block,
+                                                      int m_blocks, const BlockRange& range) {
+        KeyBlockList l{nullptr, range.size(), range.begin};
+        if constexpr (ON) {
+            const long long row = ((long long)b * p.bm_sb + (long long)h * p.bm_sh) * m_blocks + block;
+            const int* list = index + row * p.bm_nb;
+            const int cnt = counts[row];
+            const int first = lower_bound(list, cnt, range.begin);
+            l.list = list + first;
+            l.n = range.size() > 0 ? lower_bound(list, cnt, range.end) - first : 0;
+        }
+        return l;
+    }
+};
+
+}  // namespace cuflash
