@@ -7,7 +7,8 @@ bf16, 16 heads (d128) or 32 (d64), batch 16384 / N, CuPy arrays, the automatic f
 kernel on an H200). Per cell, TFLOP/s (4 B H N^2 D) of: the plain kernel, built-in softcap 30, the
 same cap as a snippet on tanh.approx (cuflash's tanh_approx, the built-in's instruction), as a
 snippet on tanhf, a per-head bias from an aux array, and a mask snippet (documents of 512 tokens,
-counted as full attention: what the caller saves is not measured here). Alternating rounds, the
+counted as full attention), on the automatic backend, on sm80, and on sm80 with its block mask
+(cuflash.BlockMask: the empty blocks skipped; also given as TFLOP/s over the visible scores). Alternating rounds, the
 median round of each (cuflash._timing's CUDA events inside).
 """
 from __future__ import annotations
@@ -54,13 +55,16 @@ def main():
             q, k, v = (rng.standard_normal((b, n, h, d), dtype=cupy.float32).astype(bf16) for _ in range(3))
             bias = cupy.asarray(np.random.default_rng(1).standard_normal(h).astype(np.float32))
             docs = cupy.asarray((np.arange(n) // 512).astype(np.int32))
+            doc_mod = cuflash.ScoreMod(mask="doc[q_idx] == doc[kv_idx]", aux={"doc": docs})
             calls = {
                 "plain": dict(),
                 "softcap": dict(softcap=30.0),
                 "snippet cap (tanh_approx)": dict(score_mod=cuflash.ScoreMod("30.f * tanh_approx(score / 30.f)")),
                 "snippet cap (tanhf)": dict(score_mod=cuflash.ScoreMod("30.f * tanhf(score / 30.f)")),
                 "snippet head bias": dict(score_mod=cuflash.ScoreMod("score + bias[h]", aux={"bias": bias})),
-                "snippet doc mask": dict(score_mod=cuflash.ScoreMod(mask="doc[q_idx] == doc[kv_idx]", aux={"doc": docs})),
+                "snippet doc mask": dict(score_mod=doc_mod),
+                "snippet doc mask, sm80": dict(score_mod=doc_mod, backend="sm80"),
+                "snippet doc mask + block mask": dict(score_mod=doc_mod, block_mask=doc_mod.block_mask(1, 1, n, n)),
             }
             fns = {name: (lambda kw=kw: cuflash.attention(q, k, v, **kw)) for name, kw in calls.items()}
             for fn in fns.values():
@@ -71,6 +75,10 @@ def main():
                     times[name].append(time_cuda(fn, reps=a.reps)["median_ms"])
             flops = flops_attention(b, h, n, n, d, False, "fwd")
             tf = {name: flops / (float(np.median(t)) * 1e-3) / 1e12 for name, t in times.items()}
+            visible = (min(512, n) / n)  # the documents' share of the scores
+            print(f"d{d} N{n:6d}  block mask: {tf['snippet doc mask + block mask'] / tf['snippet doc mask, sm80']:.2f}x "
+                  f"the sm80 doc mask without it; {tf['snippet doc mask + block mask'] * visible:.1f} TFLOP/s over "
+                  f"the visible scores ({visible:.3f} of them)", flush=True)
             for name, x in tf.items():
                 ref = tf["softcap"] if "cap" in name and name != "softcap" else tf["plain"]
                 print(f"d{d} N{n:6d}  {name:28s} {x:7.1f} TFLOP/s  {x / ref:6.3f} of "

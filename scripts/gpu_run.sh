@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -68,6 +68,12 @@ for s in $stages; do
       timeout ${SCOREMOD_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE -s tests/gpu/test_score_mod_gpu.py \
         tests/test_score_mods.py >"$OUT/scoremod-tests.log" 2>&1
       grep -E " FAILED | ERROR |(passed|failed).* in |cold snippet" "$OUT/scoremod-tests.log" | tail -30
+      timeout 240 python3 scripts/bench_score_mod.py --json "$OUT/bench-score-mod.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench-score-mod.log" ;;
+    blockmask)  # issue 13's block masks for mask snippets: their GPU and CPU tests, then the snippet bench
+      timeout ${BLOCKMASK_TIMEOUT:-240} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE tests/gpu/test_block_mask_gpu.py \
+        tests/test_block_mask.py >"$OUT/blockmask-tests.log" 2>&1
+      grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/blockmask-tests.log" | tail -30
       timeout 240 python3 scripts/bench_score_mod.py --json "$OUT/bench-score-mod.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench-score-mod.log" ;;
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;

@@ -93,9 +93,9 @@ def test_the_v2_families_take_alibi_and_their_shells_pass_nullptr_for_the_rest()
     cfg = families.FWD.default(128, features=f)
     src = _compile.kernel_source(cfg, f)
     assert "const float* __restrict__ alibi_slopes, " in src and "_alibi(" in src
-    assert "(q, k, v, out, lse, nullptr, nullptr, nullptr, alibi_slopes, nullptr, p);" in src
+    assert "(q, k, v, out, lse, nullptr, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in src
     varlen = _compile.kernel_source(cfg, Features("bfloat16", 128, varlen=True))
-    assert "(q, k, v, out, lse, nullptr, cu_seqlens_q, cu_seqlens_k, nullptr, nullptr, p);" in varlen
+    assert "(q, k, v, out, lse, nullptr, cu_seqlens_q, cu_seqlens_k, nullptr, nullptr, nullptr, nullptr, p);" in varlen
     assert "alibi_slopes" not in varlen.split("{")[0]  # not a kernel parameter without ALiBi
     # d64's first default (252 registers plain) fits ALiBi since the distance is converted once per row
     assert families.FWD.default(64, features=Features("bfloat16", 64, alibi=True)) == families.FWD.defaults[64][0]

@@ -77,9 +77,9 @@ def test_shell_takes_seqused_k_after_the_data_pointers():
     tile = families.FWD.default(64)
     plain = _compile.kernel_source(tile, Features("float16", 64))
     kv = _compile.kernel_source(tile, Features("float16", 64, seqused_k=True))
-    assert "int* __restrict__ seqused_k" not in plain and "(q, k, v, out, lse, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in plain
+    assert "int* __restrict__ seqused_k" not in plain and "(q, k, v, out, lse, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in plain
     assert "float* __restrict__ lse, const int* __restrict__ seqused_k," in kv
-    assert "(q, k, v, out, lse, seqused_k, nullptr, nullptr, nullptr, nullptr, p);" in kv
+    assert "(q, k, v, out, lse, seqused_k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in kv
 
 
 def test_host_lengths():
@@ -122,11 +122,17 @@ def test_plain_instances_compile_the_optional_code_out(d):
     plain = _ptx(_compile.kernel_source(tile, Features("bfloat16", d)), "sm_80")
     alibi_tile = families.FWD.default(d, features=Features("bfloat16", d, alibi=True))
     alibi = _ptx(_compile.kernel_source(alibi_tile, Features("bfloat16", d, alibi=True)), "sm_80")
-    def last_two_loaded(ptx):  # the struct's last fields, alibi_scale and alibi_sb, are the last parameters
-        n = len(re.findall(r"\.param \.\w+ \w+_param_\d+", ptx))
-        return [bool(re.search(rf"ld\.param\.\w+\s+%\w+, \[\w+_param_{i}\]", ptx)) for i in (n - 2, n - 1)]
+    from cuflash import params
 
-    assert last_two_loaded(plain) == [False, False] and last_two_loaded(alibi) == [True, True]
+    names = [f for f, _ in params.fields("FwdParams")]
+    def loaded(ptx, *fields):  # the struct's fields are the last parameters, in its order
+        n = len(re.findall(r"\.param \.\w+ \w+_param_\d+", ptx))
+        at = [n - len(names) + names.index(f) for f in fields]
+        return [bool(re.search(rf"ld\.param\.\w+\s+%\w+, \[\w+_param_{i}\]", ptx)) for i in at]
+
+    assert loaded(plain, "alibi_scale", "alibi_sb") == [False, False]
+    assert loaded(alibi, "alibi_scale", "alibi_sb") == [True, True]
+    assert loaded(plain, "bm_sb", "bm_sh", "bm_nb") == loaded(alibi, "bm_sb", "bm_sh", "bm_nb") == [False] * 3
 
 
 @pytest.mark.parametrize("causal,window", MASKS)
@@ -323,7 +329,7 @@ def test_split_combine_kernel_compiles():
 
 def test_only_the_decode_kernel_has_paged_instances():
     f = Features("bfloat16", 128, seqused_k=True, paged=True)
-    assert f.tag() == "_kvlen_paged" and f.cxx().endswith("true, false, false, true, false, false>")
+    assert f.tag() == "_kvlen_paged" and f.cxx().endswith("true, false, false, true, false, false, false>")
     assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["decode"]
 
 

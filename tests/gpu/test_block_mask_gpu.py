@@ -1,0 +1,151 @@
+"""Block masks for mask snippets (cuflash.BlockMask, issue 13) on the GPU: the cells and lists
+passes against the NumPy twin (cuflash.testing.block_mask_reference, itself checked against the
+definition on the CPU), and attention with a block mask against the same call without it, bit for
+bit (a skipped block is one whose every score the snippet masks: it would add nothing), and against
+the float64 reference with FlashAttention's 2x rule: documents, a band, per-head masks, broadcast
+batch and heads, with causal and windows, both dtypes, head dims 64 and 128. Outputs poisoned."""
+from __future__ import annotations
+
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.mask import MaskOptions
+from cuflash.testing import block_mask_reference, dtype_of, fa_rule, random_qkv
+
+pytestmark = pytest.mark.gpu
+
+
+def _docs(rng, n, mean_len):
+    """Document ids of n packed tokens (lengths around mean_len), as int32 CuPy and NumPy arrays."""
+    import cupy
+
+    lens = rng.integers(max(1, mean_len // 3), 2 * mean_len, n)
+    ids = np.repeat(np.arange(n), lens)[:n].astype(np.int32)
+    return cupy.asarray(ids), ids
+
+
+def _cells_of(bm):
+    """The BlockMask's cells as bool (bh, query cells, key cells) (little-endian bits per word)."""
+    import cupy
+
+    bits = cupy.asnumpy(bm.cells)
+    unpacked = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little").astype(bool)
+    return unpacked[..., :-(-bm.seqlen_k // 16)]
+
+
+@pytest.mark.parametrize("nq,nk,mean_len", [(1000, 1000, 130), (777, 1213, 60), (64, 64, 5), (5000, 5000, 700)])
+def test_cells_and_lists_match_the_twin(nq, nk, mean_len):
+    import cupy
+
+    rng = np.random.default_rng(zlib.crc32(repr((nq, nk, mean_len)).encode()))
+    dq, dq_np = _docs(rng, nq, mean_len)
+    dk_np = dq_np[:nk] if nk <= nq else np.concatenate([dq_np, np.full(nk - nq, dq_np[-1] + 1, np.int32)])
+    dk = cupy.asarray(dk_np)
+    mod = cuflash.ScoreMod(mask="dq[q_idx] == dk[kv_idx]", aux={"dq": dq, "dk": dk})
+    bm = mod.block_mask(1, 1, nq, nk)
+    keep = (dq_np[:, None] == dk_np[None, :])[None, None]
+    for bq, bk in ((128, 96), (64, 64), (128, 128), (192, 176)):
+        cells, counts, index = block_mask_reference(keep, bq, bk)
+        assert (_cells_of(bm) == cells).all()
+        got_c, got_i = (cupy.asnumpy(a) for a in bm.lists(bq, bk))
+        assert (got_c == counts).all(), (bq, bk)
+        for i in range(counts.shape[1]):
+            assert (got_i[0, i, :counts[0, i]] == index[0, i, :counts[0, i]]).all(), (bq, bk, i)
+    assert 0 < bm.density() < 1
+
+
+def test_per_head_masks_and_batches():
+    """A mask that reads b and h: (batch, heads) of its own, each row of lists its (b, h)'s."""
+    import cupy
+
+    b, h, n = 2, 3, 300
+    mod = cuflash.ScoreMod(mask="(kv_idx / 32) % (h + 2) == b")
+    bm = mod.block_mask(b, h, n, n)
+    bb, hh, qi, kj = np.ix_(np.arange(b), np.arange(h), np.arange(n), np.arange(n))
+    keep = np.broadcast_to((kj // 32) % (hh + 2) == bb, (b, h, n, n))
+    _, counts, index = block_mask_reference(keep, 64, 64)
+    got_c, got_i = (cupy.asnumpy(a) for a in bm.lists(64, 64))
+    assert (got_c == counts).all() and all((got_i[x, i, :counts[x, i]] == index[x, i, :counts[x, i]]).all()
+                                           for x in range(b * h) for i in range(counts.shape[1]))
+
+
+# (seqlen, mean document length, causal, window)
+CASES = [(1024, 150, False, (-1, -1)), (1024, 150, True, (-1, -1)), (777, 40, True, (-1, -1)),
+         (1500, 300, False, (200, 50)), (300, 1000, False, (-1, -1))]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n,mean_len,causal,window", CASES)
+def test_a_block_mask_gives_the_same_bits(n, mean_len, causal, window, d, dtype):
+    import cupy
+
+    from cuflash import _forward
+
+    rng = np.random.default_rng(zlib.crc32(repr((n, mean_len, causal, window, d, dtype)).encode()))
+    b, h = 2, 4
+    q, k, v = random_qkv(rng, b, n, n, h, d, dtype_of(dtype))
+    docs, _ = _docs(rng, n, mean_len)
+    mod = cuflash.ScoreMod(mask="doc[q_idx] == doc[kv_idx]", aux={"doc": docs})
+    bm = mod.block_mask(1, 1, n, n)
+    mask = MaskOptions.of(causal=causal, window_size=window)
+
+    def run(**kw):
+        out = cupy.full(q.shape, cupy.nan, dtype=cupy.float32).astype(q.dtype)
+        lse = cupy.full((b, h, n), cupy.nan, dtype=cupy.float32)
+        return _forward.forward(q, k, v, mask=mask, score_mod=mod, out=out, lse=lse, backend="sm80", **kw)
+
+    out0, lse0 = run()
+    out1, lse1 = run(block_mask=bm)
+    assert bool((out0.view(cupy.uint16) == out1.view(cupy.uint16)).all())
+    assert bool(((lse0 == lse1) | (cupy.isinf(lse0) & cupy.isinf(lse1))).all())
+    err, pt, allowed = fa_rule(out1, q, k, v, mask, 1 / math.sqrt(d),
+                               mods=(None, lambda bb, hh, qi, kj: docs[qi] == docs[kj], None))
+    assert err <= allowed, (err, allowed, pt)
+
+
+def test_the_public_call_and_its_errors():
+    import cupy
+
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 1, 512, 512, 2, 64, dtype_of("bfloat16"))
+    docs, _ = _docs(rng, 512, 100)
+    mod = cuflash.ScoreMod(mask="doc[q_idx] == doc[kv_idx]", aux={"doc": docs})
+    bm = mod.block_mask(1, 1, 512, 512)
+    out = cuflash.attention(q, k, v, score_mod=mod, block_mask=bm)
+    ref = cuflash.attention(q, k, v, score_mod=mod, backend="sm80")
+    assert bool((out.view(cupy.uint16) == ref.view(cupy.uint16)).all())
+    assert bool((cuflash.attention(q, k, v, score_mod=mod, block_mask=bm).view(cupy.uint16)
+                 == out.view(cupy.uint16)).all())  # the cached plan, again
+    with pytest.raises(ValueError, match="seqlen_q=512, seqlen_k=512; the call has seqlen_q=256"):
+        cuflash.attention(q[:, :256], k[:, :256], v[:, :256], score_mod=mod, block_mask=bm)
+    with pytest.raises(ValueError, match="another ScoreMod"):
+        cuflash.attention(q, k, v, score_mod=cuflash.ScoreMod(mask="true"), block_mask=bm)
+    with pytest.raises(ValueError, match="block_mask needs the score_mod"):
+        cuflash.attention(q, k, v, block_mask=bm)
+    with pytest.raises(TypeError, match="block_mask must be a cuflash.BlockMask"):
+        cuflash.attention(q, k, v, score_mod=mod, block_mask="docs")
+    three_heads = mod.block_mask(1, 3, 512, 512)
+    with pytest.raises(ValueError, match="heads=3; the call has batch=1, heads=2"):
+        cuflash.attention(q, k, v, score_mod=mod, block_mask=three_heads)
+
+
+def test_torch_forward_and_the_refused_gradient():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    q, k, v = (torch.from_numpy(rng.standard_normal((1, 256, 2, 64)).astype(np.float32)).to("cuda", torch.bfloat16)
+               for _ in range(3))
+    docs = torch.from_numpy(np.repeat(np.arange(8), 32).astype(np.int32)).cuda()
+    mod = cuflash.ScoreMod(mask="doc[q_idx] == doc[kv_idx]", aux={"doc": docs})
+    bm = mod.block_mask(1, 1, 256, 256)
+    with torch.no_grad():
+        a = cuflash.attention(q, k, v, score_mod=mod, block_mask=bm)
+        b = cuflash.attention(q, k, v, score_mod=mod, backend="sm80")
+    assert torch.equal(a, b)
+    q.requires_grad_()
+    with pytest.raises(NotImplementedError, match="block_mask: the backward"):
+        cuflash.attention(q, k, v, score_mod=mod, block_mask=bm)
