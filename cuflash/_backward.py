@@ -58,6 +58,20 @@ def _alibi_slot(p: AttnProblem) -> tuple:
     return (("alibi_slopes",) if p.alibi else ()) + (("mod_aux",) if p.mod is not None else ())
 
 
+# a block mask (cuflash.BlockMask): the dK/dV kernel's transposed lists, the dQ kernel's lists (the
+# kernels' bm_counts / bm_index pointers after mod_aux)
+BM_DKDV_SLOTS = ("bm_counts_t", "bm_index_t")
+BM_DQ_SLOTS = ("bm_counts", "bm_index")
+
+
+def _block_mask_inputs(p: AttnProblem) -> tuple:
+    """The plan's block-mask inputs, in backward()'s order: the transposed lists, then (deterministic:
+    the dQ kernel runs) the lists."""
+    if p.block_mask is None:
+        return ()
+    return BM_DKDV_SLOTS + (BM_DQ_SLOTS if p.deterministic else ())
+
+
 def varlen_ws_rows_per_head(p: AttnProblem) -> int:
     """Workspace rows per head of a varlen backward: every sequence starts at (its first row +
     _ROW_PAD x its index) rounded down to _ROW_PAD (kernels_cu/attn/mask.cuh, SeqSpan::ws_row0)."""
@@ -131,6 +145,8 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     main = _compile.get_kernel(cfg, p.features, p.device)
     # the dK/dV kernel: its pointer slots, or (sm90) the slots a per-call bind turns into TMA maps
     slots, bind = fam.main_args(p, cfg) if fam.main_args is not None else (_pointers(fam) + _alibi_slot(p), None)
+    if p.block_mask is not None:
+        slots = slots + BM_DKDV_SLOTS
     if gqa:  # dK, dV per query head, into the expanded buffers bwd_dkdv_reduce sums
         slots = tuple(_EXPANDED.get(n, n) for n in slots)
     launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
@@ -141,7 +157,8 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
         check_grid(m_blocks * h * b)
         dq_kernel = _compile.get_kernel(dq_cfg, p.features, p.device)
         launches.append(Launch(dq_kernel, (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes,
-                               pointers=_pointers(families.BWD_DQ) + _alibi_slot(p)))
+                               pointers=_pointers(families.BWD_DQ) + _alibi_slot(p)
+                               + (BM_DQ_SLOTS if p.block_mask is not None else ())))
     else:
         convert = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)
         n_rows = b * h * nq
@@ -159,8 +176,12 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, hkv, d), dtype),
                Buffer("dv", (b, nk, hkv, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
-    return Plan(p.device, BWD_ARRAYS + _alibi_slot(p), buffers, tuple(launches), OUTPUTS,
-                pack_bwd(p, pad, n_blocks, m_blocks))
+    params = pack_bwd(p, pad, n_blocks, m_blocks)
+    if p.block_mask is not None:  # entries per list row: the dQ tile's key blocks, the dK/dV tile's query blocks
+        params["bm_nb"] = -(-nk // dq_cfg.block_k) if p.deterministic else 0
+        params["bm_mb"] = -(-nq // cfg.block_q)
+    return Plan(p.device, BWD_ARRAYS + _alibi_slot(p) + _block_mask_inputs(p), buffers, tuple(launches), OUTPUTS,
+                params)
 
 
 _plans = plan_cache.PlanCache()
@@ -183,7 +204,8 @@ def _main_family(p, config, backend):
 
 
 def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend=None,
-                alibi_slopes=None, score_mod=None) -> Plan:
+                alibi_slopes=None, score_mod=None, block_mask=None) -> tuple:
+    """(plan, dK/dV tile, dQ tile or None); the tiles None for an empty problem."""
     infos = [problem.describe(x, n) for x, n in zip(arrays, BWD_ARRAYS)]
     p = problem.resolve_backward(*infos, mask, softmax_scale, deterministic, dropout)
     if alibi_slopes is not None:
@@ -193,13 +215,14 @@ def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_
             raise ValueError("score_mod: the backward of a score snippet needs its derivative: "
                              "ScoreMod(score=..., grad=...) (d score_mod / d score)")
         p = problem.with_score_mod(p, score_mod)
+    p = problem.with_block_mask(p, block_mask, score_mod)
     if p.empty:  # no launch: zero gradients of q, k, v's shapes (empty where their arrays are)
         dtype = arrays[1].dtype
         return FilledPlan(p.device, BWD_ARRAYS, tuple((Buffer(n, x.shape, dtype), 0)
-                                                       for n, x in zip(OUTPUTS, infos[1:4])))
+                                                       for n, x in zip(OUTPUTS, infos[1:4]))), None, None
     cfg = _tile(_main_family(p, config, backend), config, p)
     dq_cfg = _tile(families.BWD_DQ, dq_config, p) if p.deterministic else None
-    return _plan(p, cfg, dq_cfg, arrays[1].dtype)
+    return _plan(p, cfg, dq_cfg, arrays[1].dtype), cfg, dq_cfg
 
 
 def _tile(family, config, p):
@@ -212,7 +235,7 @@ def _tile(family, config, p):
 
 def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softmax_scale=None, deterministic=False,
              dropout_p=0.0, seed=None, config: BwdConfig | None = None, dq_config: DqConfig | None = None,
-             backend: str | None = None, alibi_slopes=None, score_mod=None, **mask_options):
+             backend: str | None = None, alibi_slopes=None, score_mod=None, block_mask=None, **mask_options):
     """Gradients (dq, dk, dv) of attention for upstream gradient `dout`; CuPy arrays like q, k, v.
 
     `out` and `lse` are the forward's results for the same q, k, v, mask, softmax_scale,
@@ -223,6 +246,8 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0, no
     dropout, not deterministic) to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
     `score_mod`: the forward's cuflash.ScoreMod; a score snippet needs its `grad` snippet here.
+    `block_mask`: the forward's cuflash.BlockMask (the sm80 kernels; the dK/dV kernel reads its
+    transposed lists, the dQ kernel its lists).
     """
     import cupy
 
@@ -230,14 +255,28 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
         mask = MaskOptions.given(mask, mask_options)
     arrays = (dout, q, k, v, out, lse) if alibi_slopes is None else (dout, q, k, v, out, lse, alibi_slopes)
     dropout = problem.resolve_dropout(dropout_p, seed)
+    if block_mask is not None:
+        from .block_mask import BlockMask
+
+        if score_mod is None or not isinstance(block_mask, BlockMask):
+            problem.with_block_mask(None, block_mask, score_mod)  # raises, naming the argument
+        # this mask against this call, every call (a cached plan knows only its layout)
+        block_mask.check_call(score_mod.source, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device.id)
     if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
-        plan = _plans.get(lambda: plan_key(arrays, mask.key, softmax_scale, deterministic, dropout is not None, backend,
-                                           score_mod),
-                          lambda: _build_plan(arrays, mask, softmax_scale, deterministic, dropout, None, None, backend,
-                                              alibi_slopes, score_mod))
+        key = lambda: plan_key(arrays, mask.key, softmax_scale, deterministic, dropout is not None, backend, score_mod)
+        build = lambda: _build_plan(arrays, mask, softmax_scale, deterministic, dropout, None, None, backend,
+                                    alibi_slopes, score_mod, block_mask)
+        if block_mask is None:
+            plan, cfg, dq_cfg = _plans.get(key, lambda: build()[0]), None, None
+        else:  # the lists are the tiles': the cache keeps them beside the plan
+            plan, cfg, dq_cfg = _plans.get(lambda: (*key(), "block_mask", block_mask.layout), build)
     else:
-        plan = _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend,
-                           alibi_slopes, score_mod)
+        plan, cfg, dq_cfg = _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend,
+                                        alibi_slopes, score_mod, block_mask)
     if score_mod is not None:
         arrays = (*arrays, score_mod.pointer_table(q.device.id))
+    if block_mask is not None and cfg is not None:
+        arrays = (*arrays, *block_mask.lists(cfg.block_q, cfg.block_k, transposed=True))
+        if dq_cfg is not None:
+            arrays = (*arrays, *block_mask.lists(dq_cfg.block_q, dq_cfg.block_k))
     return plan.run(arrays, None if dropout is None else dropout.kernel_args)

@@ -110,7 +110,7 @@ def _fwd_impl(q, k, v, *options):
     return _fwd_run(q, k, v, options)
 
 
-def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None, score_mod=None):
+def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None, score_mod=None, block_mask=None):
     """The forward on CuPy views of the tensors; `remember`: a direct-launch key (_direct_key) under
     which to keep the plan the call ran, for the next calls of this signature; `alibi_slopes`: ALiBi's
     and `score_mod` a cuflash.ScoreMod (the v2 forward; no direct launches)."""
@@ -125,6 +125,8 @@ def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None, score_mod=None)
         extra = {"alibi_slopes": slopes[0]} if slopes else {}
         if score_mod is not None:
             extra["score_mod"] = score_mod
+        if block_mask is not None:
+            extra["block_mask"] = block_mask
         res = fwd(cq, ck, cv, mask=mask, softmax_scale=o["softmax_scale"], dropout_p=o["dropout_p"], seed=seed,
                   backend=o["backend"], **extra)
         if remember is not None and o["algorithm"] == "v2":
@@ -142,7 +144,7 @@ def _bwd_impl(dout, q, k, v, out, lse, *options):
     return _bwd_run(dout, q, k, v, out, lse, options)
 
 
-def _bwd_run(dout, q, k, v, out, lse, options, remember=None, alibi_slopes=None, score_mod=None):
+def _bwd_run(dout, q, k, v, out, lse, options, remember=None, alibi_slopes=None, score_mod=None, block_mask=None):
     """The backward on CuPy views; `remember`, `alibi_slopes` and `score_mod` as _fwd_run's."""
     mask, o = mask_and_options(BWD_OPTIONS, options)
     dout = dout.contiguous()  # autograd may hand a zero-stride (expanded) or otherwise strided gradient
@@ -156,7 +158,8 @@ def _bwd_run(dout, q, k, v, out, lse, options, remember=None, alibi_slopes=None,
     def run(*arrays):
         res = _backward.backward(*arrays[:6], mask=mask, softmax_scale=o["softmax_scale"],
                                  deterministic=o["deterministic"], dropout_p=o["dropout_p"], seed=seed,
-                                 alibi_slopes=arrays[6] if len(arrays) > 6 else None, score_mod=score_mod)
+                                 alibi_slopes=arrays[6] if len(arrays) > 6 else None, score_mod=score_mod,
+                                 block_mask=block_mask)
         if remember is not None:
             dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
             _remember(remember, _backward._plans,
@@ -393,14 +396,14 @@ class _SinkAttention(torch.autograd.Function):
     modification's aux arrays get none (FlashAttention's slopes are not trained either)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, slopes, score_mod, *options):
+    def forward(ctx, q, k, v, sinks, slopes, score_mod, block_mask, *options):
         from . import sinks as sinks_mod
 
-        out, lse = _fwd_run(q, k, v, options, alibi_slopes=slopes, score_mod=score_mod)
+        out, lse = _fwd_run(q, k, v, options, alibi_slopes=slopes, score_mod=score_mod, block_mask=block_mask)
         if sinks is not None:
             out, lse = sinks_mod.apply(out, lse, sinks)
         ctx.save_for_backward(q, k, v, out, lse, sinks, slopes)
-        ctx.score_mod = score_mod
+        ctx.score_mod, ctx.block_mask = score_mod, block_mask
         ctx.options = backward_options((q, k, v, *options))
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -410,13 +413,14 @@ class _SinkAttention(torch.autograd.Function):
         from . import sinks as sinks_mod
 
         q, k, v, out, lse, sinks, slopes = ctx.saved_tensors
-        dq, dk, dv = _bwd_run(dout, q, k, v, out, lse, ctx.options, alibi_slopes=slopes, score_mod=ctx.score_mod)
+        dq, dk, dv = _bwd_run(dout, q, k, v, out, lse, ctx.options, alibi_slopes=slopes, score_mod=ctx.score_mod,
+                              block_mask=ctx.block_mask)
         dsinks = sinks_mod.grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
-        return (dq, dk, dv, dsinks, None, None, *OPTION_GRADS)
+        return (dq, dk, dv, dsinks, None, None, None, *OPTION_GRADS)
 
 
 def attention_sinks(q, k, v, sinks, mask: MaskOptions, softmax_scale, return_lse, algorithm, deterministic,
-                    dropout_p=0.0, seed=None, backend=None, alibi_slopes=None, score_mod=None):
+                    dropout_p=0.0, seed=None, backend=None, alibi_slopes=None, score_mod=None, block_mask=None):
     """cuflash.attention(..., sinks=, alibi_slopes=, score_mod=) for torch tensors (any may be None),
     differentiable in q, k, v and sinks (an autograd.Function around the ops' implementations: not
     traced by torch.compile yet). A score snippet without its grad snippet is refused here when a
@@ -432,12 +436,12 @@ def attention_sinks(q, k, v, sinks, mask: MaskOptions, softmax_scale, return_lse
     dropout_p, seed = _dropout_options(dropout_p, seed)
     options = op_options(FWD_OPTIONS, mask, softmax_scale=scale, algorithm=algorithm,
                          deterministic=bool(deterministic), dropout_p=dropout_p, seed=seed, backend=backend)
-    out, lse = _SinkAttention.apply(q, k, v, sinks, alibi_slopes, score_mod, *options)
+    out, lse = _SinkAttention.apply(q, k, v, sinks, alibi_slopes, score_mod, block_mask, *options)
     return (out, lse) if return_lse else out
 
 
 def attention_backward(dout, q, k, v, out, lse, mask: MaskOptions, softmax_scale, deterministic, dropout_p=0.0,
-                       seed=None, alibi_slopes=None, score_mod=None):
+                       seed=None, alibi_slopes=None, score_mod=None, block_mask=None):
     """cuflash.attention_backward for torch tensors: (dq, dk, dv), not itself differentiable."""
     _device((dout, q, k, v, out, lse), BWD_ARRAYS)
     if dropout_p and seed is None:
@@ -448,6 +452,6 @@ def attention_backward(dout, q, k, v, out, lse, mask: MaskOptions, softmax_scale
                          dropout_p=dropout_p, seed=seed)
     with torch.no_grad():
         arrays = (dout, q, k, v, out, lse)
-        if alibi_slopes is not None or score_mod is not None:  # not op arguments yet: the implementation, eagerly
-            return _bwd_run(*arrays, options, alibi_slopes=alibi_slopes, score_mod=score_mod)
+        if alibi_slopes is not None or score_mod is not None or block_mask is not None:  # not op arguments yet: eagerly
+            return _bwd_run(*arrays, options, alibi_slopes=alibi_slopes, score_mod=score_mod, block_mask=block_mask)
         return _bwd_impl(*arrays, *options) if _eager(arrays) else _bwd_op(*arrays, *options)

@@ -69,8 +69,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         its line.
     block_mask: a cuflash.BlockMask of score_mod's mask snippet (score_mod.block_mask(batch, heads,
         seqlen_q, seqlen_k), made once per mask and shape): the key blocks the mask empties are not
-        visited, the result the same bits (cuflash/block_mask.py). Forward only for now (a call
-        that needs gradients raises NotImplementedError), on the sm80 kernel; not with sinks.
+        visited, the result the same bits (cuflash/block_mask.py). Forward and backward
+        (attention_backward(block_mask=), torch autograd), on the sm80 kernels.
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.
     algorithm: "v2" (FlashAttention-2 loop order, the default) or "v1" (FlashAttention-1). The
@@ -147,13 +147,6 @@ def _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministi
     return (out, lse) if return_lse else out
 
 
-def _needs_grad(arrays) -> bool:
-    """Whether torch will want gradients of any of these tensors (autograd on, one requires them)."""
-    import torch
-
-    return torch.is_grad_enabled() and any(getattr(a, "requires_grad", False) for a in arrays)
-
-
 def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend,
                      sinks, alibi_slopes, score_mod=None, block_mask=None):
     """attention(..., alibi_slopes=... and/or score_mod=...): the v2 forward with the slopes as one
@@ -181,17 +174,12 @@ def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
 
         if not isinstance(score_mod, ScoreMod):
             raise TypeError(f"score_mod must be a cuflash.ScoreMod, got {type(score_mod).__name__}")
-    if block_mask is not None:
-        if score_mod is None:
-            raise ValueError("block_mask needs the score_mod whose mask snippet it was made from")
-        if sinks is not None:
-            raise NotImplementedError("block_mask with sinks")
-        if fw == _interop.TORCH and _needs_grad(arrays):
-            raise NotImplementedError("block_mask: the backward does not take block masks yet; call under "
-                                      "torch.no_grad() (or drop block_mask: the result is the same)")
-    if fw == _interop.TORCH and block_mask is None:  # an autograd.Function (differentiable in q, k, v and sinks), eager only
+    if block_mask is not None and score_mod is None:
+        raise ValueError("block_mask needs the score_mod whose mask snippet it was made from")
+    if fw == _interop.TORCH:  # an autograd.Function (differentiable in q, k, v and sinks), eager only
         return _load_torch().attention_sinks(q, k, v, sinks, mask, softmax_scale, return_lse, algorithm,
-                                             deterministic, dropout_p, seed, backend, alibi_slopes, score_mod)
+                                             deterministic, dropout_p, seed, backend, alibi_slopes, score_mod,
+                                             block_mask)
     fwd = forward_fn("v2")
     n_main = len(arrays)
 
@@ -243,7 +231,7 @@ def _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
 def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
                        deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
                        window_size: tuple = (-1, -1), alignment: str = "bottom_right", softcap: float | None = 0.0,
-                       alibi_slopes=None, score_mod=None):
+                       alibi_slopes=None, score_mod=None, block_mask=None):
     """Gradients (dq, dk, dv) of attention(q, k, v) for the output gradient `dout`.
 
     `out` and `lse` are the forward's outputs (attention(..., return_lse=True)) for the same q, k, v,
@@ -254,6 +242,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     deterministic: bitwise reproducible dq (no floating-point atomics), at some speed cost.
     dropout_p, seed: those the forward used (the mask is regenerated from the seed).
     alibi_slopes, score_mod: the forward's (a score snippet needs its grad snippet here).
+    block_mask: the forward's cuflash.BlockMask (the empty blocks skipped here too; the sm80 kernels).
 
     Accepts the same frameworks as `attention`, results in the caller's framework (torch: through
     the op `torch.ops.cuflash.attention_bwd`, which is not itself differentiable). Raises
@@ -262,16 +251,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal: bool = False, softmax
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     args = (dout, q, k, v, out, lse)
     t = type(q)
-    if (alibi_slopes is None and score_mod is None and t is _ndarray and all(type(a) is t for a in args)
+    if (alibi_slopes is None and score_mod is None and block_mask is None and t is _ndarray
+            and all(type(a) is t for a in args)
             and (deterministic is False or deterministic is True)):
         from ._backward import backward
 
         return backward(*args, mask=mask, softmax_scale=softmax_scale, deterministic=deterministic,
                         dropout_p=dropout_p, seed=seed)
-    return _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes, score_mod)
+    return _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes, score_mod,
+                               block_mask)
 
 
-def _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes=None, score_mod=None):
+def _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, seed, alibi_slopes=None, score_mod=None,
+                        block_mask=None):
     from . import _interop, problem
 
     deterministic = problem.check_flag(deterministic, "deterministic")
@@ -283,12 +275,13 @@ def _attention_backward(args, mask, softmax_scale, deterministic, dropout_p, see
     fw, dev = (_interop.TORCH, None) if torch_args else _interop.common_framework(args, names)
     if fw == _interop.TORCH:
         return _load_torch().attention_backward(*args[:6], mask, softmax_scale, deterministic, dropout_p, seed,
-                                                alibi_slopes, score_mod)
+                                                alibi_slopes, score_mod, block_mask)
     from ._backward import backward
 
     def run(*a):
         return backward(*a[:6], mask=mask, softmax_scale=softmax_scale, deterministic=deterministic,
-                        dropout_p=dropout_p, seed=seed, alibi_slopes=a[6] if len(a) > 6 else None, score_mod=score_mod)
+                        dropout_p=dropout_p, seed=seed, alibi_slopes=a[6] if len(a) > 6 else None, score_mod=score_mod,
+                        block_mask=block_mask)
 
     if fw == _interop.CUPY:
         _remember_cupy()

@@ -38,7 +38,11 @@ _LISTS_SRC = r'''
 #include "attn/block_mask.cuh"
 extern "C" __global__ void cuflash_block_mask_lists(const unsigned* bits, int* counts, int* index, int qcells,
                                                     int kcells, int kwords, int rb, int cb, int m_blocks, int n_blocks) {
-    cuflash::block_mask_lists(bits, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks);
+    cuflash::block_mask_lists<false>(bits, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks);
+}
+extern "C" __global__ void cuflash_block_mask_lists_t(const unsigned* bits, int* counts, int* index, int qcells,
+                                                      int kcells, int kwords, int rb, int cb, int m_blocks, int n_blocks) {
+    cuflash::block_mask_lists<true>(bits, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks);
 }
 '''
 
@@ -99,11 +103,13 @@ class BlockMask:
         set_bits = int(cupy.unpackbits(self.cells.view(cupy.uint8)).sum())
         return set_bits / (qc * kc * self.batch * self.heads)
 
-    def lists(self, block_q: int, block_k: int):
+    def lists(self, block_q: int, block_k: int, transposed: bool = False):
         """(counts, index) for tiles of block_q x block_k: counts int32 (batch * heads, m_blocks),
         index int32 (batch * heads, m_blocks, n_blocks), row (bh, i) the ascending key blocks of
-        query block i with a kept pair (attn/block_mask.cuh). Made on first use, then kept."""
-        key = (block_q, block_k)
+        query block i with a kept pair (attn/block_mask.cuh); `transposed` (the dK/dV kernels):
+        (batch * heads, n_blocks) and (batch * heads, n_blocks, m_blocks), per key block its query
+        blocks. Made on first use, then kept."""
+        key = (block_q, block_k, transposed)
         got = self._lists.get(key)
         if got is None:
             if block_q % CELL or block_k % CELL:
@@ -114,12 +120,14 @@ class BlockMask:
             qc, kc = -(-self.seqlen_q // CELL), -(-self.seqlen_k // CELL)
             mb, nb = -(-self.seqlen_q // block_q), -(-self.seqlen_k // block_k)
             bh = self.batch * self.heads
-            fn = _kernel(_lists_kernels, self.device, _LISTS_SRC, "cuflash_block_mask_lists", self.device)
+            name = "cuflash_block_mask_lists_t" if transposed else "cuflash_block_mask_lists"
+            fn = _kernel(_lists_kernels, (self.device, transposed), _LISTS_SRC, name, self.device)
+            outer, inner = (nb, mb) if transposed else (mb, nb)
             with cupy.cuda.Device(self.device):
-                counts = cupy.zeros((bh, max(mb, 1)), dtype=cupy.int32)
-                index = cupy.zeros((bh, max(mb, 1), max(nb, 1)), dtype=cupy.int32)
+                counts = cupy.zeros((bh, max(outer, 1)), dtype=cupy.int32)
+                index = cupy.zeros((bh, max(outer, 1), max(inner, 1)), dtype=cupy.int32)
                 if mb and nb:
-                    fn((mb, bh), (32,), (self.cells, counts, index, cupy.int32(qc), cupy.int32(kc),
+                    fn((outer, bh), (32,), (self.cells, counts, index, cupy.int32(qc), cupy.int32(kc),
                                          cupy.int32(self.cells.shape[2]), cupy.int32(block_q // CELL),
                                          cupy.int32(block_k // CELL), cupy.int32(mb), cupy.int32(nb)))
             got = self._lists[key] = (counts, index)

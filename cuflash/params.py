@@ -80,6 +80,9 @@ BWD_FIELDS = [
     ("head_dim", _I32),  # as FwdParams'
     ("align_end", _I32),  # as FwdParams'
     ("alibi_scale", _F32), ("alibi_sb", _I32),  # as FwdParams'
+    # a block mask's lists: FwdParams' strides; entries per list of the dQ kernel (key blocks of its
+    # tile) and of the dK/dV kernel (query blocks of its tile: the transposed lists)
+    ("bm_sb", _I32), ("bm_sh", _I32), ("bm_nb", _I32), ("bm_mb", _I32),
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)
@@ -130,6 +133,12 @@ def _set_alibi(a, p: AttnProblem) -> None:
         a["alibi_sb"] = p.alibi_sb
 
 
+def _set_block_mask(a, p: AttnProblem) -> None:
+    if getattr(p, "block_mask", None) is not None:  # the lists' row strides (entries per row: the plan's tiles)
+        bm_batch, bm_heads = p.block_mask
+        a["bm_sb"], a["bm_sh"] = (bm_heads if bm_batch > 1 else 0), (1 if bm_heads > 1 else 0)
+
+
 def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     """FwdParams of a forward plan: q, k, v strides from the problem, o's of a fresh (C-contiguous)
     output; m_blocks = ceil(seqlen_q / block_q) of the launched tile."""
@@ -142,9 +151,7 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     a["n_splits"], a["split_blocks"] = 1, 0  # split-KV plans set theirs (cuflash/kvcache.py)
     a["page_size"], a["table_stride"] = p.page_size, p.table_stride  # paged KV caches (0 otherwise)
     _set_alibi(a, p)
-    if p.block_mask is not None:  # the lists' row strides (bm_nb: the plan's, from its tile)
-        bm_batch, bm_heads = p.block_mask
-        a["bm_sb"], a["bm_sh"] = (bm_heads if bm_batch > 1 else 0), (1 if bm_heads > 1 else 0)
+    _set_block_mask(a, p)
     if p.varlen:  # packed rows: the kernel finds each batch's by cu_seqlens (kernels_cu/attn/mask.cuh, SeqSpan)
         _set_strides(a, "o", (0, p.heads * p.head_dim, p.head_dim))
         a["seqlen_q"], a["seqlen_k"], a["align_end"] = p.total_q, p.total_k, int(p.align_end)
@@ -172,6 +179,7 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     a["seqlen_q_pad"], a["n_blocks"], a["m_blocks"] = seqlen_q_pad, n_blocks, m_blocks
     a["scale"] = np.float32(p.softmax_scale)
     _set_alibi(a, p)
+    _set_block_mask(a, p)
     if p.varlen:  # packed rows (cuflash/_backward.py _plan_varlen; kernels_cu/attn/mask.cuh SeqSpan)
         _set_strides(a, "dq", (0, p.heads * p.head_dim, p.head_dim))
         for t in ("dk", "dv"):

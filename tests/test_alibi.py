@@ -84,7 +84,7 @@ def test_the_v2_families_take_alibi_and_their_shells_pass_nullptr_for_the_rest()
                                                                                           "fwd", "fwd_sm90"]
     for fam in (families.BWD, families.BWD_DQ):
         src = _compile.kernel_source(fam.default(128, features=f), f)
-        assert src.rstrip().endswith("nullptr, nullptr, alibi_slopes, nullptr, p);\n}"), src[-300:]
+        assert src.rstrip().endswith("nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);\n}"), src[-300:]
     assert "ALiBi (alibi_slopes)" in families.FWD_V1._unsupported_part(f)
     sm90 = _compile.kernel_source(families.FWD_SM90.default(128, features=f), f)
     assert "(tq, tk, tv, out, lse, nullptr, nullptr, alibi_slopes, nullptr, p);" in sm90

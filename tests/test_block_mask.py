@@ -55,6 +55,21 @@ def test_the_two_passes_compile(arch):
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not available")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("family", ["bwd", "bwd_dq"])
+def test_the_sm80_backward_block_mask_instances_compile(arch, family):
+    """The dK/dV and dQ kernels' default tiles with the document mask: the lists spill nothing
+    more than the snippet alone (least-spilling tile of the defaults)."""
+    fam = families.REGISTRY[family]
+    for d in (64, 128):
+        def least(bm):
+            return min(_compile.compile_report(_compile.kernel_source(
+                t, Features("bfloat16", d, user_mod=True, mod=DOCS, block_mask=bm)), arch)["spill_stores"]
+                       for t in fam.defaults[d])
+        assert least(True) <= least(False), d
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not available")
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_the_sm80_forward_block_mask_instances_compile(arch):
     """The default tiles with a document and a band mask, with and without the block mask: the
     least-spilling tile (what _tile_for_snippet picks) spills no more with the lists than without
@@ -70,10 +85,10 @@ def test_the_sm80_forward_block_mask_instances_compile(arch):
             assert least(True) <= least(False), (d, mod)
 
 
-def test_only_the_sm80_forward_takes_block_masks():
+def test_the_sm80_families_take_block_masks():
     f = Features("bfloat16", 128, user_mod=True, mod=DOCS, block_mask=True)
-    takers = [name for name, fam in families.REGISTRY.items() if fam.supports(f)]
-    assert takers == ["fwd"]
+    takers = sorted(name for name, fam in families.REGISTRY.items() if fam.supports(f))
+    assert takers == ["bwd", "bwd_dq", "fwd"]
     why = families.REGISTRY["fwd_sm90"]._unsupported_part(f)
     assert "block masks (block_mask)" in why
 

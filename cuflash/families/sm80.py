@@ -157,7 +157,7 @@ BWD = KernelFamily(
                                    BwdConfig(192, 64, 128, 8, 2)}),
               "dropout+varlen": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)})},  # 12-16 B, sm_90a
     run=_run_bwd, deterministic_outputs=(1, 2),  # dK, dV (dQ is summed by atomics)
-    takes_varlen=True, takes_alibi=True, takes_user_mod=True, nullable_pointers=True,
+    takes_varlen=True, takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
 )
 
 BWD_DQ = KernelFamily(
@@ -182,7 +182,8 @@ BWD_DQ = KernelFamily(
               "softcap+varlen": frozenset({DqConfig(192, 128, 64, 8, 2)}),
               "partial_d+softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)}),
               "dropout+local+softcap+varlen": frozenset({DqConfig(64, 64, 64, 4, 2)})},  # 24 B, sm_90a
-    run=_run_bwd_dq, deterministic_outputs=(0, 1, 2), takes_varlen=True, takes_alibi=True, takes_user_mod=True, nullable_pointers=True,
+    run=_run_bwd_dq, deterministic_outputs=(0, 1, 2), takes_varlen=True, takes_alibi=True, takes_user_mod=True,
+    takes_block_mask=True, nullable_pointers=True,
 )
 
 # The v1 kernel exists to be compared with v2, so its defaults use v2's default tile shapes

@@ -8,8 +8,9 @@
 //   lists  (once per tile shape BR x BC, multiples of 16): for each query block i, the key blocks
 //          j with a set cell in rows [i BR, i BR + BR) x keys [j BC, j BC + BC), ascending:
 //          counts[bh][i] and index[bh][i][0 .. counts).
-//   KeyBlockList (the kernels): query block i's steps are the listed blocks inside the built-in
-//          mask's BlockRange instead of the whole range. Visiting an empty block changes nothing
+//          Transposed, for the dK/dV kernels: per key block, its query blocks.
+//   BlockList (the kernels): a tile's steps are the listed blocks inside the built-in mask's
+//          BlockRange instead of the whole range. Visiting an empty block changes nothing
 //          (its P is 0: no rescale, no sum, no P V term), so skipping it gives the same bits.
 #pragma once
 #include "attn/block_range.cuh"
@@ -52,21 +53,25 @@ __device__ __forceinline__ void block_mask_cells(unsigned* __restrict__ bits, co
     if (lane == 0) bits[((long long)bh * qcells + qc) * kwords + kw] = word;
 }
 
-// The lists pass: a warp per (query block, bh); grid (m_blocks, bh count). rb, cb: cells per
-// query block and per key block (BR / 16, BC / 16).
+// The lists pass: a warp per (block, bh); grid (blocks, bh count). rb, cb: cells per query block
+// and per key block (BR / 16, BC / 16). TRANSPOSED false: per query block i (blockIdx.x, of
+// m_blocks), its key blocks (n_blocks entries per row; the forwards, dQ); true: per key block j
+// (of n_blocks), its query blocks (m_blocks entries per row; the dK/dV kernels).
+template <bool TRANSPOSED>
 __device__ __forceinline__ void block_mask_lists(const unsigned* __restrict__ bits, int* __restrict__ counts,
                                                  int* __restrict__ index, int qcells, int kcells, int kwords, int rb,
                                                  int cb, int m_blocks, int n_blocks) {
-    const int lane = threadIdx.x, i = blockIdx.x, bh = blockIdx.y;
+    const int lane = threadIdx.x, o = blockIdx.x, bh = blockIdx.y;
+    const int outer = TRANSPOSED ? n_blocks : m_blocks, inner = TRANSPOSED ? m_blocks : n_blocks;
     const unsigned* rows = bits + (long long)bh * qcells * kwords;
-    int* out = index + ((long long)bh * m_blocks + i) * n_blocks;
-    const int r_end = min(i * rb + rb, qcells);
+    int* out = index + ((long long)bh * outer + o) * inner;
     int count = 0;
-    for (int j0 = 0; j0 < n_blocks; j0 += 32) {
-        const int j = j0 + lane;
+    for (int x0 = 0; x0 < inner; x0 += 32) {
+        const int x = x0 + lane;
         bool live = false;
-        if (j < n_blocks) {
-            const int c_end = min(j * cb + cb, kcells);
+        if (x < inner) {
+            const int i = TRANSPOSED ? x : o, j = TRANSPOSED ? o : x;
+            const int r_end = min(i * rb + rb, qcells), c_end = min(j * cb + cb, kcells);
             for (int r = i * rb; r < r_end && !live; ++r)
                 for (int c = j * cb; c < c_end; ++c)
                     if ((rows[(long long)r * kwords + c / 32] >> (c % 32)) & 1u) {
@@ -75,19 +80,20 @@ __device__ __forceinline__ void block_mask_lists(const unsigned* __restrict__ bi
                     }
         }
         const unsigned ballot = __ballot_sync(0xffffffffu, live);
-        if (live) out[count + __popc(ballot & ((1u << lane) - 1u))] = j;
+        if (live) out[count + __popc(ballot & ((1u << lane) - 1u))] = x;
         count += __popc(ballot);
     }
-    if (lane == 0) counts[(long long)bh * m_blocks + i] = count;
+    if (lane == 0) counts[(long long)bh * outer + o] = count;
 }
 
-// A query block's key-block steps: with a block mask (ON) the listed blocks inside `range` (the
-// built-in mask's), else the range itself. at(it) is step it's key block; masked_head / _tail
-// stay the range's (a listed block at a window edge or the seqlen_k tail still needs the mask).
-// The list's strides (params.bm_sb, bm_sh: 0 where the mask broadcasts) and length per query
-// block (params.bm_nb) are the plan's.
+// One tile's block steps: with a block mask (ON) the listed blocks inside `range` (the built-in
+// mask's), else the range itself: a query block's key blocks (the forwards, dQ) or a key block's
+// query blocks (dK/dV, from the transposed lists). at(it) is step it's block; masked_head /
+// _tail stay the range's (a listed block at a window edge or the seqlen_k tail still needs the
+// mask). `row`: the tile's list row, block_list_row (params.bm_sb, bm_sh: 0 where the mask
+// broadcasts); `entries`: the entries per list row (the other side's block count).
 template <bool ON>
-struct KeyBlockList {
+struct BlockList {
     const int* list;  // ON: the first listed block inside the range
     int n, begin;
 
@@ -97,14 +103,11 @@ struct KeyBlockList {
     }
     __device__ __forceinline__ int size() const { return n; }
 
-    template <class Params>
-    __device__ __forceinline__ static KeyBlockList of(const Params& p, const int* __restrict__ counts,
-                                                      const int* __restrict__ index, int b, int h, int block,
-                                                      int m_blocks, const BlockRange& range) {
-        KeyBlockList l{nullptr, range.size(), range.begin};
+    __device__ __forceinline__ static BlockList of(const int* __restrict__ counts, const int* __restrict__ index,
+                                                   long long row, int entries, const BlockRange& range) {
+        BlockList l{nullptr, range.size(), range.begin};
         if constexpr (ON) {
-            const long long row = ((long long)b * p.bm_sb + (long long)h * p.bm_sh) * m_blocks + block;
-            const int* list = index + row * p.bm_nb;
+            const int* list = index + row * entries;
             const int cnt = counts[row];
             const int first = lower_bound(list, cnt, range.begin);
             l.list = list + first;
@@ -113,5 +116,11 @@ struct KeyBlockList {
         return l;
     }
 };
+
+// The list row of (batch b, head h)'s block `block` among `blocks` per (b, h) (the mask's strides).
+template <class Params>
+__device__ __forceinline__ long long block_list_row(const Params& p, int b, int h, int blocks, int block) {
+    return ((long long)b * p.bm_sb + (long long)h * p.bm_sh) * blocks + block;
+}
 
 }  // namespace cuflash

@@ -97,10 +97,13 @@ struct BwdParams {
     int align_end;            // V::kVarlen: as FwdParams' (seqlen_q / seqlen_k are then total_q / total_k, seqlen_q_pad the workspace rows per head)
     float alibi_scale;        // V::kAlibi: as FwdParams' (the dK/dV and dQ kernels multiply it by scale_log2)
     int alibi_sb;             // V::kAlibi: as FwdParams'
+    int bm_sb, bm_sh;         // V::kBlockMask: as FwdParams' (both kernels' list rows)
+    int bm_nb;                // V::kBlockMask: the dQ kernel's entries per list (its tile's key blocks)
+    int bm_mb;                // V::kBlockMask: the dK/dV kernel's entries per transposed list (its tile's query blocks)
 };
 
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 208, "FwdParams layout changed: update cuflash/params.py");
-static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 304, "BwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 320, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)
 

@@ -16,6 +16,7 @@
 // (-inf) instead of P, and park P^T o (1 - t^2), which is all dS^T needs of P, in this tile's dS^T
 // buffer until the dS^T phase: dS = P o (1 - t^2) o (dP - delta).
 #pragma once
+#include "attn/block_mask.cuh"
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
 #include "attn/epilogue.cuh"
@@ -83,7 +84,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
                                                const float* __restrict__ delta, float* __restrict__ dq_acc, elem_t* __restrict__ dk,
                                                elem_t* __restrict__ dv, const int* __restrict__ cu_seqlens_q,
                                                const int* __restrict__ cu_seqlens_k, const float* __restrict__ alibi_slopes,
-                                               const void* const* __restrict__ mod_aux, const BwdParams& params) {
+                                               const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
+                                               const int* __restrict__ bm_index, const BwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -153,11 +155,16 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     // a score modifier whose derivative dS needs: softcap's (from t), a user score snippet's (from S)
     constexpr bool kGrad = V::kSoftcap || UserMod<V>::kScore;
     const Dropout drop{drop_seed, drop_threshold, bh};
-    const int m_begin = range.begin, n_iter = range.size();
+    // the range's query blocks, or those of them a block mask lists (its transposed lists: per key
+    // block nb of n_blocks / kColSplits, bm_mb entries each)
+    const BlockList<V::kBlockMask> blocks = BlockList<V::kBlockMask>::of(
+        bm_counts, bm_index, V::kBlockMask ? block_list_row(params, b, h, n_blocks / S_::kColSplits, nb) : 0,
+        params.bm_mb, range);
+    const int n_iter = blocks.size();
 
     auto load_q_tile = [&](int it) {
         const int slot = it % STAGES;
-        const int r0 = (m_begin + it) * BR;
+        const int r0 = blocks.at(it) * BR;
         load_tile<BR, CH, THREADS, V::kPartialD>(sQ + slot * S_::kQTileBytes, qg, q_sn, r0, seqlen_q, tid, d_chunks);
         load_tile<BR, CH, THREADS, V::kPartialD>(sdO + slot * S_::kQTileBytes, dog, do_sn, r0, seqlen_q, tid, d_chunks);
         // lse2 and delta: BR/4 chunks each, from buffers padded past seqlen_q (no guard needed)
@@ -202,7 +209,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         cp_async_commit();
         const int slot = it % STAGES;
         const u32 sQs = sQ + slot * S_::kQTileBytes, sdOs = sdO + slot * S_::kQTileBytes;
-        const int m = m_begin + it;  // query block of this step
+        const int m = blocks.at(it);  // query block of this step
         const int q0 = m * BR;
         const u32 sdS_it = sdS + (it % 2) * S_::kDsBytes;
         // dQ of the previous query tile: its dS^T is complete now that every warp passed the
@@ -332,7 +339,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     __syncthreads();  // the last dS^T is complete
     if (dq_acc != nullptr && n_iter > 0) {
         bwd_dq_product<BF16, S_>(sdS + ((n_iter - 1) % 2) * S_::kDsBytes, sK,
-                                 dq_acc + (ws_rows0() + (m_begin + n_iter - 1) * BR) * D, col0, warp, lane);
+                                 dq_acc + (ws_rows0() + blocks.at(n_iter - 1) * BR) * D, col0, warp, lane);
         __syncthreads();  // every warp is done reading K: its rows take dK for the store
     }
 

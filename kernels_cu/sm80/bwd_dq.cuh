@@ -3,6 +3,7 @@
 // stream through a ring), recomputes S and dP and accumulates dQ = dS K in registers; no atomics,
 // so bitwise reproducible. Costs 3 more GEMMs than the atomic dQ of the dK/dV kernel.
 #pragma once
+#include "attn/block_mask.cuh"
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
 #include "attn/epilogue.cuh"
@@ -23,7 +24,8 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
                                              const float* __restrict__ delta, elem_t* __restrict__ dq,
                                              const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                                              const float* __restrict__ alibi_slopes,
-                                             const void* const* __restrict__ mod_aux, const BwdParams& params) {
+                                             const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
+                                             const int* __restrict__ bm_index, const BwdParams& params) {
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -72,7 +74,10 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, b, h, geo.offset, scale_log2);
     const UserMod<V> user_mod = UserMod<V>::of(params, mod_aux, b, h, geo.seqlen_q, geo.seqlen_k);
     const Dropout drop{drop_seed, drop_threshold, bh};
-    const int n_begin = range.begin, n_iter = range.size();
+    // the range's key blocks, or those of them a block mask lists (the forward's lists at this tile)
+    const BlockList<V::kBlockMask> blocks = BlockList<V::kBlockMask>::of(
+        bm_counts, bm_index, V::kBlockMask ? block_list_row(params, b, h, m_blocks, blk.block) : 0, params.bm_nb, range);
+    const int n_iter = blocks.size();
 
     // This thread's two query rows: their lse2 and delta (padded buffers, no guard needed).
     const int row_a = r0 + warp * 16 + g;
@@ -90,7 +95,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter)
-                load_kv_tile<BC, CH, THREADS, V::kPartialD>(sK + s * S_::kKVBytes, sV + s * S_::kKVBytes, kg, k_sn, vg, v_sn, n_begin + s,
+                load_kv_tile<BC, CH, THREADS, V::kPartialD>(sK + s * S_::kKVBytes, sV + s * S_::kKVBytes, kg, k_sn, vg, v_sn, blocks.at(s),
                                               seqlen_k, tid, d_chunks);
             cp_async_commit();
         }
@@ -103,7 +108,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     constexpr u32 ROW16 = 16 * SmemRow<CH>::kBytes;
     u32 q_frag[S_::kQInRegs ? KD : 1][4];
     for (int it = 0; it < n_iter; ++it) {
-        const int j = n_begin + it;  // key block of this step
+        const int j = blocks.at(it);  // key block of this step
         cp_async_wait<STAGES - 2>();
         __syncthreads();
         {
@@ -111,7 +116,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
             if (in < n_iter) {
                 int slot = in % STAGES;
                 load_kv_tile<BC, CH, THREADS, V::kPartialD>(sK + slot * S_::kKVBytes, sV + slot * S_::kKVBytes, kg, k_sn, vg, v_sn,
-                                              n_begin + in, seqlen_k, tid, d_chunks);
+                                              blocks.at(in), seqlen_k, tid, d_chunks);
             }
             cp_async_commit();
         }

@@ -105,8 +105,8 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const UserMod<V> user_mod = UserMod<V>::of(params, mod_aux, b, h, geo.seqlen_q, geo.seqlen_k);
     const Dropout drop{drop_seed, drop_threshold, bh};
     // the range's key blocks, or those of them a block mask lists (attn/block_mask.cuh)
-    const KeyBlockList<V::kBlockMask> blocks =
-        KeyBlockList<V::kBlockMask>::of(params, bm_counts, bm_index, b, h, blk.block, m_blocks, range);
+    const BlockList<V::kBlockMask> blocks = BlockList<V::kBlockMask>::of(
+        bm_counts, bm_index, V::kBlockMask ? block_list_row(params, b, h, m_blocks, blk.block) : 0, params.bm_nb, range);
     const int n_iter = blocks.size();
 
     float acc_o[kRowTiles][kOutTiles][4];

@@ -134,18 +134,48 @@ def test_the_public_call_and_its_errors():
         cuflash.attention(q, k, v, score_mod=mod, block_mask=three_heads)
 
 
-def test_torch_forward_and_the_refused_gradient():
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n,mean_len,causal,window", CASES[:4])
+def test_the_backward_gives_the_same_bits(n, mean_len, causal, window, d, deterministic):
+    """dK, dV (and dQ when deterministic) bit for bit as without the block mask (the sm80 kernels
+    both ways), and all three by the 2x rule against the float64 gradients."""
+    import cupy
+
+    from cuflash import _backward, _forward
+    from cuflash.testing import fa_rule_grads
+
+    rng = np.random.default_rng(zlib.crc32(repr((n, mean_len, causal, window, d, deterministic, "bwd")).encode()))
+    b, h = 2, 4
+    q, k, v = random_qkv(rng, b, n, n, h, d, dtype_of("bfloat16"))
+    dout = cupy.asarray(rng.standard_normal(q.shape).astype(np.float32)).astype(q.dtype)
+    docs, _ = _docs(rng, n, mean_len)
+    mod = cuflash.ScoreMod(mask="doc[q_idx] == doc[kv_idx]", aux={"doc": docs})
+    bm = mod.block_mask(1, 1, n, n)
+    mask = MaskOptions.of(causal=causal, window_size=window)
+    out, lse = _forward.forward(q, k, v, mask=mask, score_mod=mod, block_mask=bm)
+    kw = dict(mask=mask, score_mod=mod, deterministic=deterministic, backend="sm80")
+    g0 = _backward.backward(dout, q, k, v, out, lse, **kw)
+    g1 = _backward.backward(dout, q, k, v, out, lse, block_mask=bm, **kw)
+    same = [bool((a.view(cupy.uint16) == c.view(cupy.uint16)).all()) for a, c in zip(g0, g1)]
+    assert same[1] and same[2] and (same[0] or not deterministic), same
+    mods = (None, lambda bb, hh, qi, kj: docs[qi] == docs[kj], None)
+    for name, (err, pt, allowed) in fa_rule_grads(g1, q, k, v, dout, mask, 1 / math.sqrt(d), mods=mods).items():
+        assert err <= allowed, (name, err, allowed, pt)
+
+
+def test_torch_autograd_through_a_block_mask():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(8)
-    q, k, v = (torch.from_numpy(rng.standard_normal((1, 256, 2, 64)).astype(np.float32)).to("cuda", torch.bfloat16)
-               for _ in range(3))
+    mk = lambda: torch.from_numpy(rng.standard_normal((1, 256, 2, 64)).astype(np.float32)).to("cuda", torch.bfloat16)
+    q, k, v, dout = mk(), mk(), mk(), mk()
     docs = torch.from_numpy(np.repeat(np.arange(8), 32).astype(np.int32)).cuda()
     mod = cuflash.ScoreMod(mask="doc[q_idx] == doc[kv_idx]", aux={"doc": docs})
     bm = mod.block_mask(1, 1, 256, 256)
-    with torch.no_grad():
-        a = cuflash.attention(q, k, v, score_mod=mod, block_mask=bm)
-        b = cuflash.attention(q, k, v, score_mod=mod, backend="sm80")
-    assert torch.equal(a, b)
-    q.requires_grad_()
-    with pytest.raises(NotImplementedError, match="block_mask: the backward"):
-        cuflash.attention(q, k, v, score_mod=mod, block_mask=bm)
+    grads = []
+    for extra in ({}, {"block_mask": bm}):
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = cuflash.attention(*x, score_mod=mod, backend="sm80", deterministic=True, **extra)
+        out.backward(dout)
+        grads.append((out.detach(), *(t.grad for t in x)))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
