@@ -65,7 +65,7 @@ NVDISASM = nvdisasm()
 out = {}
 for e in json.load(open(sys.argv[1]))["entries"]:
     fam = families.REGISTRY[e["kernel"]]
-    feats = Features(e["dtype"], e["head_dim"], dropout=e["perf_class"] == "dropout")
+    feats = Features(e["dtype"], e["head_dim"], dropout=e["perf_class"] == "dropout", softcap=e["perf_class"] == "softcap")
     for which in ("config", "default_config"):
         tile = fam.tile_cls(**e[which])
         key = f'{e["kernel"]}|{tile}|{feats.tag()}'
@@ -88,7 +88,7 @@ def _keys(entry) -> list:
     from cuflash.features import Features
 
     fam = families.REGISTRY[entry["kernel"]]
-    tag = Features(entry["dtype"], entry["head_dim"], dropout=entry["perf_class"] == "dropout").tag()
+    tag = Features(entry["dtype"], entry["head_dim"], dropout=entry["perf_class"] == "dropout", softcap=entry["perf_class"] == "softcap").tag()
     return [f'{entry["kernel"]}|{fam.tile_cls(**entry[w])}|{tag}' for w in ("config", "default_config")]
 
 
