@@ -205,7 +205,7 @@ def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dro
     `score_mod`: a cuflash.ScoreMod (user CUDA C++ score and/or mask snippets, cuflash/score_mods.py),
     applied before the built-in mask and ALiBi. Both backends.
     `block_mask`: a cuflash.BlockMask of score_mod's mask snippet (score_mod.block_mask(...)): the
-    key blocks it empties are skipped (cuflash/block_mask.py). The sm80 kernel.
+    key blocks it empties are skipped (cuflash/block_mask.py). Both backends.
     """
     if mask_options or type(mask) is not MaskOptions:
         mask = MaskOptions.given(mask, mask_options)

@@ -30,7 +30,8 @@ def geometries(p: AttnProblem, cfg: Sm90FwdConfig) -> tuple:
 
 
 def binder(p: AttnProblem, cfg: Sm90FwdConfig, encoder=None):
-    """slots (q, k, v, out, lse, then cu_seqlens_q / _k and alibi_slopes where the call has them) ->
+    """slots (q, k, v, out, lse, then cu_seqlens_q / _k, alibi_slopes, mod_aux and a block mask's lists
+    where the call has them) ->
     the kernel's leading arguments: map(q), map(k), map(v), the other slots as they are."""
     mq, mk, mv = (tma.MapCache(g, encoder=encoder) for g in geometries(p, cfg))
 
@@ -59,4 +60,7 @@ def plan(p: AttnProblem, cfg: Sm90FwdConfig, dtype, encoder=None) -> Plan:
     inputs = with_mod_inputs(p, inputs)  # alibi_slopes, mod_aux after every other pointer, as the sm80 forward's
     launch = Launch(kernel, (max(grid, 1),), (cfg.threads,), cfg.smem_bytes, pointers=inputs,
                     bind=binder(p, cfg, encoder))
-    return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, pack_fwd(p, m_blocks))
+    params = pack_fwd(p, m_blocks)
+    if p.block_mask is not None:  # entries per key-block list: the tile's key blocks
+        params["bm_nb"] = -(-p.seqlen_k // cfg.block_k)
+    return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, params)

@@ -7,7 +7,7 @@ bf16, 16 heads (d128) or 32 (d64), batch 16384 / N, CuPy arrays, the automatic f
 kernel on an H200). Per cell, TFLOP/s (4 B H N^2 D) of: the plain kernel, built-in softcap 30, the
 same cap as a snippet on tanh.approx (cuflash's tanh_approx, the built-in's instruction), as a
 snippet on tanhf, a per-head bias from an aux array, and a mask snippet (documents of 512 tokens,
-counted as full attention), on the automatic backend, on sm80, and on sm80 with its block mask
+counted as full attention), on the automatic backend and on sm80, and with its block mask
 (cuflash.BlockMask: the empty blocks skipped; also given as TFLOP/s over the visible scores). Alternating rounds, the
 median round of each (cuflash._timing's CUDA events inside).
 """
@@ -76,9 +76,11 @@ def main():
             flops = flops_attention(b, h, n, n, d, False, "fwd")
             tf = {name: flops / (float(np.median(t)) * 1e-3) / 1e12 for name, t in times.items()}
             visible = (min(512, n) / n)  # the documents' share of the scores
-            print(f"d{d} N{n:6d}  block mask: {tf['snippet doc mask + block mask'] / tf['snippet doc mask, sm80']:.2f}x "
-                  f"the sm80 doc mask without it; {tf['snippet doc mask + block mask'] * visible:.1f} TFLOP/s over "
-                  f"the visible scores ({visible:.3f} of them)", flush=True)
+            bm = tf["snippet doc mask + block mask"]
+            print(f"d{d} N{n:6d}  block mask: {bm / tf['snippet doc mask']:.2f}x the doc mask without it "
+                  f"({bm / tf['snippet doc mask, sm80']:.2f}x the sm80 one); {bm * visible:.1f} TFLOP/s over the "
+                  f"visible scores ({visible:.3f} of them), {bm * visible / tf['plain']:.2f}x plain attention's",
+                  flush=True)
             for name, x in tf.items():
                 ref = tf["softcap"] if "cap" in name and name != "softcap" else tf["plain"]
                 print(f"d{d} N{n:6d}  {name:28s} {x:7.1f} TFLOP/s  {x / ref:6.3f} of "

@@ -54,6 +54,17 @@ def test_the_two_passes_compile(arch):
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not available")
+def test_the_sm90_forward_block_mask_instances_compile():
+    """The Hopper forward's defaults with the document mask and its lists: no spills (ptxas, sm_90a)."""
+    fam = families.REGISTRY["fwd_sm90"]
+    for d in (64, 128):
+        spills = [_compile.compile_report(_compile.kernel_source(
+            t, Features("bfloat16", d, user_mod=True, mod=DOCS, block_mask=True)), "sm_90a")["spill_stores"]
+                  for t in fam.defaults[d]]
+        assert min(spills) == 0, (d, spills)
+
+
+@pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not available")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("family", ["bwd", "bwd_dq"])
 def test_the_sm80_backward_block_mask_instances_compile(arch, family):
@@ -85,11 +96,11 @@ def test_the_sm80_forward_block_mask_instances_compile(arch):
             assert least(True) <= least(False), (d, mod)
 
 
-def test_the_sm80_families_take_block_masks():
+def test_the_v2_forwards_and_the_sm80_backward_take_block_masks():
     f = Features("bfloat16", 128, user_mod=True, mod=DOCS, block_mask=True)
     takers = sorted(name for name, fam in families.REGISTRY.items() if fam.supports(f))
-    assert takers == ["bwd", "bwd_dq", "fwd"]
-    why = families.REGISTRY["fwd_sm90"]._unsupported_part(f)
+    assert takers == ["bwd", "bwd_dq", "fwd", "fwd_sm90"]
+    why = families.REGISTRY["bwd_sm90"]._unsupported_part(f)
     assert "block masks (block_mask)" in why
 
 

@@ -284,7 +284,7 @@ def test_kernel_source_declares_the_maps_by_value_and_launch_bounds_for_setmaxnr
     assert (f'extern "C" __global__ void __launch_bounds__(384, 1) {name}(const __grid_constant__ cuflash::TmaMap tq, '
             "const __grid_constant__ cuflash::TmaMap tk, const __grid_constant__ cuflash::TmaMap tv, "
             "cuflash::elem_t* __restrict__ out, float* __restrict__ lse, long long q_sb_, ") in src
-    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, 1, cuflash::Variant<true, false, false, false, false, false, false, false, false, false, false>>(tq, tk, tv, out, lse, nullptr, nullptr, nullptr, nullptr, p);" in src
+    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, 1, cuflash::Variant<true, false, false, false, false, false, false, false, false, false, false>>(tq, tk, tv, out, lse, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in src
     decl = ", ".join(f"{ctype} {f}_" for f, ctype in params.fields("FwdParams"))
     assert decl + ") {" in src
     # the sm80 shells keep their single-argument launch bounds

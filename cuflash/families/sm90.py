@@ -95,7 +95,7 @@ FWD_SM90 = KernelFamily(
     # (192 keys) 0.74-0.75x (H200, bf16, N 2048 and 8192, scripts/bench_softcap.py, 2026-12-01)
     class_defaults={"softcap": {128: (Sm90FwdConfig(128, 128, 2, 2, 0, 1, 1, 1),)}},
     plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True, takes_user_mod=True,
-    nullable_pointers=True,
+    takes_block_mask=True, nullable_pointers=True,
 )
 
 

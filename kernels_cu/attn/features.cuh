@@ -65,7 +65,8 @@ struct Variant {
     static constexpr bool kUserMod = USER_MOD;
     // A block mask (cuflash.BlockMask, attn/block_mask.cuh) for a mask snippet: the kernel takes its
     // per-query-block key-block lists (bm_counts, bm_index) after mod_aux and visits only the
-    // listed blocks of each range (KeyBlockList). The sm80 v2 forward.
+    // listed blocks of each range (BlockList). The v2 forwards (sm80, sm90) and the sm80 backward
+    // (dK/dV from the transposed lists, dQ).
     static constexpr bool kBlockMask = BLOCK_MASK;
 };
 

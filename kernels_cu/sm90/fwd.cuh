@@ -24,6 +24,7 @@
 // The accumulator of a m64nN wgmma is, per warp, the m16 C-fragment layout of core/frag.cuh, so
 // Mask, OnlineSoftmax and Dropout apply to it unchanged (MT = 1 per warp).
 #pragma once
+#include "attn/block_mask.cuh"
 #include "attn/block_range.cuh"
 #include "attn/dropout.cuh"
 #include "attn/features.cuh"
@@ -97,21 +98,27 @@ struct RingPos {
     __device__ __forceinline__ u32 parity() const { return (count / STAGES) & 1; }
 };
 
-// Where the work tile's batch lives: the varlen offsets (V::kVarlen), else nothing.
+// Where the work tile's batch lives: the varlen offsets (V::kVarlen), else nothing; and which of
+// its key blocks a block mask lists (V::kBlockMask: attn/block_mask.cuh, the params' list strides).
 struct Sm90Seqs {
     const int* cu_seqlens_q;
     const int* cu_seqlens_k;
     int align_end;
+    const int* bm_counts = nullptr;
+    const int* bm_index = nullptr;
+    int bm_sb = 0, bm_sh = 0, bm_nb = 0;
 };
 
-// The work tile `tile` (0 <= tile < params.tiles) and the key blocks its rows visit. V::kVarlen:
-// also its batch's rows (SeqSpan) and geometry; a tile past its batch's queries visits no key
-// block (every role skips it, and its epilogue writes no row).
+// The work tile `tile` (0 <= tile < params.tiles) and the key blocks its rows visit (`blocks`: the
+// range, or its blocks a block mask lists). V::kVarlen: also its batch's rows (SeqSpan) and
+// geometry; a tile past its batch's queries visits no key block (every role skips it, and its
+// epilogue writes no row).
 template <int BR, int BC, class V>
 struct Sm90FwdTile {
     BlockCoord blk;
     int r0;  // first query row (of its sequence)
     BlockRange range;
+    BlockList<V::kBlockMask> blocks;
     SeqSpan span;
     MaskGeometry geo;
     __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo_call, int m_blocks, int heads, int bh_count,
@@ -125,6 +132,9 @@ struct Sm90FwdTile {
         geo = geo_call.template for_span<V>(span, seqs.align_end);
         range = key_blocks<BR, BC, V::kLocal>(geo, r0);
         if (V::kVarlen && r0 >= span.seqlen_q) range.end = range.begin;  // past its sequence: no work
+        const long long row = V::kBlockMask
+            ? ((long long)blk.batch * seqs.bm_sb + (long long)blk.head * seqs.bm_sh) * m_blocks + blk.block : 0;
+        blocks = BlockList<V::kBlockMask>::of(seqs.bm_counts, seqs.bm_index, row, seqs.bm_nb, range);
     }
 };
 
@@ -133,13 +143,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                                                elem_t* __restrict__ o, float* __restrict__ lse,
                                                const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                                                const float* __restrict__ alibi_slopes,
-                                               const void* const* __restrict__ mod_aux, const FwdParams& params) {
+                                               const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
+                                               const int* __restrict__ bm_index, const FwdParams& params) {
     using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES, QSTAGES>;
     using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V>;
     // V::kVarlen: q, k, v are packed (total, heads, D) and mapped as one batch of total rows; a
     // tile's rows are its sequence's, from the offsets (the maps read past a sequence's end into the
     // next one's rows: masked keys, queries never stored)
-    const Sm90Seqs seqs{cu_seqlens_q, cu_seqlens_k, params.align_end};
+    const Sm90Seqs seqs{cu_seqlens_q, cu_seqlens_k, params.align_end, bm_counts, bm_index,
+                        V::kBlockMask ? params.bm_sb : 0, V::kBlockMask ? params.bm_sh : 0, V::kBlockMask ? params.bm_nb : 0};
     static_assert(!PINGPONG || (CONSUMERS >= 2 && OVERLAP), "ping-pong needs two consumers and the overlapped loop");
 
     extern __shared__ unsigned char smem[];
@@ -170,16 +182,18 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             const int group = params.group;  // GQA/MQA: query head h loads k/v head h / group (MHA: 1)
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
                 const Tile w(tile, geo, m_blocks, n_heads, bh_count, seqs);
-                if (w.range.size() <= 0) continue;
+                const int n_iter = w.blocks.size();
+                if (n_iter <= 0) continue;
                 const int h_kv = w.blk.head / group;
                 const int map_batch = V::kVarlen ? 0 : w.blk.batch;  // varlen: one mapped batch of packed rows
-                for (int j = w.range.begin; j < w.range.end; ++j, ++kv.count) {
+                for (int it = 0; it < n_iter; ++it, ++kv.count) {
+                    const int j = w.blocks.at(it);
                     const int s = kv.slot();
                     const u32 free_parity = kv.parity() ^ 1;  // a fresh barrier counts as released
                     mbar_wait(bars.k_empty(s), free_parity);
                     mbar_arrive_expect_tx(bars.k_full(s), Tr::kKVBytes);
                     tma_load_5d(sK + s * Tr::kKVBytes, tk, bars.k_full(s), 0, w.span.k_start + j * BC, 0, h_kv, map_batch);
-                    if (j == w.range.begin) {
+                    if (it == 0) {
                         // Q after the tile's first K: that K load waits only for a free slot, so it
                         // is in flight while the consumers still read the previous tile's Q
                         const int qs = local % QSTAGES;
@@ -240,7 +254,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
         if constexpr (PINGPONG) {
             // the first tile with keys starts the turns (every consumer sees the same tiles)
             for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x)
-                if (Tile(tile, geo, m_blocks, n_heads, bh_count, seqs).range.size() > 0) {
+                if (Tile(tile, geo, m_blocks, n_heads, bh_count, seqs).blocks.size() > 0) {
                     order.start(kBar);
                     break;
                 }
@@ -249,12 +263,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             const Tile w(tile, geo, m_blocks, n_heads, bh_count, seqs);
             const BlockRange range = w.range;
             const Mask<V::kLocal> mask{w.geo};  // the tile's (V::kVarlen: its sequence's) geometry
-            const int r0 = w.r0, n_iter = range.size();
+            const BlockList<V::kBlockMask> blocks = w.blocks;
+            const int r0 = w.r0, n_iter = blocks.size();
             // the kernel's last turn: no later tile of this CTA has keys
             bool final_tile = true;
             if constexpr (PINGPONG) {
                 for (int nt = tile + gridDim.x; nt < n_tiles && final_tile; nt += gridDim.x)
-                    final_tile = Tile(nt, geo, m_blocks, n_heads, bh_count, seqs).range.size() <= 0;
+                    final_tile = Tile(nt, geo, m_blocks, n_heads, bh_count, seqs).blocks.size() <= 0;
             }
             const Dropout drop{params.drop_seed, params.drop_threshold, w.blk.bh};
             // ALiBi: -slope |q + offset - k| after the modifier (attn/score_mod.cuh; nothing without it)
@@ -321,13 +336,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     if (n_iter == 1) release(bars.q_empty(qs));
                     {
                         float corr[2];
-                        softmax_block(range.begin, corr);
+                        softmax_block(blocks.at(0), corr);
                     }
-                    pack_p(range.begin);
+                    pack_p(blocks.at(0));
                     for (int it = 1; it < n_iter; ++it) {
                         const RingPos<STAGES> prev = kv;
                         ++kv.count;
-                        const int j = range.begin + it;
+                        const int j = blocks.at(it);
                         mbar_wait(bars.k_full(kv.slot()), kv.parity());
                         mbar_wait(bars.v_full(prev.slot()), prev.parity());
                         order.wait_turn(kBar);
@@ -370,7 +385,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                 } else {
                     for (int it = 0; it < n_iter; ++it, ++kv.count) {
                         const int s = kv.slot();
-                        const int j = range.begin + it;
+                        const int j = blocks.at(it);
                         mbar_wait(bars.k_full(s), kv.parity());
                         fence_regs(acc_s[0]);
                         wgmma_fence();

@@ -78,10 +78,16 @@ CASES = [(1024, 150, False, (-1, -1)), (1024, 150, True, (-1, -1)), (777, 40, Tr
          (1500, 300, False, (200, 50)), (300, 1000, False, (-1, -1))]
 
 
+@pytest.mark.parametrize("backend", ["sm80", "sm90"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("n,mean_len,causal,window", CASES)
-def test_a_block_mask_gives_the_same_bits(n, mean_len, causal, window, d, dtype):
+def test_a_block_mask_gives_the_same_bits(n, mean_len, causal, window, d, dtype, backend):
+    from cuflash.testing import backend_unavailable
+
+    why = backend_unavailable(backend)
+    if why:
+        pytest.skip(why)
     import cupy
 
     from cuflash import _forward
@@ -97,7 +103,7 @@ def test_a_block_mask_gives_the_same_bits(n, mean_len, causal, window, d, dtype)
     def run(**kw):
         out = cupy.full(q.shape, cupy.nan, dtype=cupy.float32).astype(q.dtype)
         lse = cupy.full((b, h, n), cupy.nan, dtype=cupy.float32)
-        return _forward.forward(q, k, v, mask=mask, score_mod=mod, out=out, lse=lse, backend="sm80", **kw)
+        return _forward.forward(q, k, v, mask=mask, score_mod=mod, out=out, lse=lse, backend=backend, **kw)
 
     out0, lse0 = run()
     out1, lse1 = run(block_mask=bm)
@@ -117,7 +123,7 @@ def test_the_public_call_and_its_errors():
     mod = cuflash.ScoreMod(mask="doc[q_idx] == doc[kv_idx]", aux={"doc": docs})
     bm = mod.block_mask(1, 1, 512, 512)
     out = cuflash.attention(q, k, v, score_mod=mod, block_mask=bm)
-    ref = cuflash.attention(q, k, v, score_mod=mod, backend="sm80")
+    ref = cuflash.attention(q, k, v, score_mod=mod)
     assert bool((out.view(cupy.uint16) == ref.view(cupy.uint16)).all())
     assert bool((cuflash.attention(q, k, v, score_mod=mod, block_mask=bm).view(cupy.uint16)
                  == out.view(cupy.uint16)).all())  # the cached plan, again
