@@ -246,7 +246,7 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0, no
     dropout, not deterministic) to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
     `score_mod`: the forward's cuflash.ScoreMod; a score snippet needs its `grad` snippet here.
-    `block_mask`: the forward's cuflash.BlockMask (the sm80 kernels; the dK/dV kernel reads its
+    `block_mask`: the forward's cuflash.BlockMask (the dK/dV kernels, sm80 and Hopper, read its
     transposed lists, the dQ kernel its lists).
     """
     import cupy

@@ -69,8 +69,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         its line.
     block_mask: a cuflash.BlockMask of score_mod's mask snippet (score_mod.block_mask(batch, heads,
         seqlen_q, seqlen_k), made once per mask and shape): the key blocks the mask empties are not
-        visited, the result the same bits (cuflash/block_mask.py). Forward on both backends,
-        backward (attention_backward(block_mask=), torch autograd) on the sm80 kernels.
+        visited, the result the same bits (cuflash/block_mask.py). Forward and backward
+        (attention_backward(block_mask=), torch autograd) on every v2 kernel.
     return_lse: also return the natural-log log-sum-exp per row, float32 (batch, heads, seqlen_q).
         With torch autograd, lse is not differentiable.
     algorithm: "v2" (FlashAttention-2 loop order, the default) or "v1" (FlashAttention-1). The

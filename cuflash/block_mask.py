@@ -19,8 +19,8 @@ when the snippet reads neither `b` nor `h`: it is evaluated at b = 0 / h = 0 and
 / head. Cost: one snippet call per (query, key) pair and batch x heads of the mask, once; memory
 (seqlen_q / 16) x (seqlen_k / 16) bits per (batch, head) of the mask, plus the lists.
 
-The forwards (sm80 and Hopper) and the sm80 backward take block masks (a block-mask backward runs
-the sm80 dK/dV and dQ kernels, not the Hopper one); not with variable-length batches or the KV cache.
+Every v2 kernel takes block masks: both forwards, the sm80 dK/dV and dQ kernels and the Hopper
+backward; not v1, variable-length batches or the KV cache.
 """
 from __future__ import annotations
 

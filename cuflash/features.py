@@ -71,7 +71,7 @@ class Features:
     mod: object = None  # ModSource when user_mod (compared and hashed: each snippet is its own kernel)
     # a block mask for a mask snippet (cuflash.BlockMask): per query block, the key blocks the snippet
     # leaves non-empty; the kernel takes the lists after mod_aux and visits only those
-    # (kernels_cu/attn/block_mask.cuh); the v2 forwards and the sm80 backward
+    # (kernels_cu/attn/block_mask.cuh); every v2 kernel (forwards, dK/dV, dQ)
     block_mask: bool = _variant("_bm", "kBlockMask")
 
     @classmethod

@@ -54,10 +54,12 @@ def test_the_two_passes_compile(arch):
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not available")
-def test_the_sm90_forward_block_mask_instances_compile():
-    """The Hopper forward's defaults with the document mask and its lists: no spills (ptxas, sm_90a)."""
-    fam = families.REGISTRY["fwd_sm90"]
-    for d in (64, 128):
+@pytest.mark.parametrize("family,dims", [("fwd_sm90", (64, 128)), ("bwd_sm90", (128,))])
+def test_the_hopper_block_mask_instances_compile(family, dims):
+    """The Hopper kernels' defaults with the document mask and its lists: one of them compiles
+    without spills (ptxas, sm_90a; the snippet tile choice picks it)."""
+    fam = families.REGISTRY[family]
+    for d in dims:
         spills = [_compile.compile_report(_compile.kernel_source(
             t, Features("bfloat16", d, user_mod=True, mod=DOCS, block_mask=True)), "sm_90a")["spill_stores"]
                   for t in fam.defaults[d]]
@@ -96,12 +98,12 @@ def test_the_sm80_forward_block_mask_instances_compile(arch):
             assert least(True) <= least(False), (d, mod)
 
 
-def test_the_v2_forwards_and_the_sm80_backward_take_block_masks():
+def test_every_v2_family_takes_block_masks():
     f = Features("bfloat16", 128, user_mod=True, mod=DOCS, block_mask=True)
     takers = sorted(name for name, fam in families.REGISTRY.items() if fam.supports(f))
-    assert takers == ["bwd", "bwd_dq", "fwd", "fwd_sm90"]
-    why = families.REGISTRY["bwd_sm90"]._unsupported_part(f)
-    assert "block masks (block_mask)" in why
+    assert takers == ["bwd", "bwd_dq", "bwd_sm90", "fwd", "fwd_sm90"]
+    plain_mod = Features("bfloat16", 128, user_mod=True, mod=DOCS)
+    assert families.FWD_V1.supports(plain_mod) is False  # v1 takes neither (the snippet already)
 
 
 def test_building_needs_a_mask_snippet_and_sane_sizes():

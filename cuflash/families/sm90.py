@@ -150,6 +150,6 @@ BWD_SM90 = KernelFamily(
     spilling={"alibi+softcap": frozenset({Sm90BwdConfig(128, 64, 2, 2, 1)})},
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, takes_dropout=False, run=_run_bwd, deterministic_outputs=(1, 2),
-    takes_alibi=True, takes_user_mod=True, nullable_pointers=True,
+    takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
     tuned_by_default=False,
 )

@@ -65,8 +65,8 @@ struct Variant {
     static constexpr bool kUserMod = USER_MOD;
     // A block mask (cuflash.BlockMask, attn/block_mask.cuh) for a mask snippet: the kernel takes its
     // per-query-block key-block lists (bm_counts, bm_index) after mod_aux and visits only the
-    // listed blocks of each range (BlockList). The v2 forwards (sm80, sm90) and the sm80 backward
-    // (dK/dV from the transposed lists, dQ).
+    // listed blocks of each range (BlockList). Every v2 kernel: the forwards (sm80, sm90), the
+    // dK/dV kernels (sm80, sm90: from the transposed lists) and the dQ kernel.
     static constexpr bool kBlockMask = BLOCK_MASK;
 };
 

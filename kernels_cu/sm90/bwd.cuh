@@ -27,6 +27,7 @@
 // Not yet: dropout (the family does not take it), overlap between the query blocks' GEMMs and
 // their element-wise work, the deterministic mode.
 #pragma once
+#include "attn/block_mask.cuh"
 #include "attn/block_range.cuh"
 #include "attn/features.cuh"
 #include "attn/mask.cuh"
@@ -74,7 +75,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                                                const float* __restrict__ lse2, const float* __restrict__ delta,
                                                float* __restrict__ dq_acc, elem_t* __restrict__ dk,
                                                elem_t* __restrict__ dv, const float* __restrict__ alibi_slopes,
-                                               const void* const* __restrict__ mod_aux, const BwdParams& params) {
+                                               const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
+                                               const int* __restrict__ bm_index, const BwdParams& params) {
     using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES, DQ_BULK>;
     constexpr int BC = Tr::kBlockK;
     static_assert(!V::kDropout, "the sm90 backward does not take dropout yet");
@@ -104,7 +106,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     const int n0 = blk.block * BC;
     const int m_blocks = (seqlen_q + BR - 1) / BR;
     const BlockRange range = query_blocks<BR, BC, V::kLocal>(geo, blk.block, m_blocks);
-    const int m_begin = range.begin, n_iter = range.size();
+    // the range's query blocks, or those of them a block mask lists (its transposed lists, bm_mb
+    // entries per key block)
+    const BlockList<V::kBlockMask> blocks = BlockList<V::kBlockMask>::of(
+        bm_counts, bm_index, V::kBlockMask ? block_list_row(params, blk.batch, blk.head, n_blocks, blk.block) : 0,
+        params.bm_mb, range);
+    const int n_iter = blocks.size();
 
     const int tid = threadIdx.x;
     if (tid == 0) {
@@ -130,7 +137,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             tma_load_5d(sV, tv, bar_kv, 0, n0, 0, h_kv, blk.batch);
             for (int it = 0; it < n_iter; ++it) {
                 const int s = it % STAGES;
-                const int m0 = (m_begin + it) * BR;
+                const int m0 = blocks.at(it) * BR;
                 mbar_wait(bar_free(s), ((it / STAGES) & 1) ^ 1);  // a fresh barrier counts as released
                 mbar_arrive_expect_tx(bar_full(s), 2 * Tr::kQBytes + 2 * Tr::kStatBytes);
                 tma_load_5d(sQ + s * Tr::kQBytes, tq, bar_full(s), 0, m0, 0, blk.head, blk.batch);
@@ -151,7 +158,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                 for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
                 for (int it = 0; it < n_iter; ++it) {
-                    const int m0 = (m_begin + it) * BR;
+                    const int m0 = blocks.at(it) * BR;
 #pragma unroll
                     for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
                         named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
@@ -210,7 +217,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         float acc_dk[D / 8][4], acc_dv[D / 8][4];
         if (n_iter > 0) mbar_wait(bar_kv, 0);
         for (int it = 0; it < n_iter; ++it) {
-            const int s = it % STAGES, m = m_begin + it, m0 = m * BR;
+            const int s = it % STAGES, m = blocks.at(it), m0 = m * BR;
             const int db = it & 1;  // this block's dS^T buffer
             const u64 ds_off = (u64)((db * Tr::kDSBytes) >> 4);
             mbar_wait(bar_full(s), (it / STAGES) & 1);
