@@ -9,9 +9,9 @@ blocks (documents, a band, a sparse pattern) costs as much as full attention. A 
 FlexAttention's BlockMask made explicitly: one pass of the snippet over every (query, key) pair,
 kept as one bit per 16 x 16 cell (set: some pair of the cell is kept); from the cells, per tile
 shape the kernels use, the ordered list of non-empty key blocks of each query block (made on first
-use and kept). The kernels then visit only the listed blocks inside the built-in mask's range, and
-still apply the snippet to every visited element, so the output is the same, bit for bit, as
-without the block mask.
+use and kept). The kernels then visit only the listed blocks inside the built-in mask's range; the
+forwards skip the mask snippet on blocks whose every pair it keeps ("full" blocks: a second bit per
+cell), and apply it elsewhere, so the output is the same, bit for bit, as without the block mask.
 
 The mask is a snapshot: the aux arrays' contents are read when the BlockMask is made. Make a new
 one when they change (the call cannot tell: the arrays' addresses stay). `batch=1` or `heads=1`
@@ -30,28 +30,31 @@ from . import _compile
 from .score_mods import ModSource, ScoreModError, compile_error
 
 CELL = 16  # positions per cell side (attn/block_mask.cuh kMaskCell); tiles are multiples of it
+FULL_BLOCK = 1 << 30  # a list entry's flag: the mask keeps every pair of the block (kFullBlock)
 _lock = threading.Lock()
 _cells_kernels: dict = {}  # (ModSource, device) -> the cells pass compiled with the snippets
 _lists_kernels: dict = {}  # device -> the lists pass
 
 _LISTS_SRC = r'''
 #include "attn/block_mask.cuh"
-extern "C" __global__ void cuflash_block_mask_lists(const unsigned* bits, int* counts, int* index, int qcells,
-                                                    int kcells, int kwords, int rb, int cb, int m_blocks, int n_blocks) {
-    cuflash::block_mask_lists<false>(bits, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks);
+extern "C" __global__ void cuflash_block_mask_lists(const unsigned* bits, const unsigned* full, int* counts, int* index,
+                                                    int qcells, int kcells, int kwords, int rb, int cb, int m_blocks,
+                                                    int n_blocks) {
+    cuflash::block_mask_lists<false>(bits, full, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks);
 }
-extern "C" __global__ void cuflash_block_mask_lists_t(const unsigned* bits, int* counts, int* index, int qcells,
-                                                      int kcells, int kwords, int rb, int cb, int m_blocks, int n_blocks) {
-    cuflash::block_mask_lists<true>(bits, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks);
+extern "C" __global__ void cuflash_block_mask_lists_t(const unsigned* bits, const unsigned* full, int* counts,
+                                                      int* index, int qcells, int kcells, int kwords, int rb, int cb,
+                                                      int m_blocks, int n_blocks) {
+    cuflash::block_mask_lists<true>(bits, full, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks);
 }
 '''
 
 
 def _cells_source(source: ModSource) -> str:
     return ('#include "attn/score_mod.cuh"\n#include "attn/block_mask.cuh"\n' + source.cxx() +
-            'extern "C" __global__ void cuflash_block_mask_cells(unsigned* bits, const void* const* aux, int heads,\n'
-            '        int seqlen_q, int seqlen_k, int qcells, int kcells, int kwords) {\n'
-            '    cuflash::block_mask_cells<cuflash::UserModDefs<true>>(bits, aux, heads, seqlen_q, seqlen_k, qcells,\n'
+            'extern "C" __global__ void cuflash_block_mask_cells(unsigned* bits, unsigned* full, const void* const* aux,\n'
+            '        int heads, int seqlen_q, int seqlen_k, int qcells, int kcells, int kwords) {\n'
+            '    cuflash::block_mask_cells<cuflash::UserModDefs<true>>(bits, full, aux, heads, seqlen_q, seqlen_k, qcells,\n'
             '                                                          kcells, kwords);\n'
             '}\n')
 
@@ -78,10 +81,12 @@ class BlockMask:
     cuflash.ScoreMod.block_mask; passed to cuflash.attention(..., score_mod=, block_mask=)."""
 
     def __init__(self, source: ModSource, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: int,
-                 bits):
+                 bits, full_bits=None):
         self.source = source
         self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.device = batch, heads, seqlen_q, seqlen_k, device
-        self.cells = bits  # uint32 (batch * heads, query cells, key-cell words): attn/block_mask.cuh
+        # uint32 (batch * heads, query cells, key-cell words), attn/block_mask.cuh: the cells with a
+        # kept pair, and those whose every pair is kept
+        self.cells, self.full_cells = bits, full_bits
         self._lists: dict = {}
 
     def __repr__(self) -> str:
@@ -106,7 +111,8 @@ class BlockMask:
     def lists(self, block_q: int, block_k: int, transposed: bool = False):
         """(counts, index) for tiles of block_q x block_k: counts int32 (batch * heads, m_blocks),
         index int32 (batch * heads, m_blocks, n_blocks), row (bh, i) the ascending key blocks of
-        query block i with a kept pair (attn/block_mask.cuh); `transposed` (the dK/dV kernels):
+        query block i with a kept pair, each | FULL_BLOCK where every pair of the block is kept
+        (attn/block_mask.cuh); `transposed` (the dK/dV kernels):
         (batch * heads, n_blocks) and (batch * heads, n_blocks, m_blocks), per key block its query
         blocks. Made on first use, then kept."""
         key = (block_q, block_k, transposed)
@@ -127,7 +133,7 @@ class BlockMask:
                 counts = cupy.zeros((bh, max(outer, 1)), dtype=cupy.int32)
                 index = cupy.zeros((bh, max(outer, 1), max(inner, 1)), dtype=cupy.int32)
                 if mb and nb:
-                    fn((outer, bh), (32,), (self.cells, counts, index, cupy.int32(qc), cupy.int32(kc),
+                    fn((outer, bh), (32,), (self.cells, self.full_cells, counts, index, cupy.int32(qc), cupy.int32(kc),
                                          cupy.int32(self.cells.shape[2]), cupy.int32(block_q // CELL),
                                          cupy.int32(block_k // CELL), cupy.int32(mb), cupy.int32(nb)))
             got = self._lists[key] = (counts, index)
@@ -171,10 +177,12 @@ def build(mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: int
                  device, mod.source)
     with cupy.cuda.Device(device):
         bits = cupy.zeros((batch * heads, qc, max(kw, 1)), dtype=cupy.uint32)
+        full = cupy.zeros_like(bits)
         if qc and kw:
-            fn((kw, qc, batch * heads), (32,), (bits, mod.pointer_table(device), cupy.int32(heads), cupy.int32(seqlen_q),
-                                                cupy.int32(seqlen_k), cupy.int32(qc), cupy.int32(kc), cupy.int32(kw)))
-    return BlockMask(mod.source, batch, heads, seqlen_q, seqlen_k, device, bits)
+            fn((kw, qc, batch * heads), (32,), (bits, full, mod.pointer_table(device), cupy.int32(heads),
+                                                cupy.int32(seqlen_q), cupy.int32(seqlen_k), cupy.int32(qc), cupy.int32(kc),
+                                                cupy.int32(kw)))
+    return BlockMask(mod.source, batch, heads, seqlen_q, seqlen_k, device, bits, full)
 
 
 __all__ = ["BlockMask", "ScoreModError", "build"]

@@ -239,10 +239,13 @@ def backend_unavailable(backend: str, device_id: int = 0) -> str | None:
 
 def block_mask_reference(keep, block_q: int, block_k: int, cell: int = 16):
     """The NumPy twin of a BlockMask (kernels_cu/attn/block_mask.cuh) from a boolean keep array
-    (batch, heads, seqlen_q, seqlen_k) (the mask snippet's value per pair): (cells, counts, index)
-    with cells bool (batch * heads, ceil(seqlen_q / cell), ceil(seqlen_k / cell)) (some pair of the
-    cell kept) and the lists of tiles block_q x block_k as BlockMask.lists gives them: counts
-    (batch * heads, m_blocks), index (batch * heads, m_blocks, n_blocks), unused entries 0."""
+    (batch, heads, seqlen_q, seqlen_k) (the mask snippet's value per pair): (cells, full, counts,
+    index) with cells / full bool (batch * heads, ceil(seqlen_q / cell), ceil(seqlen_k / cell)) (some
+    / every pair of the cell inside the sequences kept) and the lists of tiles block_q x block_k as
+    BlockMask.lists gives them: counts (batch * heads, m_blocks), index (batch * heads, m_blocks,
+    n_blocks), each entry j | FULL_BLOCK where all the block's cells are full, unused entries 0."""
+    from .block_mask import FULL_BLOCK
+
     import numpy as np
 
     keep = np.asarray(keep, dtype=bool)
@@ -251,13 +254,17 @@ def block_mask_reference(keep, block_q: int, block_k: int, cell: int = 16):
     padded = np.zeros((b * h, qc * cell, kc * cell), dtype=bool)
     padded[:, :nq, :nk] = keep.reshape(b * h, nq, nk)
     cells = padded.reshape(b * h, qc, cell, kc, cell).any(axis=(2, 4))
+    inside = np.zeros_like(padded)
+    inside[:, :nq, :nk] = True
+    full = cells & (padded | ~inside).reshape(b * h, qc, cell, kc, cell).all(axis=(2, 4))
     mb, nb = -(-nq // block_q), -(-nk // block_k)
     rb, cb = block_q // cell, block_k // cell
     counts = np.zeros((b * h, max(mb, 1)), dtype=np.int32)
     index = np.zeros((b * h, max(mb, 1), max(nb, 1)), dtype=np.int32)
     for bh in range(b * h):
         for i in range(mb):
-            live = [j for j in range(nb) if cells[bh, i * rb:(i + 1) * rb, j * cb:(j + 1) * cb].any()]
+            live = [j | (FULL_BLOCK if full[bh, i * rb:(i + 1) * rb, j * cb:(j + 1) * cb].all() else 0)
+                    for j in range(nb) if cells[bh, i * rb:(i + 1) * rb, j * cb:(j + 1) * cb].any()]
             counts[bh, i] = len(live)
             index[bh, i, :len(live)] = live
-    return cells, counts, index
+    return cells, full, counts, index

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cuflash import _compile, families
-from cuflash.block_mask import _LISTS_SRC, BlockMask, _cells_source, build
+from cuflash.block_mask import _LISTS_SRC, FULL_BLOCK, BlockMask, _cells_source, build
 from cuflash.features import Features
 from cuflash.score_mods import ModSource, ScoreMod
 from cuflash.testing import block_mask_reference
@@ -26,11 +26,14 @@ def _doc_keep(nq, nk, doc_len):
 
 @pytest.mark.parametrize("nq,nk,doc_len,bq,bk", [(300, 300, 64, 64, 64), (257, 513, 100, 128, 96), (40, 40, 7, 64, 48)])
 def test_twin_lists_are_the_non_empty_blocks(nq, nk, doc_len, bq, bk):
+    """A query block lists a key block iff some pair of the two is kept, flagged full iff every
+    pair of it (inside the sequences) is."""
     keep = _doc_keep(nq, nk, doc_len)
-    cells, counts, index = block_mask_reference(keep, bq, bk)
-    assert cells.shape == (1, -(-nq // 16), -(-nk // 16))
+    cells, full, counts, index = block_mask_reference(keep, bq, bk)
+    assert cells.shape == full.shape == (1, -(-nq // 16), -(-nk // 16)) and not (full & ~cells).any()
     for i in range(-(-nq // bq)):
-        want = [j for j in range(-(-nk // bk)) if keep[0, 0, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk].any()]
+        blocks = [(j, keep[0, 0, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]) for j in range(-(-nk // bk))]
+        want = [j | (FULL_BLOCK if blk.all() else 0) for j, blk in blocks if blk.any()]
         assert list(index[0, i, :counts[0, i]]) == want
     # a band of documents: each query block sees few key blocks, never all of them at this length
     if nq >= 256 and doc_len <= 100:
@@ -38,10 +41,10 @@ def test_twin_lists_are_the_non_empty_blocks(nq, nk, doc_len, bq, bk):
 
 
 def test_twin_of_a_full_and_an_empty_mask():
-    full = np.ones((2, 3, 50, 70), dtype=bool)
-    _, counts, index = block_mask_reference(full, 32, 32)
-    assert (counts == 3).all() and (index[..., :3] == [0, 1, 2]).all()
-    _, counts, _ = block_mask_reference(np.zeros((1, 1, 50, 70), dtype=bool), 32, 32)
+    every = np.ones((2, 3, 50, 70), dtype=bool)
+    _, full, counts, index = block_mask_reference(every, 32, 32)
+    assert full.all() and (counts == 3).all() and (index[..., :3] == [FULL_BLOCK, 1 | FULL_BLOCK, 2 | FULL_BLOCK]).all()
+    _, _, counts, _ = block_mask_reference(np.zeros((1, 1, 50, 70), dtype=bool), 32, 32)
     assert (counts == 0).all()
 
 

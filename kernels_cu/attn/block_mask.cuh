@@ -5,9 +5,11 @@
 //   cells  (once per mask and shape): one bit per 16 x 16 cell of (query, key) positions of each
 //          (batch, head) of the mask (1 where the snippet reads neither: broadcast), set iff the
 //          snippet keeps some pair of the cell; bits[bh][query cell][key cell / 32], bit cell % 32.
+//          A second bit array marks the full cells (every pair kept).
 //   lists  (once per tile shape BR x BC, multiples of 16): for each query block i, the key blocks
 //          j with a set cell in rows [i BR, i BR + BR) x keys [j BC, j BC + BC), ascending:
-//          counts[bh][i] and index[bh][i][0 .. counts).
+//          counts[bh][i] and index[bh][i][0 .. counts), each entry j | kFullBlock where all its
+//          cells are full (the forwards skip the mask snippet there: same scores, no per-score work).
 //          Transposed, for the dK/dV kernels: per key block, its query blocks.
 //   BlockList (the kernels): a tile's steps are the listed blocks inside the built-in mask's
 //          BlockRange instead of the whole range. Visiting an empty block changes nothing
@@ -18,13 +20,16 @@
 namespace cuflash {
 
 constexpr int kMaskCell = 16;  // positions per cell side
+// A list entry: the block index, and this bit where the mask keeps every pair of the block (a
+// "full" block: the forwards skip the mask snippet there)
+constexpr int kFullBlock = 1 << 30;
 
-// First index of the ascending list a[0 .. n) whose value is >= x (n when none).
+// First index of the ascending list a[0 .. n) whose block index is >= x (n when none).
 __device__ __forceinline__ int lower_bound(const int* __restrict__ a, int n, int x) {
     int lo = 0, hi = n;
     while (lo < hi) {
         const int mid = (lo + hi) >> 1;
-        if (__ldg(a + mid) < x) lo = mid + 1;
+        if ((__ldg(a + mid) & (kFullBlock - 1)) < x) lo = mid + 1;
         else hi = mid;
     }
     return lo;
@@ -32,25 +37,30 @@ __device__ __forceinline__ int lower_bound(const int* __restrict__ a, int n, int
 
 // The cells pass: a warp per (32 key cells, query cell, bh); grid (kwords, qcells, bh count).
 // Defs: the snippets' UserModDefs<true> (attn/score_mod.cuh); `heads`: the mask's heads (1 when
-// broadcast), so bh = b * heads + h.
+// broadcast), so bh = b * heads + h. bits: some pair of the cell kept; full: every pair of it (its
+// pairs inside the sequences) kept.
 template <class Defs>
-__device__ __forceinline__ void block_mask_cells(unsigned* __restrict__ bits, const void* const* __restrict__ aux,
-                                                 int heads, int seqlen_q, int seqlen_k, int qcells, int kcells,
-                                                 int kwords) {
+__device__ __forceinline__ void block_mask_cells(unsigned* __restrict__ bits, unsigned* __restrict__ full,
+                                                 const void* const* __restrict__ aux, int heads, int seqlen_q,
+                                                 int seqlen_k, int qcells, int kcells, int kwords) {
     const int lane = threadIdx.x, kw = blockIdx.x, qc = blockIdx.y, bh = blockIdx.z;
     const int b = bh / heads, h = bh % heads, kc = kw * 32 + lane;
-    bool any = false;
+    bool any = false, all = true;
     if (kc < kcells) {
         const int q_end = min(qc * kMaskCell + kMaskCell, seqlen_q), k_end = min(kc * kMaskCell + kMaskCell, seqlen_k);
-        for (int q = qc * kMaskCell; q < q_end && !any; ++q)
-            for (int k = kc * kMaskCell; k < k_end; ++k)
-                if (Defs::mask(b, h, q, k, aux)) {
-                    any = true;
-                    break;
-                }
+        for (int q = qc * kMaskCell; q < q_end && (all || !any); ++q)
+            for (int k = kc * kMaskCell; k < k_end; ++k) {
+                const bool keep = Defs::mask(b, h, q, k, aux);
+                any |= keep;
+                all &= keep;
+                if (any && !all) break;
+            }
     }
-    const unsigned word = __ballot_sync(0xffffffffu, any);
-    if (lane == 0) bits[((long long)bh * qcells + qc) * kwords + kw] = word;
+    const unsigned word = __ballot_sync(0xffffffffu, any), full_word = __ballot_sync(0xffffffffu, any && all);
+    if (lane == 0) {
+        bits[((long long)bh * qcells + qc) * kwords + kw] = word;
+        full[((long long)bh * qcells + qc) * kwords + kw] = full_word;
+    }
 }
 
 // The lists pass: a warp per (block, bh); grid (blocks, bh count). rb, cb: cells per query block
@@ -58,29 +68,30 @@ __device__ __forceinline__ void block_mask_cells(unsigned* __restrict__ bits, co
 // m_blocks), its key blocks (n_blocks entries per row; the forwards, dQ); true: per key block j
 // (of n_blocks), its query blocks (m_blocks entries per row; the dK/dV kernels).
 template <bool TRANSPOSED>
-__device__ __forceinline__ void block_mask_lists(const unsigned* __restrict__ bits, int* __restrict__ counts,
-                                                 int* __restrict__ index, int qcells, int kcells, int kwords, int rb,
-                                                 int cb, int m_blocks, int n_blocks) {
+__device__ __forceinline__ void block_mask_lists(const unsigned* __restrict__ bits, const unsigned* __restrict__ full,
+                                                 int* __restrict__ counts, int* __restrict__ index, int qcells,
+                                                 int kcells, int kwords, int rb, int cb, int m_blocks, int n_blocks) {
     const int lane = threadIdx.x, o = blockIdx.x, bh = blockIdx.y;
     const int outer = TRANSPOSED ? n_blocks : m_blocks, inner = TRANSPOSED ? m_blocks : n_blocks;
     const unsigned* rows = bits + (long long)bh * qcells * kwords;
+    const unsigned* full_rows = full + (long long)bh * qcells * kwords;
     int* out = index + ((long long)bh * outer + o) * inner;
     int count = 0;
     for (int x0 = 0; x0 < inner; x0 += 32) {
         const int x = x0 + lane;
-        bool live = false;
+        bool live = false, all = true;  // some cell of the block kept; every cell of it full
         if (x < inner) {
             const int i = TRANSPOSED ? x : o, j = TRANSPOSED ? o : x;
             const int r_end = min(i * rb + rb, qcells), c_end = min(j * cb + cb, kcells);
-            for (int r = i * rb; r < r_end && !live; ++r)
-                for (int c = j * cb; c < c_end; ++c)
-                    if ((rows[(long long)r * kwords + c / 32] >> (c % 32)) & 1u) {
-                        live = true;
-                        break;
-                    }
+            for (int r = i * rb; r < r_end; ++r)
+                for (int c = j * cb; c < c_end; ++c) {
+                    const long long w = (long long)r * kwords + c / 32;
+                    live |= ((rows[w] >> (c % 32)) & 1u) != 0;
+                    all &= ((full_rows[w] >> (c % 32)) & 1u) != 0;
+                }
         }
         const unsigned ballot = __ballot_sync(0xffffffffu, live);
-        if (live) out[count + __popc(ballot & ((1u << lane) - 1u))] = x;
+        if (live) out[count + __popc(ballot & ((1u << lane) - 1u))] = x | (all ? kFullBlock : 0);
         count += __popc(ballot);
     }
     if (lane == 0) counts[(long long)bh * outer + o] = count;
@@ -98,8 +109,13 @@ struct BlockList {
     int n, begin;
 
     __device__ __forceinline__ int at(int it) const {
-        if constexpr (ON) return __ldg(list + it);
+        if constexpr (ON) return __ldg(list + it) & (kFullBlock - 1);
         return begin + it;
+    }
+    // Whether the mask keeps every pair of step it's block (never without a block mask).
+    __device__ __forceinline__ bool full(int it) const {
+        if constexpr (ON) return (__ldg(list + it) & kFullBlock) != 0;
+        return false;
     }
     __device__ __forceinline__ int size() const { return n; }
 

@@ -232,21 +232,23 @@ struct UserMod {
         return m;
     }
 
-    // One score of (query q, key k), both inside their sequences.
+    // One score of (query q, key k), both inside their sequences. MASK false: the score snippet
+    // alone (a block a block mask knows the mask keeps whole: attn/block_mask.cuh).
+    template <bool MASK = true>
     __device__ __forceinline__ float at(float s, int q, int k) const {
         float r = s;
         if constexpr (kScore) r = Defs::score(s * scale, b, h, q, k, aux);
-        if constexpr (kMask) {
+        if constexpr (kMask && MASK) {
             if (!Defs::mask(b, h, q, k, aux)) r = neg_inf();
         }
         return r;
     }
 
     // One m16 tile acc[NT][4], rows queries q0 + 0..15, columns keys k0 + 0..8 NT-1 (Direct view:
-    // the forwards).
-    template <int NT>
+    // the forwards). MASK as at()'s.
+    template <bool MASK = true, int NT>
     __device__ __forceinline__ void apply_tile(float (&acc)[NT][4], int q0, int k0, int lane) const {
-        if constexpr (kOn) {
+        if constexpr (kOn && (kScore || MASK)) {
             using F = FragSm80<1, NT>;
             // The positions made opaque per tile: otherwise the compiler hoists each element's part
             // of a snippet that does not depend on k0 (q_idx - 8 nt - e ...) out of the key loop, one
@@ -263,17 +265,17 @@ struct UserMod {
 #pragma unroll
                     for (int e = 0; e < 2; ++e) {
                         const int k = min(k0 + F::col(lane, nt, e), seqlen_k - 1);
-                        acc[nt][2 * half + e] = at(acc[nt][2 * half + e], q, k);
+                        acc[nt][2 * half + e] = at<MASK>(acc[nt][2 * half + e], q, k);
                     }
             }
         }
     }
 
     // A warp tile acc[MT][NT][4] (rows = queries from q0, cols = keys from k0).
-    template <int MT, int NT>
+    template <bool MASK = true, int MT, int NT>
     __device__ __forceinline__ void apply(float (&acc)[MT][NT][4], int q0, int k0, int lane) const {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) apply_tile(acc[mt], q0 + 16 * mt, k0, lane);
+        for (int mt = 0; mt < MT; ++mt) apply_tile<MASK>(acc[mt], q0 + 16 * mt, k0, lane);
     }
 
     // The backward's S^T tiles (keys are rows): element e of n8 tile nt is query q0 + 8 nt + 2 (lane

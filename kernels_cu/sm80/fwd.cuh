@@ -171,7 +171,11 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
         score_mod.apply(acc_s);
 
         // ---- a user modification (cuflash.ScoreMod): its score and mask snippets on every tile ----
-        if constexpr (V::kUserMod) user_mod.apply(acc_s, r0 + warp_row0, j * BC, lane);
+        // (a block mask's full block: the mask keeps every pair, so only a score snippet runs there)
+        if constexpr (V::kUserMod) {
+            if (blocks.full(it)) user_mod.template apply<false>(acc_s, r0 + warp_row0, j * BC, lane);
+            else user_mod.apply(acc_s, r0 + warp_row0, j * BC, lane);
+        }
 
         // ---- ALiBi: -slope |q + offset - k| on every tile (under the flag: even a dead argument
         // expression moved the dropout instances' code, whose SASS is kept as tuned) ----

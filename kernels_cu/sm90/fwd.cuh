@@ -280,9 +280,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
 
             // After S of key block j landed: score modifier (softcap), mask, softmax statistics,
             // P = exp2(S c - m c) in place; corr[half] is O's rescale factor for this block.
-            auto softmax_block = [&](int j, float (&corr)[2]) {
+            // (`full`: a block mask's full block, where the mask snippet keeps every pair: skipped)
+            auto softmax_block = [&](int j, bool full, float (&corr)[2]) {
                 score_mod.apply(acc_s);
-                if constexpr (V::kUserMod) user_mod.apply(acc_s, r0 + warp_row0, j * BC, lane);
+                if constexpr (V::kUserMod) {
+                    if (full) user_mod.template apply<false>(acc_s, r0 + warp_row0, j * BC, lane);
+                    else user_mod.apply(acc_s, r0 + warp_row0, j * BC, lane);
+                }
                 // ALiBi's row part: its split form (one FFMA per score off the diagonal) keeps two row
                 // shifts through the softmax, which three consumers' 128 registers cannot hold (12 B of
                 // spills at d64): they add the whole bias per score (an FADD and an FFMA)
@@ -336,7 +340,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     if (n_iter == 1) release(bars.q_empty(qs));
                     {
                         float corr[2];
-                        softmax_block(blocks.at(0), corr);
+                        softmax_block(blocks.at(0), blocks.full(0), corr);
                     }
                     pack_p(blocks.at(0));
                     for (int it = 1; it < n_iter; ++it) {
@@ -360,7 +364,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                         release(bars.k_empty(kv.slot()));
                         if (it == n_iter - 1) release(bars.q_empty(qs));  // the tile's last read of Q
                         float corr[2];
-                        softmax_block(j, corr);
+                        softmax_block(j, blocks.full(it), corr);
                         wgmma_wait<0>();  // P_{j-1} V_{j-1} done: O and the P registers are free
                         fence_regs(acc_o[0]);
                         fence_regs(p_frag);
@@ -396,7 +400,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                         release(bars.k_empty(s));
                         if (it == n_iter - 1) release(bars.q_empty(qs));
                         float corr[2];
-                        softmax_block(j, corr);
+                        softmax_block(j, blocks.full(it), corr);
                         if (it > 0) {
 #pragma unroll
                             for (int half = 0; half < 2; ++half) OnlineSoftmax<1>::rescale_o(acc_o[0], half, corr[half]);

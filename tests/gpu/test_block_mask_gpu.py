@@ -28,11 +28,11 @@ def _docs(rng, n, mean_len):
     return cupy.asarray(ids), ids
 
 
-def _cells_of(bm):
-    """The BlockMask's cells as bool (bh, query cells, key cells) (little-endian bits per word)."""
+def _cells_of(bm, bits=None):
+    """The BlockMask's cells (or `bits`, its full cells) as bool (bh, query cells, key cells)."""
     import cupy
 
-    bits = cupy.asnumpy(bm.cells)
+    bits = cupy.asnumpy(bm.cells if bits is None else bits)
     unpacked = np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little").astype(bool)
     return unpacked[..., :-(-bm.seqlen_k // 16)]
 
@@ -49,8 +49,8 @@ def test_cells_and_lists_match_the_twin(nq, nk, mean_len):
     bm = mod.block_mask(1, 1, nq, nk)
     keep = (dq_np[:, None] == dk_np[None, :])[None, None]
     for bq, bk in ((128, 96), (64, 64), (128, 128), (192, 176)):
-        cells, counts, index = block_mask_reference(keep, bq, bk)
-        assert (_cells_of(bm) == cells).all()
+        cells, full, counts, index = block_mask_reference(keep, bq, bk)
+        assert (_cells_of(bm) == cells).all() and (_cells_of(bm, bm.full_cells) == full).all()
         got_c, got_i = (cupy.asnumpy(a) for a in bm.lists(bq, bk))
         assert (got_c == counts).all(), (bq, bk)
         for i in range(counts.shape[1]):
@@ -67,7 +67,7 @@ def test_per_head_masks_and_batches():
     bm = mod.block_mask(b, h, n, n)
     bb, hh, qi, kj = np.ix_(np.arange(b), np.arange(h), np.arange(n), np.arange(n))
     keep = np.broadcast_to((kj // 32) % (hh + 2) == bb, (b, h, n, n))
-    _, counts, index = block_mask_reference(keep, 64, 64)
+    _, _, counts, index = block_mask_reference(keep, 64, 64)
     got_c, got_i = (cupy.asnumpy(a) for a in bm.lists(64, 64))
     assert (got_c == counts).all() and all((got_i[x, i, :counts[x, i]] == index[x, i, :counts[x, i]]).all()
                                            for x in range(b * h) for i in range(counts.shape[1]))
