@@ -180,7 +180,8 @@ def test_torch_inputs_go_to_the_torch_module(fake_torch, monkeypatch):
     with pytest.raises(ValueError, match="backend must be None, 'sm80' or 'sm90', got 'sm100'"):
         cuflash.attention(t, t, t, backend="sm100")  # checked before the torch op
     assert cuflash.attention_backward(t, t, t, t, t, t, softmax_scale=0.1) == ("dq", "dk", "dv")
-    assert calls[-1] == ("bwd", (t, t, t, t, t, t, NO_MASK, 0.1, False, 0.0, None, None, None))  # no alibi_slopes, no score_mod
+    # no alibi_slopes, score_mod or block_mask
+    assert calls[-1] == ("bwd", (t, t, t, t, t, t, NO_MASK, 0.1, False, 0.0, None, None, None, None))
 
 
 def test_dlpack_inputs_run_through_interop(monkeypatch):
