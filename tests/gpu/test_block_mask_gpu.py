@@ -114,6 +114,36 @@ def test_a_block_mask_gives_the_same_bits(n, mean_len, causal, window, d, dtype,
     assert err <= allowed, (err, allowed, pt)
 
 
+@pytest.mark.parametrize("backend", ["sm80", "sm90"])
+def test_a_score_snippet_still_runs_on_full_blocks(backend):
+    """A modification with a score and a mask snippet: full blocks skip only the mask, so the score
+    snippet (here a per-head temperature) still applies there; same bits as without the block mask."""
+    import cupy
+
+    from cuflash import _forward
+    from cuflash.testing import backend_unavailable
+
+    if backend_unavailable(backend):
+        pytest.skip(backend_unavailable(backend))
+    rng = np.random.default_rng(13)
+    n, h, d = 1024, 4, 128
+    q, k, v = random_qkv(rng, 1, n, n, h, d, dtype_of("bfloat16"))
+    docs = cupy.asarray((np.arange(n) // 256).astype(np.int32))  # documents of 256: every visited block full
+    temp = cupy.asarray(rng.uniform(0.5, 2.0, h).astype(np.float32))
+    mod = cuflash.ScoreMod("score * temp[h]", grad="temp[h]", mask="doc[q_idx] == doc[kv_idx]",
+                           aux={"doc": docs, "temp": temp})
+    bm = mod.block_mask(1, 1, n, n)
+    a = _forward.forward(q, k, v, score_mod=mod, backend=backend)
+    b = _forward.forward(q, k, v, score_mod=mod, block_mask=bm, backend=backend)
+    assert bool((a[0].view(cupy.uint16) == b[0].view(cupy.uint16)).all()) and bool((a[1] == b[1]).all())
+    counts, index = (cupy.asnumpy(x) for x in bm.lists(128, 128))
+    assert (index[0, :, 0] & cuflash.block_mask.FULL_BLOCK).all()  # the premise: full blocks
+    err, pt, allowed = fa_rule(b[0], q, k, v, False, 1 / math.sqrt(d),
+                               mods=(lambda s, bb, hh, qi, kj: s * temp.astype(s.dtype)[hh],
+                                     lambda bb, hh, qi, kj: docs[qi] == docs[kj], None))
+    assert err <= allowed, (err, allowed, pt)
+
+
 def test_the_public_call_and_its_errors():
     import cupy
 
