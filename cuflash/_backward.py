@@ -13,8 +13,6 @@ get a null pointer.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from . import _compile, families, problem
 from . import _plans as plan_cache
 from .launch import Buffer, FilledPlan, Launch, Plan, check_grid

@@ -69,6 +69,23 @@ def time_cuda(
     return {"median_ms": float(p50), "p20_ms": float(p20), "p80_ms": float(p80), "n": reps}
 
 
+def time_rounds(fns: dict, rounds: int, reps: int) -> dict:
+    """The median milliseconds of each of `fns` (name -> callable) over `rounds` alternating rounds,
+    each round one time_cuda median of `reps` runs per callable: the clock drifts as the GPU warms,
+    which timing one callable after the other would charge to the later ones (the variant benches,
+    scripts/bench_*.py)."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_cuda(fn, reps=reps)["median_ms"])
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def variant_bench_shape(head_dim: int, seqlen: int) -> tuple:
+    """(batch, heads) of the variant benches: 16384 tokens in all, 16 heads at head_dim >= 128, else 32."""
+    return max(1, 16384 // seqlen), 16 if head_dim >= 128 else 32
+
+
 def flops_attention(batch, heads, seqlen_q, seqlen_k, head_dim, causal, pass_="fwd") -> float:
     """Nominal FLOPs of one attention pass, with FlashAttention-2's benchmark convention.
 

@@ -20,7 +20,7 @@ def main():
     import numpy as np
 
     import cuflash
-    from cuflash._timing import flops_attention, time_cuda
+    from cuflash._timing import flops_attention, time_rounds, variant_bench_shape
     from cuflash.testing import dtype_of
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -34,9 +34,8 @@ def main():
     rows = []
     print("hdim  seqlen  causal  pass   plain TFLOP/s  alibi TFLOP/s  alibi/plain")
     for d in a.head_dims:
-        h = 16 if d >= 128 else 32
         for n in a.seqlens:
-            b = max(1, 16384 // n)
+            b, h = variant_bench_shape(d, n)
             rng = cupy.random.default_rng(0)
             q, k, v, dout = (rng.standard_normal((b, n, h, d), dtype=cupy.float32).astype(bf16) for _ in range(4))
             slopes = cupy.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32))
@@ -50,14 +49,8 @@ def main():
                         else:
                             fns[name] = lambda s=s, out=out, lse=lse: cuflash.attention_backward(  # noqa: E731
                                 dout, q, k, v, out, lse, causal=causal, alibi_slopes=s)
-                    # alternating rounds, the median of each: the clock drifts as the GPU warms, which
-                    # timing one after the other charged to the second
-                    times = {name: [] for name in fns}
-                    for _ in range(a.rounds):
-                        for name, fn in fns.items():
-                            times[name].append(time_cuda(fn, reps=a.reps)["median_ms"])
-                    res = {name: flops_attention(b, h, n, n, d, causal, pass_) / (float(np.median(t)) * 1e-3) / 1e12
-                           for name, t in times.items()}
+                    res = {name: flops_attention(b, h, n, n, d, causal, pass_) / (t * 1e-3) / 1e12
+                           for name, t in time_rounds(fns, a.rounds, a.reps).items()}
                     ratio = res["alibi"] / res["plain"]
                     print(f"{d:4d}  {n:6d}  {'yes' if causal else 'no':>6}  {pass_:4}  {res['plain']:13.1f}  "
                           f"{res['alibi']:13.1f}  {ratio:11.3f}", flush=True)

@@ -22,7 +22,7 @@ def main():
     import numpy as np
 
     import cuflash
-    from cuflash._timing import flops_attention, time_cuda
+    from cuflash._timing import flops_attention, time_rounds, variant_bench_shape
     from cuflash.testing import dtype_of
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,9 +48,8 @@ def main():
     cold = time.perf_counter() - t
     print(f"cold compile of a new snippet (d128, first call): {cold:.2f} s", flush=True)
     for d in a.head_dims:
-        h = 16 if d >= 128 else 32
         for n in a.seqlens:
-            b = max(1, 16384 // n)
+            b, h = variant_bench_shape(d, n)
             rng = cupy.random.default_rng(0)
             q, k, v = (rng.standard_normal((b, n, h, d), dtype=cupy.float32).astype(bf16) for _ in range(3))
             bias = cupy.asarray(np.random.default_rng(1).standard_normal(h).astype(np.float32))
@@ -69,12 +68,9 @@ def main():
             fns = {name: (lambda kw=kw: cuflash.attention(q, k, v, **kw)) for name, kw in calls.items()}
             for fn in fns.values():
                 fn()
-            times = {name: [] for name in fns}
-            for _ in range(a.rounds):
-                for name, fn in fns.items():
-                    times[name].append(time_cuda(fn, reps=a.reps)["median_ms"])
+            ms = time_rounds(fns, a.rounds, a.reps)
             flops = flops_attention(b, h, n, n, d, False, "fwd")
-            tf = {name: flops / (float(np.median(t)) * 1e-3) / 1e12 for name, t in times.items()}
+            tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
             visible = (min(512, n) / n)  # the documents' share of the scores
             bm = tf["snippet doc mask + block mask"]
             print(f"d{d} N{n:6d}  block mask: {bm / tf['snippet doc mask']:.2f}x the doc mask without it "

@@ -14,11 +14,10 @@ import json
 
 def main():
     import cupy
-    import numpy as np
 
     import cuflash
     from cuflash import _forward, families
-    from cuflash._timing import flops_attention, time_cuda
+    from cuflash._timing import flops_attention, time_rounds, variant_bench_shape
     from cuflash.testing import dtype_of
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,9 +32,8 @@ def main():
     fam = families.REGISTRY["fwd_sm90"]
     rows = []
     for d in a.head_dims:
-        h = 16 if d >= 128 else 32
         for n in a.seqlens:
-            b = max(1, 16384 // n)
+            b, h = variant_bench_shape(d, n)
             rng = cupy.random.default_rng(0)
             q, k, v = (rng.standard_normal((b, n, h, d), dtype=cupy.float32).astype(bf16) for _ in range(3))
             cap = cuflash.ScoreMod("30.f * tanh_approx(score / 30.f)")
@@ -46,12 +44,9 @@ def main():
                 fns[f"softcap {t}"] = (lambda t=t: _forward.forward(q, k, v, causal=a.causal, softcap=30.0, config=t))
             for fn in fns.values():
                 fn()
-            times = {name: [] for name in fns}
-            for _ in range(a.rounds):
-                for name, fn in fns.items():
-                    times[name].append(time_cuda(fn, reps=a.reps)["median_ms"])
+            ms = time_rounds(fns, a.rounds, a.reps)
             flops = flops_attention(b, h, n, n, d, a.causal, "fwd")
-            tf = {name: flops / (float(np.median(t)) * 1e-3) / 1e12 for name, t in times.items()}
+            tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
             for name, x in tf.items():
                 print(f"d{d} N{n:6d} causal={int(a.causal)}  {name:90s} {x:7.1f} TFLOP/s  {x / tf['plain']:6.3f} of plain"
                       f"  {x / tf['softcap']:6.3f} of softcap", flush=True)

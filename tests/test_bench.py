@@ -181,3 +181,16 @@ def test_gqa_cases_and_their_row():
     bench.add_timing(rec, "fwd", "cuflash", {"median_ms": 1.0})
     assert " 32/8 " in bench.format_rows(rec)[0]
     assert bench.parse_args(["--gqa", "4"]).gqa == 4
+
+
+def test_time_rounds_alternates_and_takes_each_medians_median(monkeypatch):
+    """The variant benches' timing (cuflash._timing.time_rounds): callables in turn, round after
+    round, each its median over the rounds; their shape rule (variant_bench_shape)."""
+    from cuflash import _timing
+
+    order = []
+    clock = iter([5.0, 1.0, 7.0, 2.0, 6.0, 9.0])
+    monkeypatch.setattr(_timing, "time_cuda", lambda fn, reps: order.append(fn) or {"median_ms": next(clock)})
+    assert _timing.time_rounds({"a": "fa", "b": "fb"}, 3, 20) == {"a": 6.0, "b": 2.0}
+    assert order == ["fa", "fb"] * 3
+    assert _timing.variant_bench_shape(128, 8192) == (2, 16) and _timing.variant_bench_shape(64, 32768) == (1, 32)
