@@ -11,7 +11,9 @@ kept as one bit per 16 x 16 cell (set: some pair of the cell is kept); from the 
 shape the kernels use, the ordered list of non-empty key blocks of each query block (made on first
 use and kept). The kernels then visit only the listed blocks inside the built-in mask's range; the
 forwards skip the mask snippet on blocks whose every pair it keeps ("full" blocks: a second bit per
-cell), and apply it elsewhere, so the output is the same, bit for bit, as without the block mask.
+cell), and apply it elsewhere, so the output is the same, bit for bit, as without the block mask on the
+same tile (the automatic tile may differ: a snippet runs on the first tile whose instance does not
+spill, and the block-mask instance holds a few more registers).
 
 The mask is a snapshot: the aux arrays' contents are read when the BlockMask is made. Make a new
 one when they change (the call cannot tell: the arrays' addresses stay). `batch=1` or `heads=1`

@@ -4,7 +4,10 @@
 //
 //   max_get_scale : m_new = max(m_old, rowmax S); m_scaled = m_new * c (0 for a row with no
 //                   visible key yet: exp2 then gives 0, not NaN from -inf - -inf);
-//                   corr = exp2(m_old * c - m_scaled)
+//                   corr = exp2(RN(m_old * c) - m_scaled): exactly 1 when the max did not move
+//                   (an FFMA would leave m_old c's rounding error in, 1 +- an ulp, so visiting a
+//                   block that changes nothing would still change bits: block masks, attn/
+//                   block_mask.cuh, promise the same bits with and without the skipped blocks)
 //   exp_and_sum   : P = exp2(S * c - m_scaled) in place (one FFMA + MUFU.EX2), thread-partial
 //                   row sums (each thread holds 2 * NT of a row's columns)
 //   rescale_o     : O~ *= corr per row
@@ -38,7 +41,7 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
         mx = warp_max4(mx);
         const float m_scaled = (mx == neg_inf()) ? 0.f : mx * scale_log2;
-        corr = fast_exp2(row_max[mt][half] * scale_log2 - m_scaled);
+        corr = fast_exp2(__fmul_rn(row_max[mt][half], scale_log2) - m_scaled);  // no FFMA: see the top
         row_max[mt][half] = mx;
         return m_scaled;
     }
@@ -55,7 +58,7 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * half], s[nt][2 * half + 1]));
         mx = fmaxf(row_max[mt][half], warp_max4(mx + shift));  // shift may differ between a row's lanes
         const float m_scaled = (mx == neg_inf()) ? 0.f : mx * scale_log2;
-        corr = fast_exp2(row_max[mt][half] * scale_log2 - m_scaled);
+        corr = fast_exp2(__fmul_rn(row_max[mt][half], scale_log2) - m_scaled);  // no FFMA: see the top
         row_max[mt][half] = mx;
         return m_scaled;
     }
