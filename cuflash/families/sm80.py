@@ -111,11 +111,14 @@ FWD = KernelFamily(
               "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               # per-batch key lengths (the KV cache) with softcap: 44 B on d64's first tile (sm_80, sm_90a)
               "softcap+seqused_k": frozenset({FwdConfig(64, 128, 96, 4, 2)}),
+              # with a window too, 4 B on sm_90a since the exact rescale factor (attn/softmax.cuh)
+              "local+softcap+seqused_k": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               # variable-length batches with softcap (on sm_80 and sm_90a: an H100/H200 runs varlen
               # here): 4-48 B on these 128-key tiles; the next defaults compile clean
               "softcap+varlen": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(64, 128, 96, 4, 2),
                                            FwdConfig(128, 128, 128, 8, 3), FwdConfig(128, 128, 128, 8, 2)}),
               "local+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)}),
+              "dropout+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)}),  # 4 B, sm_90a
               "alibi+varlen": frozenset({FwdConfig(64, 128, 96, 4, 2)}),  # 44 B
               "dropout+local+softcap+varlen": frozenset({FwdConfig(64, 128, 64, 4, 2)}),  # 16 B, sm_80
               "partial_d+softcap+varlen": frozenset({FwdConfig(96, 128, 128, 8, 2)}),
