@@ -7,10 +7,14 @@ file in kernels_cu/: editing a header changes the shell and can never reuse a st
 """
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
+import os
 import pathlib
 import re
+import tempfile
+import threading
 
 from . import families, params
 from .families.base import F32, F32_IN, I32_IN, IN, OUT
@@ -185,9 +189,33 @@ def compile_report(source: str, arch: str) -> dict:
                     raise err from None
             raise RuntimeError(f"NVRTC failed for {arch}:\n{log}") from e
         log = nvrtc.getProgramLog(prog)
+        if "UserModDefs<true>" in source:  # a snippet's instance: checked at run time, then loaded
+            _keep_cubin((source, arch), nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
     return parse_ptxas_log(log)
+
+
+# A user snippet's tile is chosen by compiling candidates with ptxas' report (families.select),
+# then the chosen one is loaded: without this the first call compiled the same source twice
+# (NVRTC, ~0.9 s each at d128). The check's cubin, for the device's own target, is loaded
+# instead. A few are kept (a snippet's candidates, the last snippets), not every report's.
+_CUBINS_KEPT = 8
+_cubins: collections.OrderedDict = collections.OrderedDict()  # (source, arch) -> cubin bytes
+_cubins_lock = threading.Lock()
+
+
+def _keep_cubin(key: tuple, cubin: bytes) -> None:
+    with _cubins_lock:
+        _cubins[key] = cubin
+        _cubins.move_to_end(key)
+        while len(_cubins) > _CUBINS_KEPT:
+            _cubins.popitem(last=False)
+
+
+def _kept_cubin(source: str, arch: str) -> bytes | None:
+    with _cubins_lock:
+        return _cubins.get((source, arch))
 
 
 def _snippet(source: str, which: str) -> str | None:
@@ -215,16 +243,24 @@ def parse_ptxas_log(log: str) -> dict:
 _loaded: dict = {}
 
 
-def _load(source: str, name: str, smem_bytes: int, device_id: int, arch: str | None = None):
+def _load(source: str, name: str, smem_bytes: int, device_id: int, arch: str | None = None, cubin: bytes | None = None):
     """Compile (CuPy's cache) and load; `arch` (e.g. "sm_90a") when the family needs an
     architecture-specific target: CuPy appends its own -arch=sm_XY after our options, and NVRTC
-    still emits the sm_90a binary when ours comes first (checked with NVRTC 13.0 on an H200)."""
+    still emits the sm_90a binary when ours comes first (checked with NVRTC 13.0 on an H200).
+    `cubin`: the binary of this source for this device, already compiled (compile_report's)."""
     import cupy
 
     options = nvrtc_options() if arch is None else nvrtc_options((f"--gpu-architecture={arch}",))
     with cupy.cuda.Device(device_id):
-        mod = cupy.RawModule(code=source, options=options, backend="nvrtc")
-        fn = mod.get_function(name)
+        if cubin is None:
+            fn = cupy.RawModule(code=source, options=options, backend="nvrtc").get_function(name)
+        else:  # CuPy loads a binary from a file (its RawKernel: launch and attributes as the others')
+            with tempfile.TemporaryDirectory(prefix="cuflash-") as tmp:
+                path = os.path.join(tmp, "kernel.cubin")
+                with open(path, "wb") as f:
+                    f.write(cubin)
+                fn = cupy.RawModule(path=path).get_function(name)
+                fn.attributes  # loads the module now, while the file exists
         if smem_bytes > 48 * 1024:
             fn.max_dynamic_shared_size_bytes = smem_bytes
     return fn
@@ -242,8 +278,10 @@ def get_kernel(tile, features, device_id: int):
         arch = None
         if fam.arch_specific:  # the others take CuPy's target for the device, as they always did
             arch = fam.nvrtc_arch(props)
+        source = kernel_source(tile, features)
+        cubin = _kept_cubin(source, fam.nvrtc_arch(props)) if features.user_mod else None
         try:
-            fn = _load(kernel_source(tile, features), kernel_name(tile, features), tile.smem_bytes, device_id, arch)
+            fn = _load(source, kernel_name(tile, features), tile.smem_bytes, device_id, arch, cubin)
         except Exception as e:
             _raise_snippet_error(e, features)
             raise

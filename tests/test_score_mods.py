@@ -85,6 +85,24 @@ def test_snippets_compile_and_some_tile_does_not_spill(fam, d, mod):
     assert rep["registers"] > 0 and rep["spill_stores"] == 0, (tile, rep["log"][-1500:])
 
 
+@needs_nvrtc
+def test_the_tile_check_keeps_its_cubin_for_the_load():
+    """A snippet's tile check (compile_report) keeps the cubin it compiled, so that the first call
+    loads it instead of compiling the same source again (_compile.get_kernel); only a few are kept."""
+    f = Features("bfloat16", 64, user_mod=True, mod=BAND)
+    src = _compile.kernel_source(families.FWD_SM90.default(64), f)
+    _compile.compile_report(src, "sm_90a")
+    cubin = _compile._kept_cubin(src, "sm_90a")
+    assert cubin is not None and cubin[:4] == b"\x7fELF"
+    assert _compile._kept_cubin(src, "sm_90") is None  # another target's binary is never taken
+    plain = _compile.kernel_source(families.FWD_SM90.default(64), Features("bfloat16", 64))
+    _compile.compile_report(plain, "sm_90a")
+    assert _compile._kept_cubin(plain, "sm_90a") is None  # plain instances load through CuPy's cache
+    for i in range(_compile._CUBINS_KEPT + 1):
+        _compile._keep_cubin(("x", str(i)), b"")
+    assert len(_compile._cubins) == _compile._CUBINS_KEPT and _compile._kept_cubin(src, "sm_90a") is None
+
+
 CAP_GRAD = ModSource(score="30.f * tanhf(score / 30.f)", grad="const float t = tanhf(score / 30.f);\nreturn 1.f - t * t;")
 BIAS_GRAD = ModSource(score="score + bias[h * 4096 + kv_idx]", grad="1.f", mask="doc[q_idx] == doc[kv_idx]",
                       aux=(("bias", "float"), ("doc", "int")))
