@@ -37,7 +37,10 @@ for s in $stages; do
              tests/test_mask.py tests/test_reference.py tests/test_bench.py tests/test_roofline.py 2>&1 | tee "$OUT/torch-cpu-tests.log" | tail -15 ;;
     sanitize)
       for tool in memcheck racecheck synccheck initcheck; do
-        compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/sanitize_cases.py 2>&1 | tail -6 | tee -a "$OUT/sanitize.log"
+        for cases in ${SANITIZE_CASES:-sanitize_cases sanitize_features}; do
+          echo "== $tool $cases" | tee -a "$OUT/sanitize.log"
+          compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/$cases.py 2>&1 | tail -6 | tee -a "$OUT/sanitize.log"
+        done
       done ;;
     bench) python3 -m cuflash.bench --quick --json "$OUT/bench-quick.json" 2>&1 | tee "$OUT/bench-quick.log" ;;
     fuzz) CUFLASH_FUZZ_CASES=${FUZZ_CASES:-2000} timeout ${FUZZ_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider \

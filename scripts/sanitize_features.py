@@ -1,0 +1,49 @@
+"""Small ragged cases of the score and mask features for compute-sanitizer (memcheck, racecheck,
+synccheck, initcheck), beside scripts/sanitize_cases.py: windows, softcap, ALiBi, sinks, user
+snippets (score with its grad, mask) and block masks (the cells and lists passes, and every kernel
+walking the lists), with GQA, Nq != Nk (neither a tile multiple), both forward backends and the
+backward (the sm80 kernels at d64, the Hopper one at d128 where it runs). No memory pool."""
+import numpy as np
+import cupy
+
+cupy.cuda.set_allocator(None)  # pool-less, so an out-of-bounds access is not hidden inside a pool block
+
+import cuflash  # noqa: E402
+from cuflash.testing import dtype_of  # noqa: E402
+
+rng = np.random.default_rng(0)
+bf16 = dtype_of("bfloat16")
+b, h, hk = 2, 4, 2
+
+
+def arr(*shape, dtype=bf16):
+    return cupy.asarray(rng.standard_normal(shape), dtype=dtype)
+
+
+def fwd_bwd(q, k, v, backends=(None, "sm80"), backward=True, **kw):
+    for backend in backends:
+        out, lse = cuflash.attention(q, k, v, return_lse=True, backend=backend, **kw)
+    if backward:
+        kw.pop("sinks", None)
+        cuflash.attention_backward(arr(*out.shape), q, k, v, out, lse, **kw)
+
+
+for d in (64, 128):
+    for nq, nk in ((37, 150), (150, 37)):
+        q, k, v = arr(b, nq, h, d), arr(b, nk, hk, d), arr(b, nk, hk, d)
+        fwd_bwd(q, k, v, window_size=(16, 8))
+        fwd_bwd(q, k, v, causal=True, softcap=30.0)
+        slopes = cupy.asarray(2.0 ** -np.arange(1, h + 1), dtype=cupy.float32)
+        fwd_bwd(q, k, v, causal=True, alibi_slopes=slopes)
+        fwd_bwd(q, k, v, alibi_slopes=cupy.asarray(rng.uniform(0, 1, (b, h)), dtype=cupy.float32))
+        fwd_bwd(q, k, v, causal=True, sinks=cupy.asarray(rng.standard_normal(h), dtype=cupy.float32), backward=False)
+        temp = cupy.asarray(rng.uniform(0.5, 2, h), dtype=cupy.float32)
+        fwd_bwd(q, k, v, score_mod=cuflash.ScoreMod("score * temp[h]", grad="temp[h]", aux={"temp": temp}))
+        docs = cupy.asarray(np.repeat(np.arange(nk), 23)[:max(nq, nk)], dtype=cupy.int32)
+        mod = cuflash.ScoreMod(mask="doc[q_idx] == doc[kv_idx]", aux={"doc": docs})
+        fwd_bwd(q, k, v, score_mod=mod)
+        fwd_bwd(q, k, v, score_mod=mod, block_mask=mod.block_mask(1, 1, nq, nk))
+        band = cuflash.ScoreMod(mask="kv_idx <= q_idx + 20 && kv_idx + 40 >= q_idx + h")
+        fwd_bwd(q, k, v, causal=True, score_mod=band, block_mask=band.block_mask(1, h, nq, nk))
+cupy.cuda.Device().synchronize()
+print("sanitize feature cases done")
