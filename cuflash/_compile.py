@@ -275,11 +275,10 @@ def get_kernel(tile, features, device_id: int):
 
         props = device.supported(device_id)  # an older GPU gets cuflash's message, not NVRTC's about cp.async
         fam = families.of(tile)
-        arch = None
-        if fam.arch_specific:  # the others take CuPy's target for the device, as they always did
-            arch = fam.nvrtc_arch(props)
+        target = fam.nvrtc_arch(props)  # the binary's target: a snippet's tile check compiled for it
+        arch = target if fam.arch_specific else None  # the others take CuPy's target, as they always did
         source = kernel_source(tile, features)
-        cubin = _kept_cubin(source, fam.nvrtc_arch(props)) if features.user_mod else None
+        cubin = _kept_cubin(source, target) if features.user_mod else None
         try:
             fn = _load(source, kernel_name(tile, features), tile.smem_bytes, device_id, arch, cubin)
         except Exception as e:
