@@ -28,7 +28,7 @@ What is checked before any launch:
     no error: check on the host when the lengths may be wrong.
 
 Split-KV decoding (num_splits) spreads a decode step's keys over several blocks per work tile,
-whose fp32 partial results one fused kernel merges (combine_splits); rotary embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first.
+whose fp32 partial results one fused kernel merges (_COMBINE_SRC, the split plans' last launch); rotary embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _append_kernel():
     return _APPEND
 
 
-_COMBINE = None  # the combine's RawModule, and its kernels by dtype name (looked up once, not per call)
+_COMBINE = None  # the combine's RawModule, and its kernels by dtype name (looked up once per plan)
 _COMBINE_KERNELS: dict = {}
 
 
@@ -168,30 +168,6 @@ CF_COMBINE(cuflash_split_combine_float16, cf_16<false>, unsigned short)
 CF_COMBINE(cuflash_split_combine_bfloat16, cf_16<true>, unsigned short)
 """
 _COMBINE_THREADS = 64
-
-
-def combine_splits(o_acc, lse_acc, dtype=np.float32, out=None, lse=None):
-    """(out (batch, n_q, heads, dim) in `dtype` (float32, float16 or bfloat16), lse float32 (batch,
-    heads, n_q)) of the split-KV partial results o_acc (splits, batch, n_q, heads, dim) and lse_acc
-    (splits, batch, heads, n_q), C-contiguous float32, dim a multiple of 4: one launch. `out` and
-    `lse`: C-contiguous arrays of those shapes to write (else new ones)."""
-    import cupy
-
-    s, b, n_q, h, d = o_acc.shape
-    name = np.dtype(dtype).name
-    if out is not None and out.data.ptr % 8:  # the kernel stores 4 columns at once
-        out[...] = combine_splits(o_acc, lse_acc, dtype, None, lse)[0]
-        return out, lse
-    if out is None:
-        out = cupy.empty((b, n_q, h, d), dtype=dtype)
-    if lse is None:
-        lse = cupy.empty((b, h, n_q), dtype=cupy.float32)
-    n = b * n_q * h * (d // 4)
-    if n:
-        kernel = _combine_kernel(name)
-        kernel((-(-n // _COMBINE_THREADS),), (_COMBINE_THREADS,),
-               (o_acc, lse_acc, out, lse, np.int32(s), np.int32(b), np.int32(n_q), np.int32(h), np.int32(d)))
-    return out, lse
 
 
 _APPEND_PAGED = None
@@ -340,8 +316,7 @@ def num_splits_heuristic(tiles: int, sm_count: int, key_blocks: int, max_splits:
 
 def _plan_split(p, cfg, dtype) -> Plan:
     """The split-KV forward: n_splits blocks per work tile, each over split_blocks key blocks,
-    writing fp32 partial O (n_splits, batch, seqlen_q, heads, head_dim) and lse (n_splits, batch,
-    heads, seqlen_q), which the caller merges (cuflash.merge_attention)."""
+    writing fp32 partial O and lse, merged by the plan's second launch (_split_plan)."""
     m_blocks = -(-p.seqlen_q // cfg.block_q)
     key_blocks = -(-p.seqlen_k // cfg.block_k)
     split_blocks = -(-key_blocks // p.n_splits)
@@ -356,9 +331,31 @@ def _plan_split(p, cfg, dtype) -> Plan:
     d = p.head_dim
     params["o_sb"], params["o_sn"], params["o_sh"] = p.seqlen_q * p.heads * d, p.heads * d, d  # fp32 elements
     launch = Launch(kernel, (tiles * n_splits,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
-    buffers = (Buffer("o_acc", (n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
+    return _split_plan(p, dtype, n_splits, launch, alibi, params)
+
+
+def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params) -> Plan:
+    """A split-KV plan: `attend` writes the fp32 partial results o_acc (n_splits, batch, seqlen_q,
+    heads, head_dim) and lse_acc (n_splits, batch, heads, seqlen_q), the combine merges them into out
+    and lse (the plan's outputs, as the unsplit plans'). One plan, so one driver launch each: the
+    combine through CuPy's kernel call was ~35 us of a decode step's host time (docs/perf-notes.md).
+    `extra`: the inputs after seqused_k (block table, ALiBi slopes)."""
+    d = p.head_dim
+    buffers = (*_forward.output_buffers(p, dtype),
+               Buffer("o_acc", (n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
                Buffer("lse_acc", (n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
-    return Plan(p.device, ("q", "k", "v", "seqused_k", *alibi), buffers, (launch,), ("o_acc", "lse_acc"), params)
+    return Plan(p.device, (*_forward.INPUTS_SEQUSED_K, *extra), buffers,
+                (attend, _combine_launch(p, dtype, n_splits)), _forward.OUTPUTS, params)
+
+
+def _combine_launch(p, dtype, n_splits: int) -> Launch:
+    """combine_splits' kernel as a plan's launch, its sizes as the launch's own scalars."""
+    b, n_q, h, d = p.batch, p.seqlen_q, p.heads, p.head_dim
+    n = b * n_q * h * (d // 4)
+    check_grid(-(-n // _COMBINE_THREADS))
+    return Launch(_combine_kernel(np.dtype(dtype).name), (max(1, -(-n // _COMBINE_THREADS)),), (_COMBINE_THREADS,), 0,
+                  pointers=("o_acc", "lse_acc", "out", "lse"),
+                  params=tuple(np.int32(x) for x in (n_splits, b, n_q, h, d)))
 
 
 def decode_problem(p) -> str | None:
@@ -383,8 +380,8 @@ def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int,
 
 def plan_decode(p, cfg, dtype) -> Plan:
     """The decode kernel's plan (families.DECODE.plan): one block per (split, K/V head, batch).
-    p.n_splits 1: out (16-bit) and lse; more: the fp32 partial results (n_splits, batch, seqlen_q,
-    heads, head_dim) and their lse (n_splits, batch, heads, seqlen_q), merged by the caller."""
+    p.n_splits 1: out and lse directly; more: fp32 partial results merged by the plan's combine
+    launch (_split_plan)."""
     grid = p.n_splits * p.heads_kv * p.batch
     check_grid(grid)
     kernel = _compile.get_kernel(cfg, p.features, p.device)
@@ -402,13 +399,11 @@ def plan_decode(p, cfg, dtype) -> Plan:
     params["o_sb"], params["o_sn"], params["o_sh"] = p.seqlen_q * p.heads * d, p.heads * d, d  # fp32 elements
     slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k", *paged)
     launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
-    buffers = (Buffer("o_acc", (p.n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
-               Buffer("lse_acc", (p.n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
-    return Plan(p.device, ("q", "k", "v", "seqused_k", *paged), buffers, (launch,), ("o_acc", "lse_acc"), params)
+    return _split_plan(p, dtype, p.n_splits, launch, paged, params)
 
 
 def _build_decode(p, splits: int, dtype):
-    """(plan, partial) of the decode kernel for this call: `splits` blocks per (K/V head, batch), or
+    """(plan, split) of the decode kernel for this call: `splits` blocks per (K/V head, batch), or
     decode_splits' choice for 0."""
     from . import device
 
@@ -424,12 +419,12 @@ def _build_decode(p, splits: int, dtype):
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
     """A KV-cache call resolved once per signature (_call_key): its problem, plan, and whether the
-    plan's outputs are split-KV partial results to combine. Repeated calls (a decode loop) skip the
+    plan splits the keys (its combine writes out through 8-byte stores). Repeated calls (a decode loop) skip the
     describing, resolving and choosing: only the lengths are checked and staged per call."""
 
     p: object  # problem.AttnProblem against the capacity, seqused_k (and paged) set
     plan: object
-    partial: bool
+    split: bool
     n_new: int
 
 
@@ -582,7 +577,7 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
             cfg = families.select(family, p)
             tiles = -(-p.seqlen_q // cfg.block_q) * p.heads * p.batch
             s = num_splits_heuristic(tiles, device.query(p.device).sm_count, -(-p.seqlen_k // cfg.block_k))
-        if s > 1:  # (plan, whether its outputs are partial results to merge)
+        if s > 1:  # (plan, whether it splits the keys)
             ps = dataclasses.replace(p, n_splits=s)
             return _plan_split(ps, families.select(families.FWD, ps), q.dtype), True
         return family.plan(p, families.select(family, p), q.dtype), False
@@ -590,10 +585,10 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     # every check (the plan's family and tile, the buffers) before the cache is written
     # the plan's key holds everything the plan depends on: ALiBi's slopes decide the kernel (kAlibi)
     # and their batch stride a parameter, so a call with other (or no) slopes must not take it
-    plan, partial = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale, splits,
+    plan, split = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale, splits,
                                         None if table is None else (table.shape, table.strides),
                                         None if alibi_slopes is None else alibi_slopes.shape), build)
-    prep = _Prepared(p, plan, partial, n_new)
+    prep = _Prepared(p, plan, split, n_new)
     if key is not None and table is block_table and not p.empty:  # the table as given (not a contiguous copy)
         _plans.put(key, prep)
     return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse, alibi_slopes)
@@ -612,9 +607,10 @@ def _execute(prep: _Prepared, q, k_cache, v_cache, lens, seqused, k_new, v_new, 
     paged = () if table is None else (table,)
     if prep.p.alibi:  # the slopes after the table (the plans' input order)
         paged += (alibi_slopes,)
-    if prep.partial:
-        o_acc, lse_acc = prep.plan.run((q, k_cache, v_cache, seqused, *paged))
-        return combine_splits(o_acc, lse_acc, q.dtype, out, lse)
+    if prep.split and out is not None and out.data.ptr % 8:  # the combine stores 4 columns at once
+        got, lse = prep.plan.run((q, k_cache, v_cache, None, lse, seqused, *paged))
+        out[...] = got
+        return out, lse
     return prep.plan.run((q, k_cache, v_cache, out, lse, seqused, *paged))
 
 
@@ -647,7 +643,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     aligned to each batch's length. Returns out like q, and with return_lse also lse float32
     (batch, heads, n_q); rows that see no key (a length of 0) get out 0 and lse -inf.
     num_splits: split-KV ("flash-decoding"): the keys of each (query block, head, batch) split over
-    this many blocks, whose fp32 partial results are merged (cuflash.merge_attention); 0 (the
+    this many blocks, whose fp32 partial results one combine kernel merges; 0 (the
     default) chooses by the work's size against the GPU's SMs (num_splits_heuristic: 1 when the
     work already fills the GPU); 1: no split. At most 128.
     rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) tables (cuflash/rotary.py): k_new is rotated

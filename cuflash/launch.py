@@ -67,6 +67,10 @@ class Launch:
     # slots -> the kernel's leading arguments, per run (None: the `pointers` slots as they are);
     # with a bind, `pointers` names the slots it reads
     bind: Callable | None = None
+    # the launch's own scalar arguments (numpy scalars, after the pointers) instead of the plan's
+    # parameter struct: a helper kernel of another signature in the same plan (the split-KV combine,
+    # cuflash/kvcache.py); dropout's per-run fields never apply to them
+    params: tuple | None = None
 
 
 MAP_BYTES, MAP_ALIGN = 128, 64  # a TMA map parameter (cuflash/tma.py: CUtensorMap, __grid_constant__)
@@ -74,6 +78,22 @@ MAP_BYTES, MAP_ALIGN = 128, 64  # a TMA map parameter (cuflash/tma.py: CUtensorM
 
 def _is_map(v) -> bool:
     return isinstance(v, np.ndarray) and v.dtype.itemsize == MAP_BYTES and v.size == 1
+
+
+class OwnParams:
+    """A launch's own scalars (Launch.params) in KernelParams' shape: `arg` as given, `packed` a
+    (1,) structured array laid out as C lays out the parameters (each at its natural alignment), which
+    _ArgBuffer copies; `with_dropout` is never asked of them."""
+
+    __slots__ = ("packed", "arg")
+
+    def __init__(self, scalars: tuple):
+        scalars = tuple(np.asarray(x)[()] for x in scalars)
+        dt = np.dtype([(f"a{i}", x.dtype) for i, x in enumerate(scalars)], align=True)
+        self.packed = np.zeros(1, dt)
+        for i, x in enumerate(scalars):
+            self.packed[f"a{i}"] = x
+        self.arg = scalars
 
 
 class _ArgBuffer:
@@ -86,7 +106,7 @@ class _ArgBuffer:
 
     __slots__ = ("view", "u64", "argv", "argv_ptr", "lead", "record", "base", "lock", "func", "_mem", "_drop_dirty")
 
-    def __init__(self, lead_maps: tuple, params: KernelParams):
+    def __init__(self, lead_maps: tuple, params: KernelParams | OwnParams):
         packed = params.packed
         offsets, off = [], 0
         for is_map in lead_maps:
@@ -96,13 +116,13 @@ class _ArgBuffer:
             off += size
         self.func = 0  # the kernel's CUfunction, set by the plan when it makes the buffer
         base = -(-off // MAP_ALIGN) * MAP_ALIGN  # the struct image, its fields at the mirror's offsets
-        total = base + packed.dtype.itemsize
+        total = base + -(-packed.dtype.itemsize // 8) * 8  # whole 8-byte words (the u64 view; own scalars may end short)
         self._mem = np.zeros(total + MAP_ALIGN, np.uint8)
         shift = (-self._mem.ctypes.data) % MAP_ALIGN
         self.view = self._mem[shift:shift + total]
-        self.view[base:] = packed.view(np.uint8)
+        self.view[base:base + packed.dtype.itemsize] = packed.view(np.uint8)
         self.u64 = self.view.view(np.uint64)  # total is a multiple of 8: the struct's size is
-        self.record = self.view[base:].view(packed.dtype)  # (1,) structured view of the image
+        self.record = self.view[base:base + packed.dtype.itemsize].view(packed.dtype)  # (1,) structured view
         addr = self.view.ctypes.data
         fields = [packed.dtype.fields[n][1] for n in packed.dtype.names]
         self.argv = np.array([addr + o for o in offsets] + [addr + base + f for f in fields], dtype=np.uint64)
@@ -126,7 +146,7 @@ class _ArgBuffer:
             r["drop_seed"], r["drop_threshold"], r["drop_scale"] = dropout_args
             self._drop_dirty = True
         elif self._drop_dirty:
-            self.view[self.base:] = params.packed.view(np.uint8)
+            self.view[self.base:self.base + params.packed.dtype.itemsize] = params.packed.view(np.uint8)
             self._drop_dirty = False
 
 
@@ -161,7 +181,8 @@ class Plan:
     `params`: the pass's packed parameter struct (params.pack_fwd / pack_bwd); its fields follow
     every launch's pointers."""
 
-    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_outputs", "_out_idx", "_args", "_n_inputs")
+    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_own", "_outputs", "_out_idx", "_args",
+                 "_n_inputs")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
                  params: np.ndarray):
@@ -177,6 +198,7 @@ class Plan:
         # spares the per-call gather on the path whose host overhead matters most; a bind is the take
         self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem, _take(ln, names, index),
                                 _is_cupy_function(ln.kernel)) for ln in launches)
+        self._own = tuple(None if ln.params is None else OwnParams(ln.params) for ln in launches)
         self._out_idx = tuple(index[n] for n in outputs)
         self._outputs = _getter(self._out_idx)
         self._args = [None] * len(launches)  # per launch: its _ArgBuffer, made at its first run
@@ -217,9 +239,11 @@ class Plan:
         ready = False
         for j, (kernel, grid, block, smem, take, raw) in enumerate(self._launches):
             lead = slots if take is None else take(slots)
+            own = self._own[j]
+            params, drop = (self.params, dropout_args) if own is None else (own, None)
             if not raw:  # not a CuPy kernel (the CPU tests' recorders)
-                params = self.params.arg if dropout_args is None else self.params.with_dropout(dropout_args)
-                kernel(grid, block, (*lead, *params), shared_mem=smem)
+                scalars = params.arg if drop is None else params.with_dropout(drop)
+                kernel(grid, block, (*lead, *scalars), shared_mem=smem)
                 continue
             if not ready:  # once per run, before its first driver launch
                 if stream is None:
@@ -230,12 +254,12 @@ class Plan:
                 ready = True
             buf = self._args[j]
             if buf is None:
-                buf = _ArgBuffer(tuple(_is_map(v) for v in lead), self.params)
+                buf = _ArgBuffer(tuple(_is_map(v) for v in lead), params)
                 buf.func = _function_handle(kernel)
                 self._args[j] = buf
             values = [v if is_map else _pointer(v) for (is_map, _), v in zip(buf.lead, lead)]
             with buf.lock:
-                buf.fill(values, dropout_args, self.params)
+                buf.fill(values, drop, params)
                 _launch_kernel(buf.func, *grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)),
                                smem, stream, buf.argv_ptr, 0)
 

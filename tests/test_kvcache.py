@@ -314,14 +314,14 @@ def test_decode_splits():
 
 @needs_nvrtc
 def test_split_combine_kernel_compiles():
-    """The fused merge of the split-KV partial results (kvcache.combine_splits; its numbers are
+    """The fused merge of the split-KV partial results (the split plans' last launch; its numbers are
     checked on the GPU against no split and the reference)."""
     from tests.test_params import _compile_ok
 
     for arch in ("sm_80", "sm_90a"):  # real architectures: ptxas checks the cvt to bf16 / f16 too
         ok, log = _compile_ok(kvcache._COMBINE_SRC, arch)
         assert ok, log
-    for name in ("float32", "float16", "bfloat16"):  # combine_splits' kernel per output dtype
+    for name in ("float32", "float16", "bfloat16"):  # the combine's kernel per output dtype
         assert f"cuflash_split_combine_{name}," in kvcache._COMBINE_SRC
 
 

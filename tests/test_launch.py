@@ -332,3 +332,45 @@ def test_cupy_raw_kernels_take_the_driver_launch():
     kernel = cupy.RawKernel('extern "C" __global__ void f() {}', "f")
     assert _is_cupy_function(kernel)
     assert not _is_cupy_function(lambda *a, **k: None)
+
+
+def test_split_decode_plan_ends_with_its_combine(calls, monkeypatch):
+    """A split-KV decode plan is one plan: the decode kernel writes fp32 partial results into the plan's
+    o_acc / lse_acc, its second launch (the combine, with its own five int32 sizes instead of the
+    parameter struct) merges them into out and lse, which the plan returns."""
+    import dataclasses
+
+    from cuflash import kvcache
+
+    monkeypatch.setattr(kvcache, "_combine_kernel", lambda name: Recorder(f"combine_{name}", calls))
+    qs, kvs = (2, 1, 8, 128), (2, 4096, 2, 128)
+    p = problem.resolve_forward(info(qs, "bfloat16"), info(kvs, "bfloat16"), info(kvs, "bfloat16"), MaskOptions.of(),
+                                None)
+    p = dataclasses.replace(p, seqused_k=True, n_splits=4)
+    plan = kvcache.plan_decode(p, families.DECODE.default(128), np.float16)
+    out, lse = plan.run(("q", "k", "v", None, None, "lens"))
+    assert [c[0] for c in calls] == ["DecodeConfig", "combine_float16"]
+    o_acc, lse_acc = ("alloc", (4, 2, 1, 8, 128), "float32"), ("alloc", (4, 2, 8, 1), "float32")
+    assert calls[0][3][:6] == ("q", "k", "v", o_acc, lse_acc, "lens")
+    _, grid, block, args, smem = calls[1]
+    assert args[:4] == (o_acc, lse_acc, out, lse) and smem == 0
+    assert out == ("alloc", qs, "float16") and lse == ("alloc", (2, 8, 1), "float32")
+    assert args[4:] == (4, 2, 1, 8, 128) and all(type(a) is np.int32 for a in args[4:])
+    assert grid == (-(-2 * 8 * 32 // block[0]),)
+
+
+def test_own_scalars_are_packed_at_their_c_offsets():
+    """Launch.params (a helper kernel's own scalars) go to the driver as C lays out the parameters:
+    after the pointers, each scalar at its natural alignment, the buffer padded to whole words."""
+    import ctypes
+
+    from cuflash.launch import OwnParams, _ArgBuffer
+
+    scalars = (np.int32(3), np.int64(-5), np.int32(7), np.float32(0.5), np.int32(9))
+    buf = _ArgBuffer((False, False), OwnParams(scalars))
+    buf.fill([0x1234, 0x5678], None, None)
+    ptrs = np.frombuffer(ctypes.string_at(buf.argv_ptr, 8 * 7), np.uint64)
+    lead = [int(np.frombuffer(ctypes.string_at(int(a), 8), np.uint64)[0]) for a in ptrs[:2]]
+    assert lead == [0x1234, 0x5678]
+    got = [np.frombuffer(ctypes.string_at(int(a), x.itemsize), x.dtype)[0] for a, x in zip(ptrs[2:], scalars)]
+    assert got == list(scalars) and all(int(a) % x.itemsize == 0 for a, x in zip(ptrs[2:], scalars))
