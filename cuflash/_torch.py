@@ -251,18 +251,25 @@ _bwd_op = torch.ops.cuflash.attention_bwd.default
 # implementations run under a plain autograd.Function: same kernels, outputs and gradients.
 
 class _EagerAttention(torch.autograd.Function):
+    # the options travel as one tuple: autograd unwraps, checks and returns a gradient slot per
+    # argument, and 10 flat options were 10 more of each per call
     @staticmethod
-    def forward(ctx, q, k, v, *options):
+    def forward(ctx, q, k, v, options):
         out, lse = _fwd_eager(q, k, v, options)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = backward_options((q, k, v, *options))
         ctx.mark_non_differentiable(lse)
+        # lse has no gradient: without this autograd would allocate and zero-fill one per backward
+        # (a fill kernel and an allocation on every step, for an argument the backward ignores)
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        if dout is None:  # out took no gradient (not materialised): none flows to q, k, v
+            return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_bwd_eager(dout, q, k, v, out, lse, ctx.options), *OPTION_GRADS)
+        return (*_bwd_eager(dout, q, k, v, out, lse, ctx.options), None)
 
 
 # ------------------------------------------------------------------------------ direct launches
@@ -305,19 +312,17 @@ def _remember(key, plans, plan_key, dev: int, dropout: bool) -> None:
     if isinstance(plan, Plan):  # not FilledPlan (empty problems): those stay on the full path
         if len(_direct) >= _MAX_DIRECT:
             _direct.clear()
+        import cupy
+
         try:
-            _direct[key] = (plan, dev, torch.device("cuda", dev), dropout, plans, plans.generation)
+            _direct[key] = (plan, dev, _empty_on(torch.device("cuda", dev)), dropout, plans, plans.generation,
+                            cupy.cuda.Device(dev))
         except TypeError:  # an unhashable option value (the call still ran): not kept
             pass
 
 
-def _run_direct(entry, tensors, options, drop_at: int, seed_at: int):
-    plan, dev, tdev, dropout, _, _ = entry
-    drop = None
-    if dropout:
-        p = options[drop_at]
-        drop = problem.resolve_dropout(p, _seed_out(p, options[seed_at])).kernel_args
-
+def _empty_on(tdev):
+    """Plan.run_external's allocator on torch device `tdev`: (tensor, its data pointer)."""
     def empty(shape, dtype):
         td = _torch_dtypes.get(dtype)
         if td is None:
@@ -325,9 +330,16 @@ def _run_direct(entry, tensors, options, drop_at: int, seed_at: int):
         t = torch.empty(shape, dtype=td, device=tdev)
         return t, t.data_ptr()
 
-    import cupy
+    return empty
 
-    with cupy.cuda.Device(dev):
+
+def _run_direct(entry, tensors, options, drop_at: int, seed_at: int):
+    plan, dev, empty, dropout, _, _, cdev = entry
+    drop = None
+    if dropout:
+        p = options[drop_at]
+        drop = problem.resolve_dropout(p, _seed_out(p, options[seed_at])).kernel_args
+    with cdev:
         return plan.run_external([Ptr(t.data_ptr()) for t in tensors], empty, _stream(dev), drop)
 
 
@@ -384,7 +396,12 @@ def attention(q, k, v, mask: MaskOptions, softmax_scale, return_lse, algorithm, 
     dropout_p, seed = _dropout_options(dropout_p, seed)
     options = op_options(FWD_OPTIONS, mask, softmax_scale=scale, algorithm=algorithm,
                          deterministic=bool(deterministic), dropout_p=dropout_p, seed=seed, backend=backend)
-    out, lse = _EagerAttention.apply(q, k, v, *options) if _eager((q, k, v)) else _fwd_op(q, k, v, *options)
+    if not _eager((q, k, v)):
+        out, lse = _fwd_op(q, k, v, *options)
+    elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _EagerAttention.apply(q, k, v, options)
+    else:  # no gradient to record (inference, torch.no_grad): the forward without autograd's Function
+        out, lse = _fwd_eager(q, k, v, options)
     return (out, lse) if return_lse else out
 
 

@@ -80,6 +80,11 @@ for s in $stages; do
       timeout 240 python3 scripts/bench_score_mod.py --json "$OUT/bench-score-mod.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench-score-mod.log" ;;
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
+    torchtests) timeout ${TORCH_TESTS_TIMEOUT:-240} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
+                  tests/gpu/test_torch_gpu.py tests/gpu/test_transformers_gpu.py tests/gpu/test_interop_gpu.py \
+                  tests/test_torch_meta.py tests/test_interop.py 2>&1 | tee "$OUT/torch-tests.log" | tail -20 ;;  # issue 18's torch paths
+    profileoverhead) timeout 120 python3 scripts/profile_overhead.py 2>&1 | grep -v Warning | tee "$OUT/profile-overhead.log" \
+                       | head -150 ;;  # cProfile of the per-call host work at the overhead shape
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
     benchshapes)  # issue 12's figures: Llama-3-8B GQA (32/8 heads) against MHA at the same shape; head_dim 256
       for g in 4 1; do python3 -m cuflash.bench --head-dims 128 --hidden 4096 --gqa $g --seqlens 8192 --reps 20 \
