@@ -100,11 +100,12 @@ class _ArgBuffer:
     """One launch's kernel arguments for cuLaunchKernel's kernelParams: every parameter's bytes in one
     buffer and an array of pointers to them, in parameter order. The driver copies the parameters
     at the launch call, so the buffer is rewritten per run (under a lock: plans are shared by
-    threads): the leading pointers (8 bytes) and TMA maps (128 bytes), and dropout's three fields;
-    the parameter struct's other fields are written once. `lead_maps`: per leading argument,
+    threads): the leading pointers (8 bytes), TMA maps (128 bytes, when another map comes) and
+    dropout's three fields; the parameter struct's other fields are written once. `lead_maps`: per leading argument,
     whether it is a TMA map (else a device pointer)."""
 
-    __slots__ = ("view", "u64", "argv", "argv_ptr", "lead", "record", "base", "lock", "func", "_mem", "_drop_dirty")
+    __slots__ = ("view", "u64", "argv", "argv_ptr", "lead", "record", "base", "lock", "func", "maps", "_mem",
+                 "_drop_dirty")
 
     def __init__(self, lead_maps: tuple, params: KernelParams | OwnParams):
         packed = params.packed
@@ -128,6 +129,7 @@ class _ArgBuffer:
         self.argv = np.array([addr + o for o in offsets] + [addr + base + f for f in fields], dtype=np.uint64)
         self.argv_ptr = self.argv.ctypes.data
         self.lead = tuple(zip(lead_maps, offsets))
+        self.maps = [None] * len(lead_maps)  # per leading argument, the TMA map last copied in (its array)
         self.base = base
         self.lock = threading.Lock()
         self._drop_dirty = False
@@ -135,12 +137,13 @@ class _ArgBuffer:
     def fill(self, values, dropout_args, params: KernelParams) -> None:
         """Write the leading arguments (device pointers as ints, TMA maps as their arrays) and
         dropout's fields (or restore the plan's after a dropout run). Hold self.lock."""
-        u64, view = self.u64, self.view
-        for (is_map, off), v in zip(self.lead, values):
-            if is_map:
-                view[off:off + MAP_BYTES] = v.view(np.uint8).reshape(-1)
-            else:
+        u64, view, last = self.u64, self.view, self.maps
+        for i, ((is_map, off), v) in enumerate(zip(self.lead, values)):
+            if not is_map:
                 u64[off >> 3] = v
+            elif last[i] is not v:  # a map is encoded once per pointer and never changed: copy it when it changes
+                view[off:off + MAP_BYTES] = v.view(np.uint8).reshape(-1)
+                last[i] = v
         if dropout_args is not None:
             r = self.record
             r["drop_seed"], r["drop_threshold"], r["drop_scale"] = dropout_args

@@ -163,6 +163,8 @@ def check_softmax_scale(softmax_scale) -> float | None:
     """A positive finite float, or None (the default, 1/sqrt(head_dim), is resolved with the arrays)."""
     if softmax_scale is None:
         return None
+    if isinstance(softmax_scale, (bool, np.bool_, str, bytes)):  # float() would take True and "0.1"
+        raise TypeError(f"softmax_scale must be a positive finite float or None, got {softmax_scale!r}")
     try:
         scale = float(softmax_scale)
     except (TypeError, ValueError):

@@ -374,3 +374,17 @@ def test_own_scalars_are_packed_at_their_c_offsets():
     assert lead == [0x1234, 0x5678]
     got = [np.frombuffer(ctypes.string_at(int(a), x.itemsize), x.dtype)[0] for a, x in zip(ptrs[2:], scalars)]
     assert got == list(scalars) and all(int(a) % x.itemsize == 0 for a, x in zip(ptrs[2:], scalars))
+
+
+def test_a_tma_map_is_copied_when_another_comes():
+    """_ArgBuffer copies a leading TMA map only when the argument is another map than the last run's
+    (maps are encoded once per pointer and not changed after), and always holds the current one."""
+    from cuflash.launch import MAP_BYTES, OwnParams, _ArgBuffer
+
+    buf = _ArgBuffer((True, False), OwnParams((np.int32(1),)))
+    off = buf.lead[0][1]
+    a, b = np.frombuffer(b"\x11" * MAP_BYTES, np.dtype((np.void, MAP_BYTES))).copy(), \
+        np.frombuffer(b"\x22" * MAP_BYTES, np.dtype((np.void, MAP_BYTES))).copy()
+    for m, byte in ((a, 0x11), (a, 0x11), (b, 0x22), (a, 0x11)):
+        buf.fill([m, 7], None, None)
+        assert (buf.view[off:off + MAP_BYTES] == byte).all() and buf.maps[0] is m

@@ -70,8 +70,10 @@ def test_bad_scale(scale):
 
 
 def test_bad_scale_type_and_causal():
-    with pytest.raises(TypeError, match="softmax_scale"):
-        ok(softmax_scale="big")
+    for bad in ("big", "0.5", True, np.bool_(True), b"1"):  # float() would take all but the first
+        with pytest.raises(TypeError, match="softmax_scale"):
+            ok(softmax_scale=bad)
+    assert ok(softmax_scale=np.float32(0.5)).softmax_scale == 0.5 and ok(softmax_scale=2).softmax_scale == 2.0
     with pytest.raises(TypeError, match="causal"):
         ok(causal="yes")
 
