@@ -413,8 +413,26 @@ def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50
 # ----------------------------------------------------------------------------- main
 
 
+def json_path_problem(path) -> str | None:
+    """Why results could not be written to `path` (checked before anything is measured), or None."""
+    import os
+
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a directory"
+    if not os.path.isdir(folder):
+        return f"no folder {folder}"
+    if not os.access(folder, os.W_OK):
+        return f"cannot write in {folder}"
+    return None
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    why = args.json and json_path_problem(args.json)
+    if why:
+        print(f"cuflash.bench: --json: {why}", file=sys.stderr)
+        return 2
     n_gpus, why = _cuda_device_count()
     if n_gpus == 0:
         print(f"cuflash.bench: no CUDA GPU found ({why}); nothing to benchmark.", file=sys.stderr)

@@ -175,13 +175,15 @@ def build(mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: int
     mod.check_device(device)
     qc, kc = -(-seqlen_q // CELL), -(-seqlen_k // CELL)
     kw = -(-kc // 32)
+    if kw > 65535:  # the cells pass's grid y (its x, the query cells, goes to 2^31 - 1)
+        raise ValueError(f"seqlen_k of a block mask must be at most {65535 * 32 * CELL}, got {seqlen_k}")
     fn = _kernel(_cells_kernels, (mod.source, device), _cells_source(mod.source), "cuflash_block_mask_cells",
                  device, mod.source)
     with cupy.cuda.Device(device):
         bits = cupy.zeros((batch * heads, qc, max(kw, 1)), dtype=cupy.uint32)
         full = cupy.zeros_like(bits)
         if qc and kw:
-            fn((kw, qc, batch * heads), (32,), (bits, full, mod.pointer_table(device), cupy.int32(heads),
+            fn((qc, kw, batch * heads), (32,), (bits, full, mod.pointer_table(device), cupy.int32(heads),
                                                 cupy.int32(seqlen_q), cupy.int32(seqlen_k), cupy.int32(qc), cupy.int32(kc),
                                                 cupy.int32(kw)))
     return BlockMask(mod.source, batch, heads, seqlen_q, seqlen_k, device, bits, full)

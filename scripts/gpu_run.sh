@@ -41,7 +41,11 @@ for s in $stages; do
           echo "== $tool $cases" | tee -a "$OUT/sanitize.log"
           compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/$cases.py 2>&1 | tail -6 | tee -a "$OUT/sanitize.log"
         done
-      done ;;
+      done
+      # every run must end in "ERROR SUMMARY: 0 errors" (racecheck: "0 hazards"): say which did not
+      bad=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.log" | grep -vE ": 0 (errors|hazards)" | wc -l)
+      runs=$(grep -cE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/sanitize.log")
+      echo "sanitize: $runs summaries, $bad not clean" | tee -a "$OUT/sanitize.log" ;;
     bench) python3 -m cuflash.bench --quick --json "$OUT/bench-quick.json" 2>&1 | tee "$OUT/bench-quick.log" ;;
     fuzz) CUFLASH_FUZZ_CASES=${FUZZ_CASES:-2000} timeout ${FUZZ_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider \
             -rfE tests/gpu/test_fuzz_gpu.py tests/gpu/test_concurrency_gpu.py tests/gpu/test_soak_gpu.py 2>&1 \

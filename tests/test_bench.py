@@ -143,6 +143,14 @@ def test_write_json(tmp_path):
 # ----------------------------------------------------------------------------- main
 
 
+@pytest.mark.parametrize("where", ["missing/x.json", "."])
+def test_json_path_that_cannot_be_written_is_a_message(where, tmp_path, monkeypatch, capsys):
+    """Checked before anything is measured (and before the GPU is looked for): no traceback."""
+    monkeypatch.setattr(bench, "_cuda_device_count", lambda: (1, ""))
+    assert bench.main(["--quick", "--json", str(tmp_path / where)]) == 2
+    assert "--json:" in capsys.readouterr().err
+
+
 def test_main_without_gpu_exits_2(monkeypatch, capsys):
     monkeypatch.setattr(bench, "_cuda_device_count", lambda: (0, "no driver"))
     assert bench.main(["--quick"]) == 2

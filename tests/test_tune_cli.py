@@ -202,6 +202,15 @@ def test_dry_run_from_recorded_properties(capsys):
     assert "bwd d256: 12 configs, 0 pass the static checks, default none fits" in out
 
 
+def test_compile_check_without_nvrtc_is_a_message(monkeypatch, capsys):
+    """--compile-check where CuPy's NVRTC cannot load says so (exit 2), instead of listing every
+    config as compile-pruned and exiting 0."""
+    monkeypatch.setitem(sys.modules, "cupy.cuda.nvrtc", None)  # import fails as without CuPy
+    assert cli.main(["--dry-run", "--props", str(FIX / "l4.json"), "--kernels", "fwd", "--head-dims", "64",
+                     "--compile-check"]) == 2
+    assert "--compile-check needs CuPy with NVRTC" in capsys.readouterr().err
+
+
 def test_worker_process_survives_a_dying_and_a_hanging_child():
     """The isolation itself (no GPU needed): a child that exits or hangs is replaced."""
     with runner.Worker(0, isolated=True, timeout_s=60) as w:

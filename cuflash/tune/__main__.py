@@ -211,6 +211,14 @@ def do_dry_run(a, o: Options) -> int:
     if why:
         print(f"cuflash.tune: {why}", file=sys.stderr)
         return 2
+    if a.compile_check:  # else every config would be "pruned" by the missing compiler and the run look fine
+        try:
+            import importlib
+
+            importlib.import_module("cupy.cuda.nvrtc").getVersion()
+        except Exception as e:  # noqa: BLE001 - ImportError, a missing libnvrtc: said, not traced
+            print(f"cuflash.tune: --compile-check needs CuPy with NVRTC: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     print(f"{props.name}: cc {props.cc_str} ({props.arch}), {props.sm_count} SMs, smem opt-in {props.smem_optin} B, "
           f"{props.register_budget} registers per block")
     for k in o.kernels:

@@ -35,7 +35,9 @@ __device__ __forceinline__ int lower_bound(const int* __restrict__ a, int n, int
     return lo;
 }
 
-// The cells pass: a warp per (32 key cells, query cell, bh); grid (kwords, qcells, bh count).
+// The cells pass: a warp per (query cell, 32 key cells, bh); grid (qcells, kwords, bh count): the
+// query cells in x, whose limit is 2^31 - 1 (a million-token query side is 65,536 cells, one past
+// y's limit).
 // Defs: the snippets' UserModDefs<true> (attn/score_mod.cuh); `heads`: the mask's heads (1 when
 // broadcast), so bh = b * heads + h. bits: some pair of the cell kept; full: every pair of it (its
 // pairs inside the sequences) kept.
@@ -43,7 +45,7 @@ template <class Defs>
 __device__ __forceinline__ void block_mask_cells(unsigned* __restrict__ bits, unsigned* __restrict__ full,
                                                  const void* const* __restrict__ aux, int heads, int seqlen_q,
                                                  int seqlen_k, int qcells, int kcells, int kwords) {
-    const int lane = threadIdx.x, kw = blockIdx.x, qc = blockIdx.y, bh = blockIdx.z;
+    const int lane = threadIdx.x, qc = blockIdx.x, kw = blockIdx.y, bh = blockIdx.z;
     const int b = bh / heads, h = bh % heads, kc = kw * 32 + lane;
     bool any = false, all = true;
     if (kc < kcells) {

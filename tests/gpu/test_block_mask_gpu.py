@@ -224,3 +224,21 @@ def test_torch_autograd_through_a_block_mask():
         out.backward(dout)
         grads.append((out.detach(), *(t.grad for t in x)))
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_million_query_cells_fit_the_cells_grid():
+    """seqlen_q past 65,535 query cells (1M + 16 tokens: 65,537 cells) builds: the cells pass puts the
+    query cells on the grid's x (issue 14: grids beyond 65,535 blocks in any dimension)."""
+    import cupy
+
+    nq, nk = (1 << 20) + 16, 40
+    mod = cuflash.ScoreMod(mask="(q_idx & 31) >= kv_idx")  # rows see 0..31 keys; k >= 32 never kept
+    bm = mod.block_mask(1, 1, nq, nk)
+    cells = _cells_of(bm)
+    assert cells.shape == (1, -(-nq // 16), 3)
+    odd = np.arange(cells.shape[1]) % 2 == 1  # query cells of rows with q & 31 in 16..31
+    assert cells[0, :, 0].all() and (cells[0, :, 1] == odd).all() and not cells[0, :, 2].any()
+    full = _cells_of(bm, bm.full_cells)
+    assert (full[0, :, 0] == odd).all() and not full[0, :, 1:].any()
+    counts, _ = bm.lists(128, 64)
+    assert int(cupy.asnumpy(counts).min()) == 1 and counts.shape == (1, -(-nq // 128))
