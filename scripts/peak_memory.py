@@ -58,8 +58,16 @@ def measure(n, heads, d=128, causal=True):
     return res
 
 
+def linear_bound(r) -> int:
+    """What O(N) allows a pass: per token and head, the outputs and the backward's fp32 workspaces
+    (out; dq, dk, dv; dq's fp32 accumulator; lse, delta, lse2), doubled for slack: 2 (10 d + 16)
+    bytes. An N x N score matrix at 128k tokens would be 32 GiB per head."""
+    return 2 * (10 * r["head_dim"] + 16) * r["tokens"] * r["heads"]
+
+
 if __name__ == "__main__":
     rows = [measure(128 * 1024, 8), measure(1024 * 1024, 1)]
+    bad = [r for r in rows if max(r["fwd_extra_bytes"], r["bwd_extra_bytes"]) > linear_bound(r) or not r["finite"]]
     for r in rows:
         print(f"{r['tokens']:>8} tokens x {r['heads']} heads, d{r['head_dim']}, causal: inputs {r['input_bytes'] / 2**20:.0f} MiB; "
               f"forward allocates {r['fwd_extra_bytes'] / 2**20:.1f} MiB ({r['fwd_extra_per_token']:.0f} B/token) in "
@@ -68,3 +76,6 @@ if __name__ == "__main__":
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(rows, f, indent=1)
+    for r in bad:
+        print(f"NOT O(N) or not finite at {r['tokens']} tokens: bound {linear_bound(r) / 2**20:.1f} MiB")
+    sys.exit(1 if bad else 0)

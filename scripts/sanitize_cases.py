@@ -20,6 +20,15 @@ for nq, nk in ((300, 200), (130, 520)):
     for causal in (False, True):
         q, k, v = random_qkv(rng, 1, nq, nk, 2, 128, dtype_of("bfloat16"))
         forward_v1(q, k, v, causal=causal)
+# the mma.sync forward forced (on a cc 9.0 GPU the automatic choice is the Hopper kernel), plain and
+# with dropout, and the other head dims' forward and backward, fp16
+for d in (32, 64, 96, 128, 192, 256):
+    q, k, v = random_qkv(rng, 1, 77, 141, 2, d, dtype_of("float16"))
+    for causal in (False, True):
+        cuflash.attention(q, k, v, causal=causal, backend="sm80")
+        cuflash.attention(q, k, v, causal=causal, backend="sm80", dropout_p=0.2, seed=3)
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        cuflash.attention_backward(out, q, k, v, out, lse, causal=causal)
 cupy.cuda.Device().synchronize()
 print("sanitize cases done")
 # backward: atomic dQ and deterministic dQ, ragged and causal with Nq != Nk

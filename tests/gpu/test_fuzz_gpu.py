@@ -1,7 +1,7 @@
 """Seeded property-based fuzzing of the public API (issue 14): each case draws a shape (batch, seqlens
 including 0 and 1, heads and GQA group, head_dim), dtype, layout (contiguous, or slices of a packed
 qkv array, or heads-major strides), mask (causal, window, alignment), softmax_scale, algorithm,
-forward backend, dropout and determinism, then checks forward and backward against the float64
+forward backend, dropout, ALiBi slopes and determinism, then checks forward and backward against the float64
 reference by FlashAttention's 2x rule, outputs poisoned first.
 
 CUFLASH_FUZZ_CASES sets how many cases (default 64: a quick pass; scripts/gpu_run.sh runs
@@ -71,7 +71,23 @@ def draw(seed: int) -> dict:
         c["dropout_p"] = float(rng.choice([0.1, 0.3]))
     if c["layout"] == "packed":
         c["nk"] = c["nq"]  # a packed qkv array has one seqlen
+    # drawn last, so the seeds above keep the cases they had before ALiBi joined
+    c["alibi"] = None
+    if rng.random() < 0.15 and c["algorithm"] == "v2":  # (heads,) slopes, or (batch, heads)
+        c["alibi"] = str(rng.choice(["heads", "batch_heads"])) if c["b"] else "heads"
     return c
+
+
+def _slopes(c):
+    """ALiBi's slopes of the case (float32 CuPy), or None: geometric per head, varied per batch."""
+    import cupy
+
+    if c["alibi"] is None:
+        return None
+    s = 2.0 ** (-8.0 * (np.arange(c["heads"]) + 1) / c["heads"])
+    if c["alibi"] == "batch_heads":
+        s = s[None, :] * (1 + 0.5 * np.arange(c["b"]))[:, None]
+    return cupy.asarray(s.astype(np.float32))
 
 
 def _arrays(c):
@@ -114,8 +130,9 @@ def check_case(c: dict) -> None:
     q, k, v, dout = _arrays(c)
     mask = MaskOptions.of(causal=c["causal"], window_size=c["window"], alignment=c["alignment"], softcap=c["softcap"])
     scale = c["scale"] if c["scale"] is not None else 1 / math.sqrt(c["d"])
+    slopes = _slopes(c)
     kw = dict(causal=c["causal"], window_size=c["window"], alignment=c["alignment"], softmax_scale=c["scale"],
-              softcap=c["softcap"],
+              softcap=c["softcap"], alibi_slopes=slopes,
               dropout_p=c["dropout_p"], seed=c["seed"] if c["dropout_p"] else None)
     out, lse = cuflash.attention(q, k, v, return_lse=True, algorithm=c["algorithm"], backend=c["backend"], **kw)
     assert out.shape == q.shape and lse.shape == (c["b"], c["heads"], c["nq"])
@@ -125,13 +142,14 @@ def check_case(c: dict) -> None:
             assert not bool(x.astype(cupy.float32).any())
         return
     z = _keep_scale(c)
-    err, pt, allowed = fa_rule(out, q, k, v, mask, scale, keep_scale=z)
+    err, pt, allowed = fa_rule(out, q, k, v, mask, scale, keep_scale=z, alibi_slopes=slopes)
     assert err <= allowed, f"out: max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=c["deterministic"], **kw)
     for g, x in zip(grads, (q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype
         assert not bool(cupy.isnan(g.astype(cupy.float32)).any())
-    for name, (err, pt, allowed) in fa_rule_grads(grads, q, k, v, dout, mask, scale, keep_scale=z).items():
+    for name, (err, pt, allowed) in fa_rule_grads(grads, q, k, v, dout, mask, scale, keep_scale=z,
+                                                  alibi_slopes=slopes).items():
         assert err <= allowed, f"{name}: max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
 
 
@@ -145,6 +163,7 @@ def test_draws_cover_the_space():
     assert any(c["heads"] > c["heads_kv"] for c in cases) and any(c["dropout_p"] for c in cases)
     assert any(c["window"] != (-1, -1) for c in cases) and any(c["softcap"] for c in cases)
     assert any(c["d"] % 32 for c in cases) and any(c["d"] == 256 for c in cases)
+    assert seen("alibi", "heads") and seen("alibi", "batch_heads")
 
 
 @pytest.mark.parametrize("seed", REGRESSIONS + list(range(FIRST_SEED, FIRST_SEED + N_CASES)))

@@ -71,6 +71,51 @@ def test_out_of_memory_is_clean_and_the_next_call_works():
     assert bool(cupy.isfinite(out.astype(cupy.float32)).all())
 
 
+def test_out_of_memory_in_the_backward_is_clean():
+    """As the forward's: the backward's workspaces (dq's fp32 accumulator) do not fit a 1 MiB pool:
+    CuPy's OutOfMemoryError, then the same backward on the default pool works and is finite."""
+    import cupy
+
+    import cuflash
+
+    q, k, v = random_qkv(np.random.default_rng(1), 1, 4096, 4096, 8, 128, dtype_of("bfloat16"))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    cuflash.attention_backward(out, q, k, v, out, lse)  # kernels and plan built
+    cupy.cuda.Device().synchronize()
+    pool = cupy.cuda.MemoryPool()
+    pool.set_limit(size=1 << 20)
+    with cupy.cuda.using_allocator(pool.malloc), pytest.raises(cupy.cuda.memory.OutOfMemoryError):
+        cuflash.attention_backward(out, q, k, v, out, lse)
+    grads = cuflash.attention_backward(out, q, k, v, out, lse)
+    assert all(bool(cupy.isfinite(g.astype(cupy.float32)).all()) for g in grads)
+
+
+def test_torch_out_of_memory_is_torchs_error_and_the_next_call_works():
+    """From torch (outputs from torch's allocator): a per-process memory fraction that leaves no room
+    for the output gives torch's OutOfMemoryError, forward and backward; with the fraction back, the
+    same calls work."""
+    torch = pytest.importorskip("torch")
+
+    import cuflash
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(1, 8192, 8, 128, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    cuflash.attention(q, k, v).sum().backward()  # plans built, torch's cache warm
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_allocated() + (1 << 20)) / total)
+        with pytest.raises(torch.OutOfMemoryError):
+            cuflash.attention(q, k, v)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    out = cuflash.attention(q, k, v)
+    out.float().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all()
+
+
 def test_grids_beyond_65535_blocks():
     """batch x heads x query blocks over 65,535 (the y/z grid limit): the kernels take 1-D grids,
     forward and backward stay right (2x rule)."""
