@@ -85,7 +85,7 @@ for s in $stages; do
         | tee "$OUT/bench-score-mod.log" ;;
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     torchtests) timeout ${TORCH_TESTS_TIMEOUT:-240} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
-                  tests/gpu/test_torch_gpu.py tests/gpu/test_transformers_gpu.py tests/gpu/test_interop_gpu.py \
+                  tests/gpu/test_torch_gpu.py tests/gpu/test_transformers_gpu.py tests/gpu/test_interop_gpu.py tests/gpu/test_graphs_gpu.py \
                   tests/test_torch_meta.py tests/test_interop.py 2>&1 | tee "$OUT/torch-tests.log" | tail -20 ;;  # issue 18's torch paths
     profileoverhead) timeout 120 python3 scripts/profile_overhead.py 2>&1 | grep -v Warning | tee "$OUT/profile-overhead.log" \
                        | head -150 ;;  # cProfile of the per-call host work at the overhead shape
