@@ -255,7 +255,9 @@ class _EagerAttention(torch.autograd.Function):
     # argument, and 10 flat options were 10 more of each per call
     @staticmethod
     def forward(ctx, q, k, v, options):
-        out, lse = _fwd_eager(q, k, v, options)
+        key, ptrs = _direct_key((q, k, v), options, _FWD_SEED)
+        out, lse = _fwd_eager(q, k, v, options, key, ptrs)
+        ctx.fwd_key = key  # the backward's key builds on it (out and lse are laid out by the forward's plan)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.options = backward_options((q, k, v, *options))
         ctx.mark_non_differentiable(lse)
@@ -269,7 +271,7 @@ class _EagerAttention(torch.autograd.Function):
         if dout is None:  # out took no gradient (not materialised): none flows to q, k, v
             return None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_bwd_eager(dout, q, k, v, out, lse, ctx.options), None)
+        return (*_bwd_eager(dout, q, k, v, out, lse, ctx.options, ctx.fwd_key), None)
 
 
 # ------------------------------------------------------------------------------ direct launches
@@ -355,18 +357,30 @@ def _lookup(key):
         return None
 
 
-def _fwd_eager(q, k, v, options):
-    key, ptrs = _direct_key((q, k, v), options, _FWD_SEED)
+def _fwd_eager(q, k, v, options, key=None, ptrs=None):
+    if key is None:
+        key, ptrs = _direct_key((q, k, v), options, _FWD_SEED)
     entry = _lookup(key)
     if entry is None or entry[5] != entry[4].generation:  # new, or its plan cache was cleared since
         return _fwd_run(q, k, v, options, remember=key)
     return _run_direct(entry, ptrs, options, _FWD_DROP, _FWD_SEED)
 
 
-def _bwd_eager(dout, q, k, v, out, lse, options):
+def _bwd_eager(dout, q, k, v, out, lse, options, fwd_key=None):
+    """The backward's direct launch. `fwd_key`: the forward's _direct_key (autograd's backward of
+    that forward): q, k, v's layouts and the options are in it, and out and lse are the forward
+    plan's contiguous outputs, so only dout's layout and every pointer's alignment are added (six
+    tensors' shapes and strides were a tenth of a small backward's host time)."""
     dout = dout.contiguous()
-    key, ptrs = _direct_key((dout, q, k, v, out, lse), options, _BWD_SEED)
-    key = ("bwd", key)
+    if fwd_key is None:
+        key, ptrs = _direct_key((dout, q, k, v, out, lse), options, _BWD_SEED)
+        key = ("bwd", key)
+    else:
+        ptrs = [dout.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()]
+        low = 0
+        for p in ptrs:
+            low |= p
+        key = ("bwd_of", fwd_key, dout.shape, dout.dtype, low % 16, options[:_BWD_SEED], options[_BWD_SEED + 1:])
     entry = _lookup(key)
     if entry is None or entry[5] != entry[4].generation:
         return _bwd_run(dout, q, k, v, out, lse, options, remember=key)

@@ -194,6 +194,38 @@ def test_every_family_and_feature_picks_a_default_that_fits(name):
                     assert fam.accumulator_registers(tile) <= fam.register_cap(tile, props)
 
 
+FEATURE_CLASSES = ({"dropout": True}, {"local": True}, {"softcap": True}, {"alibi": True},
+                   {"local": True, "softcap": True, "dropout": True}, {"alibi": True, "local": True},
+                   {"partial_d": True}, {"seqused_k": True}, {"varlen": True}, {"varlen": True, "local": True},
+                   {"seqused_k": True, "split_kv": True}, {"seqused_k": True, "paged": True},
+                   {"seqused_k": True, "split_kv": True, "paged": True, "alibi": True})
+
+
+@pytest.mark.parametrize("name", sorted(DEVICES))
+def test_every_feature_class_a_family_takes_fits_the_device(name):
+    """Each family's default tile for the feature classes it takes (windows, softcap, ALiBi, partial
+    head dims, per-batch lengths, varlen, split-KV, paged caches and combinations), on each recorded
+    GPU: within its shared memory, and the accumulators within the register cap (the variants add
+    registers and some add shared memory)."""
+    props = DEVICES[name]
+    checked = 0
+    for fam in (f for f in families.REGISTRY.values() if f.device_problem(props) is None):
+        for d in SUPPORTED_HEAD_DIMS:
+            if d not in fam.defaults or known_gap(fam, d, props):
+                continue
+            for dtype in SUPPORTED_DTYPES:
+                for kw in FEATURE_CLASSES:
+                    features = Features(dtype, d, **kw)
+                    if not fam.supports(features):
+                        continue
+                    tile = fam.default(d, props.smem_optin, features)
+                    assert fam.can_implement(tile, props, features) is None, (fam.name, d, kw, tile)
+                    assert tile.smem_bytes <= props.smem_optin, (fam.name, d, kw, tile)
+                    assert fam.accumulator_registers(tile) <= fam.register_cap(tile, props), (fam.name, d, kw)
+                    checked += 1
+    assert checked >= 100
+
+
 @pytest.mark.parametrize("name", sorted(DEVICES))
 def test_tuner_dry_run_lists_a_space_for_each_recorded_gpu(name, capsys):
     """`python -m cuflash.tune --dry-run --props NAME` (the shipped file, found by name): a non-empty

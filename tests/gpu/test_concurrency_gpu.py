@@ -1,5 +1,6 @@
-"""Concurrency (issue 14): threads, each on its own CuPy stream, calling forward and the deterministic
-backward at once give bitwise the results of serial calls (plan and kernel caches are shared)."""
+"""Concurrency (issue 14): threads, each on its own CuPy stream, calling forward (v2, v1, dropout), the
+deterministic backward and a split-KV decoding step at once give bitwise the results of serial
+calls (plan and kernel caches are shared)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -24,18 +25,25 @@ def _inputs(t):
     return q, k, v, dout, causal
 
 
-def _run(q, k, v, dout, causal):
+def _run(q, k, v, dout, causal, t):
+    """Thread t's calls: the forward (v1 on every fourth thread, dropout on every fourth other), the
+    deterministic backward, and a split-KV decoding step on k, v as a cache (its plan's two launches
+    share argument buffers across threads)."""
     import cuflash
 
-    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-    return (out, lse, *cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True))
+    drop = dict(dropout_p=0.1, seed=t) if t % 4 == 2 else {}
+    algorithm = "v1" if t % 4 == 1 else "v2"
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, algorithm=algorithm, **drop)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=True, **drop)
+    step = cuflash.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=k.shape[1] - 3, num_splits=3)
+    return (out, lse, *grads, step)
 
 
 def test_threads_and_streams_match_serial_calls():
     import cupy
 
     inputs = [_inputs(t) for t in range(THREADS)]
-    serial = [tuple(x.copy() for x in _run(*inputs[t])) for t in range(THREADS)]
+    serial = [tuple(x.copy() for x in _run(*inputs[t], t)) for t in range(THREADS)]
     cupy.cuda.Device().synchronize()
 
     def worker(t):
@@ -43,7 +51,7 @@ def test_threads_and_streams_match_serial_calls():
         results = []
         with stream:
             for _ in range(CALLS):
-                results.append(_run(*inputs[t]))
+                results.append(_run(*inputs[t], t))
             stream.synchronize()
         return results
 

@@ -144,7 +144,7 @@ def test_nan_padding_never_read(backend):
 
 
 def test_large_logits_and_constant_inputs_stay_finite(backend):
-    """Large-magnitude and constant inputs (R4): finite and within the rule."""
+    """Large-magnitude, very small and constant inputs (R4): finite and within the rule."""
     import cupy
     import cuflash
 
@@ -156,6 +156,15 @@ def test_large_logits_and_constant_inputs_stay_finite(backend):
             assert bool(cupy.isfinite(out.astype(cupy.float32)).all())
             err, pt_err, allowed = fa_rule(out, q, k, v, causal, 1 / math.sqrt(128))
             assert err <= allowed, f"scale {scale}: {err:.3e} > {allowed:.3e}"
+    # very small logits (tiny inputs, a tiny softmax_scale, and subnormal-range scores): a near-uniform
+    # softmax, no underflow to 0 / 0
+    for scale, sm_scale in ((1e-3, 1 / math.sqrt(128)), (1.0, 1e-6), (1e-2, 1e-4)):
+        q, k, v = random_qkv(rng, 1, 333, 333, 2, 128, dtype_of("bfloat16"), scale=scale)
+        for causal in (False, True):
+            out = cuflash.attention(q, k, v, causal=causal, softmax_scale=sm_scale, backend=backend)
+            assert bool(cupy.isfinite(out.astype(cupy.float32)).all())
+            err, pt_err, allowed = fa_rule(out, q, k, v, causal, sm_scale)
+            assert err <= allowed, f"small logits {scale}, {sm_scale}: {err:.3e} > {allowed:.3e}"
     c = cupy.full((1, 100, 2, 64), 1000.0, dtype=cupy.float32).astype(dtype_of("float16"))
     out = cuflash.attention(c, c, c, backend=backend)
     # P is rounded to fp16 before P V while l sums unrounded P (as in FlashAttention): 1 ulp at 1000

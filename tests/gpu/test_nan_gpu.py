@@ -102,38 +102,65 @@ def test_nan_lse_matches_the_reference(where, variant):
     np.testing.assert_array_equal(np.isnan(cupy.asnumpy(lse)), np.isnan(lse_ref))
 
 
-def _grads(deterministic):
+def _grads(deterministic, d=64):
     import cupy
 
     import cuflash
 
-    clean, qkv = _inputs(64, "k", np.nan)
+    clean, qkv = _inputs(d, "k", np.nan)
     grads = []
     for inputs in (clean, qkv):
         out, lse = cuflash.attention(*inputs, causal=True, return_lse=True, backend="sm80")
-        dout = cupy.ones_like(out)
+        dout = cupy.ones_like(out)  # d128 on a cc 9.0 GPU: the Hopper backward (atomic dQ)
         grads.append([_f64(g) for g in cuflash.attention_backward(dout, *inputs, out, lse, causal=True,
                                                                   deterministic=deterministic)])
     return grads
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_nan_stays_in_its_slice(deterministic):
+def test_backward_nan_stays_in_its_slice(deterministic, d):
     """Other (batch, head) slices' gradients are those of a clean run (bit for bit when
     deterministic; dq by fp32 atomics within a tolerance)."""
     others = np.ones((B, H), bool)
     others[1, 0] = False
-    for g0, g in zip(*_grads(deterministic)):
+    for g0, g in zip(*_grads(deterministic, d)):
         a, b = g0.transpose(0, 2, 1, 3)[others], g.transpose(0, 2, 1, 3)[others]
         assert np.isfinite(b).all()
         tol = 0 if deterministic else 1e-2
         np.testing.assert_allclose(b, a, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_backward_nan_rows_like_the_reference(deterministic):
+def test_backward_nan_rows_like_the_reference(deterministic, d):
     """In the poisoned slice, the rows that see the NaN key get a NaN dq, and the key a NaN dk (as
     in the reference's backward)."""
-    dq, dk, _ = _grads(deterministic)[1]
+    dq, dk, _ = _grads(deterministic, d)[1]
     assert np.isnan(dq[1, reference.causal_mask(NQ, NK)[:, POS], 0]).any(axis=-1).all()
     assert np.isnan(dk[1, POS, 0]).any()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_nan_key_reaches_its_group_only(splits):
+    """The decode kernel (and its split combine): a NaN in one cached key makes the rows of the query
+    heads of that K/V head, in that batch, NaN (out and lse); other batches and groups are clean
+    and equal to a clean run's."""
+    import cupy
+
+    import cuflash
+
+    rng = np.random.default_rng(7)
+    dt = dtype_of("bfloat16")
+    kc, vc = (cupy.asarray(rng.standard_normal((2, 300, 2, 128)).astype(np.float32)).astype(dt) for _ in "kv")
+    q = cupy.asarray(rng.standard_normal((2, 1, 8, 128)).astype(np.float32)).astype(dt)
+    clean, clean_lse = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=300, num_splits=splits,
+                                                      return_lse=True)
+    kc[1, 150, 0, 5] = np.nan
+    out, lse = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=300, num_splits=splits, return_lse=True)
+    out, lse, clean, clean_lse = (_f64(x) for x in (out, lse, clean, clean_lse))
+    bad = np.zeros((2, 8), bool)
+    bad[1, :4] = True  # batch 1, the 4 query heads of K/V head 0
+    assert np.isnan(out[:, 0]).any(axis=-1)[bad].all() and np.isnan(lse[:, :, 0])[bad].all()
+    np.testing.assert_array_equal(out[:, 0][~bad], clean[:, 0][~bad])
+    np.testing.assert_array_equal(lse[:, :, 0][~bad], clean_lse[:, :, 0][~bad])
