@@ -3,7 +3,8 @@
 At batch 1, 128 tokens, 2 heads, head_dim 64 the kernels take a few microseconds, so the time of a
 call is the host's: argument checks, plan lookup, allocation, launches. This measures it the way a
 decoding loop sees it: many calls back to back, wall time over the loop (the GPU never waits for the
-host to be the bottleneck only if the host is faster than the kernels). Paths: cuflash from CuPy,
+host to be the bottleneck only if the host is faster than the kernels), the paths taking turns
+(interleaved_us: one path after another gave ratios 1.3-1.9x apart between runs). Paths: cuflash from CuPy,
 cuflash from torch (forward, and forward + backward through autograd), SDPA's flash and cuDNN
 backends; each also replayed from a CUDA graph (CuPy's stream capture, torch.cuda.graph), which
 removes the host's per-call work and shows the floor.
@@ -17,6 +18,40 @@ from typing import Callable
 SHAPE = {"batch": 1, "seqlen": 128, "heads": 2, "head_dim": 64}
 # issue 18's targets against SDPA flash's per-call time, same run
 TARGETS = {("cupy", "fwd"): 1.2, ("torch", "fwd"): 1.5, ("torch", "fwd+bwd"): 1.5}
+
+
+def interleaved_us(entries: list, calls: int = 200, rounds: int = 11, warmup: int = 20) -> list:
+    """Per entry (fn, sync, context factory or None), the median over `rounds` of (wall time of `calls`
+    back-to-back calls, synchronised at the end) / calls, the entries taking turns round by round:
+    a host's speed drifts over seconds (clocks, neighbours on a shared machine: 1.3-1.9x between
+    runs measured one path after the other, 2026-12-01), and turns give every path the same drift,
+    so their ratios hold where the absolute times do not. An entry whose warm-up raises gets the
+    exception instead of a time."""
+    import contextlib
+
+    out: list = [None] * len(entries)
+    for i, (fn, sync, ctx) in enumerate(entries):
+        try:
+            with ctx() if ctx else contextlib.nullcontext():
+                for _ in range(warmup):
+                    fn()
+                sync()
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            out[i] = e
+    times: list = [[] for _ in entries]
+    for r in range(rounds):
+        for j in range(len(entries)):
+            i = (j + r) % len(entries)  # each round starts with another path
+            if out[i] is not None:
+                continue
+            fn, sync, ctx = entries[i]
+            with ctx() if ctx else contextlib.nullcontext():
+                t = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                sync()
+                times[i].append((time.perf_counter() - t) / calls * 1e6)
+    return [out[i] if out[i] is not None else statistics.median(times[i]) for i in range(len(entries))]
 
 
 def per_call_us(fn: Callable, sync: Callable, calls: int = 500, rounds: int = 5, warmup: int = 20) -> float:
@@ -46,7 +81,7 @@ def _cupy_rows(dtype: str, calls: int) -> list[dict]:
                          dtype_of(dtype))
     sync = cupy.cuda.Device().synchronize
     rows = [{"path": "cuflash (CuPy)", "lib": "cupy", "pass": "fwd", "graph": False,
-             "us": per_call_us(lambda: cuflash.attention(q, k, v), sync, calls)}]
+             "eager": (lambda: cuflash.attention(q, k, v), sync, None)}]
     row = {"path": "cuflash (CuPy)", "lib": "cupy", "pass": "fwd", "graph": True}
     try:  # CuPy stream capture: the warm-up above left the plan built and the output's block pooled
         stream = cupy.cuda.Stream(non_blocking=True)
@@ -82,20 +117,21 @@ def _torch_rows(torch, dtype: str, calls: int) -> list[dict]:
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    # SDPA's backend is chosen once around the whole measurement (entering sdpa_kernel per call costs
+    # SDPA's backend is chosen around a whole loop of calls (entering sdpa_kernel per call costs
     # more than the call), as a model would set it
-    impls = {"cuflash (torch)": (cuflash.attention, contextlib.nullcontext()),
-             "SDPA flash": (sdpa, sdpa_kernel([SDPBackend.FLASH_ATTENTION])),
-             "SDPA cuDNN": (sdpa, sdpa_kernel([SDPBackend.CUDNN_ATTENTION]))}
+    impls = {"cuflash (torch)": (cuflash.attention, None),
+             "SDPA flash": (sdpa, lambda: sdpa_kernel([SDPBackend.FLASH_ATTENTION])),
+             "SDPA cuDNN": (sdpa, lambda: sdpa_kernel([SDPBackend.CUDNN_ATTENTION]))}
     rows = []
     for name, (attn, backend_ctx) in impls.items():
-        with backend_ctx:
-            rows += _torch_impl_rows(torch, name, attn, q, k, v, dout, qg, kg, vg, calls)
+        with backend_ctx() if backend_ctx else contextlib.nullcontext():
+            rows += _torch_impl_rows(torch, name, attn, q, k, v, dout, qg, kg, vg, calls, backend_ctx)
     return rows
 
 
-def _torch_impl_rows(torch, name, attn, q, k, v, dout, qg, kg, vg, calls) -> list[dict]:
-    """One implementation's rows: forward and forward + backward (autograd), eager and graph-replayed."""
+def _torch_impl_rows(torch, name, attn, q, k, v, dout, qg, kg, vg, calls, backend_ctx=None) -> list[dict]:
+    """One implementation's rows: forward and forward + backward (autograd), graph-replayed measured
+    here, eager ones left to measure() (taking turns with the other paths)."""
     lib = "torch" if name.startswith("cuflash") else name
 
     def fwd():
@@ -106,13 +142,14 @@ def _torch_impl_rows(torch, name, attn, q, k, v, dout, qg, kg, vg, calls) -> lis
 
     rows = []
     for pass_, fn in (("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-        for graphed in (False, True):
-            row = {"path": name, "lib": lib, "pass": pass_, "graph": graphed}
-            try:
-                row["us"] = per_call_us(_graphed(torch, fn) if graphed else fn, torch.cuda.synchronize, calls)
-            except Exception as e:  # noqa: BLE001 - reported in the table
-                row["error"] = f"{type(e).__name__}: {e}"[:160]
-            rows.append(row)
+        rows.append({"path": name, "lib": lib, "pass": pass_, "graph": False,
+                     "eager": (fn, torch.cuda.synchronize, backend_ctx)})
+        row = {"path": name, "lib": lib, "pass": pass_, "graph": True}
+        try:
+            row["us"] = per_call_us(_graphed(torch, fn), torch.cuda.synchronize, calls)
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            row["error"] = f"{type(e).__name__}: {e}"[:160]
+        rows.append(row)
     return rows
 
 
@@ -131,9 +168,17 @@ def _graphed(torch, fn):
 
 
 def measure(torch=None, dtype: str = "bf16", calls: int = 500) -> list[dict]:
+    """Every row: graph replays measured path by path, then the eager calls of all paths in turns
+    (interleaved_us)."""
     rows = _cupy_rows(dtype, calls)
     if torch is not None:
         rows += _torch_rows(torch, dtype, calls)
+    eager = [r for r in rows if "eager" in r]
+    for r, us in zip(eager, interleaved_us([r.pop("eager") for r in eager])):
+        if isinstance(us, Exception):
+            r["error"] = f"{type(us).__name__}: {us}"[:160]
+        else:
+            r["us"] = us
     return rows
 
 

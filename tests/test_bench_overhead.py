@@ -38,3 +38,27 @@ def test_per_call_us_times_the_loop():
 
 def test_bench_cli_takes_overhead():
     assert bench.parse_args(["--overhead"]).overhead and not bench.parse_args([]).overhead
+
+
+def test_interleaved_us_takes_turns_and_reports_failures():
+    """The eager paths take turns round by round (each round starting with another), each inside its
+    own context; a path whose warm-up raises gets the exception, the others their times."""
+    import contextlib
+
+    order, entered = [], []
+
+    @contextlib.contextmanager
+    def ctx():
+        entered.append(1)
+        yield
+
+    def boom():
+        raise RuntimeError("no backend")
+
+    entries = [(lambda: order.append("a"), lambda: None, None), (lambda: order.append("b"), lambda: None, ctx),
+               (boom, lambda: None, None)]
+    got = bench_overhead.interleaved_us(entries, calls=2, rounds=3, warmup=1)
+    assert got[0] >= 0 and got[1] >= 0 and isinstance(got[2], RuntimeError)
+    timed = order[2:]  # after one warm-up call each
+    assert timed == ["a", "a", "b", "b", "b", "b", "a", "a", "a", "a", "b", "b"]
+    assert len(entered) == 1 + 3
