@@ -113,9 +113,9 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
         reduce = _compile.get_aux_kernel("bwd_dkdv_reduce", p.features, p.device)
         launches.append(Launch(reduce, (-(-p.total_k * hkv * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
                                pointers=_aux_pointers("bwd_dkdv_reduce")))
-        expanded = tuple(Buffer(n, (p.total_k, h, d), dtype) for n in _EXPANDED.values())
+        expanded = tuple(Buffer(n, (p.total_k, h, w), dtype) for n, w in zip(_EXPANDED.values(), (d, p.dv)))
     buffers = (Buffer("dq", (p.total_q, h, d), dtype), Buffer("dk", (p.total_k, hkv, d), dtype),
-               Buffer("dv", (p.total_k, hkv, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
+               Buffer("dv", (p.total_k, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
     return Plan(p.device, BWD_ARRAYS + VARLEN_SLOTS + _alibi_slot(p), buffers, tuple(launches), OUTPUTS,
                 pack_bwd(p, pad, n_blocks, m_blocks))
@@ -169,10 +169,10 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
         reduce = _compile.get_aux_kernel("bwd_dkdv_reduce", p.features, p.device)
         launches.append(Launch(reduce, (-(-kv_rows * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
                                pointers=_aux_pointers("bwd_dkdv_reduce")))
-        expanded = tuple(Buffer(n, (b, nk, h, d), dtype) for n in _EXPANDED.values())
+        expanded = tuple(Buffer(n, (b, nk, h, w), dtype) for n, w in zip(_EXPANDED.values(), (d, p.dv)))
 
     buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, hkv, d), dtype),
-               Buffer("dv", (b, nk, hkv, d), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
+               Buffer("dv", (b, nk, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
     params = pack_bwd(p, pad, n_blocks, m_blocks)
     if p.block_mask is not None:  # entries per list row: the dQ tile's key blocks, the dK/dV tile's query blocks

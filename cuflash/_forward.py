@@ -28,10 +28,11 @@ INPUTS_VARLEN = (*INPUTS, "cu_seqlens_q", "cu_seqlens_k")
 
 def output_buffers(p: AttnProblem, dtype) -> tuple:
     """out (like q) and lse (float32 (batch, heads, seqlen_q)), when the caller gives none. Varlen:
-    out (total_q, heads, head_dim) and lse (heads, total_q), FlashAttention's packed layout."""
+    out (total_q, heads, head_dim) and lse (heads, total_q), FlashAttention's packed layout. out's
+    head dim is v's (p.dv)."""
     if p.varlen:
-        return (Buffer("out", (p.total_q, p.heads, p.head_dim), dtype), Buffer("lse", (p.heads, p.total_q), np.float32))
-    return (Buffer("out", (p.batch, p.seqlen_q, p.heads, p.head_dim), dtype),
+        return (Buffer("out", (p.total_q, p.heads, p.dv), dtype), Buffer("lse", (p.heads, p.total_q), np.float32))
+    return (Buffer("out", (p.batch, p.seqlen_q, p.heads, p.dv), dtype),
             Buffer("lse", (p.batch, p.heads, p.seqlen_q), np.float32))
 
 
@@ -127,7 +128,7 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     else:
         plan, tile = build_with_tile(config)
     if out is not None:
-        out = _checked_out(out, q)
+        out = _checked_out(out, q, v.shape[-1])
     if lse is not None:
         lse = _checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
     args = (q, k, v, out, lse) if alibi_slopes is None else (q, k, v, out, lse, alibi_slopes)
@@ -158,10 +159,12 @@ def _explicit_family(candidates: tuple, cfg, p: AttnProblem, backend):
     return family
 
 
-def _checked_out(out, q):
+def _checked_out(out, q, dv=None):
+    """`out` given for q (with v's head dim `dv` where it differs): C-contiguous, of q's dtype and device."""
     info = problem.describe(out, "out")
-    if info.shape != tuple(q.shape) or info.dtype != q.dtype.name or info.device != q.device.id:
-        raise ValueError(f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype.name}, device {q.device.id}), "
+    shape = tuple(q.shape) if dv is None else (*q.shape[:-1], dv)
+    if info.shape != shape or info.dtype != q.dtype.name or info.device != q.device.id:
+        raise ValueError(f"out must match q (shape {shape}, dtype {q.dtype.name}, device {q.device.id}), "
                          f"got shape {info.shape}, dtype {info.dtype}, device {info.device}")
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")

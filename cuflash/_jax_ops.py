@@ -81,10 +81,11 @@ def check_forward(q, k, v, opts: JaxOptions) -> problem.AttnProblem:
     return problem.resolve_forward(info(q, "q"), info(k, "k"), info(v, "v"), opts.mask, opts.softmax_scale)
 
 
-def forward_results(q) -> tuple:
-    """(shape, dtype) of the forward's results: out like q, lse float32 (batch, heads, seqlen_q)."""
-    b, nq, h, _ = q.shape
-    return (tuple(q.shape), q.dtype), ((b, h, nq), LSE_DTYPE)
+def forward_results(q, v=None) -> tuple:
+    """(shape, dtype) of the forward's results: out like q with v's head dim, lse float32 (batch,
+    heads, seqlen_q)."""
+    b, nq, h, d = q.shape
+    return ((b, nq, h, d if v is None else v.shape[-1]), q.dtype), ((b, h, nq), LSE_DTYPE)
 
 
 def backward_results(q, k, v) -> tuple:

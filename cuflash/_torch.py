@@ -207,7 +207,7 @@ def _attention_fwd_fake(q, k, v, *options):
     if None not in infos:
         problem.resolve_forward(*infos, MaskOptions.of(**mask), o["softmax_scale"])
     b, nq, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, nq), dtype=torch.float32)
+    return q.new_empty((b, nq, h, v.shape[-1])), q.new_empty((b, h, nq), dtype=torch.float32)  # out: v's head dim
 
 
 @attention_bwd.register_fake

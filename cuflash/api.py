@@ -26,7 +26,9 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     slices of a packed qkv array; used without copies). head_dim: any multiple of 8 from 8 to 256
     (32, 64, 96, 128, 192 and 256 have their own kernels; others run the next one's, which reads and
     writes only the call's columns, still in place); the default softmax_scale is 1/sqrt(head_dim)
-    of the call. heads_kv is heads
+    of the call. v's head dim may differ from q's and k's (MLA: 192 / 128); out (and the
+    backward's dout and dv) then have v's, on the v2 mma.sync kernels (the Hopper ones hand such
+    calls to them; algorithm "v1" and the KV cache refuse them). heads_kv is heads
     (multi-head attention) or a divisor of it: grouped-query attention (GQA; MQA with heads_kv 1),
     where query head h attends with k/v head h // (heads // heads_kv), on every kernel (both
     algorithms, both backends) and in the backward. Accepted arrays:

@@ -84,7 +84,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _forward(q, k, v, opts):
-    (out_shape, out_dtype), (lse_shape, lse_dtype) = ops.forward_results(q)
+    (out_shape, out_dtype), (lse_shape, lse_dtype) = ops.forward_results(q, v)
     shapes = [jax.ShapeDtypeStruct(out_shape, out_dtype), jax.ShapeDtypeStruct(lse_shape, jnp.dtype(lse_dtype))]
     out, lse = buffer_callback(_forward_callback(opts), shapes, vmap_method="broadcast_all")(q, k, v)
     return out, lse

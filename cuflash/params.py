@@ -63,7 +63,7 @@ FWD_FIELDS = [
     # a block mask's key-block lists (cuflash/block_mask.py): the (batch, head) strides of a list row
     # in rows of m_blocks lists (0 where the mask broadcasts), and the entries per list
     ("bm_sb", _I32), ("bm_sh", _I32), ("bm_nb", _I32),
-    ("pad0", _I32),  # keeps the struct a multiple of 8 bytes (the mirror check)
+    ("head_dim_v", _I32),  # v's and out's head dim (other than head_dim only in partial_d instances)
 ]
 
 BWD_FIELDS = [
@@ -83,6 +83,8 @@ BWD_FIELDS = [
     # a block mask's lists: FwdParams' strides; entries per list of the dQ kernel (key blocks of its
     # tile) and of the dK/dV kernel (query blocks of its tile: the transposed lists)
     ("bm_sb", _I32), ("bm_sh", _I32), ("bm_nb", _I32), ("bm_mb", _I32),
+    ("head_dim_v", _I32),  # as FwdParams' (v, out, dout, dv)
+    ("pad0", _I32),  # keeps the struct a multiple of 8 bytes (the mirror check)
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)
@@ -106,7 +108,7 @@ def _set_common(a, p: AttnProblem) -> None:
                                   f"built with Features.local; these features are {p.features}")
     a["heads"], a["seqlen_q"], a["seqlen_k"] = p.heads, p.seqlen_q, p.seqlen_k
     a["heads_kv"], a["group"] = p.heads_kv, p.group
-    a["head_dim"] = p.head_dim
+    a["head_dim"], a["head_dim_v"] = p.head_dim, p.dv
     a["window_left"], a["window_right"], a["offset"] = p.window_left, p.window_right, p.offset
     if p.softcap:  # score = c tanh(S softcap_scale), softmax over it: exp2 units c log2(e) (attn/score_mod.cuh)
         a["scale_log2"] = np.float32(p.softcap * LOG2E)
@@ -145,7 +147,7 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     a = np.zeros(1, FWD)
     for t in ("q", "k", "v"):
         _set_strides(a, t, p.strides[t])
-    _set_strides(a, "o", contiguous_strides(p.seqlen_q, p.heads, p.head_dim))
+    _set_strides(a, "o", contiguous_strides(p.seqlen_q, p.heads, p.dv))
     _set_common(a, p)
     a["m_blocks"], a["tiles"] = m_blocks, m_blocks * p.heads * p.batch
     a["n_splits"], a["split_blocks"] = 1, 0  # split-KV plans set theirs (cuflash/kvcache.py)
@@ -153,7 +155,7 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     _set_alibi(a, p)
     _set_block_mask(a, p)
     if p.varlen:  # packed rows: the kernel finds each batch's by cu_seqlens (kernels_cu/attn/mask.cuh, SeqSpan)
-        _set_strides(a, "o", (0, p.heads * p.head_dim, p.head_dim))
+        _set_strides(a, "o", (0, p.heads * p.dv, p.dv))
         a["seqlen_q"], a["seqlen_k"], a["align_end"] = p.total_q, p.total_k, int(p.align_end)
     return a
 
@@ -170,8 +172,8 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     for t, name in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"), ("do", "dout")):
         _set_strides(a, t, p.strides[name])
     _set_strides(a, "dq", contiguous_strides(p.seqlen_q, p.heads, p.head_dim))
-    for t in ("dk", "dv"):
-        _set_strides(a, t, contiguous_strides(p.seqlen_k, p.heads, p.head_dim))
+    _set_strides(a, "dk", contiguous_strides(p.seqlen_k, p.heads, p.head_dim))
+    _set_strides(a, "dv", contiguous_strides(p.seqlen_k, p.heads, p.dv))  # v's head dim
     rows = p.batch * p.heads
     a["ws_rows"], a["q_rows"] = rows * seqlen_q_pad, rows * p.seqlen_q
     a["kv_rows"] = p.batch * p.seqlen_k * p.heads_kv if p.group > 1 else 0
@@ -182,8 +184,8 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     _set_block_mask(a, p)
     if p.varlen:  # packed rows (cuflash/_backward.py _plan_varlen; kernels_cu/attn/mask.cuh SeqSpan)
         _set_strides(a, "dq", (0, p.heads * p.head_dim, p.head_dim))
-        for t in ("dk", "dv"):
-            _set_strides(a, t, (0, p.heads * p.head_dim, p.head_dim))
+        _set_strides(a, "dk", (0, p.heads * p.head_dim, p.head_dim))
+        _set_strides(a, "dv", (0, p.heads * p.dv, p.dv))
         a["ws_rows"], a["q_rows"] = p.heads * seqlen_q_pad, 0
         a["kv_rows"] = p.total_k * p.heads_kv if p.group > 1 else 0
         a["seqlen_q"], a["seqlen_k"], a["align_end"] = p.total_q, p.total_k, int(p.align_end)

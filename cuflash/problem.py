@@ -112,6 +112,10 @@ class AttnProblem:
     # a block mask of the mask snippet (cuflash.BlockMask, with_block_mask): its (batch, heads), 1
     # where it broadcasts; the key-block lists of the plan's tile are per-call inputs
     block_mask: tuple | None = None
+    # v's head dim where it differs from q's and k's (MLA: 192 / 128), else 0; out, dout and dv have
+    # it (`dv` reads either way). The kernels run the instance of the larger one, masking the columns
+    # past each (partial_d)
+    head_dim_v: int = 0
 
     def __post_init__(self):
         check_geometry(self.window_left, self.window_right, self.offset)
@@ -122,12 +126,19 @@ class AttnProblem:
         return self.heads // self.heads_kv if self.heads_kv else 1
 
     @property
+    def dv(self) -> int:
+        """v's (and out's, dout's, dv's) head dim."""
+        return self.head_dim_v or self.head_dim
+
+    @property
     def features(self) -> Features:
-        # head_dim: the instantiated one; the call's own (self.head_dim) reaches the kernels in the
-        # params struct, and a smaller one selects the column-masking instances (partial_d)
-        d = kernel_head_dim(self.head_dim)
+        # head_dim: the instantiated one (of the larger of q's and v's); the call's own (self.head_dim,
+        # head_dim_v) reach the kernels in the params struct, and smaller ones select the
+        # column-masking instances (partial_d)
+        d = kernel_head_dim(max(self.head_dim, self.dv))
         return Features(self.dtype, d, self.dropout is not None, local=self.window_left != UNBOUNDED,
-                        softcap=self.softcap > 0, partial_d=self.head_dim != d, seqused_k=self.seqused_k,
+                        softcap=self.softcap > 0, partial_d=self.head_dim != d or self.dv != d,
+                        seqused_k=self.seqused_k,
                         varlen=self.varlen, split_kv=self.n_splits > 1, paged=self.paged, alibi=self.alibi,
                         user_mod=self.mod is not None, mod=self.mod, block_mask=self.block_mask is not None)
 
@@ -244,8 +255,9 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
                     dropout: Dropout | None = None) -> AttnProblem:
     """The forward's problem; raises TypeError/ValueError naming the first bad argument.
 
-    q is (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads_kv, head_dim) with
-    heads_kv dividing heads (MHA: equal; GQA: fewer; MQA: 1).
+    q is (batch, seqlen_q, heads, head_dim), k (batch, seqlen_k, heads_kv, head_dim) and v
+    (batch, seqlen_k, heads_kv, head_dim_v) with heads_kv dividing heads (MHA: equal; GQA: fewer;
+    MQA: 1); v's head dim may differ from q's and k's (MLA: 192 / 128), out then has v's.
 
     `mask` is the call's MaskOptions, `dropout` resolve_dropout's result for the call.
     """
@@ -258,8 +270,8 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got devices {q.device}, {k.device}, {v.device}")
     b, nq, h, d = q.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must have the same (batch, seqlen, heads), got shapes {k.shape} and {v.shape}")
     bk, nk, hk, dk = k.shape
     if bk != b:
         raise ValueError(f"batch size differs: q has {b}, k and v have {bk}")
@@ -267,16 +279,18 @@ def resolve_forward(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, mask: MaskOptions,
         raise ValueError(f"number of heads: q has {h}, k and v have {hk}; q's heads must be a multiple of k and v's "
                          f"(grouped-query attention: heads_kv divides heads)")
     if dk != d:
-        raise ValueError(f"head_dim differs: q has {d}, k and v have {dk}")
+        raise ValueError(f"head_dim differs: q has {d}, k has {dk} (v's may differ from both)")
     if why := head_dim_problem(d):
         raise ValueError(why)
+    dv = v.shape[3]
     scale = check_softmax_scale(softmax_scale)
     left, right, offset = mask.geometry(nq, nk)
     return AttnProblem(
         batch=b, seqlen_q=nq, seqlen_k=nk, heads=h, heads_kv=hk, head_dim=d, dtype=q.dtype, device=q.device,
         strides={"q": _element_strides(q), "k": _element_strides(k), "v": _element_strides(v)},
         softmax_scale=1.0 / math.sqrt(d) if scale is None else scale,
-        window_left=left, window_right=right, offset=offset, dropout=dropout, softcap=mask.softcap)
+        window_left=left, window_right=right, offset=offset, dropout=dropout, softcap=mask.softcap,
+        head_dim_v=0 if dv == d else dv)
 
 
 def check_alibi_slopes(slopes: ArrayInfo, batch: int, heads: int, device: int) -> int:
@@ -346,15 +360,18 @@ def resolve_backward(dout: ArrayInfo, q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, 
     q, k, v, mask and softmax_scale follow resolve_forward (k and v may have fewer heads than q,
     dividing them: GQA/MQA; dk and dv then have k's heads). `out` (the forward's output) and `dout`
     (the gradient of the loss with respect to it) must have q's shape, dtype and device, and the
-    layout rules of q (contiguous last dimension, 16-byte aligned pointer and strides). `lse` is the
+    layout rules of q (contiguous last dimension, 16-byte aligned pointer and strides); their head
+    dim is v's where v's differs from q's. `lse` is the
     forward's float32 (batch, heads, seqlen_q) log-sum-exp, C-contiguous, on q's device.
     """
     p = resolve_forward(q, k, v, mask, softmax_scale, dropout)
     for a, name in ((out, "out"), (dout, "dout")):
         if a.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {a.dtype}")
-        if a.shape != q.shape:
-            raise ValueError(f"{name} must have q's shape {q.shape}, got shape {a.shape}")
+        want_shape = (*q.shape[:3], p.dv)
+        if a.shape != want_shape:
+            what = "q's shape" if p.dv == p.head_dim else "q's shape with v's head dim"
+            raise ValueError(f"{name} must have {what} {want_shape}, got shape {a.shape}")
         _check_layout(a, name)
         if a.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got device {a.device}")

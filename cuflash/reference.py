@@ -2,8 +2,9 @@
 
 Pure NumPy (no CuPy import), so it runs anywhere, CI included.
 
-Layout is FlashAttention's: ``q`` is (B, N_q, H, d), ``k`` and ``v`` are (B, N_k, H_kv, d);
-outputs ``out`` / ``dq`` / ``dk`` / ``dv`` have the layout of the matching input, and the
+Layout is FlashAttention's: ``q`` is (B, N_q, H, d), ``k`` is (B, N_k, H_kv, d) and ``v`` (B, N_k,
+H_kv, d_v) (d_v = d but for MLA-style calls); ``out`` and ``dout`` are (B, N_q, H, d_v);
+``dq`` / ``dk`` / ``dv`` have the layout of the matching input, and the
 log-sum-exp ``lse`` is (B, H, N_q). Everything is computed and returned in float64.
 
 Grouped-query attention (GQA; MQA is H_kv = 1): H_kv divides H and query head h attends with
@@ -110,8 +111,8 @@ def _prepare(q, k, v, softmax_scale):
     v = np.asarray(v, dtype=np.float64)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError("q, k, v must be 4-D arrays of layout (B, N, H, d)")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {k.shape} vs {v.shape}")
+    if k.shape[:3] != v.shape[:3]:  # v's head dim may differ (out then has it)
+        raise ValueError(f"k and v differ in (B, N, H_kv): {k.shape} vs {v.shape}")
     b, _, h, d = q.shape
     if (k.shape[0], k.shape[3]) != (b, d) or k.shape[2] == 0 or h % k.shape[2]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on B or d, or k's heads do not divide q's")
@@ -343,7 +344,7 @@ def attention_v1_tiled(
     z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
     allowed = causal_mask(nq, nk) if causal else None
 
-    o = np.zeros((b, h, nq, d))
+    o = np.zeros((b, h, nq, v.shape[-1]))  # v's head dim
     l = np.zeros((b, h, nq))
     m = np.full((b, h, nq), -np.inf)
 
@@ -399,13 +400,13 @@ def attention_v2_tiled(
     z = _dropout_scale(dropout_mask, dropout_p, (b, h, nq, nk))
     allowed = causal_mask(nq, nk) if causal else None
 
-    o = np.zeros((b, h, nq, d))
+    o = np.zeros((b, h, nq, v.shape[-1]))  # v's head dim
     lse = np.full((b, h, nq), -np.inf)
 
     for i0 in range(0, nq, block_q):
         i1 = min(i0 + block_q, nq)
         qi = q[:, :, i0:i1]
-        acc = np.zeros((b, h, i1 - i0, d))
+        acc = np.zeros((b, h, i1 - i0, v.shape[-1]))
         l = np.zeros((b, h, i1 - i0))
         m = np.full((b, h, i1 - i0), -np.inf)
 
@@ -440,9 +441,10 @@ def _prepare_backward(dout, q, k, v, out, lse, softmax_scale):
     q, k, v, scale = _prepare(q, k, v, softmax_scale)
     do = np.asarray(dout, dtype=np.float64)
     o = np.asarray(out, dtype=np.float64)
-    b, h, nq, d = q.shape
-    if do.shape != (b, nq, h, d) or o.shape != (b, nq, h, d):
-        raise ValueError(f"dout {do.shape} and out {o.shape} must have the shape of q {(b, nq, h, d)}")
+    b, h, nq, _ = q.shape
+    dv = v.shape[-1]  # out's and dout's head dim (v's)
+    if do.shape != (b, nq, h, dv) or o.shape != (b, nq, h, dv):
+        raise ValueError(f"dout {do.shape} and out {o.shape} must have q's shape with v's head dim {(b, nq, h, dv)}")
     lse = np.asarray(lse, dtype=np.float64)
     if lse.shape != (b, h, nq):
         raise ValueError(f"lse must have shape (B, H, N_q) = {(b, h, nq)}, got {lse.shape}")

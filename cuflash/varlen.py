@@ -111,8 +111,10 @@ def resolve_backward(doi: ArrayInfo, qi: ArrayInfo, ki: ArrayInfo, vi: ArrayInfo
     for a, name in ((oi, "out"), (doi, "dout")):
         if a.dtype != qi.dtype:
             raise TypeError(f"{name} must have q's dtype {qi.dtype}, got {a.dtype}")
-        if tuple(a.shape) != tuple(qi.shape):
-            raise ValueError(f"{name} must have q's shape {qi.shape}, got shape {a.shape}")
+        want_shape = (*qi.shape[:2], p.dv)  # v's head dim where it differs from q's
+        if tuple(a.shape) != want_shape:
+            what = "q's shape" if p.dv == p.head_dim else "q's shape with v's head dim"
+            raise ValueError(f"{name} must have {what} {want_shape}, got shape {a.shape}")
         if a.device != qi.device:
             raise ValueError(f"{name} must be on q's device {qi.device}, got device {a.device}")
         packed = _packed(a, name, "heads")
@@ -163,7 +165,7 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     plan = _plans.get(lambda: (*plan_cache.array_key((q, k, v, *slopes)), p.batch, p.seqlen_q, p.seqlen_k, mask.key,
                                softmax_scale, backend, dropout is not None, p.mod), build)
     if out is not None:
-        out = _forward._checked_out(out, q)
+        out = _forward._checked_out(out, q, v.shape[-1])
     if lse is not None:
         lse = _forward._checked_lse(lse, (p.heads, p.total_q))
     return plan.run((q, k, v, out, lse, cu_q, cu_k, *slopes, *table), None if dropout is None else dropout.kernel_args)

@@ -83,6 +83,8 @@ for s in $stages; do
       grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/blockmask-tests.log" | tail -30
       timeout 240 python3 scripts/bench_score_mod.py --json "$OUT/bench-score-mod.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench-score-mod.log" ;;
+    headdimv) timeout ${HEADDIMV_TIMEOUT:-240} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_head_dim_v_gpu.py \
+                tests/test_head_dim_v.py 2>&1 | tee "$OUT/headdimv-tests.log" | tail -20 ;;  # issue 12: v's own head dim
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     torchtests) timeout ${TORCH_TESTS_TIMEOUT:-240} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
                   tests/gpu/test_torch_gpu.py tests/gpu/test_transformers_gpu.py tests/gpu/test_interop_gpu.py tests/gpu/test_graphs_gpu.py \

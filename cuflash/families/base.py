@@ -198,6 +198,9 @@ class KernelFamily:
             return why
         f = problem.features
         if not self.supports(f):
+            if f.partial_d and getattr(problem, "dv", problem.head_dim) != problem.head_dim:
+                return (f"{self.what} kernels do not support a value head dim other than q's "
+                        f"(v {problem.dv}, q and k {problem.head_dim})")
             return f"{self.what} kernels do not support {self._unsupported_part(f, problem.head_dim)}"
         if self.call_problem is not None:
             why = self.call_problem(problem)

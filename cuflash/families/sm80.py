@@ -212,6 +212,9 @@ FWD_V1 = KernelFamily(
     # softcap at d128 128x128: 8-12 B on sm_80 (255 registers); 128x64 compiles clean
     spilling={"softcap": frozenset({V1Config(128, 128, 128, 8, 2)})},
     plan=_plan_fwd_v1, run=_run_fwd_v1, deterministic_outputs=(0, 1), tuned_by_default=False,
+    # the v1 kernel masks one head dim for q, k, v and its O workspace alike
+    call_problem=lambda p: ("the v1 forward has no value head dim other than q's (use algorithm='v2')"
+                            if p.dv != p.head_dim else None),
 )
 
 

@@ -57,7 +57,7 @@ struct FwdParams {
     int alibi_sb;      // V::kAlibi: alibi_slopes' batch stride in elements (0: one slope per head)
     int bm_sb, bm_sh;  // V::kBlockMask: the batch and head strides of a key-block list row, in query blocks' rows (0: broadcast)
     int bm_nb;         // V::kBlockMask: entries per list (the key blocks of the lists' tile)
-    int pad0;          // (the struct a multiple of 8 bytes)
+    int head_dim_v;    // v's and out's head dim (<= D; other than head_dim only in V::kPartialD instances)
 };
 
 // The backward pass, one struct for its four kernels; each reads what it needs:
@@ -100,10 +100,12 @@ struct BwdParams {
     int bm_sb, bm_sh;         // V::kBlockMask: as FwdParams' (both kernels' list rows)
     int bm_nb;                // V::kBlockMask: the dQ kernel's entries per list (its tile's key blocks)
     int bm_mb;                // V::kBlockMask: the dK/dV kernel's entries per transposed list (its tile's query blocks)
+    int head_dim_v;           // as FwdParams' (v, out, dout, dv)
+    int pad0;                 // (the struct a multiple of 8 bytes)
 };
 
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 208, "FwdParams layout changed: update cuflash/params.py");
-static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 320, "BwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 328, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)
 

@@ -46,17 +46,17 @@ __device__ __forceinline__ void bwd_dkdv_reduce(const elem_t* __restrict__ dk_ex
     const long long r = gt / CH;
     if (r >= n_rows) return;
     const int c = (int)(gt % CH);
-    const int d = params.head_dim;  // the call's (<= D): the rows of both buffers are d wide
-    if (c >= d / 8) return;
-    const long long src = r * group * d + c * 8;
+    // the call's (<= D): dK's rows are head_dim wide, dV's head_dim_v (v's own head dim)
+    const int d = params.head_dim, dv_w = params.head_dim_v;
+    const bool has_k = c < d / 8, has_v = c < dv_w / 8;
+    if (!has_k && !has_v) return;
     float ak[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, av[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int g = 0; g < group; ++g) {
-        add8<BF16>(ak, *reinterpret_cast<const uint4*>(dk_exp + src + (long long)g * d));
-        add8<BF16>(av, *reinterpret_cast<const uint4*>(dv_exp + src + (long long)g * d));
+        if (has_k) add8<BF16>(ak, *reinterpret_cast<const uint4*>(dk_exp + (r * group + g) * d + c * 8));
+        if (has_v) add8<BF16>(av, *reinterpret_cast<const uint4*>(dv_exp + (r * group + g) * dv_w + c * 8));
     }
-    const long long dst = r * d + c * 8;
-    *reinterpret_cast<uint4*>(dk + dst) = pack8<BF16>(ak);
-    *reinterpret_cast<uint4*>(dv + dst) = pack8<BF16>(av);
+    if (has_k) *reinterpret_cast<uint4*>(dk + r * d + c * 8) = pack8<BF16>(ak);
+    if (has_v) *reinterpret_cast<uint4*>(dv + r * dv_w + c * 8) = pack8<BF16>(av);
 }
 
 }  // namespace cuflash

@@ -25,8 +25,8 @@ __device__ __forceinline__ void bwd_prep(const elem_t* __restrict__ o, const ele
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long r = gt / TPR;  // padded row index over (batch*heads) x seqlen_q_pad
     const int c = (int)(gt % TPR);
-    // the call's chunks (params.head_dim <= D: o and dout rows hold only those; dq_acc rows all CH)
-    const int d_chunks = params.head_dim / 8;
+    // the call's chunks (params.head_dim_v <= D, v's head dim: o and dout rows hold only those; dq_acc rows all CH)
+    const int d_chunks = params.head_dim_v / 8;
     const bool in_range = r < n_rows, has_chunk = c < d_chunks;
     const int bh = in_range ? (int)(r / seqlen_q_pad) : 0;
     const int i = in_range ? (int)(r - (long long)bh * seqlen_q_pad) : seqlen_q;
@@ -80,7 +80,7 @@ __device__ __forceinline__ void bwd_prep_varlen(const elem_t* __restrict__ o, co
     const int seqlen_q = span.seqlen_q, rows = (seqlen_q + PAD - 1) / PAD * PAD;
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int i = (int)(gt / TPR), c = (int)(gt % TPR);
-    const int d_chunks = params.head_dim / 8;
+    const int d_chunks = params.head_dim_v / 8;  // o's and dout's (v's head dim)
     float dot = 0.f;
     if (i < seqlen_q && c < d_chunks) {
         const long long row = span.q_start + i;

@@ -97,6 +97,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const unsigned int drop_threshold = params.drop_threshold;
     // the call's 16-byte chunks per row (V::kPartialD: fewer than the instance's; else all of them)
     const int d_chunks = V::kPartialD ? params.head_dim / 8 : D / 8;
+    // v's, dout's and dV's chunks (v's own head dim, params.head_dim_v: d_chunks unless they differ)
+    const int v_chunks = V::kPartialD ? params.head_dim_v / 8 : D / 8;
     using S_ = Sm80BwdTraits<D, BR, BC, WARPS, STAGES, V::kDropout>;
     constexpr int CH = S_::kRowChunks, SCH = S_::kDsRowChunks, KD = S_::kHeadSteps, SN = S_::kQueryTiles, KQ = S_::kQuerySteps, DN = S_::kOutTiles;
     constexpr int THREADS = S_::kNumThreads;
@@ -166,7 +168,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         const int slot = it % STAGES;
         const int r0 = blocks.at(it) * BR;
         load_tile<BR, CH, THREADS, V::kPartialD>(sQ + slot * S_::kQTileBytes, qg, q_sn, r0, seqlen_q, tid, d_chunks);
-        load_tile<BR, CH, THREADS, V::kPartialD>(sdO + slot * S_::kQTileBytes, dog, do_sn, r0, seqlen_q, tid, d_chunks);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sdO + slot * S_::kQTileBytes, dog, do_sn, r0, seqlen_q, tid, v_chunks);
         // lse2 and delta: BR/4 chunks each, from buffers padded past seqlen_q (no guard needed)
         constexpr int SC = BR / 4;
         static_assert(2 * SC <= THREADS, "one thread per stats chunk");
@@ -185,7 +187,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
 
     if (n_iter > 0) {
         load_tile<BC, CH, THREADS, V::kPartialD>(sK, kg, k_sn, c0, seqlen_k, tid, d_chunks);
-        load_tile<BC, CH, THREADS, V::kPartialD>(sV, vg, v_sn, c0, seqlen_k, tid, d_chunks);
+        load_tile<BC, CH, THREADS, V::kPartialD>(sV, vg, v_sn, c0, seqlen_k, tid, v_chunks);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter) load_q_tile(s);
@@ -351,7 +353,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     elem_t* dkg = dk + (long long)b * dk_sb + (long long)k_start * dk_sn + (long long)h * dk_sh;
     elem_t* dvg = dv + (long long)b * dv_sb + (long long)k_start * dv_sn + (long long)h * dv_sh;
     store_rows_warp<CH, 16, DN, V::kPartialD>(sK, warp * 16, dkg, dk_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
-    store_rows_warp<CH, 16, DN, V::kPartialD>(sV, warp * 16, dvg, dv_sn, key_w, seqlen_k, lane, col0 / 8, d_chunks);
+    store_rows_warp<CH, 16, DN, V::kPartialD>(sV, warp * 16, dvg, dv_sn, key_w, seqlen_k, lane, col0 / 8, v_chunks);
 }
 
 }  // namespace cuflash

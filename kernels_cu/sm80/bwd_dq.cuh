@@ -37,6 +37,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     const unsigned int drop_threshold = params.drop_threshold;
     // the call's 16-byte chunks per row (V::kPartialD: fewer than the instance's; else all of them)
     const int d_chunks = V::kPartialD ? params.head_dim / 8 : D / 8;
+    const int v_chunks = V::kPartialD ? params.head_dim_v / 8 : D / 8;  // v's and dout's (v's own head dim)
     using S_ = Sm80DqTraits<D, BR, BC, WARPS, STAGES>;
     constexpr int CH = S_::kRowChunks, KD = S_::kHeadSteps, SN = S_::kScoreTiles, KB = S_::kKeySteps, DN = S_::kOutTiles;
     constexpr int THREADS = S_::kNumThreads;
@@ -91,12 +92,12 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
     if (n_iter > 0) {
         // Prologue (ring contract, sm80/tile_copy.cuh): Q and dO join the first K/V group.
         load_tile<BR, CH, THREADS, V::kPartialD>(sQ, qg, q_sn, r0, seqlen_q, tid, d_chunks);
-        load_tile<BR, CH, THREADS, V::kPartialD>(sdO, dog, do_sn, r0, seqlen_q, tid, d_chunks);
+        load_tile<BR, CH, THREADS, V::kPartialD>(sdO, dog, do_sn, r0, seqlen_q, tid, v_chunks);
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter)
                 load_kv_tile<BC, CH, THREADS, V::kPartialD>(sK + s * S_::kKVBytes, sV + s * S_::kKVBytes, kg, k_sn, vg, v_sn, blocks.at(s),
-                                              seqlen_k, tid, d_chunks);
+                                              seqlen_k, tid, d_chunks, v_chunks);
             cp_async_commit();
         }
     }
@@ -116,7 +117,7 @@ __device__ __forceinline__ void flash_bwd_dq(const elem_t* __restrict__ q, const
             if (in < n_iter) {
                 int slot = in % STAGES;
                 load_kv_tile<BC, CH, THREADS, V::kPartialD>(sK + slot * S_::kKVBytes, sV + slot * S_::kKVBytes, kg, k_sn, vg, v_sn,
-                                              blocks.at(in), seqlen_k, tid, d_chunks);
+                                              blocks.at(in), seqlen_k, tid, d_chunks, v_chunks);
             }
             cp_async_commit();
         }

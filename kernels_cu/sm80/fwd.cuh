@@ -58,6 +58,8 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     const unsigned int drop_threshold = params.drop_threshold;
     // the call's 16-byte chunks per row (V::kPartialD: fewer than the instance's; else all of them)
     const int d_chunks = V::kPartialD ? params.head_dim / 8 : D / 8;
+    // v's and out's chunks (its own head dim, params.head_dim_v: d_chunks unless they differ)
+    const int v_chunks = V::kPartialD ? params.head_dim_v / 8 : D / 8;
     using Tr = Sm80FwdTraits<D, BR, BC, WARPS, STAGES>;
     constexpr int kRowTiles = Tr::kRowTiles, kScoreTiles = Tr::kScoreTiles, kOutTiles = Tr::kOutTiles;
     constexpr int kHeadSteps = Tr::kHeadSteps, kKeySteps = Tr::kKeySteps, kRowChunks = Tr::kRowChunks;
@@ -124,7 +126,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < n_iter)
                 load_kv_tile<BC, kRowChunks, kNumThreads, V::kPartialD>(sK + s * Tr::kKVTileBytes, sV + s * Tr::kKVTileBytes, kg, k_sn,
-                                                          vg, v_sn, blocks.at(s), seqlen_k, tid, d_chunks);
+                                                          vg, v_sn, blocks.at(s), seqlen_k, tid, d_chunks, v_chunks);
             cp_async_commit();  // empty groups keep the wait count uniform
         }
     }
@@ -146,7 +148,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
             if (in < n_iter) {
                 int slot = in % STAGES;
                 load_kv_tile<BC, kRowChunks, kNumThreads, V::kPartialD>(sK + slot * Tr::kKVTileBytes, sV + slot * Tr::kKVTileBytes, kg,
-                                                          k_sn, vg, v_sn, blocks.at(in), seqlen_k, tid, d_chunks);
+                                                          k_sn, vg, v_sn, blocks.at(in), seqlen_k, tid, d_chunks, v_chunks);
             }
             cp_async_commit();
         }
@@ -229,7 +231,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
 #pragma unroll
                     for (int i = 0; i < kOutTiles; ++i) {
                         const int col = 8 * i + 2 * t;
-                        if (!V::kPartialD || col < 8 * d_chunks)
+                        if (!V::kPartialD || col < 8 * v_chunks)
                             *reinterpret_cast<float2*>(orow + col) = make_float2(acc_o[mt][i][2 * half] * inv,
                                                                                  acc_o[mt][i][2 * half + 1] * inv);
                     }
@@ -268,7 +270,7 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
         if (idx < WARP_CHUNKS) {
             int tr = warp_row0 + idx / kRowChunks, c = idx % kRowChunks;
             int row = r0 + tr;
-            if (row < n_q && (!V::kPartialD || c < d_chunks)) {
+            if (row < n_q && (!V::kPartialD || c < v_chunks)) {
                 uint4 val;
                 asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
                              : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w) : "r"(sQ + swz<kRowChunks>(tr, c)));

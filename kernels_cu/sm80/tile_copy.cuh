@@ -53,13 +53,14 @@ __device__ __forceinline__ void load_tile(u32 s_base, const elem_t* g, long long
     }
 }
 
-// K and V tiles of one ring slot (the forward's and the dQ kernel's stage).
+// K and V tiles of one ring slot (the forward's and the dQ kernel's stage); PARTIAL: K's rows hold
+// d_chunks chunks, V's v_chunks (v's own head dim; d_chunks when it is q's and k's).
 template <int BC, int CH, int THREADS, bool PARTIAL = false>
 __device__ __forceinline__ void load_kv_tile(u32 sK_slot, u32 sV_slot, const elem_t* kg, long long k_sn,
                                              const elem_t* vg, long long v_sn, int n_block, int seqlen_k, int tid,
-                                             int d_chunks = CH) {
+                                             int d_chunks = CH, int v_chunks = CH) {
     load_tile<BC, CH, THREADS, PARTIAL>(sK_slot, kg, k_sn, n_block * BC, seqlen_k, tid, d_chunks);
-    load_tile<BC, CH, THREADS, PARTIAL>(sV_slot, vg, v_sn, n_block * BC, seqlen_k, tid, d_chunks);
+    load_tile<BC, CH, THREADS, PARTIAL>(sV_slot, vg, v_sn, n_block * BC, seqlen_k, tid, v_chunks);
 }
 
 // Per-lane byte offsets of the ldmatrix rows at k-chunk 0 (chunk c is offset ^ (16 c), see
