@@ -69,6 +69,13 @@ def main():
                 ref = fn()
                 t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
                 row[f"cuflash_s{s}_gbps"] = kv_bytes / (t * 1e-3) / 1e9
+            # the lengths as a device array (as serving loops keep them; FlashAttention's cache_seqlens
+            # tensor): no per-call upload of host lengths
+            lens = cupy.full(b, n, dtype=cupy.int32)
+            fn = lambda: cuflash.attention_with_kvcache(qc, kcc, vcc, cache_seqlens=lens)  # noqa: E731
+            fn()
+            t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
+            row["cuflash_devlens_gbps"] = kv_bytes / (t * 1e-3) / 1e9
             # paged copies of the cache: shuffled pages, the same rows (issue 17: >= 0.95x contiguous)
             for ps in a.page_sizes:
                 per = -(-n // ps)
@@ -108,6 +115,7 @@ def main():
               + (f"{row['sdpa_flash_gbps'] / copy_bw:.2f}x" if row.get("sdpa_flash_gbps") else "n/a")
               + " cuDNN " + (f"{cd / copy_bw:.2f}x" if cd else "n/a")
               + (f" | cuflash / cuDNN {ours / cd:.2f}" if cd else "")
+              + f" | device lengths {row['cuflash_devlens_gbps'] / copy_bw:.2f}x copy"
               + " | splits " + " ".join(f"{s}:{row[f'cuflash_s{s}_gbps'] / copy_bw:.2f}" for s in a.splits)
               + "".join(f" | paged {ps}: {row[f'paged{ps}_gbps'] / ours:.2f}x contiguous" for ps in a.page_sizes),
               flush=True)
