@@ -19,7 +19,10 @@ SM80 = (families.FWD, families.FWD_V1, families.BWD, families.BWD_DQ)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cfg", [t for f in SM80 for t in f.selectable()], ids=str)
 def test_partial_head_dim_instances_compile_without_spills(cfg, arch, record_property):
-    rep = _compile.compile_report(_compile.kernel_source(cfg, Features("bfloat16", cfg.head_dim, partial_d=True)), arch)
+    f = Features("bfloat16", cfg.head_dim, partial_d=True)
+    if families.of(cfg).avoids(cfg, f):  # marked: selection passes it over for these instances
+        pytest.skip(f"{cfg} is marked spilling for partial_d (families' `spilling`)")
+    rep = _compile.compile_report(_compile.kernel_source(cfg, f), arch)
     record_property("resources", {k: v for k, v in rep.items() if k != "log"})
     assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0 and rep["stack_bytes"] == 0, rep["log"]
 

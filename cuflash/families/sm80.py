@@ -158,7 +158,10 @@ BWD = KernelFamily(
               # d128 then runs 32-query tiles (231-246 registers)
               "varlen": frozenset({BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2),
                                    BwdConfig(192, 64, 128, 8, 2)}),
-              "dropout+varlen": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)})},  # 12-16 B, sm_90a
+              "dropout+varlen": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)}),  # 12-16 B, sm_90a
+              # column masking (a head dim below the instance's, or v's own): 4 B on sm_90a since
+              # v's columns are masked apart from q's and k's (the value head dim, issue 12)
+              "partial_d": frozenset({BwdConfig(128, 64, 128, 8, 2)})},
     run=_run_bwd, deterministic_outputs=(1, 2),  # dK, dV (dQ is summed by atomics)
     takes_varlen=True, takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
 )
