@@ -55,18 +55,12 @@ def interleaved_us(entries: list, calls: int = 200, rounds: int = 11, warmup: in
 
 
 def per_call_us(fn: Callable, sync: Callable, calls: int = 500, rounds: int = 5, warmup: int = 20) -> float:
-    """Median over `rounds` of (wall time of `calls` back-to-back calls, synchronised at the end) / calls."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        sync()
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(times)
+    """Median over `rounds` of (wall time of `calls` back-to-back calls, synchronised at the end) / calls:
+    interleaved_us of one path (its warm-up's exception raised, not returned)."""
+    us = interleaved_us([(fn, sync, None)], calls, rounds, warmup)[0]
+    if isinstance(us, Exception):
+        raise us
+    return us
 
 
 def _cupy_rows(dtype: str, calls: int) -> list[dict]:

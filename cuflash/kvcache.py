@@ -349,11 +349,11 @@ def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params) -
 
 
 def _combine_launch(p, dtype, n_splits: int) -> Launch:
-    """combine_splits' kernel as a plan's launch, its sizes as the launch's own scalars."""
+    """The combine kernel (_COMBINE_SRC) as a plan's launch, its sizes as the launch's own scalars."""
     b, n_q, h, d = p.batch, p.seqlen_q, p.heads, p.head_dim
-    n = b * n_q * h * (d // 4)
-    check_grid(-(-n // _COMBINE_THREADS))
-    return Launch(_combine_kernel(np.dtype(dtype).name), (max(1, -(-n // _COMBINE_THREADS)),), (_COMBINE_THREADS,), 0,
+    blocks = -(-b * n_q * h * (d // 4) // _COMBINE_THREADS)
+    check_grid(blocks)
+    return Launch(_combine_kernel(np.dtype(dtype).name), (max(1, blocks),), (_COMBINE_THREADS,), 0,
                   pointers=("o_acc", "lse_acc", "out", "lse"),
                   params=tuple(np.int32(x) for x in (n_splits, b, n_q, h, d)))
 
