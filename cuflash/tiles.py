@@ -158,11 +158,17 @@ class BwdConfig(Sm80Tile):
         return 2 if self.head_dim > 128 else 1
 
     @property
+    def ds_buffers(self) -> int:
+        """dS^T buffers (Sm80BwdTraits::kDsBuffers): two, but one in the 2-warp tiles (the ~99 KB
+        fallbacks of d192 and d256), which pay a barrier per query tile for the 2.5 KB."""
+        return 1 if self.warps == 2 else 2
+
+    @property
     def smem_bytes(self) -> int:
-        # K, V tiles + STAGES x (Q, dO tiles) + 2 x dS^T tile (16-bit, double-buffered)
+        # K, V tiles + STAGES x (Q, dO tiles) + ds_buffers x dS^T tile (16-bit)
         # + STAGES x (lse, delta) rows (fp32)  (mirrors Sm80BwdTraits::kSmemBytes)
         d, br, bc, s = self.head_dim, self.block_q, self.block_k, self.stages
-        return smem_row_bytes(d) * (2 * bc + 2 * s * br) + 2 * bc * smem_row_bytes(br) + 2 * s * br * 4
+        return smem_row_bytes(d) * (2 * bc + 2 * s * br) + self.ds_buffers * bc * smem_row_bytes(br) + 2 * s * br * 4
 
     def structural_problem(self) -> str | None:
         if problem := self._common_problem():

@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -85,6 +85,11 @@ for s in $stages; do
         | tee "$OUT/bench-score-mod.log" ;;
     headdimv) timeout ${HEADDIMV_TIMEOUT:-240} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_head_dim_v_gpu.py \
                 tests/test_head_dim_v.py 2>&1 | tee "$OUT/headdimv-tests.log" | tail -20 ;;  # issue 12: v's own head dim
+    limits)  # issue 14's limits lifted on CPU, first run here: the d192 / d256 backward as on a ~99 KB GPU
+             # (2-warp tiles, one dS^T buffer), varlen backwards and block masks past 65,535 on a grid axis
+      timeout ${LIMITS_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE -k "99kb or 65535 or grid_axis" \
+        tests/gpu/test_headdims_gpu.py tests/gpu/test_varlen_gpu.py tests/gpu/test_block_mask_gpu.py >"$OUT/limits-tests.log" 2>&1
+      grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/limits-tests.log" | tail -30 ;;
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     torchtests) timeout ${TORCH_TESTS_TIMEOUT:-240} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
                   tests/gpu/test_torch_gpu.py tests/gpu/test_transformers_gpu.py tests/gpu/test_interop_gpu.py tests/gpu/test_graphs_gpu.py \

@@ -77,11 +77,6 @@ def test_every_head_dim_gets_a_forward_and_backward_that_fit(name, monkeypatch):
         assert fam.can_implement(tile, props, p.features) is None
         for det in (False, True):
             pb = problem.resolve_backward(q, q, q, q, q, lse, NO_MASK, None, det)
-            if kd > 128 and props.smem_optin < 100 * 1024:  # known gap: no d192/d256 backward tile fits ~99 KB
-                gap = f"no backward config for head_dim {kd} fits in {props.smem_optin}"
-                with pytest.raises(RuntimeError, match=gap):
-                    families.select(families.BWD, pb)
-                continue
             for bfam in (families.BWD, families.BWD_DQ) if det else (families.BWD,):
                 t = families.select(bfam, pb)
                 assert t.head_dim == kd and t.smem_bytes <= props.smem_optin

@@ -32,7 +32,9 @@ def test_fixtures_hold_the_recorded_properties():
 def test_space_is_split_into_candidates_and_pruned_with_reasons(name, kernel, d):
     props = DEVICES[name]
     sp = space.build_space(families.get(kernel), d, props)
-    assert sp.size == len(families.get(kernel).space(d, 1 << 40))  # nothing is lost
+    searched = families.get(kernel).space(d, 1 << 40)
+    # nothing is lost; a default outside the searched domain (a ~99 KB last resort) is added
+    assert sp.size == len(searched) + (sp.default is not None and sp.default not in searched)
     for c in sp.candidates:
         assert c.structural_problem() is None
         assert c.smem_bytes <= props.smem_optin
@@ -66,9 +68,10 @@ def test_shared_memory_prunes_what_fits_on_hopper_but_not_on_ada():
     sp = space.build_space(families.get("bwd"), 128, DEVICES["l4"])
     assert sp.candidates and all(c.block_q == 32 for c in sp.candidates)
     assert sp.default == tiles.BwdConfig(128, 32, 64, 4, 2)
-    # d256's backward does not fit in 99 KB at all: no candidates, no default, no crash
+    # d256's searched backward tiles do not fit in 99 KB at all: the 2-warp last resort alone
     sp = space.build_space(families.get("bwd"), 256, DEVICES["l4"])
-    assert not sp.candidates and sp.default is None
+    assert sp.candidates == [tiles.BwdConfig(256, 32, 32, 2, 2)] == [sp.default]
+    assert len(sp.pruned) == len(families.get("bwd").space(256, 1 << 40))
 
 
 def test_register_lower_bound_prunes_sure_spills_without_compiling():

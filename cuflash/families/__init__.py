@@ -69,7 +69,7 @@ def select(family: KernelFamily, problem):
         return tile
     try:
         return family.default(problem.features.head_dim, props.smem_optin, problem.features)
-    except RuntimeError as e:  # e.g. the d128 backward on a ~99 KB GPU: say which GPU
+    except RuntimeError as e:  # no tile fits the device's shared memory: say which GPU
         raise RuntimeError(f"{e} per block on {props.name} (cc {props.cc_str})") from None
 
 
@@ -85,7 +85,7 @@ def _tile_for_snippet(family: KernelFamily, problem, props, tuned):
     cands += [t for t in family.defaults[f.head_dim]
               if t not in cands and t.fits(props.smem_optin) and not family.avoids(t, f)]
     if not cands:
-        return family.default(f.head_dim, props.smem_optin, f)  # raises, naming the head dim
+        return family.default(f.head_dim, props.smem_optin, f)  # one that spills, or raises naming the head dim
     spills = []
     for t in cands:
         rep = _compile.compile_report(_compile.kernel_source(t, f), family.nvrtc_arch(props))

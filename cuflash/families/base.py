@@ -162,11 +162,15 @@ class KernelFamily:
 
     def default(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN, features: Features | None = None):
         """The heuristic tile: the first default (the class's own first: class_defaults) that fits the
-        device and does not spill for `features`."""
+        device and does not spill for `features`; where every fitting one spills, the first fitting
+        one (a slower kernel beats none: the d192 / d256 backward on ~99 KB GPUs)."""
         first = () if features is None else self.class_defaults.get(features.perf_class(), {}).get(head_dim, ())
-        for t in (*first, *self.defaults[head_dim]):
-            if t.fits(smem_optin_bytes) and not self.avoids(t, features):
+        fitting = [t for t in (*first, *self.defaults[head_dim]) if t.fits(smem_optin_bytes)]
+        for t in fitting:
+            if not self.avoids(t, features):
                 return t
+        if fitting:
+            return fitting[0]
         raise RuntimeError(f"no {self.what} config for head_dim {head_dim} fits in {smem_optin_bytes} bytes "
                            f"of shared memory")
 

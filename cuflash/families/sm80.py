@@ -130,7 +130,12 @@ FWD = KernelFamily(
 )
 
 # The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of
-# dK, dV) spills on sm_80. No d=128 backward tile fits the ~99 KB of an L4 / RTX 4090 yet.
+# dK, dV) spills on sm_80, except d128's 32-query one, the ~99 KB fallback of an L4 / RTX 4090.
+# d192 and d256 fit ~99 KB only as 2-warp tiles of 32 x 32 with one dS^T buffer (BwdConfig.
+# ds_buffers); those are the last resorts of their lists and run only where nothing larger fits
+# (cc 8.6 / 8.9). At 255 registers they spill a little in some instances (sm_86: d192 8-64 B, d256
+# 0-8 B with varlen or a partial head dim); where no tile that does not spill fits, the selection
+# takes a spilling one over none (KernelFamily.default), and tests/test_compile_bwd.py bounds them.
 BWD = KernelFamily(
     name="bwd", description="backward dK/dV kernel (dQ by atomics)", what="backward", pass_="backward",
     tile_cls=BwdConfig, header="flash_bwd.cuh", template="cuflash::flash_bwd_dkdv",
@@ -139,15 +144,15 @@ BWD = KernelFamily(
     domain=lambda d: _product(lambda bq, w, s: BwdConfig(d, bq, 16 * w, w, s), (32, 64, 128), (4, 8), (2, 3)),
     # d 32, 96, 256 and the 32-query tiles (ptxas-checked, not yet measured): block_q 32 makes the
     # dQ product's warp tile 16 x d/2, which is what lets 4 warps fit (the ~99 KB fallback of d128).
-    # d192 and d256 run as two column splits per key tile (BwdConfig.column_splits); neither fits ~99 KB.
+    # d192 and d256 run as two column splits per key tile (BwdConfig.column_splits).
     defaults={
         32: (BwdConfig(32, 128, 128, 8, 2), BwdConfig(32, 64, 128, 8, 2)),
         64: (BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2), BwdConfig(64, 64, 128, 8, 2)),
         96: (BwdConfig(96, 64, 128, 8, 2), BwdConfig(96, 32, 64, 4, 2)),
         128: (BwdConfig(128, 64, 128, 8, 3), BwdConfig(128, 64, 128, 8, 2), BwdConfig(128, 32, 128, 8, 3),
               BwdConfig(128, 32, 64, 4, 2)),
-        192: (BwdConfig(192, 64, 128, 8, 2), BwdConfig(192, 32, 64, 4, 2)),
-        256: (BwdConfig(256, 32, 128, 8, 2), BwdConfig(256, 32, 64, 4, 2)),
+        192: (BwdConfig(192, 64, 128, 8, 2), BwdConfig(192, 32, 64, 4, 2), BwdConfig(192, 32, 32, 2, 2)),
+        256: (BwdConfig(256, 32, 128, 8, 2), BwdConfig(256, 32, 64, 4, 2), BwdConfig(256, 32, 32, 2, 2)),
     },
     accumulator_registers=_bwd_acc,
     # the d64 128-query tiles with softcap and dropout: 12 B (three stages) and 8 B (two) on sm_80

@@ -70,6 +70,10 @@ def build_space(fam: KernelFamily, head_dim: int, props: DeviceProps, features=N
         default = None if fam.device_problem(props) else fam.default(head_dim, props.smem_optin, features)
     except (RuntimeError, KeyError):
         default = None
+    if default is not None and default not in candidates and default not in pruned:
+        # a default outside the searched domain (the 2-warp last resorts of the d192 / d256
+        # backward, for ~99 KB GPUs where no searched tile fits): the space's one candidate
+        candidates.append(default)
     return Space(fam.name, head_dim, props, candidates, pruned, default)
 
 

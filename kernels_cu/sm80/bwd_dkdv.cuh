@@ -109,7 +109,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     const u32 sQ = sV + S_::kKVBytes;
     const u32 sdO = sQ + STAGES * S_::kQTileBytes;
     const u32 sdS = sdO + STAGES * S_::kQTileBytes;
-    const u32 sL = sdS + 2 * S_::kDsBytes;       // (dS^T is double-buffered) STAGES x BR floats of lse2
+    const u32 sL = sdS + S_::kDsBuffers * S_::kDsBytes;  // STAGES x BR floats of lse2
     const u32 sDelta = sL + STAGES * S_::kStatBytes;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -213,12 +213,17 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         const u32 sQs = sQ + slot * S_::kQTileBytes, sdOs = sdO + slot * S_::kQTileBytes;
         const int m = blocks.at(it);  // query block of this step
         const int q0 = m * BR;
-        const u32 sdS_it = sdS + (it % 2) * S_::kDsBytes;
+        constexpr int NDS = S_::kDsBuffers;
+        const u32 sdS_it = sdS + (it % NDS) * S_::kDsBytes;
         // dQ of the previous query tile: its dS^T is complete now that every warp passed the
-        // barrier above. Deferring it by one tile saves the second barrier per tile.
-        if (dq_acc != nullptr && it > 0)
-            bwd_dq_product<BF16, S_>(sdS + ((it - 1) % 2) * S_::kDsBytes, sK,
+        // barrier above. Deferring it by one tile saves the second barrier per tile (with one
+        // dS^T buffer, not: every warp must be done reading it before any parks or stores the
+        // next tile's in it).
+        if (dq_acc != nullptr && it > 0) {
+            bwd_dq_product<BF16, S_>(sdS + ((it - 1) % NDS) * S_::kDsBytes, sK,
                                      dq_acc + (ws_rows0() + q0 - BR) * D, col0, warp, lane);
+            if constexpr (NDS == 1) __syncthreads();
+        }
 
         // ---- dropout keep bits (first, while few registers are live), in S^T's A-fragment order
         // (Dropout::bits8_transposed): byte kq % 4 of keep[kq / 4], bit 4s + 2h + e, is key g + 8h,
@@ -239,9 +244,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
         // softcap: the dS^T slot of C tile nt, element pair `half` (frag[nt / 2][2 (nt % 2) + half],
         // see the dS^T stores below), where P^T o (1 - t^2) waits for the dS^T phase. Not in
         // registers (KQ * 4 more: the d64 tile reached 255 and spilled with dropout). The buffer
-        // is free (its last reader, tile it-2's dQ product, ran before this step's barrier; the
-        // deterministic mode never uses it) and only this thread touches these slots until it
-        // overwrites them with dS^T.
+        // is free (its last reader, tile it-2's dQ product, ran before this step's barrier, or
+        // with one buffer tile it-1's, before the barrier after it; the deterministic mode never
+        // uses it) and only this thread touches these slots until it overwrites them with dS^T.
         auto park_slot = [&](int nt, int half) { return sdS_it + swz<SCH>(warp * 16 + g + 8 * half, nt) + 4 * t; };
 
         // ---- S^T = K_w Q^T; score modifier; P^T = exp2(S^T c - lse2), 0 where masked ----
@@ -340,7 +345,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const elem_t* __restrict__ q, con
     cp_async_wait<0>();
     __syncthreads();  // the last dS^T is complete
     if (dq_acc != nullptr && n_iter > 0) {
-        bwd_dq_product<BF16, S_>(sdS + ((n_iter - 1) % 2) * S_::kDsBytes, sK,
+        bwd_dq_product<BF16, S_>(sdS + ((n_iter - 1) % S_::kDsBuffers) * S_::kDsBytes, sK,
                                  dq_acc + (ws_rows0() + blocks.at(n_iter - 1) * BR) * D, col0, warp, lane);
         __syncthreads();  // every warp is done reading K: its rows take dK for the store
     }

@@ -88,8 +88,13 @@ struct Sm80BwdTraits {
     static constexpr int kKVBytes = BC * SmemRow<kRowChunks>::kBytes;
     static constexpr int kQTileBytes = BR * SmemRow<kRowChunks>::kBytes;
     static constexpr int kDsBytes = BC * SmemRow<kDsRowChunks>::kBytes;
+    // dS^T buffers: two let a query tile's dQ product (deferred to the next tile, after its
+    // barrier) read one while the warps write the next, saving a barrier per tile. The 2-warp
+    // tiles, the fallbacks of d192 / d256 for the ~99 KB of cc 8.6 / 8.9 GPUs (d256's fits with
+    // one buffer, to the byte), keep one and pay the barrier: 64 threads meet quickly.
+    static constexpr int kDsBuffers = WARPS == 2 ? 1 : 2;
     static constexpr int kStatBytes = BR * 4;
-    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQTileBytes + 2 * kDsBytes + 2 * STAGES * kStatBytes;
+    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQTileBytes + kDsBuffers * kDsBytes + 2 * STAGES * kStatBytes;
     // Unroll factor of the head-dim loop of the S^T / dP^T products (sm80/warp_gemm.cuh,
     // tile_mma_abt). Fully unrolled, ptxas hoists every B fragment ahead of the MMAs and the dK,
     // dV accumulators no longer fit; with dropout the keep bits take the room of the second step.

@@ -207,3 +207,44 @@ def test_public_api_and_explicit_scale_with_an_odd_head_dim():
         res = fa_rule_grads(grads, qc, kc, vc, dc, True, ref_scale)
         for name, (err, pt_err, allowed) in res.items():
             assert err <= allowed, f"{name}: max err {err:.3e} > allowed {allowed:.3e}"
+
+
+@pytest.fixture
+def as_99kb_gpu(monkeypatch):
+    """This GPU as a ~99 KB one (cc 8.6 / 8.9: 101,376 B of shared memory per block), compiling for
+    itself: selection sees the smaller limit, the shipped tables (tuned for this GPU's full limit)
+    are out of the way, and the plan caches are empty before and after."""
+    import dataclasses
+
+    from cuflash import _backward, _forward, _tuned, device
+
+    real = device.query(0)
+    small = dataclasses.replace(real, smem_optin=101376)
+    monkeypatch.setattr(device, "query", lambda device_id=0: small)
+    monkeypatch.setattr(_tuned, "lookup", lambda *a, **k: None)
+    for cache in (_forward._plans, _backward._plans):
+        cache.clear()
+    yield small
+    for cache in (_forward._plans, _backward._plans):
+        cache.clear()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [160, 192, 224, 256])
+def test_backward_large_head_dims_as_on_a_99kb_gpu(as_99kb_gpu, d, dtype):
+    """The d192 / d256 backward with only ~99 KB per block: the 2-warp 32 x 32 tiles with one dS^T
+    buffer (and a barrier per query tile), their partial-head-dim instances (160, 224), causal or
+    not, atomic and deterministic dQ, GQA, by the 2x rule with outputs poisoned."""
+    from cuflash import _backward, _forward, families, tiles
+
+    kd = tiles.kernel_head_dim(d)
+    assert families.BWD.default(kd, as_99kb_gpu.smem_optin) == tiles.BwdConfig(kd, 32, 32, 2, 2)
+    for causal in (False, True):
+        for deterministic in (False, True):
+            for (nq, nk), hkv in (((113, 203), None), ((300, 257), 1), ((1, 239), None), ((239, 1), None)):
+                q, k, v, dout = _inputs(hash((d, dtype, causal, deterministic, nq, nk, "99kb")) % 2**32, 2, nq, nk,
+                                        4, d, dtype, hkv=hkv)
+                out, lse = _forward.forward(q, k, v, causal=causal)
+                _poison_pool(q.shape, k.shape)
+                grads = _backward.backward(dout, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+                _check_grads(grads, q, k, v, dout, causal)
