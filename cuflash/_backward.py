@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from . import _compile, families, problem
 from . import _plans as plan_cache
-from .launch import Buffer, FilledPlan, Launch, Plan, check_grid
+from .launch import GRID_YZ_MAX, Buffer, FilledPlan, Launch, Plan, check_grid
 from .mask import MaskOptions
 from .params import pack_bwd
 from .problem import AttnProblem
@@ -80,15 +80,16 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
     """The backward of variable-length batches (cuflash/varlen.py): the same kernels' varlen
     instances; the row-wise ones on a (row chunks, heads, batch) grid over each sequence's rows."""
     b, h, d, hkv, gqa = p.batch, p.heads, p.head_dim, p.heads_kv, p.group > 1
-    if b > 65535:
-        raise ValueError(f"variable-length batches take at most 65535 sequences, got {b}")
+    bz = min(b, GRID_YZ_MAX)  # the row-wise kernels' grid z strides over the sequences (BwdParams.batch)
+    if h > GRID_YZ_MAX:  # their grid y: one head each
+        raise ValueError(f"variable-length backwards take at most {GRID_YZ_MAX} heads, got {h}")
     pad = varlen_ws_rows_per_head(p)
     ws_rows = h * pad
     kd = p.features.head_dim
     chunks = kd // 8
     rows_grid = -(-p.seqlen_q // _ROW_PAD) * _ROW_PAD  # the longest sequence's padded rows
     prep = _compile.get_aux_kernel("bwd_prep_varlen", p.features, p.device)
-    launches = [Launch(prep, (-(-rows_grid * prep_threads_per_row(kd) // _AUX_THREADS), h, b), (_AUX_THREADS,), 0,
+    launches = [Launch(prep, (-(-rows_grid * prep_threads_per_row(kd) // _AUX_THREADS), h, bz), (_AUX_THREADS,), 0,
                        pointers=_aux_pointers("bwd_prep_varlen"))]
     n_blocks = -(-p.seqlen_k // cfg.block_k) * getattr(cfg, "column_splits", 1)
     check_grid(n_blocks * h * b)
@@ -106,7 +107,7 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
                                pointers=_pointers(families.BWD_DQ) + VARLEN_SLOTS + _alibi_slot(p)))
     else:
         convert = _compile.get_aux_kernel("bwd_dq_convert_varlen", p.features, p.device)
-        launches.append(Launch(convert, (-(-p.seqlen_q * chunks // _AUX_THREADS), h, b), (_AUX_THREADS,), 0,
+        launches.append(Launch(convert, (-(-p.seqlen_q * chunks // _AUX_THREADS), h, bz), (_AUX_THREADS,), 0,
                                pointers=_aux_pointers("bwd_dq_convert_varlen")))
     expanded = ()
     if gqa:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 
 from . import _compile
+from .launch import GRID_YZ_MAX  # the passes' y / z grid limit: they stride over the pairs past it
 from .score_mods import ModSource, ScoreModError, compile_error
 
 CELL = 16  # positions per cell side (attn/block_mask.cuh kMaskCell); tiles are multiples of it
@@ -41,13 +42,15 @@ _LISTS_SRC = r'''
 #include "attn/block_mask.cuh"
 extern "C" __global__ void cuflash_block_mask_lists(const unsigned* bits, const unsigned* full, int* counts, int* index,
                                                     int qcells, int kcells, int kwords, int rb, int cb, int m_blocks,
-                                                    int n_blocks) {
-    cuflash::block_mask_lists<false>(bits, full, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks);
+                                                    int n_blocks, int bh_count) {
+    cuflash::block_mask_lists<false>(bits, full, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks,
+                                     bh_count);
 }
 extern "C" __global__ void cuflash_block_mask_lists_t(const unsigned* bits, const unsigned* full, int* counts,
                                                       int* index, int qcells, int kcells, int kwords, int rb, int cb,
-                                                      int m_blocks, int n_blocks) {
-    cuflash::block_mask_lists<true>(bits, full, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks);
+                                                      int m_blocks, int n_blocks, int bh_count) {
+    cuflash::block_mask_lists<true>(bits, full, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks,
+                                    bh_count);
 }
 '''
 
@@ -55,9 +58,9 @@ extern "C" __global__ void cuflash_block_mask_lists_t(const unsigned* bits, cons
 def _cells_source(source: ModSource) -> str:
     return ('#include "attn/score_mod.cuh"\n#include "attn/block_mask.cuh"\n' + source.cxx() +
             'extern "C" __global__ void cuflash_block_mask_cells(unsigned* bits, unsigned* full, const void* const* aux,\n'
-            '        int heads, int seqlen_q, int seqlen_k, int qcells, int kcells, int kwords) {\n'
+            '        int heads, int seqlen_q, int seqlen_k, int qcells, int kcells, int kwords, int bh_count) {\n'
             '    cuflash::block_mask_cells<cuflash::UserModDefs<true>>(bits, full, aux, heads, seqlen_q, seqlen_k, qcells,\n'
-            '                                                          kcells, kwords);\n'
+            '                                                          kcells, kwords, bh_count);\n'
             '}\n')
 
 
@@ -134,10 +137,11 @@ class BlockMask:
             with cupy.cuda.Device(self.device):
                 counts = cupy.zeros((bh, max(outer, 1)), dtype=cupy.int32)
                 index = cupy.zeros((bh, max(outer, 1), max(inner, 1)), dtype=cupy.int32)
-                if mb and nb:
-                    fn((outer, bh), (32,), (self.cells, self.full_cells, counts, index, cupy.int32(qc), cupy.int32(kc),
-                                         cupy.int32(self.cells.shape[2]), cupy.int32(block_q // CELL),
-                                         cupy.int32(block_k // CELL), cupy.int32(mb), cupy.int32(nb)))
+                if mb and nb:  # (y strides over the (batch, head) pairs: there may be more than 65,535)
+                    fn((outer, min(bh, GRID_YZ_MAX)), (32,),
+                       (self.cells, self.full_cells, counts, index, cupy.int32(qc), cupy.int32(kc),
+                        cupy.int32(self.cells.shape[2]), cupy.int32(block_q // CELL), cupy.int32(block_k // CELL),
+                        cupy.int32(mb), cupy.int32(nb), cupy.int32(bh)))
             got = self._lists[key] = (counts, index)
         return got
 
@@ -167,25 +171,23 @@ def build(mod, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: int
     for name, v in (("batch", batch), ("heads", heads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (1 if name in ("batch", "heads") else 0):
             raise ValueError(f"{name} must be an int >= {1 if name in ('batch', 'heads') else 0}, got {v!r}")
-    if batch * heads > 65535:
-        raise ValueError(f"batch x heads of a block mask must be at most 65535, got {batch * heads} "
-                         "(heads=1 / batch=1 where the snippet does not read h / b)")
+    qc, kc = -(-seqlen_q // CELL), -(-seqlen_k // CELL)
+    kw = -(-kc // 32)
+    if kw > GRID_YZ_MAX:  # the cells pass's grid y (its x, the query cells, goes to 2^31 - 1)
+        raise ValueError(f"seqlen_k of a block mask must be at most {GRID_YZ_MAX * 32 * CELL}, got {seqlen_k}")
     if device is None:
         device = mod.aux[0].device.id if mod.aux else cupy.cuda.Device().id
     mod.check_device(device)
-    qc, kc = -(-seqlen_q // CELL), -(-seqlen_k // CELL)
-    kw = -(-kc // 32)
-    if kw > 65535:  # the cells pass's grid y (its x, the query cells, goes to 2^31 - 1)
-        raise ValueError(f"seqlen_k of a block mask must be at most {65535 * 32 * CELL}, got {seqlen_k}")
     fn = _kernel(_cells_kernels, (mod.source, device), _cells_source(mod.source), "cuflash_block_mask_cells",
                  device, mod.source)
     with cupy.cuda.Device(device):
         bits = cupy.zeros((batch * heads, qc, max(kw, 1)), dtype=cupy.uint32)
         full = cupy.zeros_like(bits)
         if qc and kw:
-            fn((qc, kw, batch * heads), (32,), (bits, full, mod.pointer_table(device), cupy.int32(heads),
-                                                cupy.int32(seqlen_q), cupy.int32(seqlen_k), cupy.int32(qc), cupy.int32(kc),
-                                                cupy.int32(kw)))
+            # z strides over the (batch, head) pairs: there may be more than 65,535
+            fn((qc, kw, min(batch * heads, GRID_YZ_MAX)), (32,),
+               (bits, full, mod.pointer_table(device), cupy.int32(heads), cupy.int32(seqlen_q), cupy.int32(seqlen_k),
+                cupy.int32(qc), cupy.int32(kc), cupy.int32(kw), cupy.int32(batch * heads)))
     return BlockMask(mod.source, batch, heads, seqlen_q, seqlen_k, device, bits, full)
 
 

@@ -37,8 +37,10 @@ import numpy as np
 
 from .params import KernelParams
 
-# Grids are 1-D; blockIdx.x's limit is 2^31 - 1.
+# Grids are 1-D; blockIdx.x's limit is 2^31 - 1. (The row-wise varlen kernels and the block-mask
+# passes put heads or (batch, head) pairs on y / z, limit 65,535, and stride over what is past it.)
 MAX_GRID_X = 2**31 - 1
+GRID_YZ_MAX = 65535
 NULL = np.uint64(0)  # a null pointer argument
 
 

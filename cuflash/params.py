@@ -84,7 +84,7 @@ BWD_FIELDS = [
     # tile) and of the dK/dV kernel (query blocks of its tile: the transposed lists)
     ("bm_sb", _I32), ("bm_sh", _I32), ("bm_nb", _I32), ("bm_mb", _I32),
     ("head_dim_v", _I32),  # as FwdParams' (v, out, dout, dv)
-    ("pad0", _I32),  # keeps the struct a multiple of 8 bytes (the mirror check)
+    ("batch", _I32),  # the batch; varlen: the sequences (the row-wise kernels' grid z strides over them)
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)
@@ -179,6 +179,7 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     a["kv_rows"] = p.batch * p.seqlen_k * p.heads_kv if p.group > 1 else 0
     _set_common(a, p)
     a["seqlen_q_pad"], a["n_blocks"], a["m_blocks"] = seqlen_q_pad, n_blocks, m_blocks
+    a["batch"] = p.batch
     a["scale"] = np.float32(p.softmax_scale)
     _set_alibi(a, p)
     _set_block_mask(a, p)

@@ -101,12 +101,13 @@ def test_layout_has_no_implicit_padding():
     # GQA/MQA (issue 12): new 4-byte fields at the end; BwdParams' kv_rows with the other 8-byte
     # fields; softcap's scale (issue 13) and the call's head dim (issue 12); v's head dim took
     # FwdParams' tail padding and joined BwdParams' end with a new one (appended: every earlier
-    # field's kernel parameter keeps its offset)
+    # field's kernel parameter keeps its offset); that padding became the batch (issue 14: the
+    # varlen row-wise kernels stride over sequences past the grid's z)
     assert params.FWD.names[-16:] == ("tiles", "heads_kv", "group", "softcap_scale", "head_dim", "align_end", "n_splits",
                                      "split_blocks", "page_size", "table_stride", "alibi_scale", "alibi_sb",
                                      "bm_sb", "bm_sh", "bm_nb", "head_dim_v")
     assert params.BWD.names[-13:] == ("heads_kv", "group", "softcap_scale", "head_dim", "align_end", "alibi_scale",
-                                     "alibi_sb", "bm_sb", "bm_sh", "bm_nb", "bm_mb", "head_dim_v", "pad0")
+                                     "alibi_sb", "bm_sb", "bm_sh", "bm_nb", "bm_mb", "head_dim_v", "batch")
     assert params.BWD.names[params.BWD.names.index("q_rows") + 1] == "kv_rows"
 
 

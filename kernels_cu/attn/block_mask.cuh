@@ -35,45 +35,46 @@ __device__ __forceinline__ int lower_bound(const int* __restrict__ a, int n, int
     return lo;
 }
 
-// The cells pass: a warp per (query cell, 32 key cells, bh); grid (qcells, kwords, bh count): the
-// query cells in x, whose limit is 2^31 - 1 (a million-token query side is 65,536 cells, one past
-// y's limit).
+// The cells pass: a warp per (query cell, 32 key cells, bh); grid (qcells, kwords, min(bh count,
+// 65535)): the query cells in x, whose limit is 2^31 - 1 (a million-token query side is 65,536
+// cells, one past y's limit); z strides over the bh_count (batch, head) pairs, which may pass z's
+// limit of 65,535.
 // Defs: the snippets' UserModDefs<true> (attn/score_mod.cuh); `heads`: the mask's heads (1 when
 // broadcast), so bh = b * heads + h. bits: some pair of the cell kept; full: every pair of it (its
 // pairs inside the sequences) kept.
 template <class Defs>
 __device__ __forceinline__ void block_mask_cells(unsigned* __restrict__ bits, unsigned* __restrict__ full,
                                                  const void* const* __restrict__ aux, int heads, int seqlen_q,
-                                                 int seqlen_k, int qcells, int kcells, int kwords) {
-    const int lane = threadIdx.x, qc = blockIdx.x, kw = blockIdx.y, bh = blockIdx.z;
-    const int b = bh / heads, h = bh % heads, kc = kw * 32 + lane;
-    bool any = false, all = true;
-    if (kc < kcells) {
-        const int q_end = min(qc * kMaskCell + kMaskCell, seqlen_q), k_end = min(kc * kMaskCell + kMaskCell, seqlen_k);
-        for (int q = qc * kMaskCell; q < q_end && (all || !any); ++q)
-            for (int k = kc * kMaskCell; k < k_end; ++k) {
-                const bool keep = Defs::mask(b, h, q, k, aux);
-                any |= keep;
-                all &= keep;
-                if (any && !all) break;
-            }
-    }
-    const unsigned word = __ballot_sync(0xffffffffu, any), full_word = __ballot_sync(0xffffffffu, any && all);
-    if (lane == 0) {
-        bits[((long long)bh * qcells + qc) * kwords + kw] = word;
-        full[((long long)bh * qcells + qc) * kwords + kw] = full_word;
+                                                 int seqlen_k, int qcells, int kcells, int kwords, int bh_count) {
+    const int lane = threadIdx.x, qc = blockIdx.x, kw = blockIdx.y, kc = kw * 32 + lane;
+    for (int bh = blockIdx.z; bh < bh_count; bh += gridDim.z) {  // uniform over the warp: the ballots below
+        const int b = bh / heads, h = bh % heads;
+        bool any = false, all = true;
+        if (kc < kcells) {
+            const int q_end = min(qc * kMaskCell + kMaskCell, seqlen_q), k_end = min(kc * kMaskCell + kMaskCell, seqlen_k);
+            for (int q = qc * kMaskCell; q < q_end && (all || !any); ++q)
+                for (int k = kc * kMaskCell; k < k_end; ++k) {
+                    const bool keep = Defs::mask(b, h, q, k, aux);
+                    any |= keep;
+                    all &= keep;
+                    if (any && !all) break;
+                }
+        }
+        const unsigned word = __ballot_sync(0xffffffffu, any), full_word = __ballot_sync(0xffffffffu, any && all);
+        if (lane == 0) {
+            bits[((long long)bh * qcells + qc) * kwords + kw] = word;
+            full[((long long)bh * qcells + qc) * kwords + kw] = full_word;
+        }
     }
 }
 
-// The lists pass: a warp per (block, bh); grid (blocks, bh count). rb, cb: cells per query block
-// and per key block (BR / 16, BC / 16). TRANSPOSED false: per query block i (blockIdx.x, of
-// m_blocks), its key blocks (n_blocks entries per row; the forwards, dQ); true: per key block j
-// (of n_blocks), its query blocks (m_blocks entries per row; the dK/dV kernels).
+// One list row of the lists pass: block blockIdx.x of pair bh.
 template <bool TRANSPOSED>
-__device__ __forceinline__ void block_mask_lists(const unsigned* __restrict__ bits, const unsigned* __restrict__ full,
-                                                 int* __restrict__ counts, int* __restrict__ index, int qcells,
-                                                 int kcells, int kwords, int rb, int cb, int m_blocks, int n_blocks) {
-    const int lane = threadIdx.x, o = blockIdx.x, bh = blockIdx.y;
+__device__ __forceinline__ void block_mask_list(const unsigned* __restrict__ bits, const unsigned* __restrict__ full,
+                                                int* __restrict__ counts, int* __restrict__ index, int qcells,
+                                                int kcells, int kwords, int rb, int cb, int m_blocks, int n_blocks,
+                                                int bh) {
+    const int lane = threadIdx.x, o = blockIdx.x;
     const int outer = TRANSPOSED ? n_blocks : m_blocks, inner = TRANSPOSED ? m_blocks : n_blocks;
     const unsigned* rows = bits + (long long)bh * qcells * kwords;
     const unsigned* full_rows = full + (long long)bh * qcells * kwords;
@@ -97,6 +98,20 @@ __device__ __forceinline__ void block_mask_lists(const unsigned* __restrict__ bi
         count += __popc(ballot);
     }
     if (lane == 0) counts[(long long)bh * outer + o] = count;
+}
+
+// The lists pass: a warp per (block, bh); grid (blocks, min(bh count, 65535)), y striding over the
+// bh_count pairs. rb, cb: cells per query block and per key block (BR / 16, BC / 16). TRANSPOSED
+// false: per query block i (blockIdx.x, of m_blocks), its key blocks (n_blocks entries per row; the
+// forwards, dQ); true: per key block j (of n_blocks), its query blocks (m_blocks entries per row;
+// the dK/dV kernels).
+template <bool TRANSPOSED>
+__device__ __forceinline__ void block_mask_lists(const unsigned* __restrict__ bits, const unsigned* __restrict__ full,
+                                                 int* __restrict__ counts, int* __restrict__ index, int qcells,
+                                                 int kcells, int kwords, int rb, int cb, int m_blocks, int n_blocks,
+                                                 int bh_count) {
+    for (int bh = blockIdx.y; bh < bh_count; bh += gridDim.y)
+        block_mask_list<TRANSPOSED>(bits, full, counts, index, qcells, kcells, kwords, rb, cb, m_blocks, n_blocks, bh);
 }
 
 // One tile's block steps: with a block mask (ON) the listed blocks inside `range` (the built-in

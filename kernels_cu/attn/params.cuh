@@ -101,7 +101,7 @@ struct BwdParams {
     int bm_nb;                // V::kBlockMask: the dQ kernel's entries per list (its tile's key blocks)
     int bm_mb;                // V::kBlockMask: the dK/dV kernel's entries per transposed list (its tile's query blocks)
     int head_dim_v;           // as FwdParams' (v, out, dout, dv)
-    int pad0;                 // (the struct a multiple of 8 bytes)
+    int batch;                // the batch (V::kVarlen: the sequences, past the 65,535 of a grid's z: the row-wise kernels stride over them)
 };
 
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 208, "FwdParams layout changed: update cuflash/params.py");

@@ -32,13 +32,13 @@ __device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ dq_acc,
     *reinterpret_cast<uint4*>(dq + b * dq_sb + i * dq_sn + h * dq_sh + c * 8) = out;
 }
 
-// Variable-length batches: the same over a grid of (row chunks, head, batch) (as bwd_prep_varlen);
-// dq packed (total_q, heads, D).
+// bwd_dq_convert_varlen's work for sequence b.
 template <bool BF16, int D>
-__device__ __forceinline__ void bwd_dq_convert_varlen(const float* __restrict__ dq_acc, elem_t* __restrict__ dq,
-                                                      const int* __restrict__ cu_seqlens_q, const BwdParams& params) {
+__device__ __forceinline__ void bwd_dq_convert_varlen_seq(const float* __restrict__ dq_acc, elem_t* __restrict__ dq,
+                                                          const int* __restrict__ cu_seqlens_q, const BwdParams& params,
+                                                          int b) {
     constexpr int CH = D / 8;
-    const int b = blockIdx.z, h = blockIdx.y;
+    const int h = blockIdx.y;
     const SeqSpan span{cu_seqlens_q[b], 0, cu_seqlens_q[b + 1] - cu_seqlens_q[b], 0};
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const int i = (int)(gt / CH), c = (int)(gt % CH);
@@ -53,6 +53,15 @@ __device__ __forceinline__ void bwd_dq_convert_varlen(const float* __restrict__ 
     out.z = pack2<BF16>(bb.x * scale, bb.y * scale);
     out.w = pack2<BF16>(bb.z * scale, bb.w * scale);
     *reinterpret_cast<uint4*>(dq + ((long long)span.q_start + i) * params.dq_sn + h * params.dq_sh + c * 8) = out;
+}
+
+// Variable-length batches: the same over a grid of (row chunks, head, min(batch, 65535)), z striding
+// over the params.batch sequences (as bwd_prep_varlen); dq packed (total_q, heads, D).
+template <bool BF16, int D>
+__device__ __forceinline__ void bwd_dq_convert_varlen(const float* __restrict__ dq_acc, elem_t* __restrict__ dq,
+                                                      const int* __restrict__ cu_seqlens_q, const BwdParams& params) {
+    for (int b = blockIdx.z; b < params.batch; b += gridDim.z)
+        bwd_dq_convert_varlen_seq<BF16, D>(dq_acc, dq, cu_seqlens_q, params, b);
 }
 
 }  // namespace cuflash

@@ -61,21 +61,17 @@ __device__ __forceinline__ void bwd_prep(const elem_t* __restrict__ o, const ele
     }
 }
 
-// Variable-length batches (cuflash/varlen.py): the same per row, over a grid of (row chunks, head,
-// batch): batch b = blockIdx.z, head h = blockIdx.y, and its workspace rows from ws_row0 (attn/
-// mask.cuh: each sequence padded to a multiple of SeqSpan::kVarlenRowPad rows, those past its
-// length set as padding: delta 0, lse2 +inf, dq_acc 0). o, dout are packed (total_q, heads, D), lse
-// (heads, total_q) with total_q = params.seqlen_q.
+// bwd_prep_varlen's work for sequence b.
 template <bool BF16, int D>
-__device__ __forceinline__ void bwd_prep_varlen(const elem_t* __restrict__ o, const elem_t* __restrict__ dout,
-                                                const float* __restrict__ lse, float* __restrict__ delta,
-                                                float* __restrict__ lse2, float* __restrict__ dq_acc,
-                                                const int* __restrict__ cu_seqlens_q, const BwdParams& params) {
+__device__ __forceinline__ void bwd_prep_varlen_seq(const elem_t* __restrict__ o, const elem_t* __restrict__ dout,
+                                                    const float* __restrict__ lse, float* __restrict__ delta,
+                                                    float* __restrict__ lse2, float* __restrict__ dq_acc,
+                                                    const int* __restrict__ cu_seqlens_q, const BwdParams& params, int b) {
     constexpr int CH = D / 8;
     constexpr int TPR = CH <= 1 ? 1 : CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
     static_assert(CH <= 32, "a row's threads must sit in one warp");
     constexpr int PAD = SeqSpan::kVarlenRowPad;
-    const int b = blockIdx.z, h = blockIdx.y;
+    const int h = blockIdx.y;
     const SeqSpan span{cu_seqlens_q[b], 0, cu_seqlens_q[b + 1] - cu_seqlens_q[b], 0};
     const int seqlen_q = span.seqlen_q, rows = (seqlen_q + PAD - 1) / PAD * PAD;
     const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -111,6 +107,22 @@ __device__ __forceinline__ void bwd_prep_varlen(const elem_t* __restrict__ o, co
         p[0] = z;
         p[1] = z;
     }
+}
+
+// Variable-length batches (cuflash/varlen.py): the same per row, over a grid of (row chunks, head,
+// min(batch, 65535)): head h = blockIdx.y, and z strides over the params.batch sequences b (there
+// may be more than a grid's z holds); each sequence's workspace rows from ws_row0 (attn/mask.cuh:
+// each sequence padded to a multiple of SeqSpan::kVarlenRowPad rows, those past its length set as
+// padding: delta 0, lse2 +inf, dq_acc 0). o, dout are packed (total_q, heads, D), lse (heads,
+// total_q) with total_q = params.seqlen_q.
+template <bool BF16, int D>
+__device__ __forceinline__ void bwd_prep_varlen(const elem_t* __restrict__ o, const elem_t* __restrict__ dout,
+                                                const float* __restrict__ lse, float* __restrict__ delta,
+                                                float* __restrict__ lse2, float* __restrict__ dq_acc,
+                                                const int* __restrict__ cu_seqlens_q, const BwdParams& params) {
+    // every thread of a block takes the same sequences: the per-row shuffles stay warp-uniform
+    for (int b = blockIdx.z; b < params.batch; b += gridDim.z)
+        bwd_prep_varlen_seq<BF16, D>(o, dout, lse, delta, lse2, dq_acc, cu_seqlens_q, params, b);
 }
 
 }  // namespace cuflash

@@ -256,3 +256,32 @@ def test_varlen_dropout_forward_and_backward(h, hk, causal, dtype):
                             scale, keep_scale=z)
         for name, (err, pt, allowed) in res.items():
             assert err <= allowed, f"sequence {b} {name}: {err:.3e} > {allowed:.3e} (same-dtype {pt:.3e})"
+
+
+def test_varlen_backward_past_65535_sequences_grid_axis():
+    """70,001 sequences (issue 14: grids beyond 65,535 blocks in any dimension): the row-wise
+    kernels (bwd_prep_varlen, bwd_dq_convert_varlen) put the sequences on the grid's z and stride
+    over those past its 65,535. Equal lengths, so the packed batch is a dense one: gradients by the
+    2x rule against the float64 reference of that dense batch, outputs poisoned (a sequence the
+    kernels missed would keep NaN or a stale dQ)."""
+    import cupy
+
+    nseq, nq, nk, h, d = 70001, 3, 5, 2, 32
+    rng = np.random.default_rng(70001)
+    dt = dtype_of("bfloat16")
+    q, k, v = _packed(rng, [nq] * nseq, h, d, dt), _packed(rng, [nk] * nseq, h, d, dt), _packed(rng, [nk] * nseq, h, d, dt)
+    dout = _packed(rng, [nq] * nseq, h, d, dt)
+    cu_q, cu_k = _cu([nq] * nseq), _cu([nk] * nseq)
+    mask = MaskOptions.of(causal=True)
+    out, lse = varlen._forward_cupy(q, k, v, cu_q, cu_k, nq, nk, mask, None)
+    for deterministic in (False, True):
+        _poison_pool(q.shape, k.shape)
+        grads = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, nq, nk, causal=True,
+                                                 deterministic=deterministic)
+        dense = [g.reshape(nseq, -1, h, d) for g in grads]
+        for g in dense:
+            assert bool(cupy.isfinite(g.astype(cupy.float32)).all())
+        res = fa_rule_grads(dense, q.reshape(nseq, nq, h, d), k.reshape(nseq, nk, h, d), v.reshape(nseq, nk, h, d),
+                            dout.reshape(nseq, nq, h, d), mask, 1 / math.sqrt(d))
+        for name, (err, pt, allowed) in res.items():
+            assert err <= allowed, (deterministic, name, err, allowed, pt)
