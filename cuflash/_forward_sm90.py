@@ -21,11 +21,12 @@ from .tiles import Sm90FwdConfig
 
 
 def geometries(p: AttnProblem, cfg: Sm90FwdConfig) -> tuple:
-    """The tensor-map geometries of q (boxes of block_q rows), k and v (block_k rows) of a problem."""
+    """The tensor-map geometries of q (boxes of block_q rows), k and v (block_k rows) of a problem
+    (a column-masking instance's: the rank-4 form, one 64-column chunk per box)."""
     out = []
     for name, rows in (("q", cfg.block_q), ("k", cfg.block_k), ("v", cfg.block_k)):
         shape, strides = tma.tensor_layout(p, name)
-        out.append(tma.map_geometry(shape, strides, p.dtype, rows))
+        out.append(tma.map_geometry(shape, strides, p.dtype, rows, partial=p.features.partial_d))
     return tuple(out)
 
 

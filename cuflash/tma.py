@@ -14,6 +14,17 @@ The kernel loads at coordinates {0, row, 0, head, batch} (k and v: the kv head, 
 a GQA/MQA call, whose k and v maps have heads_kv heads); batch and seqlen are separate dimensions,
 so rows past a sequence's end are zero-filled, never read from the next batch.
 
+A call whose head dim is below the kernel instance's (Features.partial_d: a head dim between the
+instantiated ones, or v's own head dim) takes the rank-4 form, one box per 64-column chunk:
+
+    globalDim     (head_dim, seqlen, heads, batch)
+    globalStrides (sn * 2, sh * 2, sb * 2)
+    boxDim        (64, ROWS, 1, 1)
+
+loaded at {64 c, row, head, batch} for each chunk c holding a column of the call's: the columns
+past head_dim in the last one are out of bounds, which the TMA unit fills with zeros (the kernel
+never loads the chunks past it, and zeroes them once).
+
 map_geometry (the tuples) and layout_problem (why a tensor cannot be described) are pure functions;
 encode() calls the driver's cuTensorMapEncodeTiled through NVIDIA's `cuda-bindings` package
 (imported on first use; the cuda13 / cuda12 extras install it). A map embeds the data pointer, so
@@ -64,25 +75,29 @@ def _extents_and_strides(shape: tuple, strides: tuple, itemsize: int) -> tuple:
     return (b, n, h, d), (sb, sn, sh)
 
 
-def map_geometry(shape: tuple, strides: tuple, dtype: str, rows: int) -> MapGeometry:
+def map_geometry(shape: tuple, strides: tuple, dtype: str, rows: int, partial: bool = False) -> MapGeometry:
     """The map of a (batch, seqlen, heads, head_dim) tensor with byte `strides` (as NumPy/CuPy give
-    them, 4 entries, the last the element size) whose TMA boxes are `rows` rows of one head."""
+    them, 4 entries, the last the element size) whose TMA boxes are `rows` rows of one head: all its
+    64-column chunks in one box, or (`partial`: a column-masking instance) the rank-4 form of one
+    chunk per box (module docstring)."""
     (b, n, h, d), (sb, sn, sh) = _extents_and_strides(shape, strides, ELEMENT_BYTES)
+    if partial:
+        return MapGeometry(DATA_TYPES[dtype], (d, n, h, b), (sn, sh, sb), (CHUNK, rows, 1, 1))
     return MapGeometry(DATA_TYPES[dtype], (CHUNK, n, d // CHUNK, h, b), (sn, CHUNK * ELEMENT_BYTES, sh, sb),
                        (CHUNK, rows, d // CHUNK, 1, 1))
 
 
 def layout_problem(shape: tuple, strides: tuple, dtype: str, itemsize: int, name: str = "tensor",
-                   ptr: int | None = None) -> str | None:
-    """Why no tensor map of map_geometry's form can describe this tensor, or None. `strides` in
-    bytes (4 entries); `ptr` (the data pointer) checked when given."""
+                   ptr: int | None = None, partial: bool = False) -> str | None:
+    """Why no tensor map of map_geometry's form (`partial`: its rank-4 form) can describe this
+    tensor, or None. `strides` in bytes (4 entries); `ptr` (the data pointer) checked when given."""
     if dtype not in DATA_TYPES or itemsize != ELEMENT_BYTES:
         return f"{name} has dtype {dtype}; TMA maps here are for float16 and bfloat16"
     if len(shape) != 4 or len(strides) != 4:
         return f"{name} must be (batch, seqlen, heads, head_dim), got shape {shape}"
     b, n, h, d = shape
-    if d % CHUNK:
-        return f"{name}'s head_dim {d} is not a multiple of {CHUNK}"
+    if d % (8 if partial else CHUNK):  # (a row of the rank-4 form: whole 16-byte units)
+        return f"{name}'s head_dim {d} is not a multiple of {8 if partial else CHUNK}"
     if d > 1 and strides[3] != itemsize:
         return f"{name} is not contiguous in head_dim (strides {strides} bytes)"
     if ptr is not None and ptr % ALIGN:
@@ -110,7 +125,9 @@ def tensor_layout(p, name: str) -> tuple:
     batch = p.batch
     if getattr(p, "varlen", False):  # packed (total, heads, head_dim): one batch of all the rows
         n, batch = (p.total_k if kv else p.total_q), 1
-    shape = (batch, n, p.heads_kv if kv else p.heads, p.head_dim)
+    # v, out and dout have v's head dim (the value head dim, when it is not q's)
+    d = p.dv if name in ("v", "out", "dout") else p.head_dim
+    shape = (batch, n, p.heads_kv if kv else p.heads, d)
     return shape, (*(s * ELEMENT_BYTES for s in p.strides[name]), ELEMENT_BYTES)
 
 
@@ -128,9 +145,10 @@ def tensors_problem(p, names=("q", "k", "v")) -> str | None:
     """Why TMA maps of map_geometry's form cannot describe this call's tensors `names` (of an
     AttnProblem), or None. The problem's own checks already hold (16-byte aligned pointers and
     strides, contiguous head_dim); this adds what TMA needs beyond them."""
+    partial = p.features.partial_d  # (a column-masking instance: the rank-4 maps)
     for name in names:
         shape, strides = tensor_layout(p, name)
-        why = layout_problem(shape, strides, p.dtype, ELEMENT_BYTES, name)
+        why = layout_problem(shape, strides, p.dtype, ELEMENT_BYTES, name, partial=partial)
         if why:
             return why
     return None

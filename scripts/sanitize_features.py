@@ -2,7 +2,8 @@
 synccheck, initcheck), beside scripts/sanitize_cases.py: windows, softcap, ALiBi, sinks, user
 snippets (score with its grad, mask) and block masks (the cells and lists passes, and every kernel
 walking the lists), with GQA, Nq != Nk (neither a tile multiple), both forward backends and the
-backward (the sm80 kernels at d64, the Hopper one at d128 where it runs). No memory pool."""
+backward (the sm80 kernels at d64, the Hopper one at d128 where it runs), and the Hopper forward's
+column-masking instances, forced. No memory pool."""
 import numpy as np
 import cupy
 
@@ -45,5 +46,13 @@ for d in (64, 128):
         fwd_bwd(q, k, v, score_mod=mod, block_mask=mod.block_mask(1, 1, nq, nk))
         band = cuflash.ScoreMod(mask="kv_idx <= q_idx + 20 && kv_idx + 40 >= q_idx + h")
         fwd_bwd(q, k, v, causal=True, score_mod=band, block_mask=band.block_mask(1, h, nq, nk))
+# the Hopper forward's column-masking instances, forced (rank-4 TMA maps; the automatic choice
+# takes sm80 for them): a value head dim of its own (MLA's 192 / 128; 64 / 128: q and k's second
+# chunk never loaded) and a head dim between the instances (160 -> 192)
+if cupy.cuda.Device().compute_capability == "90":
+    for d, dv in ((192, 128), (64, 128), (160, 160)):
+        q, k, v = arr(b, 37, h, d), arr(b, 150, hk, d), arr(b, 150, hk, dv)
+        fwd_bwd(q, k, v, backends=("sm90",), backward=False, causal=True)
+        fwd_bwd(q, k, v, backends=("sm90",), backward=False, window_size=(16, 8), softcap=30.0)
 cupy.cuda.Device().synchronize()
 print("sanitize feature cases done")

@@ -55,6 +55,16 @@ def test_selectable_sm90_configs_compile_for_sm90a(cfg, dtype, dropout, record_p
     check(cfg, features, record_property)
 
 
+@pytest.mark.parametrize("cfg", FAMILY.selectable(), ids=str)
+def test_column_masking_sm90_instances_compile_for_sm90a(cfg, record_property):
+    """The rank-4-map (partial_d) instances of every selectable tile: a head dim between the
+    instances' or v's own; the same register budget (their chunk loads are the producer's, the
+    column test in the epilogue the consumers')."""
+    features = Features("bfloat16", cfg.head_dim, partial_d=True)
+    assert FAMILY.supports(features) and not FAMILY.avoids(cfg, features)
+    check(cfg, features, record_property)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("d", [64, 128])
 def test_whole_sm90_space_compiles(d, record_property):

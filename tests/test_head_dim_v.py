@@ -97,17 +97,37 @@ def test_plans_allocate_out_and_dv_with_vs_head_dim(monkeypatch):
     assert dv == ("alloc", (B, NK, HKV, 128), "float16")
 
 
-def test_the_hopper_families_and_v1_refuse_it_and_say_why():
+def test_the_hopper_backward_and_v1_refuse_it_and_say_why():
     import pathlib
 
     from cuflash.device import DeviceProps
 
     props = DeviceProps.from_json(pathlib.Path(__file__).parent / "fixtures" / "devices" / "h200.json")
     p = fwd(128, 64)
-    for fam in (families.FWD_SM90, families.BWD_SM90):
-        assert "value head dim other than q's (v 64, q and k 128)" in fam.cannot_run(p, props)
+    assert "value head dim other than q's (v 64, q and k 128)" in families.BWD_SM90.cannot_run(p, props)
     assert families.FWD.cannot_run(p, props) is None
     assert "v1 forward has no value head dim" in families.FWD_V1.cannot_run(p, props)
+
+
+def test_the_hopper_forward_takes_it_forced_and_the_automatic_choice_not_yet(monkeypatch):
+    """The sm90 forward runs a value head dim through its rank-4 TMA maps (v's map has d_v
+    columns), when forced; the automatic choice keeps sm80 until that form is measured on a GPU."""
+    import pathlib
+
+    from cuflash import device, tma
+    from cuflash.device import DeviceProps
+
+    props = DeviceProps.from_json(pathlib.Path(__file__).parent / "fixtures" / "devices" / "h200.json")
+    monkeypatch.setattr(tma, "bindings_problem", lambda: None)  # (cuda-bindings may be absent on a CPU host)
+    monkeypatch.setattr(device, "query", lambda device_id=0: props)
+    p = fwd(192, 128)
+    assert families.FWD_SM90.cannot_run(p, props) is None
+    assert families.choose(families.FORWARDS, p, "sm90", props) is families.FWD_SM90
+    assert families.choose(families.FORWARDS, p, None, props) is families.FWD
+    shape, strides = tma.tensor_layout(p, "v")
+    assert shape[-1] == 128 and tma.tensor_layout(p, "k")[0][-1] == 192
+    g = tma.map_geometry(shape, strides, "bfloat16", 112, partial=True)
+    assert g.dims == (128, NK, HKV, B) and g.box == (64, 112, 1, 1)
 
 
 @pytest.mark.parametrize("d,dv,causal,hkv", [(24, 16, False, 2), (16, 24, True, 1), (32, 8, True, 4)])

@@ -72,6 +72,28 @@ def test_map_geometry_of_packed_qkv_slices_and_transposed_views():
     assert tma.layout_problem((b, n, h, d), view, "bfloat16", 2, "k") is None
 
 
+def test_map_geometry_of_a_column_masking_instance():
+    """The rank-4 form (a head dim below the instance's: partial_d): the call's columns as dim 0,
+    one 64-column box per load; any multiple of 8 columns (16-byte rows), where the chunked form
+    needs whole 64-column chunks."""
+    b, n, h, d = 2, 1000, 16, 160
+    g = tma.map_geometry((b, n, h, d), dense((b, n, h, d)), "bfloat16", 112, partial=True)
+    assert g.dims == (d, n, h, b) and g.box == (64, 112, 1, 1)
+    assert g.strides == (h * d * 2, d * 2, n * h * d * 2)
+    assert tma.layout_problem((b, n, h, d), dense((b, n, h, d)), "bfloat16", 2, "q", partial=True) is None
+    assert "not a multiple of 64" in tma.layout_problem((b, n, h, d), dense((b, n, h, d)), "bfloat16", 2, "q")
+    # a column-masking problem's maps take that form (q / k 160, run on the d192 instance)
+    p = fwd_problem(d=160)
+    assert p.features.partial_d and p.features.head_dim == 192
+    assert tma.tensors_problem(p) is None
+    from cuflash import _forward_sm90, families
+
+    cfg = families.FWD_SM90.default(192)
+    gq, gk, gv = _forward_sm90.geometries(p, cfg)
+    assert gq.dims == (160, 100, 3, 2) and gq.box == (64, cfg.block_q, 1, 1)
+    assert gk.dims == gv.dims == (160, 300, 3, 2) and gk.box == (64, cfg.block_k, 1, 1)
+
+
 def test_extent_one_dimensions_take_dense_strides():
     # frameworks leave the stride of an extent-1 dimension arbitrary (0 here): it is never stepped along
     shape = (1, 1, 2, 64)

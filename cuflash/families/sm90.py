@@ -65,7 +65,12 @@ FWD_SM90 = KernelFamily(
     pointers=((TMA_MAP, "tq"), (TMA_MAP, "tk"), (TMA_MAP, "tv"), (OUT, "out"), (F32, "lse")),
     params="FwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
-    arch_specific=True, backend="sm90", takes_partial_d=False,
+    arch_specific=True, backend="sm90",
+    # column masking (a head dim between the instances', or v's own: MLA's 192 / 128) through the
+    # rank-4 TMA maps (cuflash/tma.py); written without a GPU at hand (2026-12-01, seventh session):
+    # forced by backend="sm90" until its GPU tests and a timing against the sm80 kernel that the
+    # automatic choice keeps for such calls meanwhile
+    takes_partial_d=True, auto_partial_d=False,
     domain=lambda d: (_product(d, (96, 128, 176, 192), (2,), (2,)) if d == 128
                       else _product(d, (64, 80), (2,), (2,)) if d == 256
                       else _product(d, (96, 112), (2,), (2,)) if d == 192

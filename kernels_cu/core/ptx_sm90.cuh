@@ -57,6 +57,14 @@ __device__ __forceinline__ void tma_load_5d(u32 dst, const TmaMap& map, u32 bar,
         :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
         : "memory");
 }
+// The same from a 4-D map (the sm90 forward's column-masking maps: cuflash/tma.py's 4-D form).
+__device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap& map, u32 bar, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%3, %4, %5, %6}], [%2];"
+        :: "r"(dst), "l"(reinterpret_cast<u64>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+        : "memory");
+}
 __device__ __forceinline__ void prefetch_tma_map(const TmaMap& map) {
     asm volatile("prefetch.tensormap [%0];" :: "l"(reinterpret_cast<u64>(&map)) : "memory");
 }

@@ -21,6 +21,12 @@
 //   end      Q is released after the tile's last S GEMM (the producer loads the next tile's Q
 //            under this one's last P V); O = O~ / l and lse go from registers to global memory.
 //            Rows that see no key get O = 0 and lse = -inf.
+//   V::kPartialD  the call's head dims (q, k: params.head_dim; v, out: params.head_dim_v) may be
+//            less than D: q, k, v come through 4-D maps (columns, rows, heads, batch) with 64-column
+//            boxes, one load per chunk that holds a column of the call's; the TMA unit zero-fills
+//            the columns past it in that chunk, and the chunks past it are zeroed once at the start
+//            and never loaded, so Q K^T and P V see zeros there; O's columns past head_dim_v are
+//            not stored.
 // The accumulator of a m64nN wgmma is, per warp, the m16 C-fragment layout of core/frag.cuh, so
 // Mask, OnlineSoftmax and Dropout apply to it unchanged (MT = 1 per warp).
 #pragma once
@@ -138,6 +144,17 @@ struct Sm90FwdTile {
     }
 };
 
+// Zero chunks [chunks, bytes / chunk_bytes) of each of `buffers` images of `bytes` at base (the
+// images' chunks no load writes: V::kPartialD), 16 bytes per thread and step.
+__device__ __forceinline__ void zero_chunks(u32 base, int buffers, int bytes, int chunk_bytes, int chunks, int tid,
+                                            int threads) {
+    const int skip = chunks * chunk_bytes, span = bytes - skip;
+    for (int i = tid * 16; i < buffers * span; i += threads * 16) {
+        const u32 addr = base + (i / span) * bytes + skip + i % span;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" :: "r"(addr), "r"(0) : "memory");
+    }
+}
+
 template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int OVERLAP, int QSTAGES, class V>
 __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
                                                elem_t* __restrict__ o, float* __restrict__ lse,
@@ -167,6 +184,16 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
 
     const int tid = threadIdx.x;
     if (tid == 0) bars.init(CONSUMERS);
+    // V::kPartialD: 64-column chunks of q / k rows and of v rows holding a column of the call's
+    const int qk_chunks = V::kPartialD ? (params.head_dim + 63) / 64 : Tr::kChunks;
+    const int v_chunks = V::kPartialD ? (params.head_dim_v + 63) / 64 : Tr::kChunks;
+    if constexpr (V::kPartialD) {
+        // the chunks no load writes, zero in every buffer (Q K^T and P V read them)
+        zero_chunks(sQ, QSTAGES, Tr::kQBytes, Tr::kQChunkBytes, qk_chunks, tid, Tr::kThreads);
+        zero_chunks(sK, STAGES, Tr::kKVBytes, Tr::kKVChunkBytes, qk_chunks, tid, Tr::kThreads);
+        zero_chunks(sV, STAGES, Tr::kKVBytes, Tr::kKVChunkBytes, v_chunks, tid, Tr::kThreads);
+        fence_proxy_async();  // visible to wgmma (the async proxy) after the barrier below
+    }
     __syncthreads();  // the last CTA-wide barrier: after the role split warps leave at different times
 
     if (tid / 128 == 0) {
@@ -177,6 +204,19 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             prefetch_tma_map(tq);
             prefetch_tma_map(tk);
             prefetch_tma_map(tv);
+            // one tile's rows [row, row + chunk_bytes / 128) of every chunk into its image at dst,
+            // completing on bar: one 5-D box of all chunks, or (V::kPartialD) a 4-D box per chunk of
+            // the call's (`chunks`; the bytes expected are those chunks')
+            auto load_rows = [&](u32 dst, const TmaMap& map, u32 bar, int chunk_bytes, int chunks, int row, int head,
+                                 int batch) {
+                if constexpr (V::kPartialD) {
+                    mbar_arrive_expect_tx(bar, chunks * chunk_bytes);
+                    for (int c = 0; c < chunks; ++c) tma_load_4d(dst + c * chunk_bytes, map, bar, 64 * c, row, head, batch);
+                } else {
+                    mbar_arrive_expect_tx(bar, Tr::kChunks * chunk_bytes);
+                    tma_load_5d(dst, map, bar, 0, row, 0, head, batch);
+                }
+            };
             RingPos<STAGES> kv{0};
             int local = 0;  // tiles with keys this CTA ran: the Q barriers' phase
             const int group = params.group;  // GQA/MQA: query head h loads k/v head h / group (MHA: 1)
@@ -191,21 +231,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     const int s = kv.slot();
                     const u32 free_parity = kv.parity() ^ 1;  // a fresh barrier counts as released
                     mbar_wait(bars.k_empty(s), free_parity);
-                    mbar_arrive_expect_tx(bars.k_full(s), Tr::kKVBytes);
-                    tma_load_5d(sK + s * Tr::kKVBytes, tk, bars.k_full(s), 0, w.span.k_start + j * BC, 0, h_kv, map_batch);
+                    load_rows(sK + s * Tr::kKVBytes, tk, bars.k_full(s), Tr::kKVChunkBytes, qk_chunks,
+                              w.span.k_start + j * BC, h_kv, map_batch);
                     if (it == 0) {
                         // Q after the tile's first K: that K load waits only for a free slot, so it
                         // is in flight while the consumers still read the previous tile's Q
                         const int qs = local % QSTAGES;
                         mbar_wait(bars.q_empty(qs), ((local / QSTAGES) & 1) ^ 1);
-                        mbar_arrive_expect_tx(bars.q_full(qs), Tr::kQBytes);
-                        tma_load_5d(sQ + qs * Tr::kQBytes, tq, bars.q_full(qs), 0, w.span.q_start + w.r0, 0, w.blk.head,
-                                    map_batch);
+                        load_rows(sQ + qs * Tr::kQBytes, tq, bars.q_full(qs), Tr::kQChunkBytes, qk_chunks,
+                                  w.span.q_start + w.r0, w.blk.head, map_batch);
                         ++local;
                     }
                     mbar_wait(bars.v_empty(s), free_parity);
-                    mbar_arrive_expect_tx(bars.v_full(s), Tr::kKVBytes);
-                    tma_load_5d(sV + s * Tr::kKVBytes, tv, bars.v_full(s), 0, w.span.k_start + j * BC, 0, h_kv, map_batch);
+                    load_rows(sV + s * Tr::kKVBytes, tv, bars.v_full(s), Tr::kKVChunkBytes, v_chunks,
+                              w.span.k_start + j * BC, h_kv, map_batch);
                 }
             }
         }
@@ -439,6 +478,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     elem_t* orow = og + (long long)row * params.o_sn + 2 * t;
 #pragma unroll
                     for (int nt = 0; nt < D / 8; ++nt) {
+                        if (V::kPartialD && 8 * nt >= params.head_dim_v) break;  // out has head_dim_v columns
                         const float x0 = l != 0.f ? acc_o[0][nt][2 * half] * inv : 0.f;
                         const float x1 = l != 0.f ? acc_o[0][nt][2 * half + 1] * inv : 0.f;
                         *reinterpret_cast<u32*>(orow + 8 * nt) = pack2<BF16>(x0, x1);
