@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -90,6 +90,9 @@ for s in $stages; do
       timeout ${LIMITS_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE -k "99kb or 65535 or grid_axis" \
         tests/gpu/test_headdims_gpu.py tests/gpu/test_varlen_gpu.py tests/gpu/test_block_mask_gpu.py >"$OUT/limits-tests.log" 2>&1
       grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/limits-tests.log" | tail -30 ;;
+    partiald)  # the Hopper forward's column-masking instances (forced sm90) against sm80 and SDPA
+      for c in "" --causal; do timeout 200 python3 scripts/bench_partial_d.py $c --json "$OUT/bench-partial-d${c}.json" 2>&1 \
+        | grep -v Warning | tee -a "$OUT/bench-partial-d.log"; done ;;
     peakmem) timeout 120 python3 scripts/peak_memory.py "$OUT/peak-memory.json" 2>&1 | tee "$OUT/peak-memory.log" ;;
     torchtests) timeout ${TORCH_TESTS_TIMEOUT:-240} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
                   tests/gpu/test_torch_gpu.py tests/gpu/test_transformers_gpu.py tests/gpu/test_interop_gpu.py tests/gpu/test_graphs_gpu.py \
