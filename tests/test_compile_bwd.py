@@ -47,13 +47,10 @@ def test_last_resort_bwd_tiles_spill_within_their_bound(cfg, arch):
 @pytest.mark.parametrize("cfg", families.BWD.selectable(), ids=str)
 def test_bwd_smem_mirror(cfg):
     """BwdConfig.smem_bytes is Sm80BwdTraits::kSmemBytes (one dS^T buffer in the 2-warp tiles)."""
-    from tests.test_params import _compile_ok
+    from tests.test_params import check_smem_mirror
 
-    src = (f'#include "common.cuh"\n#include "flash_bwd.cuh"\n'
-           f"static_assert(cuflash::Sm80BwdTraits<{', '.join(map(str, cfg.template_args()))}, false>::kSmemBytes"
-           f" == {cfg.smem_bytes}, \"mirror\");\n")
-    ok, log = _compile_ok(src)
-    assert ok, log
+    check_smem_mirror("flash_bwd.cuh", f"cuflash::Sm80BwdTraits<{', '.join(map(str, cfg.template_args()))}, false>",
+                      cfg.smem_bytes)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

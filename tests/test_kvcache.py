@@ -257,13 +257,10 @@ def test_decode_instances_compile_without_spills(tile, arch):
 @pytest.mark.parametrize("tile", families.DECODE.selectable(), ids=str)
 def test_decode_smem_mirror(tile):
     """DecodeConfig.smem_bytes is Sm80DecodeTraits::kSmemBytes (a static_assert under NVRTC)."""
-    from tests.test_params import _compile_ok
+    from tests.test_params import check_smem_mirror
 
-    src = (f'#include "common.cuh"\n#include "sm80/decode.cuh"\n'
-           f"static_assert(cuflash::Sm80DecodeTraits<{tile.head_dim}, {tile.warps}, {tile.stages}>::kSmemBytes"
-           f" == {tile.smem_bytes}, \"mirror\");\n")
-    ok, log = _compile_ok(src)
-    assert ok, log
+    check_smem_mirror("sm80/decode.cuh", f"cuflash::Sm80DecodeTraits<{tile.head_dim}, {tile.warps}, {tile.stages}>",
+                      tile.smem_bytes)
 
 
 def test_decode_family_takes_only_kv_cache_calls():

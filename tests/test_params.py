@@ -32,6 +32,15 @@ def _compile_ok(source: str, arch: str = "sm_80") -> tuple[bool, str]:
         nvrtc.destroyProgram(prog)
 
 
+def check_smem_mirror(header: str, traits: str, expected: int) -> None:
+    """A tile class's smem_bytes mirror equals its traits' kSmemBytes (`traits`, e.g.
+    "cuflash::Sm80BwdTraits<...>", from kernels_cu/`header`), as a static_assert under NVRTC."""
+    src = (f'#include "common.cuh"\n#include "{header}"\n'
+           f'static_assert({traits}::kSmemBytes == {expected}, "mirror");\n')
+    ok, log = _compile_ok(src)
+    assert ok, log
+
+
 def _offsetof_compiles() -> bool:
     """NVRTC 13.5 (CI) takes __builtin_offsetof in a static_assert; NVRTC 13.0 (the H200 image) does
     not know it, so the mirror checks run where it does."""
