@@ -108,6 +108,10 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
         p = problem.with_block_mask(p, block_mask, score_mod)
         if p.empty:
             return empty_plan(p, q.dtype), None
+        if cfg is None and _decode_route(candidates, p, backend):
+            from . import kvcache
+
+            return kvcache.plan_dense_decode(p, q.dtype), None
         if cfg is None:
             family = families.choose(candidates, p, backend)
             cfg = families.select(family, p)
@@ -137,6 +141,18 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     if block_mask is not None and tile is not None:
         args = (*args, *block_mask.lists(tile.block_q, tile.block_k))
     return plan.run(args, None if dropout is None else dropout.kernel_args)
+
+
+def _decode_route(candidates: tuple, p: AttnProblem, backend) -> bool:
+    """Whether a v2 forward call goes to the decode kernel (kvcache.dense_decode_problem: few query
+    rows per K/V head, as a decoding step passing the whole cache has), which reads each key and
+    value once per K/V head and splits the keys over the GPU. Not when a backend is forced (the
+    argument or CUFLASH_BACKEND: comparisons of the two prefill kernels keep them)."""
+    if candidates is not families.FORWARDS or backend is not None or families.env_backend() is not None:
+        return False
+    from . import kvcache
+
+    return kvcache.dense_decode_problem(p) is None
 
 
 def _explicit_family(candidates: tuple, cfg, p: AttnProblem, backend):

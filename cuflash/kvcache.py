@@ -334,18 +334,19 @@ def _plan_split(p, cfg, dtype) -> Plan:
     return _split_plan(p, dtype, n_splits, launch, alibi, params)
 
 
-def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params) -> Plan:
+def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params, lengths=None) -> Plan:
     """A split-KV plan: `attend` writes the fp32 partial results o_acc (n_splits, batch, seqlen_q,
     heads, head_dim) and lse_acc (n_splits, batch, heads, seqlen_q), the combine merges them into out
     and lse (the plan's outputs, as the unsplit plans'). One plan, so one driver launch each: the
     combine through CuPy's kernel call was ~35 us of a decode step's host time (docs/perf-notes.md).
-    `extra`: the inputs after seqused_k (block table, ALiBi slopes)."""
+    `extra`: the inputs after seqused_k (block table, ALiBi slopes); `lengths`: plan_decode's."""
     d = p.head_dim
     buffers = (*_forward.output_buffers(p, dtype),
                Buffer("o_acc", (n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
                Buffer("lse_acc", (n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
-    return Plan(p.device, (*_forward.INPUTS_SEQUSED_K, *extra), buffers,
-                (attend, _combine_launch(p, dtype, n_splits)), _forward.OUTPUTS, params)
+    inputs, constants = _held_lengths((*_forward.INPUTS_SEQUSED_K, *extra), lengths)
+    return Plan(p.device, inputs, buffers, (attend, _combine_launch(p, dtype, n_splits)), _forward.OUTPUTS, params,
+                constants)
 
 
 def _combine_launch(p, dtype, n_splits: int) -> Launch:
@@ -378,10 +379,11 @@ def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int,
     return num_splits_heuristic(work, blocks_per_sm * sm_count, key_blocks // MIN_DECODE_SPLIT_BLOCKS, max_splits)
 
 
-def plan_decode(p, cfg, dtype) -> Plan:
+def plan_decode(p, cfg, dtype, lengths=None) -> Plan:
     """The decode kernel's plan (families.DECODE.plan): one block per (split, K/V head, batch).
     p.n_splits 1: out and lse directly; more: fp32 partial results merged by the plan's combine
-    launch (_split_plan)."""
+    launch (_split_plan). `lengths`: a device array the plan holds as its seqused_k (the dense
+    route, plan_dense_decode), which is then not an input."""
     grid = p.n_splits * p.heads_kv * p.batch
     check_grid(grid)
     kernel = _compile.get_kernel(cfg, p.features, p.device)
@@ -392,19 +394,53 @@ def plan_decode(p, cfg, dtype) -> Plan:
     paged = ("block_table",) if p.paged else ()  # the kernel's pointer after seqused_k
     paged += ("alibi_slopes",) if p.alibi else ()  # and ALiBi's slopes after that (sm80/decode.cuh)
     if p.n_splits == 1:
-        inputs = (*_forward.INPUTS_SEQUSED_K, *paged)
-        launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=inputs)
-        return Plan(p.device, inputs, _forward.output_buffers(p, dtype), (launch,), _forward.OUTPUTS, params)
+        slots = (*_forward.INPUTS_SEQUSED_K, *paged)
+        launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
+        inputs, constants = _held_lengths(slots, lengths)
+        return Plan(p.device, inputs, _forward.output_buffers(p, dtype), (launch,), _forward.OUTPUTS, params,
+                    constants)
     d = p.head_dim
     params["o_sb"], params["o_sn"], params["o_sh"] = p.seqlen_q * p.heads * d, p.heads * d, d  # fp32 elements
     slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k", *paged)
     launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
-    return _split_plan(p, dtype, p.n_splits, launch, paged, params)
+    return _split_plan(p, dtype, p.n_splits, launch, paged, params, lengths)
 
 
-def _build_decode(p, splits: int, dtype):
+def _held_lengths(inputs: tuple, lengths) -> tuple:
+    """(inputs, constants) of a plan: `inputs` as they are, or, with `lengths` (a device array the
+    plan holds), without seqused_k, which becomes the plan's constant."""
+    if lengths is None:
+        return inputs, ()
+    return tuple(n for n in inputs if n != "seqused_k"), (("seqused_k", lengths),)
+
+
+def dense_decode_problem(p) -> str | None:
+    """Why a dense forward call (cuflash.attention: one length for every batch) does not go to the
+    decode kernel, or None: it goes there when its query rows per K/V head (the GQA group's heads
+    times seqlen_q) fit the decode tile and the decode kernel has its features (no dropout, no user
+    modification or block mask, an instantiated head dim, ...). Such calls are decoding steps that
+    pass the whole cache as k and v (Hugging Face's attention interface does): the prefill kernels
+    would run one block per query head, each reading its group's keys and values again."""
+    if p.empty or p.varlen or p.seqused_k or p.mod is not None or p.block_mask is not None:
+        return "not a dense call of the decode kernel's features"
+    return decode_problem(dataclasses.replace(p, seqused_k=True))
+
+
+def plan_dense_decode(p, dtype) -> Plan:
+    """The decode kernel's plan for a dense call (dense_decode_problem None): the per-batch
+    lengths are all seqlen_k, a device array the plan holds (MaskGeometry::for_batch leaves the
+    call's geometry, either alignment, as it is at that length); splits by decode_splits."""
+    import cupy
+
+    with cupy.cuda.Device(p.device):
+        lengths = cupy.full((p.batch,), p.seqlen_k, dtype=cupy.int32)
+    plan, _ = _build_decode(dataclasses.replace(p, seqused_k=True), 0, dtype, lengths)
+    return plan
+
+
+def _build_decode(p, splits: int, dtype, lengths=None):
     """(plan, split) of the decode kernel for this call: `splits` blocks per (K/V head, batch), or
-    decode_splits' choice for 0."""
+    decode_splits' choice for 0; `lengths`: plan_decode's."""
     from . import device
 
     cfg = families.select(families.DECODE, p)
@@ -413,7 +449,7 @@ def _build_decode(p, splits: int, dtype):
         resident = max(1, min(props.smem_per_sm // (cfg.smem_bytes + 1024), 2048 // cfg.threads))
         splits = decode_splits(p.heads_kv * p.batch, resident, props.sm_count, -(-p.seqlen_k // cfg.block_k))
     ps = dataclasses.replace(p, n_splits=splits)
-    return plan_decode(ps, cfg, dtype), splits > 1
+    return plan_decode(ps, cfg, dtype, lengths), splits > 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -386,3 +386,84 @@ def test_the_decode_kernel_takes_alibi_slopes_after_the_block_table():
             for arch in ("sm_80", "sm_90"):
                 rep = _compile.compile_report(_compile.kernel_source(families.DECODE.default(d, features=f), f), arch)
                 assert rep["registers"] > 0 and rep["spill_stores"] == 0, (d, split, arch)
+
+
+# ------------------------------------------------ dense calls of decode shape (cuflash.attention)
+
+def _dense(nq, nk, h, hkv, d, causal=False, dropout=None, dtype="bfloat16"):
+    from cuflash import problem
+    from cuflash.mask import MaskOptions
+
+    def info(shape):
+        strides, acc = [], 2
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+        return problem.ArrayInfo(tuple(shape), dtype, 2, tuple(strides), 1 << 20, 0)
+
+    return problem.resolve_forward(info((2, nq, h, d)), info((2, nk, hkv, d)), info((2, nk, hkv, d)),
+                                   MaskOptions.of(causal=causal), None, dropout)
+
+
+def test_dense_calls_of_decode_shape_take_the_decode_kernel(monkeypatch):
+    """A dense forward whose query rows per K/V head fit the decode tile (a decoding step handing
+    the whole cache to cuflash.attention, as Hugging Face's attention interface does) goes to the
+    decode kernel, unless a backend is forced; the others keep the prefill kernels."""
+    from cuflash import _forward, problem
+
+    route = lambda p, backend=None: _forward._decode_route(families.FORWARDS, p, backend)  # noqa: E731
+    monkeypatch.delenv("CUFLASH_BACKEND", raising=False)
+    one = _dense(1, 8192, 32, 8, 128)  # Llama-3-8B, one new token
+    assert kvcache.dense_decode_problem(one) is None and route(one)
+    assert route(_dense(4, 500, 32, 8, 128, causal=True))  # 4 x 4 = 16 rows: a short chunk, causal
+    assert route(_dense(16, 500, 4, 4, 64))  # MHA: 16 queries
+    assert not route(_dense(5, 500, 32, 8, 128))  # 20 rows per K/V head
+    assert not route(_dense(1, 500, 32, 8, 80))  # a partial head dim: no decode instance
+    assert not route(_dense(1, 500, 32, 8, 128, dropout=problem.resolve_dropout(0.1, 3)))
+    assert not route(one, "sm80") and not route(one, "sm90")
+    monkeypatch.setenv("CUFLASH_BACKEND", "sm80")
+    assert not route(one)
+    monkeypatch.delenv("CUFLASH_BACKEND")
+    assert not _forward._decode_route((families.FWD_V1,), one, None)  # algorithm="v1" stays v1
+
+
+def test_a_dense_decode_plan_holds_its_lengths(monkeypatch):
+    """plan_dense_decode: the decode kernel's (split) plan whose seqused_k is a device array the
+    plan holds, all seqlen_k, passed to the kernel on every run; the call's inputs are the dense
+    forward's (q, k, v, out, lse)."""
+    import contextlib
+    import pathlib
+
+    cupy = pytest.importorskip("cupy")
+    from cuflash import device
+    from cuflash.device import DeviceProps
+
+    h200 = DeviceProps.from_json(pathlib.Path(__file__).parent / "fixtures" / "devices" / "h200.json")
+    calls = []
+
+    class Rec:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, args, shared_mem=0):
+            calls.append((self.name, grid, args))
+
+    monkeypatch.setattr(device, "query", lambda device_id=0: h200)
+    monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Rec(type(cfg).__name__))
+    monkeypatch.setattr(kvcache, "_combine_kernel", lambda name: Rec("combine"))
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape)))
+    monkeypatch.setattr(cupy, "full", lambda shape, value, dtype=None: ("lengths", tuple(shape), value))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
+    p = _dense(1, 8192, 32, 8, 128)
+    plan = kvcache.plan_dense_decode(p, np.float16)
+    out, lse = plan.run(("q", "k", "v", None, None))
+    assert out == ("alloc", (2, 1, 32, 128)) and lse == ("alloc", (2, 32, 1))
+    (name, grid, args), (cname, _, cargs) = calls
+    assert name == "DecodeConfig" and cname == "combine"
+    assert args[:3] == ("q", "k", "v") and args[5] == ("lengths", (2,), 8192)  # seqused_k: every batch's seqlen_k
+    n_splits = grid[0] // (8 * 2)
+    assert n_splits == kvcache.decode_splits(16, 2, 132, 8192 // 64) > 1  # 16 work tiles: split over the GPU
+    assert args[3] == ("alloc", (n_splits, 2, 1, 32, 128)) and cargs[2:4] == (out, lse)
+    calls.clear()
+    plan.run(("q2", "k2", "v2", "o", "l"))  # the caller's out / lse, the same lengths
+    assert calls[0][2][5] == ("lengths", (2,), 8192) and calls[1][2][2:4] == ("o", "l")

@@ -102,3 +102,43 @@ def test_rows_past_the_tile_and_other_head_dims_take_the_prefill_kernel():
     for args in ((q, kc, vc), (q2, kc2, vc2)):
         out = kvcache.attention_with_kvcache(*args, cache_seqlens=[10, 20])
         assert not bool(cupy.isnan(out.astype(cupy.float32)).any())
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kw", [{}, {"causal": True}, {"causal": True, "alignment": "top_left"},
+                                {"window_size": (50, 0), "softcap": 20.0}, {"alibi": True}],
+                         ids=["none", "causal", "top_left", "window-softcap", "alibi"])
+@pytest.mark.parametrize("nq,h,hk,nk", [(1, 32, 8, 3000), (4, 16, 4, 777), (16, 4, 4, 100), (2, 8, 1, 5000)])
+def test_dense_calls_of_decode_shape(nq, h, hk, nk, kw, dtype):
+    """cuflash.attention with few query rows per K/V head (a decoding step handing it the whole
+    cache) runs the decode kernel (_forward._decode_route; its plan holds every batch's length,
+    seqlen_k), checked by the 2x rule against float64, outputs poisoned; equal within the rule to
+    the prefill kernel forced; the backward of its (out, lse) meets the rule too."""
+    import cupy
+
+    import cuflash
+    from cuflash import _backward, _forward, families, problem
+    from cuflash.testing import fa_rule_grads
+
+    rng = np.random.default_rng(nq * 7919 + nk)
+    mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype_of(dtype))  # noqa: E731
+    q, k, v, dout = mk(2, nq, h, 128), mk(2, nk, hk, 128), mk(2, nk, hk, 128), mk(2, nq, h, 128)
+    kw = dict(kw)
+    slopes = cupy.asarray(rng.uniform(0.01, 0.3, h), dtype=cupy.float32) if kw.pop("alibi", False) else None
+    mask = MaskOptions.of(**kw)
+    p = problem.resolve_forward(*(problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))), mask, None)
+    assert _forward._decode_route(families.FORWARDS, p, None)
+    out = cupy.full(q.shape, cupy.nan, dtype=cupy.float32).astype(q.dtype)
+    lse = cupy.full((2, h, nq), cupy.nan, dtype=cupy.float32)
+    out, lse = _forward.forward(q, k, v, mask=mask, out=out, lse=lse, alibi_slopes=slopes)
+    scale = 1 / math.sqrt(128)
+    err, pt, allowed = fa_rule(out, q, k, v, mask, scale, alibi_slopes=slopes)
+    assert err <= allowed, f"{err:.3e} > {allowed:.3e} (same-dtype {pt:.3e})"
+    ref_out, ref_lse = _forward.forward(q, k, v, mask=mask, alibi_slopes=slopes, backend="sm80")
+    fin = cupy.isfinite(ref_lse)
+    assert bool((cupy.isfinite(lse) == fin).all())
+    assert float(cupy.abs(cupy.where(fin, lse - ref_lse, 0)).max()) < 1e-3
+    grads = _backward.backward(dout, q, k, v, out, lse, mask=mask, alibi_slopes=slopes)
+    for name, (err, pt, allowed) in fa_rule_grads(grads, q, k, v, dout, mask, scale, alibi_slopes=slopes).items():
+        assert err <= allowed, name
+    assert cuflash.attention(q, k, v, alibi_slopes=slopes, **kw).shape == q.shape
