@@ -184,6 +184,8 @@ def _checked_out(out, q, dv=None):
                          f"got shape {info.shape}, dtype {info.dtype}, device {info.device}")
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
+    if info.ptr % problem.ALIGN_BYTES:  # the kernels store 4 to 16 bytes at once (the split combine: 8)
+        raise ValueError(f"out's data pointer is not {problem.ALIGN_BYTES}-byte aligned")
     return out
 
 
