@@ -334,19 +334,19 @@ def _plan_split(p, cfg, dtype) -> Plan:
     return _split_plan(p, dtype, n_splits, launch, alibi, params)
 
 
-def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params, lengths=None) -> Plan:
+def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params, dense: bool = False) -> Plan:
     """A split-KV plan: `attend` writes the fp32 partial results o_acc (n_splits, batch, seqlen_q,
     heads, head_dim) and lse_acc (n_splits, batch, heads, seqlen_q), the combine merges them into out
     and lse (the plan's outputs, as the unsplit plans'). One plan, so one driver launch each: the
     combine through CuPy's kernel call was ~35 us of a decode step's host time (docs/perf-notes.md).
-    `extra`: the inputs after seqused_k (block table, ALiBi slopes); `lengths`: plan_decode's."""
+    `extra`: the inputs after seqused_k (block table, ALiBi slopes); `dense`: plan_decode's."""
     d = p.head_dim
     buffers = (*_forward.output_buffers(p, dtype),
                Buffer("o_acc", (n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
                Buffer("lse_acc", (n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
-    inputs, constants = _held_lengths((*_forward.INPUTS_SEQUSED_K, *extra), lengths)
-    return Plan(p.device, inputs, buffers, (attend, _combine_launch(p, dtype, n_splits)), _forward.OUTPUTS, params,
-                constants)
+    inputs, null = _lengths_slot((*_forward.INPUTS_SEQUSED_K, *extra), dense)
+    return Plan(p.device, inputs, (*buffers, *null), (attend, _combine_launch(p, dtype, n_splits)), _forward.OUTPUTS,
+                params)
 
 
 def _combine_launch(p, dtype, n_splits: int) -> Launch:
@@ -379,11 +379,11 @@ def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int,
     return num_splits_heuristic(work, blocks_per_sm * sm_count, key_blocks // MIN_DECODE_SPLIT_BLOCKS, max_splits)
 
 
-def plan_decode(p, cfg, dtype, lengths=None) -> Plan:
+def plan_decode(p, cfg, dtype, dense: bool = False) -> Plan:
     """The decode kernel's plan (families.DECODE.plan): one block per (split, K/V head, batch).
     p.n_splits 1: out and lse directly; more: fp32 partial results merged by the plan's combine
-    launch (_split_plan). `lengths`: a device array the plan holds as its seqused_k (the dense
-    route, plan_dense_decode), which is then not an input."""
+    launch (_split_plan). `dense`: seqused_k is not an input but a null pointer (every batch at
+    seqlen_k: plan_dense_decode)."""
     grid = p.n_splits * p.heads_kv * p.batch
     check_grid(grid)
     kernel = _compile.get_kernel(cfg, p.features, p.device)
@@ -396,22 +396,22 @@ def plan_decode(p, cfg, dtype, lengths=None) -> Plan:
     if p.n_splits == 1:
         slots = (*_forward.INPUTS_SEQUSED_K, *paged)
         launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
-        inputs, constants = _held_lengths(slots, lengths)
-        return Plan(p.device, inputs, _forward.output_buffers(p, dtype), (launch,), _forward.OUTPUTS, params,
-                    constants)
+        inputs, null = _lengths_slot(slots, dense)
+        return Plan(p.device, inputs, (*_forward.output_buffers(p, dtype), *null), (launch,), _forward.OUTPUTS, params)
     d = p.head_dim
     params["o_sb"], params["o_sn"], params["o_sh"] = p.seqlen_q * p.heads * d, p.heads * d, d  # fp32 elements
     slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k", *paged)
     launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
-    return _split_plan(p, dtype, p.n_splits, launch, paged, params, lengths)
+    return _split_plan(p, dtype, p.n_splits, launch, paged, params, dense)
 
 
-def _held_lengths(inputs: tuple, lengths) -> tuple:
-    """(inputs, constants) of a plan: `inputs` as they are, or, with `lengths` (a device array the
-    plan holds), without seqused_k, which becomes the plan's constant."""
-    if lengths is None:
+def _lengths_slot(inputs: tuple, dense: bool) -> tuple:
+    """(inputs, buffers) of a decode plan: `inputs` as they are, or (`dense`) without seqused_k,
+    which becomes a buffer of no shape: the kernel gets a null pointer (MaskGeometry::for_batch:
+    every batch at seqlen_k)."""
+    if not dense:
         return inputs, ()
-    return tuple(n for n in inputs if n != "seqused_k"), (("seqused_k", lengths),)
+    return tuple(n for n in inputs if n != "seqused_k"), (Buffer("seqused_k", None),)
 
 
 def dense_decode_problem(p) -> str | None:
@@ -427,20 +427,16 @@ def dense_decode_problem(p) -> str | None:
 
 
 def plan_dense_decode(p, dtype) -> Plan:
-    """The decode kernel's plan for a dense call (dense_decode_problem None): the per-batch
-    lengths are all seqlen_k, a device array the plan holds (MaskGeometry::for_batch leaves the
-    call's geometry, either alignment, as it is at that length); splits by decode_splits."""
-    import cupy
-
-    with cupy.cuda.Device(p.device):
-        lengths = cupy.full((p.batch,), p.seqlen_k, dtype=cupy.int32)
-    plan, _ = _build_decode(dataclasses.replace(p, seqused_k=True), 0, dtype, lengths)
+    """The decode kernel's plan for a dense call (dense_decode_problem None): seqused_k a null
+    pointer, every batch at seqlen_k (MaskGeometry::for_batch leaves the call's geometry, either
+    alignment, as it is); splits by decode_splits."""
+    plan, _ = _build_decode(dataclasses.replace(p, seqused_k=True), 0, dtype, dense=True)
     return plan
 
 
-def _build_decode(p, splits: int, dtype, lengths=None):
+def _build_decode(p, splits: int, dtype, dense: bool = False):
     """(plan, split) of the decode kernel for this call: `splits` blocks per (K/V head, batch), or
-    decode_splits' choice for 0; `lengths`: plan_decode's."""
+    decode_splits' choice for 0; `dense`: plan_decode's."""
     from . import device
 
     cfg = families.select(families.DECODE, p)
@@ -449,7 +445,7 @@ def _build_decode(p, splits: int, dtype, lengths=None):
         resident = max(1, min(props.smem_per_sm // (cfg.smem_bytes + 1024), 2048 // cfg.threads))
         splits = decode_splits(p.heads_kv * p.batch, resident, props.sm_count, -(-p.seqlen_k // cfg.block_k))
     ps = dataclasses.replace(p, n_splits=splits)
-    return plan_decode(ps, cfg, dtype, lengths), splits > 1
+    return plan_decode(ps, cfg, dtype, dense), splits > 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -190,16 +190,13 @@ class Plan:
                  "_n_inputs")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
-                 params: np.ndarray, constants: tuple = ()):
+                 params: np.ndarray):
         own = [b for b in buffers if b.name not in inputs]
-        # constants: (slot name, device array) the plan holds and every run passes as they are (the
-        # dense decode route's per-batch lengths, all seqlen_k: cuflash/kvcache.py plan_dense_decode)
-        names = [*inputs, *(b.name for b in own), *(n for n, _ in constants)]
+        names = [*inputs, *(b.name for b in own)]
         index = {n: i for i, n in enumerate(names)}
         self.device = device
         self.params = KernelParams(params)
-        # the plan's slots before allocation (then its constants)
-        self._blank = [NULL if b.shape is None else None for b in own] + [a for _, a in constants]
+        self._blank = [NULL if b.shape is None else None for b in own]  # the plan's slots before allocation
         self._n_inputs = len(inputs)
         self._alloc = tuple((index[b.name], b.shape, b.dtype) for b in buffers if b.shape is not None)
         # take None: the kernel's pointers are all the slots, in order (the sm80 forwards), which

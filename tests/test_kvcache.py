@@ -427,10 +427,10 @@ def test_dense_calls_of_decode_shape_take_the_decode_kernel(monkeypatch):
     assert not _forward._decode_route((families.FWD_V1,), one, None)  # algorithm="v1" stays v1
 
 
-def test_a_dense_decode_plan_holds_its_lengths(monkeypatch):
-    """plan_dense_decode: the decode kernel's (split) plan whose seqused_k is a device array the
-    plan holds, all seqlen_k, passed to the kernel on every run; the call's inputs are the dense
-    forward's (q, k, v, out, lse)."""
+def test_a_dense_decode_plan_passes_null_lengths(monkeypatch):
+    """plan_dense_decode: the decode kernel's (split) plan whose seqused_k is a null pointer (every
+    batch at seqlen_k: MaskGeometry::for_batch); the call's inputs are the dense forward's (q, k,
+    v, out, lse)."""
     import contextlib
     import pathlib
 
@@ -452,7 +452,6 @@ def test_a_dense_decode_plan_holds_its_lengths(monkeypatch):
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Rec(type(cfg).__name__))
     monkeypatch.setattr(kvcache, "_combine_kernel", lambda name: Rec("combine"))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape)))
-    monkeypatch.setattr(cupy, "full", lambda shape, value, dtype=None: ("lengths", tuple(shape), value))
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     p = _dense(1, 8192, 32, 8, 128)
     plan = kvcache.plan_dense_decode(p, np.float16)
@@ -460,10 +459,10 @@ def test_a_dense_decode_plan_holds_its_lengths(monkeypatch):
     assert out == ("alloc", (2, 1, 32, 128)) and lse == ("alloc", (2, 32, 1))
     (name, grid, args), (cname, _, cargs) = calls
     assert name == "DecodeConfig" and cname == "combine"
-    assert args[:3] == ("q", "k", "v") and args[5] == ("lengths", (2,), 8192)  # seqused_k: every batch's seqlen_k
+    assert args[:3] == ("q", "k", "v") and int(args[5]) == 0  # seqused_k null: every batch at seqlen_k
     n_splits = grid[0] // (8 * 2)
     assert n_splits == kvcache.decode_splits(16, 2, 132, 8192 // 64) > 1  # 16 work tiles: split over the GPU
     assert args[3] == ("alloc", (n_splits, 2, 1, 32, 128)) and cargs[2:4] == (out, lse)
     calls.clear()
     plan.run(("q2", "k2", "v2", "o", "l"))  # the caller's out / lse, the same lengths
-    assert calls[0][2][5] == ("lengths", (2,), 8192) and calls[1][2][2:4] == ("o", "l")
+    assert int(calls[0][2][5]) == 0 and calls[1][2][2:4] == ("o", "l")

@@ -115,7 +115,9 @@ struct MaskGeometry {
     __device__ __forceinline__ MaskGeometry for_batch(const int* __restrict__ seqused_k, int b) const {
         MaskGeometry m = *this;
         if constexpr (V::kSeqUsedK) {
-            const int len = seqused_k[b];
+            // (null: every batch at seqlen_k, the geometry as it is: a dense call on the decode
+            // kernel, cuflash/kvcache.py plan_dense_decode)
+            const int len = seqused_k != nullptr ? seqused_k[b] : seqlen_k;
             m.offset = offset + (len - seqlen_k);
             m.seqlen_k = len;
         }
