@@ -111,13 +111,15 @@ struct MaskGeometry {
     // of the n_q new ones sits at key position seqused_k[b] - n_q + i. (The shift keeps bottom-right
     // alignment only; the KV-cache entry point has no top-left option.) Block ranges and tile loads
     // read the result, so they follow. Without kSeqUsedK: the geometry unchanged, no load.
-    template <class V>
+    // NULLABLE (the decode kernel's contiguous instances): a null seqused_k is every batch at
+    // seqlen_k, the geometry as it is (a dense call on the decode kernel, cuflash/kvcache.py
+    // plan_dense_decode). (Not elsewhere: the test cost the prefill kernel's d96 split-KV instance
+    // and the d192 paged decode one 8 B of spills.)
+    template <class V, bool NULLABLE = false>
     __device__ __forceinline__ MaskGeometry for_batch(const int* __restrict__ seqused_k, int b) const {
         MaskGeometry m = *this;
         if constexpr (V::kSeqUsedK) {
-            // (null: every batch at seqlen_k, the geometry as it is: a dense call on the decode
-            // kernel, cuflash/kvcache.py plan_dense_decode)
-            const int len = seqused_k != nullptr ? seqused_k[b] : seqlen_k;
+            const int len = (NULLABLE && seqused_k == nullptr) ? seqlen_k : seqused_k[b];
             m.offset = offset + (len - seqlen_k);
             m.seqlen_k = len;
         }

@@ -154,7 +154,8 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     const int n_q = params.seqlen_q, live_rows = group * n_q;
     const float scale_log2 = params.scale_log2;
 
-    const MaskGeometry geo = MaskGeometry::of<V>(params).template for_batch<V>(seqused_k, b);
+    // (seqused_k may be null, every batch at seqlen_k, in the dense route: never paged)
+    const MaskGeometry geo = MaskGeometry::of<V>(params).template for_batch<V, !V::kPaged>(seqused_k, b);
     const int seqlen_k = geo.seqlen_k;
     // the keys any of the rows sees: from the first query's left window edge to the last query's
     // right edge (causal: its own position), then this split's share of those key blocks
