@@ -27,6 +27,9 @@ What is checked before any launch:
     min(max(cache_seqlens[b] + n_new, 0), capacity) keys. Never an out-of-bounds access, but also
     no error: check on the host when the lengths may be wrong.
 
+cuflash.attention sends dense calls of decoding's shape to the decode kernel too
+(dense_decode_problem, plan_dense_decode: seqused_k a null pointer, every batch at seqlen_k).
+
 Split-KV decoding (num_splits) spreads a decode step's keys over several blocks per work tile,
 whose fp32 partial results one fused kernel merges (_COMBINE_SRC, the split plans' last launch); rotary embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first.
 """
