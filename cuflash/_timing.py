@@ -81,6 +81,21 @@ def time_rounds(fns: dict, rounds: int, reps: int) -> dict:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def variant_bench_parser(doc: str, head_dims: list | None = None):
+    """The variant benches' command line (scripts/bench_*.py): --seqlens, --reps, --rounds, --json,
+    and --head-dims when `head_dims` gives its default. The script adds its own and parses."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if head_dims is not None:
+        p.add_argument("--head-dims", nargs="+", type=int, default=list(head_dims))
+    p.add_argument("--seqlens", nargs="+", type=int, default=[2048, 8192])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json")
+    return p
+
+
 def variant_bench_shape(head_dim: int, seqlen: int) -> tuple:
     """(batch, heads) of the variant benches: 16384 tokens in all, 16 heads at head_dim >= 128, else 32."""
     return max(1, 16384 // seqlen), 16 if head_dim >= 128 else 32

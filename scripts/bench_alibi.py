@@ -11,7 +11,6 @@ ALiBi alternating for --rounds rounds, the median round of each.
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 
@@ -20,15 +19,10 @@ def main():
     import numpy as np
 
     import cuflash
-    from cuflash._timing import flops_attention, time_rounds, variant_bench_shape
+    from cuflash._timing import flops_attention, time_rounds, variant_bench_parser, variant_bench_shape
     from cuflash.testing import dtype_of
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
-    p.add_argument("--seqlens", nargs="+", type=int, default=[2048, 8192])
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json")
+    p = variant_bench_parser(__doc__, [64, 128])
     a = p.parse_args()
     bf16 = dtype_of("bfloat16")
     rows = []

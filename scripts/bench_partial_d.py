@@ -12,7 +12,6 @@ each (cuflash._timing's CUDA events inside). Flip `auto_partial_d` where sm90 wi
 tests pass)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 PAIRS = [(192, 128), (128, 64), (160, 160), (104, 104), (40, 40)]
@@ -45,15 +44,11 @@ def main():
     import cupy
 
     from cuflash import _forward
-    from cuflash._timing import time_rounds, variant_bench_shape
+    from cuflash._timing import time_rounds, variant_bench_parser, variant_bench_shape
     from cuflash.testing import dtype_of
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seqlens", nargs="+", type=int, default=[2048, 8192])
+    p = variant_bench_parser(__doc__)
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json")
     a = p.parse_args()
     bf16 = dtype_of("bfloat16")
     rows = []

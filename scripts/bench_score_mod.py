@@ -13,7 +13,6 @@ median round of each (cuflash._timing's CUDA events inside).
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 
@@ -22,15 +21,10 @@ def main():
     import numpy as np
 
     import cuflash
-    from cuflash._timing import flops_attention, time_rounds, variant_bench_shape
+    from cuflash._timing import flops_attention, time_rounds, variant_bench_parser, variant_bench_shape
     from cuflash.testing import dtype_of
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dims", nargs="+", type=int, default=[128])
-    p.add_argument("--seqlens", nargs="+", type=int, default=[2048, 8192])
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json")
+    p = variant_bench_parser(__doc__, [128])
     a = p.parse_args()
     bf16 = dtype_of("bfloat16")
     rows = []

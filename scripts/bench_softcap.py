@@ -8,7 +8,6 @@ bf16, 16 heads (d128) or 32 (d64), batch 16384 / N, the sm90 forward on an H200.
 rounds, the median round of each (cuflash._timing's CUDA events inside)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 
@@ -17,16 +16,11 @@ def main():
 
     import cuflash
     from cuflash import _forward, families
-    from cuflash._timing import flops_attention, time_rounds, variant_bench_shape
+    from cuflash._timing import flops_attention, time_rounds, variant_bench_parser, variant_bench_shape
     from cuflash.testing import dtype_of
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--head-dims", nargs="+", type=int, default=[128, 64])
-    p.add_argument("--seqlens", nargs="+", type=int, default=[2048, 8192])
+    p = variant_bench_parser(__doc__, [128, 64])
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json")
     a = p.parse_args()
     bf16 = dtype_of("bfloat16")
     fam = families.REGISTRY["fwd_sm90"]
