@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadab
 # local memory per thread, the most measured over the feature classes below on sm_80 - sm_90a,
 # 2026-12-01) catch a kernel change that makes them worse.
 LAST_RESORT_SPILL_BOUND = {tiles.BwdConfig(192, 32, 32, 2, 2): 80, tiles.BwdConfig(256, 32, 32, 2, 2): 32}
+assert set(LAST_RESORT_SPILL_BOUND) == families.BWD.last_resort
 
 
 @pytest.mark.parametrize("arch", ARCHS)

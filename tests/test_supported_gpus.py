@@ -154,6 +154,12 @@ def test_large_head_dim_backward_fits_99_kb(monkeypatch, d):
         features = Features("bfloat16", d, **kw)
         if families.BWD.supports(features):
             assert families.BWD.default(d, L4.smem_optin, features) == tile, kw
+    # a last resort: only where nothing else fits (an A100 or H200 never considers it, not even for
+    # a user snippet whose every other tile spills)
+    assert tile in families.BWD.last_resort
+    assert families.BWD.fitting_defaults(d, L4.smem_optin) == [tile]
+    for name in ("a100-80gb", "h200"):
+        assert tile not in families.BWD.fitting_defaults(d, DEVICES[name].smem_optin)
 
 
 # ----------------------------------------------------------------------------- every supported GPU

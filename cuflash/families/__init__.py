@@ -82,8 +82,8 @@ def _tile_for_snippet(family: KernelFamily, problem, props, tuned):
 
     f = problem.features
     cands = [] if tuned is None else [tuned]
-    cands += [t for t in family.defaults[f.head_dim]
-              if t not in cands and t.fits(props.smem_optin) and not family.avoids(t, f)]
+    cands += [t for t in family.fitting_defaults(f.head_dim, props.smem_optin)
+              if t not in cands and not family.avoids(t, f)]
     if not cands:
         return family.default(f.head_dim, props.smem_optin, f)  # one that spills, or raises naming the head dim
     spills = []

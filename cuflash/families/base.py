@@ -90,6 +90,9 @@ class KernelFamily:
     # perf class -> head_dim -> tiles preferred to `defaults` for that class while nothing tuned
     # applies (a class whose best tile was measured to differ from its head dim's default)
     class_defaults: Mapping[str, Mapping[int, tuple]] = dataclasses.field(default_factory=dict)
+    # tiles of `defaults` that only a device where no other default fits may pick (the 2-warp d192 /
+    # d256 backward of ~99 KB GPUs: slow, and spilling a little, they must not win elsewhere)
+    last_resort: frozenset = frozenset()
     # --- execution
     # (problem, tile, dtype) -> launch.Plan of one call (the passes' plan builders); None: the pass
     # builds its plan itself (the backward)
@@ -169,7 +172,7 @@ class KernelFamily:
         device and does not spill for `features`; where every fitting one spills, the first fitting
         one (a slower kernel beats none: the d192 / d256 backward on ~99 KB GPUs)."""
         first = () if features is None else self.class_defaults.get(features.perf_class(), {}).get(head_dim, ())
-        fitting = [t for t in (*first, *self.defaults[head_dim]) if t.fits(smem_optin_bytes)]
+        fitting = self.fitting_defaults(head_dim, smem_optin_bytes, first)
         for t in fitting:
             if not self.avoids(t, features):
                 return t
@@ -177,6 +180,13 @@ class KernelFamily:
             return fitting[0]
         raise RuntimeError(f"no {self.what} config for head_dim {head_dim} fits in {smem_optin_bytes} bytes "
                            f"of shared memory")
+
+    def fitting_defaults(self, head_dim: int, smem_optin_bytes: int, first: tuple = ()) -> list:
+        """`first`, then the head dim's defaults, that fit the device; the last resorts only where
+        nothing else fits."""
+        fitting = [t for t in (*first, *self.defaults[head_dim]) if t.fits(smem_optin_bytes)]
+        usual = [t for t in fitting if t not in self.last_resort]
+        return usual or fitting
 
     def selectable(self) -> list:
         """Tiles the package may pick at run time without tuning (the CPU compile tests cover these)."""

@@ -133,9 +133,11 @@ FWD = KernelFamily(
 # dK, dV) spills on sm_80, except d128's 32-query one, the ~99 KB fallback of an L4 / RTX 4090.
 # d192 and d256 fit ~99 KB only as 2-warp tiles of 32 x 32 with one dS^T buffer (BwdConfig.
 # ds_buffers); those are the last resorts of their lists and run only where nothing larger fits
-# (cc 8.6 / 8.9). At 255 registers they spill a little in some instances (sm_86: d192 8-64 B, d256
-# 0-8 B with varlen or a partial head dim); where no tile that does not spill fits, the selection
-# takes a spilling one over none (KernelFamily.default), and tests/test_compile_bwd.py bounds them.
+# (cc 8.6 / 8.9: `last_resort`, which no other device considers, not even for a user snippet whose
+# every other tile spills). At 255 registers they spill a little in some instances (sm_86: d192
+# 8-64 B, d256 0-8 B with varlen or a partial head dim); where no tile that does not spill fits, the
+# selection takes a spilling one over none (KernelFamily.default), and tests/test_compile_bwd.py
+# bounds them.
 BWD = KernelFamily(
     name="bwd", description="backward dK/dV kernel (dQ by atomics)", what="backward", pass_="backward",
     tile_cls=BwdConfig, header="flash_bwd.cuh", template="cuflash::flash_bwd_dkdv",
@@ -155,6 +157,7 @@ BWD = KernelFamily(
         256: (BwdConfig(256, 32, 128, 8, 2), BwdConfig(256, 32, 64, 4, 2), BwdConfig(256, 32, 32, 2, 2)),
     },
     accumulator_registers=_bwd_acc,
+    last_resort=frozenset({BwdConfig(192, 32, 32, 2, 2), BwdConfig(256, 32, 32, 2, 2)}),
     # the d64 128-query tiles with softcap and dropout: 12 B (three stages) and 8 B (two) on sm_80
     spilling={"dropout+softcap": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2)}),
               "alibi+dropout": frozenset({BwdConfig(64, 128, 128, 8, 3), BwdConfig(64, 128, 128, 8, 2),  # 4-28 B
