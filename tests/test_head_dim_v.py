@@ -109,9 +109,9 @@ def test_the_hopper_backward_and_v1_refuse_it_and_say_why():
     assert "v1 forward has no value head dim" in families.FWD_V1.cannot_run(p, props)
 
 
-def test_the_hopper_forward_takes_it_forced_and_the_automatic_choice_not_yet(monkeypatch):
+def test_the_hopper_forward_takes_it(monkeypatch):
     """The sm90 forward runs a value head dim through its rank-4 TMA maps (v's map has d_v
-    columns), when forced; the automatic choice keeps sm80 until that form is measured on a GPU."""
+    columns), forced or by the automatic choice."""
     import pathlib
 
     from cuflash import device, tma
@@ -123,7 +123,7 @@ def test_the_hopper_forward_takes_it_forced_and_the_automatic_choice_not_yet(mon
     p = fwd(192, 128)
     assert families.FWD_SM90.cannot_run(p, props) is None
     assert families.choose(families.FORWARDS, p, "sm90", props) is families.FWD_SM90
-    assert families.choose(families.FORWARDS, p, None, props) is families.FWD
+    assert families.choose(families.FORWARDS, p, None, props) is families.FWD_SM90
     shape, strides = tma.tensor_layout(p, "v")
     assert shape[-1] == 128 and tma.tensor_layout(p, "k")[0][-1] == 192
     g = tma.map_geometry(shape, strides, "bfloat16", 112, partial=True)

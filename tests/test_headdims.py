@@ -66,15 +66,12 @@ def test_every_head_dim_gets_a_forward_and_backward_that_fit(name, monkeypatch):
         q, lse = info((1, 128, 2, d)), lse_info(1, 2, 128)
         p = problem.resolve_forward(q, q, q, NO_MASK, None)
         fam = families.choose(families.FORWARDS, p)
-        if fam.backend == "sm90":  # automatically only where instantiated: d 64, 128, 192, 256 on cc 9.0
-            assert props.cc == (9, 0) and d in tiles.SM90_HEAD_DIMS
+        if fam.backend == "sm90":  # on its instances (64, 128, 192, 256) or their column-masking forms
+            assert props.cc == (9, 0) and kd in tiles.SM90_HEAD_DIMS
         else:
             assert fam is families.FWD
-            if props.cc == (9, 0) and d not in tiles.SM90_HEAD_DIMS:
-                # why the sm80 forward runs it: no sm90 instance (d 8-32, 72-96), or a column-masking
-                # one that the automatic choice does not take yet (forced, it runs)
-                why = families.FWD_SM90.cannot_run(p, props)
-                assert why if kd not in tiles.SM90_HEAD_DIMS else (why is None or why == families.FWD_SM90.call_problem(p))
+            if props.cc == (9, 0):  # why the sm80 forward runs it: no sm90 instance (d 8-32, 72-96),
+                assert families.FWD_SM90.cannot_run(p, props)  # or no TMA bindings on this host
         tile = families.select(fam, p)
         assert tile.head_dim == kd and tile.smem_bytes <= props.smem_optin
         assert fam.can_implement(tile, props, p.features) is None
@@ -93,13 +90,14 @@ def test_hopper_families_refuse_other_head_dims_with_a_reason():
         p = problem.resolve_forward(q, q, q, NO_MASK, None)
         why = families.FWD_SM90.cannot_run(p, h200)
         assert why and "sm90 forward kernels do not support" in why, why
-    for d in (48, 104, 160, 200):  # column-masking instances of 64, 128, 192, 256: forced, they run;
-        q = info((1, 128, 2, d))    # the automatic choice gives them to sm80 until measured
+    for d in (48, 104, 160, 200):  # column-masking instances of 64, 128, 192, 256
+        q = info((1, 128, 2, d))
         p = problem.resolve_forward(q, q, q, NO_MASK, None)
         assert p.features.partial_d and p.features.head_dim in tiles.SM90_HEAD_DIMS
         why = families.FWD_SM90.cannot_run(p, h200)
         assert why is None or why == families.FWD_SM90.call_problem(p)
-        assert families.choose(families.FORWARDS, p, props=h200) is families.FWD
+        want = families.FWD_SM90 if why is None else families.FWD
+        assert families.choose(families.FORWARDS, p, props=h200) is want
     q = info((1, 128, 2, 256))  # d256 is instantiated on Hopper (FlashAttention-3's 128 x 80, two consumers)
     p = problem.resolve_forward(q, q, q, NO_MASK, None)
     why = families.FWD_SM90.cannot_run(p, h200)

@@ -148,10 +148,6 @@ def choose(candidates: tuple, problem, backend: str | None = None, props=None) -
         if fam.auto_head_dims is not None and problem.features.head_dim not in fam.auto_head_dims:
             reasons.append(f"{fam.name}: not chosen automatically at head_dim {problem.features.head_dim}")
             continue
-        if not fam.auto_partial_d and problem.features.partial_d:
-            reasons.append(f"{fam.name}: not chosen automatically for head dims other than its instances' "
-                           f"(q/k {problem.head_dim}, v {getattr(problem, 'dv', problem.head_dim)})")
-            continue
         why = fam.cannot_run(problem, props)
         if why is None:
             return fam

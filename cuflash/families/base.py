@@ -68,10 +68,6 @@ class KernelFamily:
     # head dims at which the automatic choice (families.choose with no backend) may take this
     # family, where it was measured faster than the next candidate; None: every head dim it supports
     auto_head_dims: frozenset | None = None
-    # False: the automatic choice passes calls of a column-masking instance (Features.partial_d: a
-    # head dim between the instantiated ones, or v's own) on to the next candidate, as it does for
-    # head dims outside auto_head_dims (backend= / CUFLASH_BACKEND still force this family)
-    auto_partial_d: bool = True
     # --- selection
     domain: Callable  # head_dim -> the tiles the kernel's template admits, in search order (before fitting)
     defaults: Mapping[int, tuple]  # head_dim -> heuristic tiles, in order of preference; the first that fits wins

@@ -120,7 +120,7 @@ def test_sm90_refuses_other_head_dims_with_a_reason():
     why = backend_unavailable("sm90")
     if why:
         pytest.skip(why)
-    for d in (32, 48, 96, 200):
+    for d in (32, 24, 96, 80):  # the instances 32 and 96 have no Hopper form (48, 200: its column masking)
         q, k, v, _ = _inputs(d, 1, 64, 64, 2, d, "bfloat16", guard=False)
         with pytest.raises(ValueError, match="cannot run this call"):
             _forward.forward(q, k, v, backend="sm90")
