@@ -26,7 +26,7 @@ def test_bad_inputs_rejected_before_launch(monkeypatch):
         ((q[0], k, v), {}, ValueError, "4 dimensions"),
         ((q, k[:1], v[:1]), {}, ValueError, "batch"),
         ((q[:, :, :1], k, v), {}, ValueError, "heads"),  # k's heads must divide q's (GQA)
-        ((q, k, v[:, :, :1]), {}, ValueError, "same shape"),  # k and v: the same heads
+        ((q, k, v[:, :, :1]), {}, ValueError, r"same \(batch, seqlen, heads\)"),  # k and v: the same heads
         ((q[..., :36], k[..., :36], v[..., :36]), {}, ValueError, "head_dim must be a multiple of 8"),
         ((q[..., ::2], k, v), {}, ValueError, "last dimension"),
         ((q[:, :0].astype(cupy.float32), k, v), {}, TypeError, "dtype"),  # empty arrays are still checked
