@@ -308,7 +308,7 @@ class Sm90FwdConfig(Tile):
 class Sm90BwdConfig(Tile):
     """Tile of the Hopper backward's dK/dV kernel (kernels_cu/flash_bwd_sm90.cuh, sm_90a).
 
-    <D, BR, CONSUMERS, STAGES>: one producer warpgroup loads K and V of 64 * consumers keys once and
+    <D, BR, CONSUMERS, STAGES, DQ_BULK, OVERLAP>: one producer warpgroup loads K and V of 64 * consumers keys once and
     streams Q and dO in blocks of block_q rows through a `stages`-deep TMA ring; each consumer
     warpgroup owns 64 of the keys (its dK and dV stay in registers). Mirrors
     kernels_cu/sm90/bwd_traits.cuh (Sm90BwdTraits), whose first version takes block_q 64 and two
@@ -320,6 +320,8 @@ class Sm90BwdConfig(Tile):
     consumers: int = _axis("c", "consumer warpgroups, 64 keys each (block_k = 64 * consumers)")
     stages: int = _axis("s", "depth of the TMA Q/dO ring")
     dq_bulk: int = _axis("dqb", "1: dQ staged in smem and added by a store warp with bulk reductions; 0: atomics")
+    overlap: int = _axis("ov", "1: a block's element-wise work under its GEMMs (dP^T under exp(S^T), dV under the "
+                               "dS^T barrier, dQ's store under dK); 0: each GEMM waited on before the work after it")
 
     @property
     def block_k(self) -> int:
@@ -333,7 +335,7 @@ class Sm90BwdConfig(Tile):
         return f"__launch_bounds__({self.threads}, 1)"  # setmaxnreg needs the cap
 
     def label(self) -> str:
-        return f"{self.block_q}x{self.block_k} c{self.consumers} s{self.stages} dqb{self.dq_bulk}"
+        return f"{self.block_q}x{self.block_k} c{self.consumers} s{self.stages} dqb{self.dq_bulk} ov{self.overlap}"
 
     @property
     def smem_bytes(self) -> int:
@@ -356,6 +358,8 @@ class Sm90BwdConfig(Tile):
             return f"stages must be 2, 3 or 4, got {self.stages}"
         if self.dq_bulk not in (0, 1):
             return f"dq_bulk must be 0 or 1, got {self.dq_bulk}"
+        if self.overlap not in (0, 1):
+            return f"overlap must be 0 or 1, got {self.overlap}"
         return None
 
 

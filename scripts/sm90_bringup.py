@@ -186,7 +186,7 @@ if __name__ == "__main__":
 # ----------------------------------------------------------------------------- backward bring-up
 def run_bwd(cfg, dout, q, k, v, out, lse, causal):
     """(dq, dk, dv) of the backward plan with the sm90 dK/dV tile `cfg` (Sm90BwdConfig fields:
-    head_dim, block_q, consumers, stages, dq_bulk) between the sm80 prep and convert kernels."""
+    head_dim, block_q, consumers, stages, dq_bulk, overlap) between the sm80 prep and convert kernels."""
     from cuflash import _backward
     from cuflash.signature import BWD_ARRAYS
     from cuflash.tiles import Sm90BwdConfig
@@ -202,8 +202,8 @@ def run_bwd(cfg, dout, q, k, v, out, lse, causal):
     return _plan(("bwd", tile, _arrays_key(*arrays), causal), build).run(arrays)
 
 
-BWD_CFGS = {128: [(128, 64, 2, 2, 0), (128, 64, 2, 2, 1)], 64: [(64, 64, 2, 2, 0), (64, 64, 2, 2, 1)]}
-# SM90_BWD_CFG="128,64,2,2,1" runs one tile alone (scripts/gpu_run.sh runs each under its own
+BWD_CFGS = {128: [(128, 64, 2, 2, b, o) for o in (0, 1) for b in (0, 1)], 64: [(64, 64, 2, 2, b, o) for o in (0, 1) for b in (0, 1)]}
+# SM90_BWD_CFG="128,64,2,2,1,0" runs one tile alone (scripts/gpu_run.sh runs each under its own
 # timeout: on 2026-11-30 the run printed nothing for 180 s after the first tile, which looked like
 # a hang of the dq_bulk tile, never seen alone)
 if os.environ.get("SM90_BWD_CFG"):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import _compile, families, tiles
+from cuflash import _compile, device, families, tiles
 from cuflash.features import Features
 from tests.test_compile import ARCHS, _nvrtc_available
 
@@ -17,6 +17,20 @@ SPILL_ALLOWANCE = {("bwd", 128): 32,
                    # type and the left-edge code compiles out (none on sm_90a; golden: 254, none): ptxas'
                    # allocation at the register limit, not a longer live range (issue 9 report)
                    ("fwd_v1", 128): 8}
+
+# The marks and allowances are measured with the NVRTC that CI and pip users get (13.5). The H200
+# image's NVRTC 13.0 allocates a few tiles differently (checked with nvidia-cuda-nvrtc 13.0.88 on
+# CPU): these marks do not spill under it (the tile is still passed over there: a slower pick,
+# never a wrong one), and these instances spill a little more.
+MARKS_CLEAN_UNDER = {(13, 0): {("bwd", "partial_d")}}
+EXTRA_ALLOWANCE_UNDER = {(13, 0): {("bwd", 64, "dropout+partial_d"): 16}}  # 12-16 B, sm_80 and sm_90a
+
+
+def allowance(family_name: str, head_dim: int, variant: str = "dropout") -> int:
+    """Spill bytes accepted for a default tile of this family and head dim as this variant, under
+    the NVRTC of this run."""
+    extra = EXTRA_ALLOWANCE_UNDER.get(device.nvrtc_version(), {}).get((family_name, head_dim, variant), 0)
+    return max(SPILL_ALLOWANCE.get((family_name, head_dim), 0), extra)
 
 
 def _dropout_configs():
@@ -35,7 +49,7 @@ def test_dropout_variants_compile(cfg, arch, record_property):
     assert "_drop" in _compile.kernel_name(cfg, Features("bfloat16", cfg.head_dim, True))
     rep = _compile.compile_report(src, arch)
     record_property("resources", {k: v for k, v in rep.items() if k != "log"})
-    allowed = SPILL_ALLOWANCE.get((families.of(cfg).name, cfg.head_dim), 0)
+    allowed = allowance(families.of(cfg).name, cfg.head_dim)
     assert rep["spill_stores"] <= allowed and rep["spill_loads"] <= allowed, rep["log"]
 
 
@@ -49,7 +63,8 @@ def test_tiles_a_family_marks_spilling_really_spill(family):
         for cfg in tiles_:
             feat = Features("bfloat16", cfg.head_dim, **{v.name: v.name in names for v in Features.variant_fields()})
             spills = [_compile.compile_report(_compile.kernel_source(cfg, feat), a)["spill_stores"] for a in archs]
-            assert max(spills) > 0, f"{cfg} no longer spills as {key}: drop it from {family}.spilling"
+            clean_here = (family.name, key) in MARKS_CLEAN_UNDER.get(device.nvrtc_version(), set())
+            assert max(spills) > 0 or clean_here, f"{cfg} no longer spills as {key}: drop it from {family}.spilling"
             assert family.default(cfg.head_dim, features=feat) != cfg
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from cuflash import _compile, device, families
+from cuflash import _compile, families
 from cuflash.features import Features
 from tests.test_compile import _nvrtc_available
 
@@ -20,12 +20,11 @@ pytestmark = [
 ]
 
 
-# tile -> bytes of spill stores known and accepted for its plain instance (sm_90a): the automatic
-# d128 Hopper backward's store-warp tile spills 16 B (56 B of loads) over its consumers' 240
-# registers (the most the setmaxnreg split can give: 24 x 128 + 240 x 256 fills the CTA's 64512),
-# NVRTC 13.5; it is still 1.15x its spill-free atomic twin on the H200 (305 vs 264 TFLOP/s, d128
-# N8192). A tile not listed must not spill; a listed one must not spill more.
-KNOWN_SPILLS = {families.BWD_SM90.defaults[128][0]: 16}
+# tile -> bytes of spill stores known and accepted for its plain instance (sm_90a). None today: the
+# automatic d128 Hopper backward's store-warp tile spilled 16 B over its consumers' 240 registers
+# until acc_dq stopped living around its loop (dq_wg, kernels_cu/sm90/bwd.cuh). A tile not listed
+# must not spill; a listed one must not spill more.
+KNOWN_SPILLS: dict = {}
 
 
 def check(cfg, features, record_property):
@@ -88,8 +87,22 @@ def test_whole_sm90_space_compiles(d, record_property):
 def test_selectable_sm90_backward_configs_compile_for_sm90a(cfg, dtype, record_property):
     """The Hopper backward (no dropout instantiation: supports() refuses it)."""
     assert not families.BWD_SM90.supports(Features(dtype, cfg.head_dim, True))
-    if (cfg.head_dim, cfg.stages, dtype) == (128, 2, "float16") and (device.nvrtc_version() or (0,)) < (13, 5):
-        # measured on the H200 image: NVRTC 13.0's ptxas spills 28 B here, 13.5's does not (the
-        # atomic two-stage tile is the automatic d128 choice's second, not its first)
-        pytest.xfail("NVRTC 13.0 spills 28 B in the d128 fp16 two-stage sm90 backward")
     check(cfg, Features(dtype, cfg.head_dim), record_property)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_whole_sm90_backward_space_compiles_without_spills(d, record_property):
+    """Every tile of the sm90 backward's domain (stages, dQ by atomics or the store warp, overlapped
+    or not), plain bf16: no spills, no wgmma serialisation."""
+    from cuflash.device import DeviceProps
+    from tests.test_sm90_host import FIX
+
+    h200 = DeviceProps.from_json(FIX / "h200.json")
+    tried = 0
+    for cfg in families.BWD_SM90.space(d, h200.smem_optin):
+        if families.BWD_SM90.can_implement(cfg, h200) is not None:
+            continue
+        check(cfg, Features("bfloat16", d), record_property)
+        tried += 1
+    assert tried >= 6  # 2 or 3 stages x atomics or store warp x overlapped or not, less what overflows 227 KB
+

@@ -539,19 +539,19 @@ def test_sm90_backward_family():
 
     f = families.BWD_SM90
     assert f in families.BACKWARDS and families.REGISTRY["bwd_sm90"] is f and not f.tuned_by_default
-    t = Sm90BwdConfig(128, 64, 2, 2, 0)
+    t = Sm90BwdConfig(128, 64, 2, 2, 0, 0)
     assert (t.block_k, t.threads, t.launch_bounds()) == (128, 384, "__launch_bounds__(384, 1)")
-    assert t.template_args() == (128, 64, 2, 2, 0)
+    assert t.template_args() == (128, 64, 2, 2, 0, 0)
     # K, V (128 x 128), 2 x (Q + dO) (64 x 128), two dS^T images (128 x 64), 16-bit; 2 x (lse2 +
     # delta) (64 fp32 each); + slack
     assert t.smem_bytes == 2 * 2 * 128 * 128 + 2 * 2 * 2 * 64 * 128 + 2 * 2 * 128 * 64 + 2 * 2 * 64 * 4 + 2048
-    assert "block_q must be 64" in Sm90BwdConfig(128, 128, 2, 2, 0).structural_problem()
+    assert "block_q must be 64" in Sm90BwdConfig(128, 128, 2, 2, 0, 0).structural_problem()
     # with the dQ staging of the store warp: two consumers x 64 rows x (256 + 16) B
-    assert Sm90BwdConfig(128, 64, 2, 2, 1).smem_bytes == t.smem_bytes + 2 * 64 * 272
+    assert Sm90BwdConfig(128, 64, 2, 2, 1, 0).smem_bytes == t.smem_bytes + 2 * 64 * 272
     assert not f.supports(Features("bfloat16", 128, True)) and f.supports(Features("bfloat16", 128))
     src = _compile.kernel_source(t, Features("float16", 128))
     assert ("const __grid_constant__ cuflash::TmaMap tdo, const float* __restrict__ lse2" in src
-            and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, 0, cuflash::Variant<false, false, false, false, false, false, false, false, false, false, false>>" in src)
+            and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, 0, 0, cuflash::Variant<false, false, false, false, false, false, false, false, false, false, false>>" in src)
 
 
 def test_sm90_backward_binds_four_maps_and_the_workspaces():
@@ -560,7 +560,7 @@ def test_sm90_backward_binds_four_maps_and_the_workspaces():
 
     p = _problem_bwd()
     seen = []
-    slots, bind = _backward_sm90.main_args(p, Sm90BwdConfig(64, 64, 2, 2, 0))
+    slots, bind = _backward_sm90.main_args(p, Sm90BwdConfig(64, 64, 2, 2, 0, 0))
     assert slots == ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv")
     # boxes: block_q rows for q and dout, 128 keys for k and v
     assert [c.geometry.box[1] for c in bind.caches] == [64, 128, 128, 64]
@@ -630,7 +630,7 @@ def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
     q, kv = info((2, 100, 4, 64)), info((2, 300, 1, 64))
     lse = problem.ArrayInfo((2, 4, 100), "float32", 4, (4 * 100 * 4, 100 * 4, 4), 1 << 20, 0)
     p = problem.resolve_backward(q, q, kv, kv, q, lse, CAUSAL, None)
-    plan = _backward._plan(p, Sm90BwdConfig(64, 64, 2, 2, 0), None, np.float16)
+    plan = _backward._plan(p, Sm90BwdConfig(64, 64, 2, 2, 0, 0), None, np.float16)
     dq, dk, dv = plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(6)))
     assert dk == dv == ("alloc", (2, 300, 1, 64), "float16") and dq == ("alloc", (2, 100, 4, 64), "float16")
     main, reduce = rec[1][2], rec[3][2]

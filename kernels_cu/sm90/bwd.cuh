@@ -70,14 +70,14 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 // Until the shared-memory sources of every committed bulk group have been read.
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
-template <bool BF16, int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK, class V>
+template <bool BF16, int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK, int OVERLAP, class V>
 __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tdo,
                                                const float* __restrict__ lse2, const float* __restrict__ delta,
                                                float* __restrict__ dq_acc, elem_t* __restrict__ dk,
                                                elem_t* __restrict__ dv, const float* __restrict__ alibi_slopes,
                                                const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
                                                const int* __restrict__ bm_index, const BwdParams& params) {
-    using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES, DQ_BULK>;
+    using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES, DQ_BULK, OVERLAP>;
     constexpr int BC = Tr::kBlockK;
     static_assert(!V::kDropout, "the sm90 backward does not take dropout yet");
 
@@ -304,8 +304,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     mask.template apply_transposed<true, true>(acc_s, m0, key_w, lane, 0.f);
                 c_to_a_frags<BF16, Tr::kQuerySteps>(p_frag, acc_s);
             }
-            {
-                if constexpr (!Tr::kSdpTogether) fence_regs(acc_dp);
+            auto issue_dv = [&]() {
                 fence_regs(acc_dv);
                 fence_regs(p_frag);
                 wgmma_fence();
@@ -313,9 +312,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
                     Wgmma<D, BF16>::rs(acc_dv, p_frag[kk], ddo_mn() + slot_off(s) + kRowStep * kk, it > 0 || kk > 0);
                 wgmma_commit();
+            };
+            {
+                if constexpr (!Tr::kSdpTogether) fence_regs(acc_dp);
+                if constexpr (!Tr::kDvAfterDs) issue_dv();
                 if constexpr (!Tr::kSdpTogether) issue_dp();
                 wgmma_wait<0>();  // dP^T and dV (p_frag, read below, is dV's A operand until then)
-                fence_regs(acc_dv);
+                if constexpr (!Tr::kDvAfterDs) fence_regs(acc_dv);
                 fence_regs(p_frag);
                 fence_regs(acc_dp);
                 // ---- dS^T = P^T o (dP^T - delta), P^T from its 16-bit copy (the rounding dV used),
@@ -349,32 +352,53 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     }
                 }
             }
+            // kDvAfterDs: dV runs under the dS^T barrier and the dK / dQ issue (p_frag stays its A
+            // operand until the wait below)
+            if constexpr (Tr::kDvAfterDs) issue_dv();
             fence_proxy_async();  // generic-proxy stores, read next by wgmma (async proxy)
             named_bar_sync(Tr::kBarDsFull, 128 * CONSUMERS);  // both halves of dS^T are in
 
             // ---- dK += dS^T Q_i (A: this consumer's 64 key rows of the image, K-major) ----
-            fence_regs(acc_dk);
-            wgmma_fence();
+            auto issue_dk = [&]() {
+                fence_regs(acc_dk);
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
-                WgmmaMN<D, BF16>::ss_bmn(acc_dk, dds_k() + ds_off + kmajor_step(kk, Tr::kDSBytes),
-                                       dq_mn() + slot_off(s) + kRowStep * kk, it > 0 || kk > 0);
-            wgmma_commit();
-
+                for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
+                    WgmmaMN<D, BF16>::ss_bmn(acc_dk, dds_k() + ds_off + kmajor_step(kk, Tr::kDSBytes),
+                                           dq_mn() + slot_off(s) + kRowStep * kk, it > 0 || kk > 0);
+                wgmma_commit();
+            };
             // ---- dQ_i[:, 64 cw ..] = dS K[:, 64 cw ..], added to dq_acc ----
+            // (the dQ product's consumers; at D = 128 every consumer, as a constant: a condition
+            // ptxas cannot prove the same at the product and at its store kept acc_dq live around
+            // the whole loop, 32 registers, on the path where it is never written)
+            const bool dq_wg = Tr::kDqWarpgroups >= CONSUMERS || cw < Tr::kDqWarpgroups;
             float acc_dq[8][4];
-            if (cw < Tr::kDqWarpgroups) {
+            auto issue_dq = [&]() {
                 fence_regs(acc_dq);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < Tr::kKeySteps; ++kk)
                     WgmmaMN<64, BF16>::ss_mn(acc_dq, dds_mn() + ds_off + kRowStep * kk, dkt_mn() + kRowStep * kk, kk > 0);
                 wgmma_commit();
+            };
+            if constexpr (Tr::kDqFirst) {
+                // dQ first: its store below runs under the dK product
+                if (dq_wg) issue_dq();
+                issue_dk();
+                wgmma_wait<1>();  // dV and dQ done (dK may run on)
+            } else {
+                issue_dk();
+                if (dq_wg) issue_dq();
+                wgmma_wait<0>();
+                fence_regs(acc_dk);
+                if constexpr (Tr::kDvAfterDs) {
+                    fence_regs(acc_dv);
+                    fence_regs(p_frag);
+                }
+                mbar_arrive(bar_free(s));  // Q_i, dO_i, lse2 and delta are read (this thread's part)
             }
-            wgmma_wait<0>();
-            fence_regs(acc_dk);
-            mbar_arrive(bar_free(s));  // Q_i, dO_i, lse2 and delta are read (this thread's part)
-            if (cw < Tr::kDqWarpgroups) {
+            if (dq_wg) {
                 fence_regs(acc_dq);
                 if constexpr (DQ_BULK) {
                     // stage the block (rows 16 warp + g (+8), columns 8 nt + 2 t) for the store warp
@@ -399,6 +423,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         for (int half = 0; half < 2; ++half)
                             red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
                 }
+            }
+            if constexpr (Tr::kDqFirst) {
+                wgmma_wait<0>();  // dK
+                fence_regs(acc_dk);
+                fence_regs(acc_dv);
+                fence_regs(p_frag);
+                mbar_arrive(bar_free(s));  // Q_i, dO_i, lse2 and delta are read (this thread's part)
             }
         }
 

@@ -9,7 +9,7 @@ namespace cuflash {
 
 // The sm90 dK/dV (+ atomic dQ) kernel: one CTA per key block of BC = 64 * CONSUMERS keys, K and V
 // loaded once, Q and dO streamed per query block of BR rows through a STAGES-deep TMA ring.
-template <int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK = 0>
+template <int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK = 0, int OVERLAP = 0>
 struct Sm90BwdTraits {
     static_assert(D == 64 || D == 128, "head_dim 64 or 128");
     static_assert(BR == 64, "block_q 64: the dS^T image is one 64-query chunk (the dQ product's A)");
@@ -50,8 +50,15 @@ struct Sm90BwdTraits {
     static constexpr int kKeySteps = kBlockK / 16;   // dQ contracts over the BC keys
     static constexpr int kDqWarpgroups = D / 64;     // consumers that run the dQ product, 64 columns of D each
     // S^T and dP^T issued back to back (the tensor cores run dP^T under the exp of S^T) where the
-    // registers allow: at D = 128 both next to dK and dV spill ~480 B (ptxas, sm_90a), at 64 none
-    static constexpr bool kSdpTogether = D <= 64;
+    // registers allow: at D = 128 both next to dK and dV spilled ~480 B (ptxas, sm_90a) while acc_dq
+    // was live around the loop (see dq_wg in sm90/bwd.cuh); since, 0 B, and OVERLAP takes it
+    static_assert(OVERLAP == 0 || OVERLAP == 1, "overlap 0 or 1");
+    static constexpr bool kSdpTogether = D <= 64 || OVERLAP;
+    // OVERLAP: the element-wise work of a block under its own GEMMs, as FlashAttention-3 orders it:
+    // dP^T under the exp of S^T (kSdpTogether), dV issued after dS^T is stored so it runs under the
+    // consumers' dS^T barrier, and dQ before dK so that dQ's store (atomics or staging) runs under dK
+    static constexpr bool kDvAfterDs = OVERLAP;
+    static constexpr bool kDqFirst = OVERLAP;
 
     // named barriers (0 is __syncthreads): both consumers' halves of dS^T are in smem; (DQ_BULK)
     // consumer c's dQ block staged / its staging free again, between its 128 threads and the
