@@ -570,7 +570,7 @@ def test_sm90_backward_binds_four_maps_and_the_workspaces():
     assert bind(arrays) == (100, 101, 102, 103, "lse2", "delta", "dq_acc", "dk", "dv")
 
 
-def test_sm90_backward_is_automatic_at_d128_and_says_why_it_cannot_run(monkeypatch):
+def test_sm90_backward_is_automatic_at_d64_and_d128_and_says_why_it_cannot_run(monkeypatch):
     from cuflash import _backward, device
 
     p = _problem_bwd()
@@ -580,8 +580,9 @@ def test_sm90_backward_is_automatic_at_d128_and_says_why_it_cannot_run(monkeypat
     assert _backward._main_family(p, None, "sm80") is families.BWD
     d128 = _problem_bwd(d=128)
     assert _backward._main_family(d128, None, None) is families.BWD_SM90
-    # d64: measured slower than the sm80 kernel, so not taken automatically; nor dropout or deterministic
-    assert p.features.head_dim == 64 and _backward._main_family(p, None, None) is families.BWD
+    # d64 too since the overlapped tile (1.44x the sm80 kernel on the H200); not dropout or deterministic
+    assert p.features.head_dim == 64 and _backward._main_family(p, None, None) is families.BWD_SM90
+    assert _backward._main_family(_problem_bwd(d=96), None, None) is families.BWD  # no sm90 instance
     assert _backward._main_family(dataclasses.replace(d128, deterministic=True), None, None) is families.BWD
     monkeypatch.setenv(families.BACKEND_ENV, "sm80")
     assert _backward._main_family(d128, None, None) is families.BWD

@@ -8,7 +8,7 @@ Families (cuflash/families/sm80.py, sm90.py):
   fwd_sm90  v2 forward (TMA + wgmma)   kernels_cu/flash_fwd_sm90.cuh  Sm90FwdConfig   cc 9.0 (sm_90a)
   fwd_v1    v1 forward (FA1)           kernels_cu/flash_fwd_v1.cuh    V1Config        cc >= 8.0
   bwd       backward dK/dV (+ dQ by atomics)  kernels_cu/flash_bwd.cuh  BwdConfig   cc >= 8.0
-  bwd_sm90  backward dK/dV (TMA + wgmma)  kernels_cu/flash_bwd_sm90.cuh  Sm90BwdConfig  cc 9.0 (auto at d128)
+  bwd_sm90  backward dK/dV (TMA + wgmma)  kernels_cu/flash_bwd_sm90.cuh  Sm90BwdConfig  cc 9.0 (auto at d64, d128)
   bwd_dq    deterministic dQ           kernels_cu/flash_bwd.cuh       DqConfig        cc >= 8.0
   decode    KV-cache decoding (GQA group packed)  kernels_cu/flash_decode.cuh  DecodeConfig  cc >= 8.0
 """
@@ -26,8 +26,8 @@ _BY_TILE = {f.tile_cls: f for f in REGISTRY.values()}
 # The v2 forward's families, in order of preference: the first that can run a call does.
 FORWARDS = (FWD_SM90, FWD)
 # The backward's dK/dV families, in order of preference. The automatic choice takes the Hopper one
-# at head_dim 128 only (BWD_SM90.auto_head_dims: 1.2x the sm80 kernel on the H200 there, slower at
-# 64; docs/perf-notes.md); it takes neither dropout nor the deterministic mode, which fall to sm80.
+# at head_dim 64 and 128 (BWD_SM90.auto_head_dims: 1.4-1.6x the sm80 kernel on the H200 there;
+# docs/perf-notes.md); it takes neither dropout nor the deterministic mode, which fall to sm80.
 BACKWARDS = (BWD_SM90, BWD)
 BACKENDS = ("sm80", "sm90")  # values of attention(backend=...) and of CUFLASH_BACKEND
 BACKEND_ENV = "CUFLASH_BACKEND"

@@ -127,10 +127,12 @@ def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
                           backend="sm90", **d["options"]))
 
 
-# Measured on the H200 (docs/perf-notes.md, 2026-11-30): with the store warp (dq_bulk 1) 1.2x the
-# sm80 backward at d128 (N8192: 305 vs 255 TFLOP/s; causal 282 vs 238; N2048 278 vs 240), so the
-# automatic choice takes it there; at d64 it is slower (230 vs 243), so d64 stays on sm80 unless
-# forced. Not tuned by default yet: its space has not been through the tuner on the H200.
+# Measured on the H200 (docs/perf-notes.md, 2026-12-02, bf16, same run as the sm80 backward and
+# cuDNN): the overlapped atomic tile (128, 64, 2, 2, 0, 1) runs d128 N8192 at 417 TFLOP/s (cuDNN
+# 519, the sm90 store-warp tile 315, the sm80 kernel 255), d64 N8192 at 350 (cuDNN 436, sm80 244),
+# so the automatic choice takes it at both head dims. The store-warp tile gains nothing from the
+# overlap (314.5): its store warp, one bulk reduction per dQ row, is what it waits for.
+# Not tuned by default yet: its space has not been through the tuner on the H200.
 BWD_SM90 = KernelFamily(
     name="bwd_sm90", description="backward dK/dV on Hopper: TMA + wgmma (dQ by atomics)", what="sm90 backward",
     pass_="backward", tile_cls=Sm90BwdConfig, header="flash_bwd_sm90.cuh", template="cuflash::flash_bwd_sm90",
@@ -140,14 +142,16 @@ BWD_SM90 = KernelFamily(
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
     arch_specific=True, backend="sm90", takes_partial_d=False,
     domain=lambda d: [Sm90BwdConfig(d, 64, 2, s, b, o) for s in (2, 3) for b in (0, 1) for o in (0, 1)],
-    # d128: the store warp's tile first; d64: atomics. Every tile of the domain compiles without
+    # The overlapped atomic tile first. Every tile of the domain compiles without
     # spills (NVRTC 13.0 and 13.5, sm_90a), dense and with a window, softcap, ALiBi or both, since
     # acc_dq no longer lives around the consumers' loop (dq_wg in sm90/bwd.cuh: it cost 32
     # registers, and the store-warp tile spilled 16 B, 40 B with ALiBi and softcap); the overlapped
     # tiles (overlap 1) spill 4-8 B with ALiBi and softcap on the atomic tile alone.
-    defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 0, 0),),
-              128: (Sm90BwdConfig(128, 64, 2, 2, 1, 0), Sm90BwdConfig(128, 64, 2, 2, 0, 0))},
-    auto_head_dims=frozenset({128}),
+    defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 0, 1), Sm90BwdConfig(64, 64, 2, 2, 0, 0)),
+              128: (Sm90BwdConfig(128, 64, 2, 2, 0, 1), Sm90BwdConfig(128, 64, 2, 2, 1, 0))},
+    # the overlapped atomic tile spills 8 B with ALiBi and softcap (NVRTC 13.5; none under 13.0)
+    spilling={"alibi+softcap": frozenset({Sm90BwdConfig(128, 64, 2, 2, 0, 1)})},
+    auto_head_dims=frozenset({64, 128}),
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, takes_dropout=False, run=_run_bwd, deterministic_outputs=(1, 2),
     takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
