@@ -304,6 +304,8 @@ AUX_KERNELS = {
     "bwd_prep": (((IN, "out"), (IN, "dout"), (F32_IN, "lse"), (F32, "delta"), (F32, "lse2"), (F32, "dq_acc")),
                  "BwdParams"),
     "bwd_dq_convert": (((F32_IN, "dq_acc"), (OUT, "dq")), "BwdParams"),
+    # the same for a dq_acc in the sm90 backward's fragment order (its dq_bulk 2 tiles)
+    "bwd_dq_convert_frag": (((F32_IN, "dq_acc"), (OUT, "dq")), "BwdParams"),
     # GQA/MQA: dK, dV per query head (expanded buffers) summed over each k/v head's group
     "bwd_dkdv_reduce": (((IN, "dk_exp"), (IN, "dv_exp"), (OUT, "dk"), (OUT, "dv")), "BwdParams"),
     # variable-length batches (cuflash/varlen.py): a (row chunks, heads, batch) grid over the sequences

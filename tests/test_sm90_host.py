@@ -640,3 +640,58 @@ def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
     assert main[7:9] == (expanded, expanded) and reduce[:4] == (main[7], main[8], dk, dv)
     f = params.unpack(main[9:], "BwdParams")
     assert (int(f["group"]), int(f["heads_kv"]), int(f["kv_rows"])) == (4, 1, 2 * 300)
+
+
+def test_fragment_order_dq_plan_converts_with_the_fragment_kernel(monkeypatch):
+    """dq_bulk 2: the plan's dQ convert is bwd_dq_convert_frag, one thread per float4 of dq_acc
+    (batch x heads x padded rows x the instantiated head dim / 4), after the dK/dV kernel."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import _backward
+    from cuflash.tiles import Sm90BwdConfig
+
+    names, rec = [], []
+    monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
+    monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: names.append(name) or Recorder(rec))
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
+    p = _problem_bwd(d=128)
+    plan = _backward._plan(p, Sm90BwdConfig(128, 64, 2, 2, 2, 1), None, np.float16)
+    plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(6)))
+    assert names == ["bwd_prep", "bwd_dq_convert_frag"]
+    pad = -(-100 // _backward._ROW_PAD) * _backward._ROW_PAD
+    assert rec[2][0] == (-(-2 * 3 * pad * 128 // 4 // _backward._AUX_THREADS),)
+    assert Sm90BwdConfig(128, 64, 2, 2, 2, 1).smem_bytes == Sm90BwdConfig(128, 64, 2, 2, 0, 1).smem_bytes + 2 * 64 * 64 * 4
+
+
+def test_fragment_order_dq_round_trip():
+    """The fragment order of dq_acc, as kernels_cu/sm90/bwd.cuh writes it (thread ctid's acc_dq[nt][e],
+    the wgmma accumulator element at row 16 warp + g + 8 (e / 2), column 8 nt + 2 t + e % 2, to float
+    (nt * 128 + ctid) * 4 + e of its 64 x 64 block) and as rowwise/bwd_post.cuh's bwd_dq_convert_frag
+    reads it back (float4 nt * 128 + ctid: rows row0 and row0 + 8, two columns each): a bijection whose
+    round trip is the identity, block by block ((bh * pad / 64 + m) * D / 64 + c)."""
+    rng = np.random.default_rng(0)
+    bh, pad, d = 3, 128, 128
+    dq = rng.standard_normal((bh, pad, d)).astype(np.float32)
+    acc = np.full(bh * pad * d, np.nan, np.float32)
+    for b in range(bh):
+        for m in range(pad // 64):
+            for c in range(d // 64):
+                base = ((b * (pad // 64) + m) * (d // 64) + c) * 4096
+                for ctid in range(128):
+                    w, g, t = ctid // 32, ctid % 32 // 4, ctid % 4
+                    for nt in range(8):
+                        for e in range(4):
+                            row, col = m * 64 + 16 * w + g + 8 * (e // 2), 64 * c + 8 * nt + 2 * t + e % 2
+                            assert np.isnan(acc[base + (nt * 128 + ctid) * 4 + e])
+                            acc[base + (nt * 128 + ctid) * 4 + e] = dq[b, row, col]
+    assert not np.isnan(acc).any()
+    back = np.full_like(dq, np.nan)
+    for g4 in range(bh * pad * d // 4):  # the convert kernel's threads
+        within, blk = g4 % 1024, g4 // 1024
+        nt, ctid, c, bm = within // 128, within % 128, blk % (d // 64), blk // (d // 64)
+        b, m = bm // (pad // 64), bm % (pad // 64)
+        row, col = m * 64 + 16 * (ctid // 32) + ctid % 32 // 4, 64 * c + 8 * nt + 2 * (ctid % 4)
+        a = acc[4 * g4:4 * g4 + 4]
+        back[b, row, col:col + 2], back[b, row + 8, col:col + 2] = a[:2], a[2:]
+    np.testing.assert_array_equal(back, dq)

@@ -32,6 +32,34 @@ __device__ __forceinline__ void bwd_dq_convert(const float* __restrict__ dq_acc,
     *reinterpret_cast<uint4*>(dq + b * dq_sb + i * dq_sn + h * dq_sh + c * 8) = out;
 }
 
+// The same for a dq_acc in the sm90 backward's fragment order (its dq_bulk 2 tiles, sm90/bwd.cuh):
+// 64-row x 64-column blocks, block (bh, m, c) at ((bh * seqlen_q_pad / 64 + m) * D / 64 + c) * 4096
+// floats, inside which float4 nt * 128 + ctid holds consumer thread ctid's acc_dq[nt][0..3]:
+// rows 16 warp + g and + 8, columns 8 nt + 2 t (+1) (warp = ctid / 32, g = ctid % 32 / 4,
+// t = ctid % 4). One thread per float4.
+template <bool BF16, int D>
+__device__ __forceinline__ void bwd_dq_convert_frag(const float* __restrict__ dq_acc, elem_t* __restrict__ dq,
+                                                    const BwdParams& params) {
+    static_assert(D % 64 == 0, "64-column blocks");
+    const long long g4 = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g4 >= params.ws_rows * (D / 4)) return;
+    const int within = (int)(g4 % 1024), nt = within / 128, ctid = within % 128;
+    const long long blk = g4 / 1024;
+    const int c = (int)(blk % (D / 64));
+    const long long bm = blk / (D / 64);
+    const int m_blocks = params.seqlen_q_pad / 64;
+    const int bh = (int)(bm / m_blocks), m = (int)(bm - (long long)bh * m_blocks);
+    const int lane = ctid % 32, g = lane / 4, t = lane % 4;
+    const int row = m * 64 + 16 * (ctid / 32) + g, col = 64 * c + 8 * nt + 2 * t;
+    if (col >= params.head_dim || row >= params.seqlen_q) return;
+    const int b = bh / params.heads, h = bh - b * params.heads;
+    const float4 a = reinterpret_cast<const float4*>(dq_acc)[g4];
+    const float scale = params.scale;
+    elem_t* out = dq + b * params.dq_sb + (long long)row * params.dq_sn + h * params.dq_sh + col;
+    *reinterpret_cast<u32*>(out) = pack2<BF16>(a.x * scale, a.y * scale);
+    if (row + 8 < params.seqlen_q) *reinterpret_cast<u32*>(out + 8 * params.dq_sn) = pack2<BF16>(a.z * scale, a.w * scale);
+}
+
 // bwd_dq_convert_varlen's work for sequence b.
 template <bool BF16, int D>
 __device__ __forceinline__ void bwd_dq_convert_varlen_seq(const float* __restrict__ dq_acc, elem_t* __restrict__ dq,

@@ -20,8 +20,10 @@
 //                                                     (SS wgmma, both operands MN-major, N = 64:
 //                                                      consumer c < D/64 takes D columns 64c..)
 //              dQ_i added to dq_acc (fp32; bwd_dq_convert scales and converts): red.global.add by
-//              each thread, or (DQ_BULK) staged in smem and added by a store warp of WG 0 with
-//              1-D bulk reductions, off the consumers' critical path
+//              each thread, or (DQ_BULK 1) staged in smem and added by a store warp of WG 0 with
+//              1-D bulk reductions, one per row, or (DQ_BULK 2) staged in fragment order and added
+//              by one 1-D bulk reduction per block that the consumer issues (dq_acc in fragment
+//              order: bwd_dq_convert_frag)
 //   end      dK = scale dK, dV from registers to global memory.
 //   lse2, delta  bulk-copied per query block with Q_i and dO_i (same mbarrier) into shared memory
 // Not yet: dropout (the family does not take it), overlap between the query blocks' GEMMs and
@@ -148,7 +150,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 bulk_load_1d(sDelta + s * Tr::kStatBytes, delta + row, Tr::kStatBytes, bar_full(s));
             }
         }
-        if constexpr (DQ_BULK) {
+        if constexpr (DQ_BULK == 1) {
             if (tid / 32 == 1 && n_iter > 0) {
                 // the dQ store warp: per query block and dQ consumer, wait for the staged block,
                 // add its 64 rows to dq_acc (one 256-byte bulk reduction per row, two rows per
@@ -400,7 +402,25 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             }
             if (dq_wg) {
                 fence_regs(acc_dq);
-                if constexpr (DQ_BULK) {
+                if constexpr (DQ_BULK == 2) {
+                    // the block in fragment order (Sm90BwdTraits::kDqStageBytes), then one bulk
+                    // reduction of all of it into dq_acc's block (bh, m, cw), stored in that order
+                    const u32 stage = sDQ + cw * Tr::kDqFragBytes;
+                    if (ctid == 0) bulk_wait_read0();  // the last block's reduction has read the staging
+                    named_bar_sync(Tr::kBarDqFull + cw, 128);
+                    const u32 sthr = opaque(stage) + 16 * ctid;
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt)
+                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(sthr + nt * 128 * 16),
+                                     "f"(acc_dq[nt][0]), "f"(acc_dq[nt][1]), "f"(acc_dq[nt][2]), "f"(acc_dq[nt][3]) : "memory");
+                    fence_proxy_async();  // generic-proxy stores, read next by the bulk reduction
+                    named_bar_sync(Tr::kBarDqFull + cw, 128);
+                    if (ctid == 0) {
+                        const long long blk_id = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups + cw;
+                        bulk_reduce_add_f32(dq_acc + blk_id * (Tr::kDqFragBytes / 4), stage, Tr::kDqFragBytes);
+                        bulk_commit();
+                    }
+                } else if constexpr (DQ_BULK == 1) {
                     // stage the block (rows 16 warp + g (+8), columns 8 nt + 2 t) for the store warp
                     named_bar_sync(Tr::kBarDqEmpty + cw, Tr::kDqBarThreads);
                     const u32 srow = opaque(sDQ + cw * 64 * Tr::kDqRowBytes) + (16 * warp + g) * Tr::kDqRowBytes + 8 * t;
@@ -431,6 +451,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 fence_regs(p_frag);
                 mbar_arrive(bar_free(s));  // Q_i, dO_i, lse2 and delta are read (this thread's part)
             }
+        }
+
+        // DQ_BULK 2: the last reduction's source is this CTA's shared memory
+        if constexpr (DQ_BULK == 2) {
+            if (ctid == 0) bulk_wait_read0();
         }
 
         // ---------------- epilogue: dK = scale dK~, dV, from registers ----------------

@@ -35,10 +35,16 @@ struct Sm90BwdTraits {
     static constexpr int kDSBuffers = 2;              // block i writes buffer i % 2: no wait for block i-1's readers
     static constexpr int kKVChunkBytes = kBlockK * 128;
     static constexpr int kQChunkBytes = BR * 128;
-    // DQ_BULK: each dQ consumer stages its 64 x 64 fp32 block here (rows padded by 16 B: the
-    // fragment stores are 2-way bank conflicted at most), and a store warp adds it to dq_acc
+    // DQ_BULK 1: each dQ consumer stages its 64 x 64 fp32 block here (rows padded by 16 B: the
+    // fragment stores are 2-way bank conflicted at most), and a store warp adds it to dq_acc row by
+    // row. DQ_BULK 2: in fragment order (kDqFragBytes each, no padding: thread ctid's float4 nt at
+    // (nt * 128 + ctid) * 16, conflict-free), added by one 1-D bulk reduction of the whole block,
+    // issued by the consumer itself, into a dq_acc in the same order (bwd_dq_convert_frag reads it)
+    static_assert(DQ_BULK >= 0 && DQ_BULK <= 2, "dq_bulk 0, 1 or 2");
     static constexpr int kDqRowBytes = 64 * 4 + 16;
-    static constexpr int kDqStageBytes = DQ_BULK ? (D / 64) * 64 * kDqRowBytes : 0;
+    static constexpr int kDqFragBytes = 64 * 64 * 4;
+    static constexpr int kDqStageBytes = DQ_BULK == 1 ? (D / 64) * 64 * kDqRowBytes
+                                         : DQ_BULK == 2 ? (D / 64) * kDqFragBytes : 0;
     // per stage, the query block's lse2 and delta (BR floats each): bulk-copied with Q_i and dO_i
     // (read from global memory per block, they were a third of the stalls under ncu)
     static constexpr int kStatBytes = BR * 4;
