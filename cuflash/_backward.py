@@ -93,11 +93,14 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
                        pointers=_aux_pointers("bwd_prep_varlen"))]
     n_blocks = -(-p.seqlen_k // cfg.block_k) * getattr(cfg, "column_splits", 1)
     check_grid(n_blocks * h * b)
+    fam = families.of(cfg)
     main = _compile.get_kernel(cfg, p.features, p.device)
-    slots = _pointers(families.BWD) + VARLEN_SLOTS + _alibi_slot(p)
+    # sm90: its slots (the offsets after dv) and the per-call bind of its TMA maps
+    slots, bind = fam.main_args(p, cfg) if fam.main_args is not None else (
+        _pointers(families.BWD) + VARLEN_SLOTS + _alibi_slot(p), None)
     if gqa:
         slots = tuple(_EXPANDED.get(n, n) for n in slots)
-    launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots))
+    launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
     m_blocks = 0
     if p.deterministic:
         m_blocks = -(-p.seqlen_q // dq_cfg.block_q)

@@ -39,5 +39,7 @@ def main_args(p, cfg, encoder=None):
         return (mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), mdo.get(dout.data.ptr), *rest)
 
     bind.caches = tuple(caches)
-    # the slopes, then a user modification's aux table, last, as they are
-    return SLOTS + (("alibi_slopes",) if p.alibi else ()) + (("mod_aux",) if p.mod is not None else ()), bind
+    # variable-length batches: the offsets (the maps cover the packed rows as one batch); then the
+    # slopes, then a user modification's aux table, last, as they are
+    varlen = ("cu_seqlens_q", "cu_seqlens_k") if getattr(p, "varlen", False) else ()
+    return SLOTS + varlen + (("alibi_slopes",) if p.alibi else ()) + (("mod_aux",) if p.mod is not None else ()), bind

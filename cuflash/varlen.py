@@ -173,9 +173,10 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    mask: MaskOptions, softmax_scale, deterministic=False, dropout_p=0.0, seed=None, alibi_slopes=None,
-                   score_mod=None):
+                   score_mod=None, backend=None):
     """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed); `alibi_slopes` and
-    `score_mod` the forward's (a score snippet with its grad snippet)."""
+    `score_mod` the forward's (a score snippet with its grad snippet); `backend` forces the dK/dV
+    kernel (None: the automatic choice, the sm80 kernels for variable-length batches today)."""
     import cupy
 
     from . import _backward
@@ -198,12 +199,12 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
         if p.empty:  # no launch: zero gradients of q, k, v's shapes
             return FilledPlan(p.device, (), tuple((Buffer(n, x.shape, q.dtype), 0)
                                                   for n, x in zip(_backward.OUTPUTS, (q, k, v))))
-        cfg = families.select(families.BWD, p)
+        cfg = families.select(_backward._main_family(p, None, backend), p)
         dq_cfg = families.select(families.BWD_DQ, p) if p.deterministic else None
         return _backward._plan(p, cfg, dq_cfg, q.dtype)
 
     key = lambda: (*plan_cache.array_key((*arrays, *slopes)), p.batch, p.seqlen_q, p.seqlen_k, mask.key, softmax_scale,
-                   p.deterministic, dropout is not None, p.mod)
+                   p.deterministic, dropout is not None, p.mod, backend)
     plan = _bwd_plans.get(key, build)
     return plan.run((*arrays, cu_q, cu_k, *slopes, *table), None if dropout is None else dropout.kernel_args)
 
@@ -212,13 +213,16 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
                               window_size=(-1, -1), alignment: str = "bottom_right", softcap: float = 0.0,
                               deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
-                              alibi_slopes=None, score_mod=None):
+                              alibi_slopes=None, score_mod=None, backend: str | None = None):
     """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient `dout` (packed like q);
     `out` and `lse` are the forward's (lse (heads, total_q)). The mask options must be the forward's.
     deterministic=True: bitwise reproducible dq (a dQ kernel instead of fp32 atomics). dropout_p, seed:
-    the forward's (the mask is regenerated from the seed, not stored).
+    the forward's (the mask is regenerated from the seed, not stored). backend: the dK/dV kernel
+    (None: automatic, the sm80 one for variable-length batches; "sm90" forces the Hopper one, whose
+    variable-length instances have not yet run on a GPU; "sm80").
     CuPy arrays, torch tensors (no autograd: call it yourself, or use attention_varlen on tensors
     that require grad) and other DLPack arrays."""
+    families.check_backend(backend)
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     names = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
     arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
@@ -231,7 +235,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 
     def body(*a):
         return _backward_cupy(*a[:8], max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic, dropout_p, seed,
-                              a[8] if len(a) > 8 else None, score_mod)
+                              a[8] if len(a) > 8 else None, score_mod, backend)
 
     return body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
 

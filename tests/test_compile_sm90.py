@@ -106,3 +106,13 @@ def test_whole_sm90_backward_space_compiles_without_spills(d, record_property):
         tried += 1
     assert tried >= 6  # 2 or 3 stages x atomics or store warp x overlapped or not, less what overflows 227 KB
 
+
+
+@pytest.mark.parametrize("extra", [(), ("local",), ("softcap",), ("local", "softcap")], ids=lambda e: "+".join(e) or "plain")
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_backward_varlen_defaults_compile_without_spills(d, extra, record_property):
+    """The Hopper backward's variable-length instances (forced with backend="sm90" until run on a
+    GPU) on the default tile: no spills, no wgmma serialisation."""
+    f = Features("bfloat16", d, varlen=True, **{e: True for e in extra})
+    assert families.BWD_SM90.supports(f)
+    check(families.BWD_SM90.default(d, features=f), f, record_property)

@@ -695,3 +695,34 @@ def test_fragment_order_dq_round_trip():
         a = acc[4 * g4:4 * g4 + 4]
         back[b, row, col:col + 2], back[b, row + 8, col:col + 2] = a[:2], a[2:]
     np.testing.assert_array_equal(back, dq)
+
+
+def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(monkeypatch):
+    """A forced Hopper backward of a variable-length batch: its maps over the packed rows (one batch),
+    the offsets after dv and before the slopes, n_blocks of the longest sequence's keys, the
+    row-major varlen dQ convert (the fragment-order tiles add dQ by atomics there)."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import _backward
+    from cuflash.tiles import Sm90BwdConfig
+    from cuflash.varlen import resolve_backward
+
+    names, rec = [], []
+    monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
+    monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: names.append(name) or Recorder(rec))
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
+    qi, ki = info((300, 4, 128)), info((500, 4, 128))
+    cu = problem.ArrayInfo((4,), "int32", 4, (4,), 1 << 20, 0)
+    lse = problem.ArrayInfo((4, 300), "float32", 4, (300 * 4, 4), 1 << 20, 0)
+    p = resolve_backward(qi, qi, ki, ki, qi, lse, cu, cu, 200, 260, CAUSAL, None)
+    for dqb in (0, 2):
+        names.clear(), rec.clear()
+        plan = _backward._plan(p, Sm90BwdConfig(128, 64, 2, 2, dqb, 1), None, np.float16)
+        plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(8)))
+        assert names == ["bwd_prep_varlen", "bwd_dq_convert_varlen"]
+        grid, _, args, _ = rec[1]
+        assert grid == (-(-260 // 128) * 4 * 3,)  # key blocks of the longest sequence x heads x sequences
+        assert args[0] == ("map", (64, 300, 2, 4, 1), 0x2000) and args[1] == ("map", (64, 500, 2, 4, 1), 0x3000)
+        assert tuple(a.data.ptr for a in args[9:11]) == (0x7000, 0x8000)  # cu_seqlens_q, _k after dq_acc, dk, dv
+

@@ -89,11 +89,30 @@ def test_empty_batches_and_sequences_resolve():
     assert not resolve(**_args()).empty  # a single empty sequence is the kernel's (its blocks return at once)
 
 
-def test_the_sm80_families_and_the_hopper_forward_take_varlen():
+def test_the_sm80_families_and_the_hopper_forward_and_backward_take_varlen():
     f = Features("bfloat16", 128, varlen=True)
-    takes = {families.FWD, families.BWD, families.BWD_DQ, families.FWD_SM90}
+    takes = {families.FWD, families.BWD, families.BWD_DQ, families.FWD_SM90, families.BWD_SM90}
     assert all(fam.supports(f) for fam in takes)
     assert not any(fam.supports(f) for fam in families.REGISTRY.values() if fam not in takes)
+    # the Hopper backward's varlen instances only when forced, until they have run on a GPU
+    assert families.BWD_SM90.manual_variants == frozenset({"varlen"})
+
+
+def test_varlen_backward_takes_the_hopper_kernel_only_when_forced(monkeypatch):
+    from cuflash import _backward, device, tma
+    from cuflash.varlen import resolve_backward
+    from tests.test_sm90_host import H200
+
+    monkeypatch.setattr(device, "query", lambda *_a, **_k: H200)
+    monkeypatch.setattr(tma, "bindings_problem", lambda: None)
+    monkeypatch.delenv(families.BACKEND_ENV, raising=False)
+    a = _args()
+    out, lse = _info((100, 8, 128)), _info((8, 100), "float32")
+    p = resolve_backward(out, a["qi"], a["ki"], a["vi"], out, lse, a["cu_q"], a["cu_k"], 64, 80, a["mask"], None)
+    assert _backward._main_family(p, None, None) is families.BWD
+    assert _backward._main_family(p, None, "sm90") is families.BWD_SM90
+    with pytest.raises(RuntimeError, match="bwd_sm90: runs varlen only when forced"):
+        families.choose((families.BWD_SM90,), p)
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")

@@ -155,5 +155,8 @@ BWD_SM90 = KernelFamily(
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, takes_dropout=False, run=_run_bwd, deterministic_outputs=(1, 2),
     takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
+    # variable-length batches: written 2026-12-02 without a device (the sm80 kernels run them
+    # automatically until the GPU tests have run these; backend="sm90" takes them)
+    takes_varlen=True, manual_variants=frozenset({"varlen"}),
     tuned_by_default=False,
 )

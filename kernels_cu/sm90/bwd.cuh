@@ -76,12 +76,16 @@ template <bool BF16, int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK, int 
 __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tdo,
                                                const float* __restrict__ lse2, const float* __restrict__ delta,
                                                float* __restrict__ dq_acc, elem_t* __restrict__ dk,
-                                               elem_t* __restrict__ dv, const float* __restrict__ alibi_slopes,
+                                               elem_t* __restrict__ dv, const int* __restrict__ cu_seqlens_q,
+                                               const int* __restrict__ cu_seqlens_k, const float* __restrict__ alibi_slopes,
                                                const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
                                                const int* __restrict__ bm_index, const BwdParams& params) {
     using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES, DQ_BULK, OVERLAP>;
     constexpr int BC = Tr::kBlockK;
     static_assert(!V::kDropout, "the sm90 backward does not take dropout yet");
+    // how dQ reaches dq_acc: the tile's DQ_BULK, but atomics for variable-length batches with the
+    // fragment order (2): their dq_acc is row-major, read by bwd_dq_convert_varlen
+    constexpr int kDqMode = V::kVarlen && DQ_BULK == 2 ? 0 : DQ_BULK;
 
     extern __shared__ unsigned char smem[];
     // [0] K and V landed; [1 + s] stage s full (Q_i and dO_i), [1 + STAGES + s] stage s free
@@ -99,14 +103,22 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     const u32 sLse = sDQ + Tr::kDqStageBytes;
     const u32 sDelta = sLse + STAGES * Tr::kStatBytes;
 
-    const int n_heads = params.heads, seqlen_q = params.seqlen_q, seqlen_k = params.seqlen_k;
+    const int n_heads = params.heads;
     const int n_blocks = params.n_blocks;
-    const MaskGeometry geo = MaskGeometry::of<V>(params);
     // key blocks fastest, in natural order: under a causal mask the early key blocks see the most
     // query blocks, so the heaviest CTAs start first
     const BlockCoord blk = schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
     const int n0 = blk.block * BC;
-    const int m_blocks = (seqlen_q + BR - 1) / BR;
+    // V::kVarlen: q, k, v, dout (and dq, dk, dv) are packed (total, heads, D), mapped as one batch of
+    // all the rows; blk.batch is the sequence, its rows and lengths the offsets'; the maps read past
+    // a sequence's end into the next one's rows (keys masked, queries with lse2 = +inf in the
+    // workspace padding: P = 0 there). A key block past its sequence's keys has no rows to write.
+    const SeqSpan span = SeqSpan::of<V>(cu_seqlens_q, cu_seqlens_k, blk.batch, params.seqlen_q, params.seqlen_k);
+    if (V::kVarlen && n0 >= span.seqlen_k) return;
+    const int seqlen_k = span.seqlen_k;
+    const MaskGeometry geo = MaskGeometry::of<V>(params).template for_span<V>(span, params.align_end);
+    const int tb = V::kVarlen ? 0 : blk.batch;  // the maps' batch coordinate
+    const int m_blocks = (span.seqlen_q + BR - 1) / BR;
     const BlockRange range = query_blocks<BR, BC, V::kLocal>(geo, blk.block, m_blocks);
     // the range's query blocks, or those of them a block mask lists (its transposed lists, bm_mb
     // entries per key block)
@@ -135,22 +147,24 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             // GQA/MQA: k/v head h / group (MHA: group 1); dK/dV are written per query head into the
             // expanded buffers that bwd_dkdv_reduce sums over the group
             const int h_kv = blk.head / params.group;
-            tma_load_5d(sK, tk, bar_kv, 0, n0, 0, h_kv, blk.batch);
-            tma_load_5d(sV, tv, bar_kv, 0, n0, 0, h_kv, blk.batch);
+            tma_load_5d(sK, tk, bar_kv, 0, span.k_start + n0, 0, h_kv, tb);
+            tma_load_5d(sV, tv, bar_kv, 0, span.k_start + n0, 0, h_kv, tb);
+            const long long ws0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, params.seqlen_q_pad);
             for (int it = 0; it < n_iter; ++it) {
                 const int s = it % STAGES;
                 const int m0 = blocks.at(it) * BR;
                 mbar_wait(bar_free(s), ((it / STAGES) & 1) ^ 1);  // a fresh barrier counts as released
                 mbar_arrive_expect_tx(bar_full(s), 2 * Tr::kQBytes + 2 * Tr::kStatBytes);
-                tma_load_5d(sQ + s * Tr::kQBytes, tq, bar_full(s), 0, m0, 0, blk.head, blk.batch);
-                tma_load_5d(sdO + s * Tr::kQBytes, tdo, bar_full(s), 0, m0, 0, blk.head, blk.batch);
-                // lse2 / delta have seqlen_q_pad rows per (batch, head), a multiple of 128: in bounds
-                const long long row = (long long)blk.bh * params.seqlen_q_pad + m0;
+                tma_load_5d(sQ + s * Tr::kQBytes, tq, bar_full(s), 0, span.q_start + m0, 0, blk.head, tb);
+                tma_load_5d(sdO + s * Tr::kQBytes, tdo, bar_full(s), 0, span.q_start + m0, 0, blk.head, tb);
+                // lse2 / delta have seqlen_q_pad rows per (batch, head), a multiple of 128 (varlen:
+                // each sequence's rows padded to 128 in its head's, SeqSpan::ws_row0): in bounds
+                const long long row = ws0 + m0;
                 bulk_load_1d(sLse + s * Tr::kStatBytes, lse2 + row, Tr::kStatBytes, bar_full(s));
                 bulk_load_1d(sDelta + s * Tr::kStatBytes, delta + row, Tr::kStatBytes, bar_full(s));
             }
         }
-        if constexpr (DQ_BULK == 1) {
+        if constexpr (kDqMode == 1) {
             if (tid / 32 == 1 && n_iter > 0) {
                 // the dQ store warp: per query block and dQ consumer, wait for the staged block,
                 // add its 64 rows to dq_acc (one 256-byte bulk reduction per row, two rows per
@@ -164,7 +178,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                     for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
                         named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
-                        float* rows = dq_acc + ((long long)blk.bh * pad + m0) * D + 64 * c;
+                        float* rows = dq_acc + (span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m0) * D + 64 * c;
                         const u32 stage = sDQ + c * 64 * Tr::kDqRowBytes;
 #pragma unroll
                         for (int r = lane; r < 64; r += 32)
@@ -194,6 +208,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         // a score modifier whose derivative dS needs: softcap's (from t), a user score snippet's (from S)
         constexpr bool kGrad = V::kSoftcap || UserMod<V>::kScore;
         const long long pad = params.seqlen_q_pad;
+        // this (batch, head)'s first workspace row (lse2, delta, dq_acc), recomputed where used
+        // (V::kVarlen: from a reloaded offset, so that no register holds it through the loop)
+        auto ws_row0 = [&]() -> long long {
+            if constexpr (V::kVarlen)
+                return SeqSpan::varlen_ws_row0(SeqSpan::reload<V>(cu_seqlens_q, blk.batch), blk.batch, blk.head, (int)pad);
+            else
+                return (long long)blk.bh * pad;
+        };
 
         // Descriptors. K-major (contraction over D): this consumer's 64 K / V rows (A of S^T, dP^T),
         // Q / dO of slot 0 (B of S^T, dP^T). MN-major (contraction over rows): Q / dO of slot 0 (B of
@@ -402,7 +424,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             }
             if (dq_wg) {
                 fence_regs(acc_dq);
-                if constexpr (DQ_BULK == 2) {
+                if constexpr (kDqMode == 2) {
                     // the block in fragment order (Sm90BwdTraits::kDqStageBytes), then one bulk
                     // reduction of all of it into dq_acc's block (bh, m, cw), stored in that order
                     const u32 stage = sDQ + cw * Tr::kDqFragBytes;
@@ -420,7 +442,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         bulk_reduce_add_f32(dq_acc + blk_id * (Tr::kDqFragBytes / 4), stage, Tr::kDqFragBytes);
                         bulk_commit();
                     }
-                } else if constexpr (DQ_BULK == 1) {
+                } else if constexpr (kDqMode == 1) {
                     // stage the block (rows 16 warp + g (+8), columns 8 nt + 2 t) for the store warp
                     named_bar_sync(Tr::kBarDqEmpty + cw, Tr::kDqBarThreads);
                     const u32 srow = opaque(sDQ + cw * 64 * Tr::kDqRowBytes) + (16 * warp + g) * Tr::kDqRowBytes + 8 * t;
@@ -436,7 +458,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     // rows = queries m0 + 16 warp + g (+8), columns = D columns 64 cw + 8 nt + 2 t (+1);
                     // dq_acc has seqlen_q_pad rows per (batch, head), so the block's rows need no guard
                     float* dq_rows = reinterpret_cast<float*>(
-                        opaque((u64)(dq_acc + ((long long)blk.bh * pad + m0 + 16 * warp + g) * D + 64 * cw + 2 * t)));
+                        opaque((u64)(dq_acc + (ws_row0() + m0 + 16 * warp + g) * D + 64 * cw + 2 * t)));
 #pragma unroll
                     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -454,14 +476,16 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         }
 
         // DQ_BULK 2: the last reduction's source is this CTA's shared memory
-        if constexpr (DQ_BULK == 2) {
+        if constexpr (kDqMode == 2) {
             if (ctid == 0) bulk_wait_read0();
         }
 
         // ---------------- epilogue: dK = scale dK~, dV, from registers ----------------
         const float scale = params.scale;
-        elem_t* dkg = dk + (long long)blk.batch * params.dk_sb + (long long)blk.head * params.dk_sh;
-        elem_t* dvg = dv + (long long)blk.batch * params.dv_sb + (long long)blk.head * params.dv_sh;
+        elem_t* dkg = dk + (long long)blk.batch * params.dk_sb + (long long)span.k_start * params.dk_sn
+                      + (long long)blk.head * params.dk_sh;
+        elem_t* dvg = dv + (long long)blk.batch * params.dv_sb + (long long)span.k_start * params.dv_sn
+                      + (long long)blk.head * params.dv_sh;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int row = key_w + g + 8 * half;

@@ -100,17 +100,24 @@ def test_empty_batches_give_empty_or_filled_outputs():
     assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("mode", ["auto", "deterministic", "sm90"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128, 80])
 @pytest.mark.parametrize("mask_kw", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()) or "none")
 @pytest.mark.parametrize("case", ["ragged", "q_longer", "prefill"])
 @pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
-def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, deterministic):
+def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, mode):
+    """mode: the automatic kernels (sm80's for varlen), the deterministic dQ, or the Hopper dK/dV
+    kernel forced (backend="sm90": H100/H200, head_dim 64 and 128)."""
     import cupy
 
+    from cuflash import device
+
+    deterministic, backend = mode == "deterministic", ("sm90" if mode == "sm90" else None)
+    if backend and (tuple(device.query(0).cc) != (9, 0) or d not in (64, 128)):
+        pytest.skip("the Hopper backward: compute capability 9.0, head_dim 64 or 128")
     lens_q, lens_k = RAGGED[case]
-    rng = np.random.default_rng(hash((h, hk, case, str(mask_kw), d, dtype, deterministic, "bwd")) % 2**32)
+    rng = np.random.default_rng(hash((h, hk, case, str(mask_kw), d, dtype, mode, "bwd")) % 2**32)
     dt = dtype_of(dtype)
     q, k, v = _packed(rng, lens_q, h, d, dt), _packed(rng, lens_k, hk, d, dt), _packed(rng, lens_k, hk, d, dt)
     dout = _packed(rng, lens_q, h, d, dt)
@@ -119,7 +126,7 @@ def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, d
     out, lse = varlen._forward_cupy(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), mask, None)
     _poison_pool(q.shape, k.shape)
     dq, dk, dv = varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
-                                                  deterministic=deterministic, **mask_kw)
+                                                  deterministic=deterministic, backend=backend, **mask_kw)
     for g, x in zip((dq, dk, dv), (q, k, v)):
         assert g.shape == x.shape and g.dtype == x.dtype
         assert not bool(cupy.isnan(g.astype(cupy.float32)).any()), "NaN (unwritten?) in a gradient"
