@@ -6,7 +6,8 @@ A ragged batch (lengths drawn from 256..4096, fixed seed, totalling --tokens) ru
 cuflash.attention_varlen, forward and backward; the dense comparison is cuflash.attention on
 (batch, 2048) with the batch chosen so that its FLOPs match the ragged batch's useful FLOPs
 (sum of 4 heads n_i^2 head_dim, halved when causal), both on the default backend and forced to sm80
-(the varlen backward is sm80's; the forward runs the Hopper kernel, and sm80's too). CUDA events, median of --reps after a warm-up; bf16.
+(the varlen backward is sm80's unless forced: the Hopper one forced is timed too; the forward runs
+the Hopper kernel, and sm80's too). CUDA events, median of --reps after a warm-up; bf16.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def main():
     import ml_dtypes
 
     import cuflash
+    from cuflash import _backward  # backward(backend=...): the public attention_backward chooses its own
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384)
@@ -69,23 +71,31 @@ def main():
         t_vb = _time(lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, mq, mq, causal=causal),
                      a.reps)
         t_vf80 = _time(lambda: cuflash.attention_varlen(q, k, v, cu, cu, mq, mq, causal=causal, backend="sm80"), a.reps)
+        # the Hopper backward's varlen instances, forced (not chosen automatically yet)
+        try:
+            t_vb90 = _time(lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, mq, mq, causal=causal,
+                                                                     backend="sm90"), a.reps)
+        except ValueError as e:  # not an H100/H200, or a head dim it lacks
+            print(f"no forced sm90 varlen backward: {e}")
+            t_vb90 = float("nan")
         n = 2048
         batch = max(1, round(useful / (4 * h * n * n * d / (2 if causal else 1))))
         dense_flops = batch * 4 * h * n * n * d / (2 if causal else 1)
         dq, dk, dv, ddo = (mk(batch, n, h, d) for _ in range(4))
         row = dict(causal=causal, lengths=lens, useful_tflop=useful / 1e12, dense_batch=batch, dense_seqlen=n,
                    varlen_fwd=useful / t_vf / 1e12, varlen_bwd=2.5 * useful / t_vb / 1e12,
-                   varlen_sm80_fwd=useful / t_vf80 / 1e12)
+                   varlen_sm80_fwd=useful / t_vf80 / 1e12, varlen_sm90_bwd=2.5 * useful / t_vb90 / 1e12)
         for backend in (None, "sm80"):
             o, l_ = cuflash.attention(dq, dk, dv, causal=causal, return_lse=True, backend=backend)
             t_f = _time(lambda: cuflash.attention(dq, dk, dv, causal=causal, backend=backend), a.reps)
-            t_b = _time(lambda: cuflash.attention_backward(ddo, dq, dk, dv, o, l_, causal=causal), a.reps)
+            t_b = _time(lambda: _backward.backward(ddo, dq, dk, dv, o, l_, causal=causal, backend=backend), a.reps)
             tag = backend or "default"
             row[f"dense_{tag}_fwd"] = dense_flops / t_f / 1e12
             row[f"dense_{tag}_bwd"] = 2.5 * dense_flops / t_b / 1e12
         rows.append(row)
         print(f"causal={causal}: {len(lens)} sequences ({min(lens)}..{max(lens)}), {a.tokens} tokens; TFLOP/s "
-              f"varlen fwd {row['varlen_fwd']:.1f} (sm80 {row['varlen_sm80_fwd']:.1f}) bwd {row['varlen_bwd']:.1f}; dense (batch {batch} x {n}) default "
+              f"varlen fwd {row['varlen_fwd']:.1f} (sm80 {row['varlen_sm80_fwd']:.1f}) bwd {row['varlen_bwd']:.1f} "
+              f"(sm90 forced {row['varlen_sm90_bwd']:.1f}); dense (batch {batch} x {n}) default "
               f"fwd {row['dense_default_fwd']:.1f} bwd {row['dense_default_bwd']:.1f}, sm80 fwd "
               f"{row['dense_sm80_fwd']:.1f} bwd {row['dense_sm80_bwd']:.1f}; varlen / dense default: fwd "
               f"{row['varlen_fwd'] / row['dense_default_fwd']:.3f} bwd {row['varlen_bwd'] / row['dense_default_bwd']:.3f}")
