@@ -2,8 +2,9 @@
 synccheck, initcheck), beside scripts/sanitize_cases.py: windows, softcap, ALiBi, sinks, user
 snippets (score with its grad, mask) and block masks (the cells and lists passes, and every kernel
 walking the lists), with GQA, Nq != Nk (neither a tile multiple), both forward backends and the
-backward (the sm80 kernels at d64, the Hopper one at d128 where it runs), and the Hopper forward's
-column-masking instances, forced. No memory pool."""
+backward (the Hopper one at d64 and d128 where it runs), and, forced, the Hopper forward's
+column-masking instances, the Hopper backward's fragment-order dQ tiles and its variable-length
+instances. No memory pool."""
 import numpy as np
 import cupy
 
@@ -54,5 +55,22 @@ if cupy.cuda.Device().compute_capability == "90":
         q, k, v = arr(b, 37, h, d), arr(b, 150, hk, d), arr(b, 150, hk, dv)
         fwd_bwd(q, k, v, backends=("sm90",), backward=False, causal=True)
         fwd_bwd(q, k, v, backends=("sm90",), backward=False, window_size=(16, 8), softcap=30.0)
+    # the Hopper backward's fragment-order dQ tiles (dq_bulk 2) and its variable-length instances,
+    # forced (neither is chosen automatically yet)
+    from cuflash import varlen  # noqa: E402
+    from cuflash._backward import backward as backward_with  # noqa: E402
+    from cuflash.tiles import Sm90BwdConfig  # noqa: E402
+
+    for d in (64, 128):
+        q, k, v = arr(b, 150, h, d), arr(b, 37, h, d), arr(b, 37, h, d)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True)
+        backward_with(arr(*out.shape), q, k, v, out, lse, causal=True, config=Sm90BwdConfig(d, 64, 2, 2, 2, 1))
+        lens_q, lens_k = [17, 0, 113, 1, 200], [17, 5, 150, 1, 0]
+        cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]), dtype=cupy.int32) for x in (lens_q, lens_k))
+        q, k, v = arr(sum(lens_q), h, d), arr(sum(lens_k), hk, d), arr(sum(lens_k), hk, d)
+        for kw in (dict(causal=True), dict(window_size=(16, 8), softcap=30.0)):
+            out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, **kw)
+            varlen.attention_varlen_backward(arr(*out.shape), q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             backend="sm90", **kw)
 cupy.cuda.Device().synchronize()
 print("sanitize feature cases done")
