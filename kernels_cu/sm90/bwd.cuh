@@ -26,8 +26,10 @@
 //              order: bwd_dq_convert_frag)
 //   end      dK = scale dK, dV from registers to global memory.
 //   lse2, delta  bulk-copied per query block with Q_i and dO_i (same mbarrier) into shared memory
-// Not yet: dropout (the family does not take it), overlap between the query blocks' GEMMs and
-// their element-wise work, the deterministic mode.
+//   OVERLAP  a block's element-wise work under its own GEMMs (Sm90BwdTraits::kSdpTogether,
+//            kDvAfterDs, kDqFirst); V::kVarlen: a CTA's sequence from cu_seqlens (SeqSpan)
+// Not yet: dropout (the family does not take it), overlap across query blocks, the deterministic
+// mode, a persistent schedule.
 #pragma once
 #include "attn/block_mask.cuh"
 #include "attn/block_range.cuh"
