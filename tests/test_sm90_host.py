@@ -642,19 +642,27 @@ def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
     assert (int(f["group"]), int(f["heads_kv"]), int(f["kv_rows"])) == (4, 1, 2 * 300)
 
 
-def test_fragment_order_dq_plan_converts_with_the_fragment_kernel(monkeypatch):
-    """dq_bulk 2: the plan's dQ convert is bwd_dq_convert_frag, one thread per float4 of dq_acc
-    (batch x heads x padded rows x the instantiated head dim / 4), after the dK/dV kernel."""
+@pytest.fixture
+def fake_backward_plan(monkeypatch):
+    """(aux kernel names, launches) of a backward plan built and run without a GPU: kernels record
+    their launches, allocations and TMA maps are tuples describing themselves."""
     cupy = pytest.importorskip("cupy")
-    from cuflash import _backward
-    from cuflash.tiles import Sm90BwdConfig
-
     names, rec = [], []
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
     monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: names.append(name) or Recorder(rec))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
+    return names, rec
+
+
+def test_fragment_order_dq_plan_converts_with_the_fragment_kernel(fake_backward_plan):
+    """dq_bulk 2: the plan's dQ convert is bwd_dq_convert_frag, one thread per float4 of dq_acc
+    (batch x heads x padded rows x the instantiated head dim / 4), after the dK/dV kernel."""
+    from cuflash import _backward
+    from cuflash.tiles import Sm90BwdConfig
+
+    names, rec = fake_backward_plan
     p = _problem_bwd(d=128)
     plan = _backward._plan(p, Sm90BwdConfig(128, 64, 2, 2, 2, 1), None, np.float16)
     plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(6)))
@@ -697,21 +705,15 @@ def test_fragment_order_dq_round_trip():
     np.testing.assert_array_equal(back, dq)
 
 
-def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(monkeypatch):
+def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(fake_backward_plan):
     """A forced Hopper backward of a variable-length batch: its maps over the packed rows (one batch),
     the offsets after dv and before the slopes, n_blocks of the longest sequence's keys, the
     row-major varlen dQ convert (the fragment-order tiles add dQ by atomics there)."""
-    cupy = pytest.importorskip("cupy")
     from cuflash import _backward
     from cuflash.tiles import Sm90BwdConfig
     from cuflash.varlen import resolve_backward
 
-    names, rec = [], []
-    monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
-    monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: names.append(name) or Recorder(rec))
-    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
-    monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
+    names, rec = fake_backward_plan
     qi, ki = info((300, 4, 128)), info((500, 4, 128))
     cu = problem.ArrayInfo((4,), "int32", 4, (4,), 1 << 20, 0)
     lse = problem.ArrayInfo((4, 300), "float32", 4, (300 * 4, 4), 1 << 20, 0)
