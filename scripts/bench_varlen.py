@@ -5,9 +5,8 @@
 A ragged batch (lengths drawn from 256..4096, fixed seed, totalling --tokens) runs through
 cuflash.attention_varlen, forward and backward; the dense comparison is cuflash.attention on
 (batch, 2048) with the batch chosen so that its FLOPs match the ragged batch's useful FLOPs
-(sum of 4 heads n_i^2 head_dim, halved when causal), both on the default backend and forced to sm80
-(the varlen backward is sm80's unless forced: the Hopper one forced is timed too; the forward runs
-the Hopper kernel, and sm80's too). CUDA events, median of --reps after a warm-up; bf16.
+(sum of 4 heads n_i^2 head_dim, halved when causal), both on the default backend (the Hopper kernels
+on an H100/H200) and forced to sm80. CUDA events, median of --reps after a warm-up; bf16.
 """
 from __future__ import annotations
 
@@ -71,20 +70,15 @@ def main():
         t_vb = _time(lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, mq, mq, causal=causal),
                      a.reps)
         t_vf80 = _time(lambda: cuflash.attention_varlen(q, k, v, cu, cu, mq, mq, causal=causal, backend="sm80"), a.reps)
-        # the Hopper backward's varlen instances, forced (not chosen automatically yet)
-        try:
-            t_vb90 = _time(lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, mq, mq, causal=causal,
-                                                                     backend="sm90"), a.reps)
-        except ValueError as e:  # not an H100/H200, or a head dim it lacks
-            print(f"no forced sm90 varlen backward: {e}")
-            t_vb90 = float("nan")
+        t_vb80 = _time(lambda: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, mq, mq, causal=causal,
+                                                                 backend="sm80"), a.reps)
         n = 2048
         batch = max(1, round(useful / (4 * h * n * n * d / (2 if causal else 1))))
         dense_flops = batch * 4 * h * n * n * d / (2 if causal else 1)
         dq, dk, dv, ddo = (mk(batch, n, h, d) for _ in range(4))
         row = dict(causal=causal, lengths=lens, useful_tflop=useful / 1e12, dense_batch=batch, dense_seqlen=n,
                    varlen_fwd=useful / t_vf / 1e12, varlen_bwd=2.5 * useful / t_vb / 1e12,
-                   varlen_sm80_fwd=useful / t_vf80 / 1e12, varlen_sm90_bwd=2.5 * useful / t_vb90 / 1e12)
+                   varlen_sm80_fwd=useful / t_vf80 / 1e12, varlen_sm80_bwd=2.5 * useful / t_vb80 / 1e12)
         for backend in (None, "sm80"):
             o, l_ = cuflash.attention(dq, dk, dv, causal=causal, return_lse=True, backend=backend)
             t_f = _time(lambda: cuflash.attention(dq, dk, dv, causal=causal, backend=backend), a.reps)
@@ -95,7 +89,7 @@ def main():
         rows.append(row)
         print(f"causal={causal}: {len(lens)} sequences ({min(lens)}..{max(lens)}), {a.tokens} tokens; TFLOP/s "
               f"varlen fwd {row['varlen_fwd']:.1f} (sm80 {row['varlen_sm80_fwd']:.1f}) bwd {row['varlen_bwd']:.1f} "
-              f"(sm90 forced {row['varlen_sm90_bwd']:.1f}); dense (batch {batch} x {n}) default "
+              f"(sm80 {row['varlen_sm80_bwd']:.1f}); dense (batch {batch} x {n}) default "
               f"fwd {row['dense_default_fwd']:.1f} bwd {row['dense_default_bwd']:.1f}, sm80 fwd "
               f"{row['dense_sm80_fwd']:.1f} bwd {row['dense_sm80_bwd']:.1f}; varlen / dense default: fwd "
               f"{row['varlen_fwd'] / row['dense_default_fwd']:.3f} bwd {row['varlen_bwd'] / row['dense_default_bwd']:.3f}")

@@ -94,11 +94,9 @@ def test_the_sm80_families_and_the_hopper_forward_and_backward_take_varlen():
     takes = {families.FWD, families.BWD, families.BWD_DQ, families.FWD_SM90, families.BWD_SM90}
     assert all(fam.supports(f) for fam in takes)
     assert not any(fam.supports(f) for fam in families.REGISTRY.values() if fam not in takes)
-    # the Hopper backward's varlen instances only when forced, until they have run on a GPU
-    assert families.BWD_SM90.manual_variants == frozenset({"varlen"})
 
 
-def test_varlen_backward_takes_the_hopper_kernel_only_when_forced(monkeypatch):
+def test_varlen_backward_takes_the_hopper_kernel_on_the_h200(monkeypatch):
     from cuflash import _backward, device, tma
     from cuflash.varlen import resolve_backward
     from tests.test_sm90_host import H200
@@ -109,10 +107,8 @@ def test_varlen_backward_takes_the_hopper_kernel_only_when_forced(monkeypatch):
     a = _args()
     out, lse = _info((100, 8, 128)), _info((8, 100), "float32")
     p = resolve_backward(out, a["qi"], a["ki"], a["vi"], out, lse, a["cu_q"], a["cu_k"], 64, 80, a["mask"], None)
-    assert _backward._main_family(p, None, None) is families.BWD
-    assert _backward._main_family(p, None, "sm90") is families.BWD_SM90
-    with pytest.raises(RuntimeError, match="bwd_sm90: runs varlen only when forced"):
-        families.choose((families.BWD_SM90,), p)
+    assert _backward._main_family(p, None, None) is families.BWD_SM90
+    assert _backward._main_family(p, None, "sm80") is families.BWD
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")

@@ -127,14 +127,15 @@ def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
                           backend="sm90", **d["options"]))
 
 
-# Measured on the H200 (docs/perf-notes.md, 2026-12-02, bf16, same run as the sm80 backward and
-# cuDNN): the overlapped atomic tile (128, 64, 2, 2, 0, 1) runs d128 N8192 at 417 TFLOP/s (cuDNN
-# 519, the sm90 store-warp tile 315, the sm80 kernel 255), d64 N8192 at 350 (cuDNN 436, sm80 244),
-# so the automatic choice takes it at both head dims. The store-warp tile gains nothing from the
-# overlap (314.5): its store warp, one bulk reduction per dQ row, is what it waits for.
+# Measured on the H200 (docs/perf-notes.md, 2026-12-02, bf16, same run as cuDNN): the overlapped
+# tile with dQ staged in fragment order and added by one bulk reduction per 16 KB block,
+# (128, 64, 2, 2, 2, 1), runs d128 N8192 at 492 TFLOP/s (cuDNN 525; the same tile with per-element
+# atomics 415, the store-warp tile 315, the sm80 kernel 255), d64 N8192 at 411 (cuDNN 434, sm80
+# 244), so the automatic choice takes it at both head dims. The store-warp tile gains nothing from
+# the overlap (314.5): its store warp, one bulk reduction per dQ row, is what it waits for.
 # Not tuned by default yet: its space has not been through the tuner on the H200.
 BWD_SM90 = KernelFamily(
-    name="bwd_sm90", description="backward dK/dV on Hopper: TMA + wgmma (dQ by atomics)", what="sm90 backward",
+    name="bwd_sm90", description="backward dK/dV on Hopper: TMA + wgmma (dQ by bulk reductions)", what="sm90 backward",
     pass_="backward", tile_cls=Sm90BwdConfig, header="flash_bwd_sm90.cuh", template="cuflash::flash_bwd_sm90",
     pointers=((TMA_MAP, "tq"), (TMA_MAP, "tk"), (TMA_MAP, "tv"), (TMA_MAP, "tdo"), (F32_IN, "lse2"),
               (F32_IN, "delta"), (F32, "dq_acc"), (OUT, "dk"), (OUT, "dv")),
@@ -142,20 +143,20 @@ BWD_SM90 = KernelFamily(
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
     arch_specific=True, backend="sm90", takes_partial_d=False,
     domain=lambda d: [Sm90BwdConfig(d, 64, 2, s, b, o) for s in (2, 3) for b in (0, 1, 2) for o in (0, 1)],
-    # The overlapped atomic tile first. Every tile of the domain compiles without spills (NVRTC 13.0
+    # The overlapped fragment-order tile first, then the same with atomics. Every tile of the domain compiles without spills (NVRTC 13.0
     # and 13.5, sm_90a), dense and with a window, softcap or ALiBi, since acc_dq no longer lives
     # around the consumers' loop (dq_wg in sm90/bwd.cuh: it cost 32 registers, and the store-warp
     # tile spilled 16 B, 40 B with ALiBi and softcap); the one exception is marked below.
-    defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 0, 1), Sm90BwdConfig(64, 64, 2, 2, 0, 0)),
-              128: (Sm90BwdConfig(128, 64, 2, 2, 0, 1), Sm90BwdConfig(128, 64, 2, 2, 1, 0))},
+    defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 2, 1), Sm90BwdConfig(64, 64, 2, 2, 0, 1)),
+              128: (Sm90BwdConfig(128, 64, 2, 2, 2, 1), Sm90BwdConfig(128, 64, 2, 2, 0, 1))},
     # the overlapped atomic tile spills 8 B with ALiBi and softcap (NVRTC 13.5; none under 13.0)
     spilling={"alibi+softcap": frozenset({Sm90BwdConfig(128, 64, 2, 2, 0, 1)})},
     auto_head_dims=frozenset({64, 128}),
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, takes_dropout=False, run=_run_bwd, deterministic_outputs=(1, 2),
     takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
-    # variable-length batches: written 2026-12-02 without a device (the sm80 kernels run them
-    # automatically until the GPU tests have run these; backend="sm90" takes them)
-    takes_varlen=True, manual_variants=frozenset({"varlen"}),
+    # variable-length batches (their dQ by atomics whatever the tile's dq_bulk: kDqMode in
+    # sm90/bwd.cuh): 351 TFLOP/s on the H200 where the sm80 kernel gives 202 (scripts/bench_varlen.py)
+    takes_varlen=True,
     tuned_by_default=False,
 )
