@@ -21,8 +21,6 @@ def call_problem(p) -> str | None:
     """Why the Hopper backward cannot take this call (an AttnProblem), or None."""
     if p.deterministic:
         return "the sm90 backward has no deterministic mode yet"
-    if p.features.dropout:
-        return "the sm90 backward does not take dropout yet"
     return tma.tensors_problem(p, ("q", "k", "v", "dout")) or tma.bindings_problem()
 
 

@@ -173,6 +173,10 @@ def test_softcap_avoids_the_tiles_whose_instance_spills():
 # dense instance's 16 B (KNOWN_SPILLS in tests/test_compile_sm90.py: loop invariants reloaded once
 # per query block). With a window alone it spills nothing.
 KNOWN_SPILLS = {("bwd_sm90", 128): 16}
+# (family, head_dim, extra) -> the same where an extra variant costs more: the sm90 backward's d128
+# fragment-order tile with softcap and dropout (the Philox rounds beside dK, dV, S^T and dP^T)
+# spills 40 B under NVRTC 13.5 (24 B under 13.0); every d128 tile of its domain spills there
+KNOWN_SPILLS_WITH = {("bwd_sm90", 128, "dropout"): 40}
 # NVRTC 13.0 only (the H200 image; 13.5 spills nothing): the sm80 backward's d128 softcap + dropout
 # default tile (64x128, 8 warps, 3 stages) spills 8 B. The tuner drops spilling tiles on the GPU's
 # own NVRTC, but the shipped tables do not cover softcap, so an untuned call runs this one. The sm90
@@ -204,7 +208,7 @@ def test_softcap_instances_compile(fam, extra):
         cfg = fam.default(d, features=features)
         rep = _compile.compile_report(_compile.kernel_source(cfg, features), arch)
         assert rep["registers"] > 0, rep["log"]
-        known = KNOWN_SPILLS.get((fam.name, d), 0)
+        known = max(KNOWN_SPILLS.get((fam.name, d), 0), KNOWN_SPILLS_WITH.get((fam.name, d, extra), 0))
         if (device.nvrtc_version() or (0,)) < (13, 5):
             known = max(known, KNOWN_SPILLS_NVRTC_13_0.get((fam.name, d, extra), 0))
         assert rep["spill_stores"] <= known, (cfg, features, rep["log"][-2000:])

@@ -28,11 +28,16 @@
 //   lse2, delta  bulk-copied per query block with Q_i and dO_i (same mbarrier) into shared memory
 //   OVERLAP  a block's element-wise work under its own GEMMs (Sm90BwdTraits::kSdpTogether,
 //            kDvAfterDs, kDqFirst); V::kVarlen: a CTA's sequence from cu_seqlens (SeqSpan)
-// Not yet: dropout (the family does not take it), overlap across query blocks, the deterministic
-// mode, a persistent schedule.
+//   dropout  the forward's Philox keep bits regenerated per block (attn/dropout.cuh, transposed
+//            view: one register per thread for its 16 keys x 64 queries); dS^T takes
+//            P^T o (Z o dP^T / (1 - p) - delta) from the undropped P^T, then P^T's dropped elements
+//            are zeroed in place for dV (issued after dS^T for that reason), and dV is scaled by
+//            1 / (1 - p) at the end
+// Not yet: overlap across query blocks, the deterministic mode, a persistent schedule.
 #pragma once
 #include "attn/block_mask.cuh"
 #include "attn/block_range.cuh"
+#include "attn/dropout.cuh"
 #include "attn/features.cuh"
 #include "attn/mask.cuh"
 #include "attn/params.cuh"
@@ -84,7 +89,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                                                const int* __restrict__ bm_index, const BwdParams& params) {
     using Tr = Sm90BwdTraits<D, BR, CONSUMERS, STAGES, DQ_BULK, OVERLAP>;
     constexpr int BC = Tr::kBlockK;
-    static_assert(!V::kDropout, "the sm90 backward does not take dropout yet");
+    static_assert(!V::kDropout || BR <= 64, "dropout keep bits: 8 per 16x16 block, one u32 for 64 queries");
+    // dV after dS^T: with dropout dS^T reads the undropped P^T, which dV's A operand then loses
+    constexpr bool kDvLate = Tr::kDvAfterDs || V::kDropout;
     // how dQ reaches dq_acc: the tile's DQ_BULK, but atomics for variable-length batches with the
     // fragment order (2): their dq_acc is row-major, read by bwd_dq_convert_varlen
     constexpr int kDqMode = V::kVarlen && DQ_BULK == 2 ? 0 : DQ_BULK;
@@ -209,6 +216,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         const UserMod<V> user_mod = UserMod<V>::of(params, mod_aux, blk.batch, blk.head, geo.seqlen_q, geo.seqlen_k);
         // a score modifier whose derivative dS needs: softcap's (from t), a user score snippet's (from S)
         constexpr bool kGrad = V::kSoftcap || UserMod<V>::kScore;
+        const Dropout drop{params.drop_seed, params.drop_threshold, blk.bh};
         const long long pad = params.seqlen_q_pad;
         // this (batch, head)'s first workspace row (lse2, delta, dq_acc), recomputed where used
         // (V::kVarlen: from a reloaded offset, so that no register holds it through the loop)
@@ -253,6 +261,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             // else with dV, so that S^T and dP^T are never live together ----
             u32 p_frag[Tr::kQuerySteps][4];
             float acc_dp[BR / 8][4];
+            u32 keep = 0;  // V::kDropout: this thread's keep bits of the block, bit 4 nt + 2 half + e
             auto issue_dp = [&]() {
 #pragma unroll
                 for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
@@ -270,8 +279,17 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     Wgmma<BR, BF16>::ss(acc_s, dk_a() + kmajor_step(kk, Tr::kKVChunkBytes),
                                         dq_b() + slot_off(s) + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
                 wgmma_commit();
+                if constexpr (Tr::kSdpTogether) issue_dp();
+                if constexpr (V::kDropout) {
+                    // this warp's 16 keys (one 16-key block) x the block's BR queries: byte kb is
+                    // query block m0 / 16 + kb, bit 4 s + 2 h + e (Dropout::bits8_transposed) is
+                    // element e of half h of n8 tile 2 kb + s, i.e. bit 4 nt + 2 h + e, computed
+                    // while the tensor cores run S^T
+#pragma unroll
+                    for (int kb = 0; kb < BR / 16; ++kb)
+                        keep |= drop.bits8_transposed(m0 / 16 + kb, key_w / 16, g, t) << (8 * kb);
+                }
                 if constexpr (Tr::kSdpTogether) {
-                    issue_dp();
                     wgmma_wait<1>();
                 } else {
                     wgmma_wait<0>();
@@ -341,10 +359,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             };
             {
                 if constexpr (!Tr::kSdpTogether) fence_regs(acc_dp);
-                if constexpr (!Tr::kDvAfterDs) issue_dv();
+                if constexpr (!kDvLate) issue_dv();
                 if constexpr (!Tr::kSdpTogether) issue_dp();
                 wgmma_wait<0>();  // dP^T and dV (p_frag, read below, is dV's A operand until then)
-                if constexpr (!Tr::kDvAfterDs) fence_regs(acc_dv);
+                if constexpr (!kDvLate) fence_regs(acc_dv);
                 fence_regs(p_frag);
                 fence_regs(acc_dp);
                 // ---- dS^T = P^T o (dP^T - delta), P^T from its 16-bit copy (the rounding dV used),
@@ -363,24 +381,41 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                     for (int half = 0; half < 2; ++half) {
                         // key row 64 cw + 16 warp + g + 8 half (row % 8 = g), query column 8 nt + 2 t
+                        // dropout: dP^T o Z / (1 - p), Z the keep bit (dropped: 0)
+                        float dp0 = acc_dp[nt][2 * half], dp1 = acc_dp[nt][2 * half + 1];
+                        if constexpr (V::kDropout) {
+                            dp0 = (keep >> (4 * nt + 2 * half)) & 1u ? dp0 * params.drop_scale : 0.f;
+                            dp1 = (keep >> (4 * nt + 2 * half + 1)) & 1u ? dp1 * params.drop_scale : 0.f;
+                        }
                         if constexpr (kGrad) {  // P^T o grad, parked in this slot by the S^T phase
                             const u32 slot = ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t;
                             u32 pw;
                             asm volatile("ld.shared.u32 %0, [%1];" : "=r"(pw) : "r"(slot) : "memory");
                             float p0, p1;
                             unpack2<BF16>(pw, p0, p1);
-                            st_shared_u32(slot, pack2<BF16>(p0 * (acc_dp[nt][2 * half] - Dl.x), p1 * (acc_dp[nt][2 * half + 1] - Dl.y)));
+                            st_shared_u32(slot, pack2<BF16>(p0 * (dp0 - Dl.x), p1 * (dp1 - Dl.y)));
                         } else {
-                            const float d0 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half) * (acc_dp[nt][2 * half] - Dl.x);
-                            const float d1 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half + 1) * (acc_dp[nt][2 * half + 1] - Dl.y);
+                            const float d0 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half) * (dp0 - Dl.x);
+                            const float d1 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half + 1) * (dp1 - Dl.y);
                             st_shared_u32(ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t, pack2<BF16>(d0, d1));
                         }
                     }
                 }
             }
-            // kDvAfterDs: dV runs under the dS^T barrier and the dK / dQ issue (p_frag stays its A
+            if constexpr (V::kDropout) {
+                // P^T o Z for dV: register r of k16 step kk holds elements (lo, hi) = e 0, 1 of
+                // half r % 2 of n8 tile 2 kk + r / 2, bits 8 kk + 2 r (+1) of keep
+#pragma unroll
+                for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
+#pragma unroll
+                    for (int r = 0; r < 4; ++r) {
+                        const u32 b = keep >> (8 * kk + 2 * r);
+                        p_frag[kk][r] &= ((b & 1u) ? 0x0000ffffu : 0u) | ((b & 2u) ? 0xffff0000u : 0u);
+                    }
+            }
+            // kDvLate: dV runs under the dS^T barrier and the dK / dQ issue (p_frag stays its A
             // operand until the wait below)
-            if constexpr (Tr::kDvAfterDs) issue_dv();
+            if constexpr (kDvLate) issue_dv();
             fence_proxy_async();  // generic-proxy stores, read next by wgmma (async proxy)
             named_bar_sync(Tr::kBarDsFull, 128 * CONSUMERS);  // both halves of dS^T are in
 
@@ -418,7 +453,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 if (dq_wg) issue_dq();
                 wgmma_wait<0>();
                 fence_regs(acc_dk);
-                if constexpr (Tr::kDvAfterDs) {
+                if constexpr (kDvLate) {
                     fence_regs(acc_dv);
                     fence_regs(p_frag);
                 }
@@ -482,8 +517,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             if (ctid == 0) bulk_wait_read0();
         }
 
-        // ---------------- epilogue: dK = scale dK~, dV, from registers ----------------
+        // ---------------- epilogue: dK = scale dK~, dV (x 1 / (1 - p) with dropout), from registers ----------------
         const float scale = params.scale;
+        const float dv_scale = V::kDropout ? params.drop_scale : 1.f;
         elem_t* dkg = dk + (long long)blk.batch * params.dk_sb + (long long)span.k_start * params.dk_sn
                       + (long long)blk.head * params.dk_sh;
         elem_t* dvg = dv + (long long)blk.batch * params.dv_sb + (long long)span.k_start * params.dv_sn
@@ -500,7 +536,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     *reinterpret_cast<u32*>(krow + 8 * nt) =
                         pack2<BF16>(live ? acc_dk[nt][2 * half] * scale : 0.f, live ? acc_dk[nt][2 * half + 1] * scale : 0.f);
                     *reinterpret_cast<u32*>(vrow + 8 * nt) =
-                        pack2<BF16>(live ? acc_dv[nt][2 * half] : 0.f, live ? acc_dv[nt][2 * half + 1] : 0.f);
+                        pack2<BF16>(live ? acc_dv[nt][2 * half] * dv_scale : 0.f, live ? acc_dv[nt][2 * half + 1] * dv_scale : 0.f);
                 }
             }
         }

@@ -197,6 +197,36 @@ def test_backward_matches_reference(dtype, d, nq, nk, causal, p, deterministic):
     assert res["dv"][0] > 4 * res["dv"][2]
 
 
+SM90_BWD_CASES = BWD_CASES + [("bfloat16", 128, 1000, 1000, False, 0.1), ("float16", 64, 517, 1000, True, 0.2),
+                              ("bfloat16", 64, 1000, 333, True, 0.5)]
+
+
+@pytest.mark.parametrize("dtype,d,nq,nk,causal,p", SM90_BWD_CASES)
+def test_sm90_backward_matches_reference(dtype, d, nq, nk, causal, p):
+    """The Hopper backward's dropout instances (the forward's Philox bits regenerated per block in the
+    transposed view, P^T's dropped elements zeroed for dV after dS^T) by the 2x rule, forced; and the
+    sm80 backward's gradients within the same rule."""
+    import cupy
+    from cuflash import _backward, _forward, device
+
+    if tuple(device.query(0).cc) != (9, 0):
+        pytest.skip("the sm90 backward needs cc 9.0")
+    b, h, seed = 2, 3, 177 + nk
+    rng = np.random.default_rng(nq * 1000 + nk + 2)
+    q, k, v = random_qkv(rng, b, nq, nk, h, d, dtype_of(dtype))
+    dout, _, _ = random_qkv(rng, b, nq, 1, h, d, dtype_of(dtype))
+    out, lse = _forward.forward(q, k, v, causal=causal, dropout_p=p, seed=seed)
+    z = _keep_scale(seed, b, h, nq, nk, p)
+    for backend in ("sm90", "sm80"):
+        grads = _backward.backward(dout, q, k, v, out, lse, causal=causal, dropout_p=p, seed=seed, backend=backend)
+        for g, x in zip(grads, (q, k, v)):
+            assert g.shape == x.shape and g.dtype == x.dtype
+            assert not bool(cupy.isnan(g.astype(cupy.float32)).any())
+        res = fa_rule_grads(grads, q, k, v, dout, causal, 1 / math.sqrt(d), keep_scale=z)
+        for name, (err, pt_err, allowed) in res.items():
+            assert err <= allowed, f"{backend} {name}: max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt_err:.3e})"
+
+
 # ------------------------------------------------------------------------------ (e) seeds, (f) p = 0
 
 

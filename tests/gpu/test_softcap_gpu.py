@@ -146,8 +146,6 @@ def test_softcap_backward(nq, nk, causal, window, softcap, p, d, dtype, bwd):
     if bwd == "sm90":
         if tuple(device.query(0).cc) != (9, 0):
             pytest.skip("the sm90 backward needs cc 9.0")
-        if p:
-            pytest.skip("the sm90 backward does not take dropout yet")
     mask, seed = _mask(causal, window, softcap), 99 + nq
     q, k, v, dout = _inputs(_seed(nq, nk, causal, window, softcap, p, d, dtype, "bwd"), nq, nk, d, dtype)
     drop = dict(dropout_p=p, seed=seed) if p else {}
