@@ -9,9 +9,15 @@ Launch sequence (kernels_cu/flash_bwd.cuh):
                     (dk_exp, dv_exp); this sums each k/v head's group of them in fp32 into dk, dv
 With deterministic=True the atomics are off and flash_bwd_dq computes dQ in registers instead
 (bitwise reproducible, three extra GEMMs); there is no dq_acc then, and the kernels that take it
-get a null pointer.
+get a null pointer. The Hopper dK/dV kernel's deterministic mode keeps dq_acc instead and adds
+each 64 x 64 dQ block to it in key-block order (its tile's dq_bulk 3 twin, turn counters in a
+zeroed dq_sem buffer), then bwd_dq_convert_frag converts.
 """
 from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
 
 from . import _compile, families, problem
 from . import _plans as plan_cache
@@ -120,7 +126,7 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
         expanded = tuple(Buffer(n, (p.total_k, h, w), dtype) for n, w in zip(_EXPANDED.values(), (d, p.dv)))
     buffers = (Buffer("dq", (p.total_q, h, d), dtype), Buffer("dk", (p.total_k, hkv, d), dtype),
                Buffer("dv", (p.total_k, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
-               Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
+               Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), Buffer("dq_sem", None), *expanded)
     return Plan(p.device, BWD_ARRAYS + VARLEN_SLOTS + _alibi_slot(p), buffers, tuple(launches), OUTPUTS,
                 pack_bwd(p, pad, n_blocks, m_blocks))
 
@@ -154,14 +160,14 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
 
     m_blocks = 0  # BwdParams.m_blocks: the dQ kernel's, when it runs
-    if p.deterministic:
+    if dq_cfg is not None:
         m_blocks = -(-nq // dq_cfg.block_q)
         check_grid(m_blocks * h * b)
         dq_kernel = _compile.get_kernel(dq_cfg, p.features, p.device)
         launches.append(Launch(dq_kernel, (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes,
                                pointers=_pointers(families.BWD_DQ) + _alibi_slot(p)
                                + (BM_DQ_SLOTS if p.block_mask is not None else ())))
-    elif getattr(cfg, "dq_bulk", 0) == 2:  # dq_acc in the sm90 kernel's fragment order: a thread per float4
+    elif getattr(cfg, "dq_bulk", 0) >= 2:  # dq_acc in the sm90 kernel's fragment order: a thread per float4
         convert = _compile.get_aux_kernel("bwd_dq_convert_frag", p.features, p.device)
         launches.append(Launch(convert, (-(-ws_rows * kd // 4 // _AUX_THREADS),), (_AUX_THREADS,), 0,
                                pointers=_aux_pointers("bwd_dq_convert_frag")))
@@ -181,13 +187,21 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
 
     buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, hkv, d), dtype),
                Buffer("dv", (b, nk, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
-               Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), *expanded)
+               Buffer("dq_acc", None if dq_cfg is not None else (ws_rows * kd,)), _dq_sem(cfg, ws_rows, kd), *expanded)
     params = pack_bwd(p, pad, n_blocks, m_blocks)
     if p.block_mask is not None:  # entries per list row: the dQ tile's key blocks, the dK/dV tile's query blocks
-        params["bm_nb"] = -(-nk // dq_cfg.block_k) if p.deterministic else 0
+        params["bm_nb"] = -(-nk // dq_cfg.block_k) if dq_cfg is not None else 0
         params["bm_mb"] = -(-nq // cfg.block_q)
     return Plan(p.device, BWD_ARRAYS + _alibi_slot(p) + _block_mask_inputs(p), buffers, tuple(launches), OUTPUTS,
                 params)
+
+
+def _dq_sem(cfg, ws_rows: int, kd: int) -> Buffer:
+    """The sm90 deterministic mode's turn counters (dq_bulk 3): one per 64 x 64 dQ block, zeroed per
+    call; otherwise no buffer (a null pointer)."""
+    if getattr(cfg, "dq_bulk", 0) != 3:
+        return Buffer("dq_sem", None)
+    return Buffer("dq_sem", (ws_rows // 64 * (kd // 64),), np.int32, zeroed=True)
 
 
 _plans = plan_cache.PlanCache()
@@ -227,7 +241,11 @@ def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_
         return FilledPlan(p.device, BWD_ARRAYS, tuple((Buffer(n, x.shape, dtype), 0)
                                                        for n, x in zip(OUTPUTS, infos[1:4]))), None, None
     cfg = _tile(_main_family(p, config, backend), config, p)
-    dq_cfg = _tile(families.BWD_DQ, dq_config, p) if p.deterministic else None
+    if p.deterministic and families.of(cfg) is families.BWD_SM90:
+        # its deterministic twin: the same tile, dQ's block reductions in key-block order
+        cfg, dq_cfg = dataclasses.replace(cfg, dq_bulk=3), None
+    else:
+        dq_cfg = _tile(families.BWD_DQ, dq_config, p) if p.deterministic else None
     return _plan(p, cfg, dq_cfg, arrays[1].dtype), cfg, dq_cfg
 
 
@@ -249,8 +267,8 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     the record `mask` or the mask keywords (`causal=True`, ...), as the forward (cuflash/_forward.py).
     `config` / `dq_config` override the selected kernel configs (tuner, tests).
     `backend`: None (automatic: the Hopper dK/dV kernel on a cc 9.0 GPU at head_dim 64 and 128
-    where it can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0, no
-    dropout, not deterministic) to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
+    where it can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0;
+    its deterministic mode only when forced, for now) to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
     `score_mod`: the forward's cuflash.ScoreMod; a score snippet needs its `grad` snippet here.
     `block_mask`: the forward's cuflash.BlockMask (the dK/dV kernels, sm80 and Hopper, read its
     transposed lists, the dQ kernel its lists).

@@ -3,10 +3,11 @@
 kernels_cu/flash_bwd_sm90.cuh takes
 
     (const __grid_constant__ TmaMap tq, tk, tv, tdo, const float* lse2, const float* delta,
-     float* dq_acc, elem_t* dk, elem_t* dv, BwdParams' fields)
+     float* dq_acc, elem_t* dk, elem_t* dv, int* dq_sem, [optional pointers], BwdParams' fields)
 
 and runs where the sm80 backward's dK/dV kernel runs, between bwd_prep and bwd_dq_convert
-(cuflash/_backward.py), on a grid of n_blocks * heads * batch CTAs of 128 keys. The maps embed the
+(cuflash/_backward.py), on a grid of n_blocks * heads * batch CTAs of 128 keys. dq_sem: the
+deterministic mode's turn counters, one per 64 x 64 dQ block (zeroed per call; null otherwise). The maps embed the
 data pointers, so the launch binds them per run from the plan's slots (tma.MapCache per tensor).
 """
 from __future__ import annotations
@@ -14,18 +15,20 @@ from __future__ import annotations
 from . import tma
 
 # The plan slots the kernel reads, in its parameter order (the four tensors become maps).
-SLOTS = ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv")
+SLOTS = ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv", "dq_sem")
 
 
 def call_problem(p) -> str | None:
     """Why the Hopper backward cannot take this call (an AttnProblem), or None."""
-    if p.deterministic:
-        return "the sm90 backward has no deterministic mode yet"
+    if p.deterministic and p.varlen:
+        return "the sm90 backward's deterministic mode does not take variable-length batches"
+    if p.deterministic and p.block_mask is not None:
+        return "the sm90 backward's deterministic mode does not take block masks"
     return tma.tensors_problem(p, ("q", "k", "v", "dout")) or tma.bindings_problem()
 
 
 def main_args(p, cfg, encoder=None):
-    """(SLOTS, bind): bind(q, k, v, dout, lse2, delta, dq_acc, dk, dv) -> the kernel's leading arguments."""
+    """(SLOTS, bind): bind(q, k, v, dout, lse2, delta, dq_acc, dk, dv, dq_sem, ...) -> the kernel's leading arguments."""
     caches = []
     for name, rows in (("q", cfg.block_q), ("k", cfg.block_k), ("v", cfg.block_k), ("dout", cfg.block_q)):
         shape, strides = tma.tensor_layout(p, name)

@@ -51,12 +51,23 @@ def check_grid(n_blocks: int) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Buffer:
-    """An array the plan provides when the caller does not: allocated per call, uninitialised, from
-    CuPy's pool on the current stream. shape None: nothing is allocated, kernels get a null pointer."""
+    """An array the plan provides when the caller does not: allocated per call, uninitialised (zeroed:
+    set to 0 on the launches' stream first), from CuPy's pool on the current stream. shape None:
+    nothing is allocated, kernels get a null pointer."""
 
     name: str
     shape: tuple | None
     dtype: object = np.float32
+    zeroed: bool = False
+
+
+def _memset_zero(ptr: int, nbytes: int, stream: int) -> None:
+    """cudaMemsetAsync(ptr, 0, nbytes) on `stream` (a raw handle): a zeroed Buffer that another
+    framework allocated (Plan.run_external)."""
+    import cupy
+
+    if nbytes:
+        cupy.cuda.runtime.memsetAsync(ptr, 0, nbytes, stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +209,7 @@ class Plan:
         self.params = KernelParams(params)
         self._blank = [NULL if b.shape is None else None for b in own]  # the plan's slots before allocation
         self._n_inputs = len(inputs)
-        self._alloc = tuple((index[b.name], b.shape, b.dtype) for b in buffers if b.shape is not None)
+        self._alloc = tuple((index[b.name], b.shape, b.dtype, b.zeroed) for b in buffers if b.shape is not None)
         # take None: the kernel's pointers are all the slots, in order (the sm80 forwards), which
         # spares the per-call gather on the path whose host overhead matters most; a bind is the take
         self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem, _take(ln, names, index),
@@ -216,9 +227,9 @@ class Plan:
 
         slots = [*args, *self._blank]
         with cupy.cuda.Device(self.device):
-            for i, shape, dtype in self._alloc:
+            for i, shape, dtype, zeroed in self._alloc:
                 if slots[i] is None:
-                    slots[i] = cupy.empty(shape, dtype=dtype)
+                    slots[i] = (cupy.zeros if zeroed else cupy.empty)(shape, dtype=dtype)
             self._launch_all(slots, dropout_args, None)
         # Buffers that are not outputs go back to the pool when `slots` dies here; the pool reuses a
         # block only for work queued later on the same stream, so the running kernels keep them.
@@ -232,9 +243,11 @@ class Plan:
         current."""
         slots = [*args, *(None,) * (self._n_inputs - len(args)), *self._blank]
         owned = {}
-        for i, shape, dtype in self._alloc:
+        for i, shape, dtype, zeroed in self._alloc:
             if slots[i] is None:
                 owned[i], ptr = empty(shape, dtype)
+                if zeroed:
+                    _memset_zero(ptr, int(np.prod(shape)) * np.dtype(dtype).itemsize, stream)
                 slots[i] = Ptr(ptr)
         self._launch_all(slots, dropout_args, stream)
         return tuple(owned[i] for i in self._out_idx)

@@ -320,7 +320,8 @@ class Sm90BwdConfig(Tile):
     consumers: int = _axis("c", "consumer warpgroups, 64 keys each (block_k = 64 * consumers)")
     stages: int = _axis("s", "depth of the TMA Q/dO ring")
     dq_bulk: int = _axis("dqb", "0: dQ added by atomics; 1: staged in smem and added by a store warp, a bulk "
-                               "reduction per row; 2: staged in fragment order, one bulk reduction per block")
+                               "reduction per row; 2: staged in fragment order, one bulk reduction per block; "
+                               "3: as 2 in key-block order (the deterministic mode's twin of a tile, not searched)")
     overlap: int = _axis("ov", "1: a block's element-wise work under its GEMMs (dP^T under exp(S^T), dV under the "
                                "dS^T barrier, dQ's store under dK); 0: each GEMM waited on before the work after it")
 
@@ -344,7 +345,7 @@ class Sm90BwdConfig(Tile):
         # of slack, for the 1024-B alignment of the base) + a KiB for the static barriers
         d = self.head_dim
         # Sm90BwdTraits::kDqStageBytes: padded rows (1) or fragment order (2)
-        dq_stage = (d // 64) * 64 * ((64 * 4 + 16) if self.dq_bulk == 1 else 64 * 4) if self.dq_bulk else 0
+        dq_stage = (d // 64) * 64 * ((64 * 4 + 16) if self.dq_bulk == 1 else 64 * 4) if self.dq_bulk else 0  # 2, 3: the same
         stats = 2 * self.stages * self.block_q * 4  # lse2 and delta per stage (kStatBytes)
         return (2 * 2 * self.block_k * d + 2 * self.stages * 2 * self.block_q * d + 2 * 2 * self.block_k * self.block_q
                 + dq_stage + stats + SM90_SMEM_SLACK)
@@ -358,8 +359,8 @@ class Sm90BwdConfig(Tile):
             return f"consumers must be 2, got {self.consumers}"
         if self.stages not in (2, 3, 4):
             return f"stages must be 2, 3 or 4, got {self.stages}"
-        if self.dq_bulk not in (0, 1, 2):
-            return f"dq_bulk must be 0, 1 or 2, got {self.dq_bulk}"
+        if self.dq_bulk not in (0, 1, 2, 3):
+            return f"dq_bulk must be 0, 1, 2 or 3, got {self.dq_bulk}"
         if self.overlap not in (0, 1):
             return f"overlap must be 0 or 1, got {self.overlap}"
         return None

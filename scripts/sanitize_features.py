@@ -55,8 +55,8 @@ if cupy.cuda.Device().compute_capability == "90":
         q, k, v = arr(b, 37, h, d), arr(b, 150, hk, d), arr(b, 150, hk, dv)
         fwd_bwd(q, k, v, backends=("sm90",), backward=False, causal=True)
         fwd_bwd(q, k, v, backends=("sm90",), backward=False, window_size=(16, 8), softcap=30.0)
-    # the Hopper backward's fragment-order dQ tiles (dq_bulk 2), its variable-length instances and
-    # its dropout instances, forced
+    # the Hopper backward's fragment-order dQ tiles (dq_bulk 2), its variable-length instances, its
+    # dropout instances and its deterministic mode, forced
     from cuflash import varlen  # noqa: E402
     from cuflash._backward import backward as backward_with  # noqa: E402
     from cuflash.tiles import Sm90BwdConfig  # noqa: E402
@@ -67,6 +67,11 @@ if cupy.cuda.Device().compute_capability == "90":
         backward_with(arr(*out.shape), q, k, v, out, lse, causal=True, config=Sm90BwdConfig(d, 64, 2, 2, 2, 1))
         out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True, dropout_p=0.2, seed=5)
         backward_with(arr(*out.shape), q, k, v, out, lse, causal=True, dropout_p=0.2, seed=5, backend="sm90")
+        # the deterministic mode (turn counters in global memory, bulk reductions waited for)
+        backward_with(arr(*out.shape), q, k, v, out, lse, causal=True, dropout_p=0.2, seed=5, backend="sm90",
+                      deterministic=True)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, window_size=(40, 10))
+        backward_with(arr(*out.shape), q, k, v, out, lse, window_size=(40, 10), backend="sm90", deterministic=True)
         lens_q, lens_k = [17, 0, 113, 1, 200], [17, 5, 150, 1, 0]
         cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]), dtype=cupy.int32) for x in (lens_q, lens_k))
         q, k, v = arr(sum(lens_q), h, d), arr(sum(lens_k), hk, d), arr(sum(lens_k), hk, d)

@@ -264,6 +264,31 @@ def test_run_external_allocates_through_the_caller_and_fills_missing_inputs(call
     assert [c[0] for c in calls] == ["bwd_prep", "BwdConfig", "bwd_dq_convert"]
 
 
+def test_zeroed_buffers_are_zeroed_on_either_path(calls, monkeypatch):
+    """A Buffer(zeroed=True) (the sm90 deterministic backward's turn counters): cupy.zeros on run(),
+    a memset of its bytes on the caller's stream after `empty` on run_external(); others uninitialised."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import launch
+    from cuflash.launch import Buffer, Launch, Plan, Ptr
+
+    made, sets = [], []
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: ("zeros", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(launch, "_memset_zero", lambda ptr, n, stream: sets.append((ptr, n, stream)))
+    plan = Plan(0, ("x",), (Buffer("sem", (10,), np.int32, zeroed=True), Buffer("ws", (4,))),
+                (Launch(Recorder("k", calls), (1,), (32,), 0, pointers=("x", "sem", "ws")),), ("ws",),
+                np.zeros(1, params.STRUCTS["BwdParams"]))
+    plan.run(("x",))
+    args = calls[-1][3]
+    assert args[1] == ("zeros", (10,), "int32") and args[2] == ("alloc", (4,), "float32")
+
+    def empty(shape, dtype):
+        made.append((tuple(shape), np.dtype(dtype).name))
+        return f"t{len(made)}", 0x1000 * len(made)
+
+    plan.run_external([Ptr(0x10)], empty, 7)
+    assert made == [((10,), "int32"), ((4,), "float32")] and sets == [(0x1000, 40, 7)]
+
+
 def test_driver_launch_passes_what_the_kernel_call_passed(calls, monkeypatch):
     """The driver path of Plan.run end to end on the CPU: with cuLaunchKernel replaced by a reader of
     its kernelParams, every launch of a forward and a dropout backward plan gets the grid, block,

@@ -548,7 +548,10 @@ def test_sm90_backward_family():
     assert "block_q must be 64" in Sm90BwdConfig(128, 128, 2, 2, 0, 0).structural_problem()
     # with the dQ staging of the store warp: two consumers x 64 rows x (256 + 16) B
     assert Sm90BwdConfig(128, 64, 2, 2, 1, 0).smem_bytes == t.smem_bytes + 2 * 64 * 272
-    assert not f.supports(Features("bfloat16", 128, True)) and f.supports(Features("bfloat16", 128))
+    assert f.supports(Features("bfloat16", 128, True)) and f.supports(Features("bfloat16", 128))  # dropout too
+    # dq_bulk 3 (the deterministic twin of a tile, not searched): the fragment order's staging
+    assert Sm90BwdConfig(128, 64, 2, 2, 3, 1).smem_bytes == Sm90BwdConfig(128, 64, 2, 2, 2, 1).smem_bytes
+    assert Sm90BwdConfig(128, 64, 2, 2, 3, 1) not in f.domain(128) and "dq_bulk" in Sm90BwdConfig(128, 64, 2, 2, 4, 1).structural_problem()
     src = _compile.kernel_source(t, Features("float16", 128))
     assert ("const __grid_constant__ cuflash::TmaMap tdo, const float* __restrict__ lse2" in src
             and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, 0, 0, cuflash::Variant<false, false, false, false, false, false, false, false, false, false, false>>" in src)
@@ -561,13 +564,13 @@ def test_sm90_backward_binds_four_maps_and_the_workspaces():
     p = _problem_bwd()
     seen = []
     slots, bind = _backward_sm90.main_args(p, Sm90BwdConfig(64, 64, 2, 2, 0, 0))
-    assert slots == ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv")
+    assert slots == ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv", "dq_sem")
     # boxes: block_q rows for q and dout, 128 keys for k and v
     assert [c.geometry.box[1] for c in bind.caches] == [64, 128, 128, 64]
     for c in bind.caches:
         c._encode = lambda g, ptr: seen.append(ptr) or ptr
-    arrays = [_Fake(100 + i) for i in range(4)] + ["lse2", "delta", "dq_acc", "dk", "dv"]
-    assert bind(arrays) == (100, 101, 102, 103, "lse2", "delta", "dq_acc", "dk", "dv")
+    arrays = [_Fake(100 + i) for i in range(4)] + ["lse2", "delta", "dq_acc", "dk", "dv", "dq_sem"]
+    assert bind(arrays) == (100, 101, 102, 103, "lse2", "delta", "dq_acc", "dk", "dv", "dq_sem")
 
 
 def test_sm90_backward_is_automatic_at_d64_and_d128_and_says_why_it_cannot_run(monkeypatch):
@@ -580,15 +583,17 @@ def test_sm90_backward_is_automatic_at_d64_and_d128_and_says_why_it_cannot_run(m
     assert _backward._main_family(p, None, "sm80") is families.BWD
     d128 = _problem_bwd(d=128)
     assert _backward._main_family(d128, None, None) is families.BWD_SM90
-    # d64 too since the overlapped tile (1.44x the sm80 kernel on the H200); not dropout or deterministic
+    # d64 too since the overlapped tile (1.44x the sm80 kernel on the H200); the deterministic mode
+    # only when forced until it has run on a GPU
     assert p.features.head_dim == 64 and _backward._main_family(p, None, None) is families.BWD_SM90
     assert _backward._main_family(_problem_bwd(d=96), None, None) is families.BWD  # no sm90 instance
-    assert _backward._main_family(dataclasses.replace(d128, deterministic=True), None, None) is families.BWD
+    det = dataclasses.replace(d128, deterministic=True)
+    assert _backward._main_family(det, None, None) is families.BWD
+    assert _backward._main_family(det, None, "sm90") is families.BWD_SM90
+    with pytest.raises(RuntimeError, match="bwd_sm90: runs deterministic only when forced"):
+        families.choose((families.BWD_SM90,), det)
     monkeypatch.setenv(families.BACKEND_ENV, "sm80")
     assert _backward._main_family(d128, None, None) is families.BWD
-    det = dataclasses.replace(p, deterministic=True)
-    with pytest.raises(ValueError, match="deterministic"):
-        _backward._main_family(det, None, "sm90")
     with pytest.raises(ValueError, match="backend must be"):
         _backward._main_family(p, None, "sm100")
 
@@ -638,7 +643,7 @@ def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
     assert main[1] == ("map", (64, 300, 1, 1, 2), 0x3000) and main[0] == ("map", (64, 100, 1, 4, 2), 0x2000)
     expanded = ("alloc", (2, 300, 4, 64), "float16")
     assert main[7:9] == (expanded, expanded) and reduce[:4] == (main[7], main[8], dk, dv)
-    f = params.unpack(main[9:], "BwdParams")
+    f = params.unpack(main[10:], "BwdParams")  # (after dq_sem, null)
     assert (int(f["group"]), int(f["heads_kv"]), int(f["kv_rows"])) == (4, 1, 2 * 300)
 
 
@@ -670,6 +675,31 @@ def test_fragment_order_dq_plan_converts_with_the_fragment_kernel(fake_backward_
     pad = -(-100 // _backward._ROW_PAD) * _backward._ROW_PAD
     assert rec[2][0] == (-(-2 * 3 * pad * 128 // 4 // _backward._AUX_THREADS),)
     assert Sm90BwdConfig(128, 64, 2, 2, 2, 1).smem_bytes == Sm90BwdConfig(128, 64, 2, 2, 0, 1).smem_bytes + 2 * 64 * 64 * 4
+
+
+def test_deterministic_sm90_plan_orders_dq_behind_zeroed_turn_counters(fake_backward_plan, monkeypatch):
+    """dq_bulk 3 (the deterministic twin): dq_acc in fragment order and the fragment convert, as
+    dq_bulk 2, plus a zeroed int32 dq_sem of one counter per 64 x 64 dQ block after dv; the other
+    tiles get a null dq_sem."""
+    cupy = pytest.importorskip("cupy")
+    from cuflash import _backward
+    from cuflash.launch import NULL
+    from cuflash.tiles import Sm90BwdConfig
+
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: ("zeros", tuple(shape), np.dtype(dtype).name))
+    names, rec = fake_backward_plan
+    p = dataclasses.replace(_problem_bwd(d=128), deterministic=True)
+    plan = _backward._plan(p, Sm90BwdConfig(128, 64, 2, 2, 3, 1), None, np.float16)
+    plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(6)))
+    assert names == ["bwd_prep", "bwd_dq_convert_frag"]
+    pad = -(-100 // _backward._ROW_PAD) * _backward._ROW_PAD
+    main = rec[1][2]
+    assert main[6] == ("alloc", (2 * 3 * pad * 128,), "float32")  # dq_acc
+    assert main[9] == ("zeros", (2 * 3 * pad // 64 * 2,), "int32")  # dq_sem: blocks x the D / 64 dQ consumers
+    names.clear(), rec.clear()
+    _backward._plan(_problem_bwd(d=128), Sm90BwdConfig(128, 64, 2, 2, 2, 1), None, np.float16).run(
+        tuple(arr(0x1000 * (i + 1)) for i in range(6)))
+    assert rec[1][2][9] == NULL
 
 
 def test_fragment_order_dq_round_trip():
@@ -726,5 +756,5 @@ def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(fake_backward_plan
         grid, _, args, _ = rec[1]
         assert grid == (-(-260 // 128) * 4 * 3,)  # key blocks of the longest sequence x heads x sequences
         assert args[0] == ("map", (64, 300, 2, 4, 1), 0x2000) and args[1] == ("map", (64, 500, 2, 4, 1), 0x3000)
-        assert tuple(a.data.ptr for a in args[9:11]) == (0x7000, 0x8000)  # cu_seqlens_q, _k after dq_acc, dk, dv
+        assert tuple(a.data.ptr for a in args[10:12]) == (0x7000, 0x8000)  # cu_seqlens_q, _k after dk, dv, dq_sem
 

@@ -32,6 +32,7 @@ F32_IN = "const float* __restrict__"
 F32 = "float* __restrict__"
 I32_IN = "const int* __restrict__"  # per-batch lengths (seqused_k)
 F32_WS = "float*"  # a workspace the kernel reads back (v1's O, m, l): not __restrict__
+I32_WS = "int*"  # flags other blocks of the grid write and read (the deterministic sm90 backward's turns)
 AUX_TABLE = "const void* const* __restrict__"  # a user modification's aux arrays (cuflash/score_mods.py)
 
 
@@ -68,6 +69,9 @@ class KernelFamily:
     # head dims at which the automatic choice (families.choose with no backend) may take this
     # family, where it was measured faster than the next candidate; None: every head dim it supports
     auto_head_dims: frozenset | None = None
+    # call properties (AttnProblem or Features attribute names) with which this family runs only when
+    # forced (backend=...), never by the automatic choice: instances written but not yet run on a GPU
+    manual_variants: frozenset = frozenset()
     # --- selection
     domain: Callable  # head_dim -> the tiles the kernel's template admits, in search order (before fitting)
     defaults: Mapping[int, tuple]  # head_dim -> heuristic tiles, in order of preference; the first that fits wins

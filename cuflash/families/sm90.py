@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 
 from ..tiles import Sm90BwdConfig, Sm90FwdConfig
-from .base import F32, F32_IN, OUT, KernelFamily
+from .base import F32, F32_IN, I32_WS, OUT, KernelFamily
 from .sm80 import _run_fwd
 
 # A CUtensorMap by value (kernels_cu/core/ptx_sm90.cuh): const __grid_constant__, so the kernel
@@ -138,7 +138,7 @@ BWD_SM90 = KernelFamily(
     name="bwd_sm90", description="backward dK/dV on Hopper: TMA + wgmma (dQ by bulk reductions)", what="sm90 backward",
     pass_="backward", tile_cls=Sm90BwdConfig, header="flash_bwd_sm90.cuh", template="cuflash::flash_bwd_sm90",
     pointers=((TMA_MAP, "tq"), (TMA_MAP, "tk"), (TMA_MAP, "tv"), (TMA_MAP, "tdo"), (F32_IN, "lse2"),
-              (F32_IN, "delta"), (F32, "dq_acc"), (OUT, "dk"), (OUT, "dv")),
+              (F32_IN, "delta"), (F32, "dq_acc"), (OUT, "dk"), (OUT, "dv"), (I32_WS, "dq_sem")),
     params="BwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
     arch_specific=True, backend="sm90", takes_partial_d=False,
@@ -160,5 +160,8 @@ BWD_SM90 = KernelFamily(
     # variable-length batches (their dQ by atomics whatever the tile's dq_bulk: kDqMode in
     # sm90/bwd.cuh): 351 TFLOP/s on the H200 where the sm80 kernel gives 202 (scripts/bench_varlen.py)
     takes_varlen=True,
+    # the deterministic mode (the tile's dq_bulk 3 twin: dQ's block reductions in key-block order):
+    # written 2026-12-02 without a device, so only when forced until the GPU tests have run it
+    manual_variants=frozenset({"deterministic"}),
     tuned_by_default=False,
 )

@@ -70,6 +70,18 @@ __device__ __forceinline__ void prefetch_tma_map(const TmaMap& map) {
 }
 // Generic-proxy shared-memory writes become visible to the async proxy (TMA, wgmma) readers.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// The same between the generic proxy's and the async proxy's (bulk copies') accesses to global memory.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
+
+// ---- GPU-scope flags in global memory (the deterministic backward's per-block turn counters)
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
 
 // ---- wgmma ordering (PTX §9.7.15.7)
 // Before a batch of wgmma whose registers (accumulators, A operands) ordinary code wrote.

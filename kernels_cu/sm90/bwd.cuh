@@ -33,7 +33,15 @@
 //            P^T o (Z o dP^T / (1 - p) - delta) from the undropped P^T, then P^T's dropped elements
 //            are zeroed in place for dV (issued after dS^T for that reason), and dV is scaled by
 //            1 / (1 - p) at the end
-// Not yet: overlap across query blocks, the deterministic mode, a persistent schedule.
+//   DQ_BULK 3  the deterministic mode: DQ_BULK 2 with each dQ block's reductions in key-block
+//            order. dq_sem holds one turn counter per dQ block (bh, m, dQ consumer), zeroed by the
+//            plan; the consumer thread that issues a block's reduction first waits until the counter
+//            equals its key block's rank among the key blocks that visit m (attn/block_range.cuh:
+//            key_blocks enumerates them), then waits for the reduction to complete and increments
+//            it. A CTA only ever waits for CTAs of lower index (dispatched no later), and walks its
+//            query blocks from the last: under a causal mask every key block's first block is then
+//            the last query block, which key block 0 reaches first.
+// Not yet: overlap across query blocks, a persistent schedule.
 #pragma once
 #include "attn/block_mask.cuh"
 #include "attn/block_range.cuh"
@@ -78,12 +86,14 @@ __device__ __forceinline__ void bulk_load_1d(u32 dst, const void* src, u32 bytes
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Until the shared-memory sources of every committed bulk group have been read.
 __device__ __forceinline__ void bulk_wait_read0() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Until every committed bulk group has completed (its writes performed).
+__device__ __forceinline__ void bulk_wait0() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 template <bool BF16, int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK, int OVERLAP, class V>
 __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv, const TmaMap& tdo,
                                                const float* __restrict__ lse2, const float* __restrict__ delta,
                                                float* __restrict__ dq_acc, elem_t* __restrict__ dk,
-                                               elem_t* __restrict__ dv, const int* __restrict__ cu_seqlens_q,
+                                               elem_t* __restrict__ dv, int* dq_sem, const int* __restrict__ cu_seqlens_q,
                                                const int* __restrict__ cu_seqlens_k, const float* __restrict__ alibi_slopes,
                                                const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
                                                const int* __restrict__ bm_index, const BwdParams& params) {
@@ -95,6 +105,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     // how dQ reaches dq_acc: the tile's DQ_BULK, but atomics for variable-length batches with the
     // fragment order (2): their dq_acc is row-major, read by bwd_dq_convert_varlen
     constexpr int kDqMode = V::kVarlen && DQ_BULK == 2 ? 0 : DQ_BULK;
+    // the deterministic mode: dQ's reductions in key-block order (the plan refuses varlen and block
+    // masks there: their dq_acc layout / an arbitrary set of key blocks per query block)
+    constexpr bool kOrdered = DQ_BULK == 3;
+    static_assert(!kOrdered || (!V::kVarlen && !V::kBlockMask), "the ordered dQ takes neither varlen nor block masks");
 
     extern __shared__ unsigned char smem[];
     // [0] K and V landed; [1 + s] stage s full (Q_i and dO_i), [1 + STAGES + s] stage s free
@@ -135,6 +149,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         bm_counts, bm_index, V::kBlockMask ? block_list_row(params, blk.batch, blk.head, n_blocks, blk.block) : 0,
         params.bm_mb, range);
     const int n_iter = blocks.size();
+    // the query block of step it: the range's (or list's) order, from its end when kOrdered
+    auto block_at = [&](int it) { return blocks.at(kOrdered ? n_iter - 1 - it : it); };
 
     const int tid = threadIdx.x;
     if (tid == 0) {
@@ -161,7 +177,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             const long long ws0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, params.seqlen_q_pad);
             for (int it = 0; it < n_iter; ++it) {
                 const int s = it % STAGES;
-                const int m0 = blocks.at(it) * BR;
+                const int m0 = block_at(it) * BR;
                 mbar_wait(bar_free(s), ((it / STAGES) & 1) ^ 1);  // a fresh barrier counts as released
                 mbar_arrive_expect_tx(bar_full(s), 2 * Tr::kQBytes + 2 * Tr::kStatBytes);
                 tma_load_5d(sQ + s * Tr::kQBytes, tq, bar_full(s), 0, span.q_start + m0, 0, blk.head, tb);
@@ -183,7 +199,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                 for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
                 for (int it = 0; it < n_iter; ++it) {
-                    const int m0 = blocks.at(it) * BR;
+                    const int m0 = block_at(it) * BR;
 #pragma unroll
                     for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
                         named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
@@ -251,7 +267,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         float acc_dk[D / 8][4], acc_dv[D / 8][4];
         if (n_iter > 0) mbar_wait(bar_kv, 0);
         for (int it = 0; it < n_iter; ++it) {
-            const int s = it % STAGES, m = blocks.at(it), m0 = m * BR;
+            const int s = it % STAGES, m = block_at(it), m0 = m * BR;
             const int db = it & 1;  // this block's dS^T buffer
             const u64 ds_off = (u64)((db * Tr::kDSBytes) >> 4);
             mbar_wait(bar_full(s), (it / STAGES) & 1);
@@ -461,7 +477,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             }
             if (dq_wg) {
                 fence_regs(acc_dq);
-                if constexpr (kDqMode == 2) {
+                if constexpr (kDqMode >= 2) {
                     // the block in fragment order (Sm90BwdTraits::kDqStageBytes), then one bulk
                     // reduction of all of it into dq_acc's block (bh, m, cw), stored in that order
                     const u32 stage = sDQ + cw * Tr::kDqFragBytes;
@@ -476,8 +492,19 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     named_bar_sync(Tr::kBarDqFull + cw, 128);
                     if (ctid == 0) {
                         const long long blk_id = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups + cw;
+                        if constexpr (kOrdered) {
+                            // this key block's turn at dQ block blk_id: its rank among those visiting m
+                            const int rank = blk.block - key_blocks<BR, BC, V::kLocal>(geo, m0).begin;
+                            while (ld_acquire_gpu(dq_sem + blk_id) != rank) __nanosleep(32);
+                            fence_proxy_async_global();  // the reduction below after what the acquire saw
+                        }
                         bulk_reduce_add_f32(dq_acc + blk_id * (Tr::kDqFragBytes / 4), stage, Tr::kDqFragBytes);
                         bulk_commit();
+                        if constexpr (kOrdered) {
+                            bulk_wait0();                // the reduction is done in global memory, not only read
+                            fence_proxy_async_global();  // ... and ordered before the release
+                            red_release_gpu_add(dq_sem + blk_id, 1);
+                        }
                     }
                 } else if constexpr (kDqMode == 1) {
                     // stage the block (rows 16 warp + g (+8), columns 8 nt + 2 t) for the store warp
@@ -512,8 +539,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             }
         }
 
-        // DQ_BULK 2: the last reduction's source is this CTA's shared memory
-        if constexpr (kDqMode == 2) {
+        // DQ_BULK 2, 3: the last reduction's source is this CTA's shared memory
+        if constexpr (kDqMode >= 2) {
             if (ctid == 0) bulk_wait_read0();
         }
 

@@ -133,14 +133,81 @@ def test_sm90_backward_matches_reference(nq, nk, causal, d, dtype):
     _check(grads, q, k, v, dout, causal, " (sm90)")
 
 
-def test_sm90_backward_refuses_what_it_cannot_run():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (113, 203), (203, 113), (256, 256), (1000, 1000), (1031, 517)])
+def test_sm90_deterministic_backward_matches_reference_and_repeats_bitwise(nq, nk, causal, d, dtype):
+    """The Hopper backward's deterministic mode (dQ's block reductions in key-block order behind
+    turn counters): the 2x rule, three runs bitwise equal, and dK, dV bitwise those of the atomic
+    mode (the same products; only dQ's order differs)."""
+    import cupy
     from cuflash import _backward, _forward
 
     why = _sm90_unavailable()
     if why:
         pytest.skip(why)
+    rng = np.random.default_rng(hash((nq, nk, causal, d, dtype, "bwd90det")) % 2**32)
+    q, k, v = random_qkv(rng, 2, nq, nk, 3, d, dtype_of(dtype))
+    dout, _, _ = random_qkv(rng, 2, nq, 1, 3, d, dtype_of(dtype))
+    out, lse = _forward.forward(q, k, v, causal=causal)
+    run = lambda det: _backward.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det, backend="sm90")
+    first = run(True)
+    _check(first, q, k, v, dout, causal, " (sm90 deterministic)")
+    for _ in range(2):
+        for a, b in zip(first, run(True)):
+            assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+    fast = run(False)
+    for a, b in zip(first[1:], fast[1:]):
+        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+
+
+@pytest.mark.parametrize("kw", [dict(window_size=(100, 20)), dict(causal=True, window_size=(300, 0)),
+                                dict(causal=True, softcap=5.0), dict(alibi=True), dict(dropout_p=0.2, seed=9),
+                                dict(gqa=True, causal=True)], ids=str)
+def test_sm90_deterministic_backward_with_features(kw):
+    """Windows (the turn's rank counts from the first key block that sees the query block), softcap,
+    ALiBi, dropout and GQA in the deterministic mode: repeatable bitwise and within the sm80
+    deterministic backward's reach (both by the 2x rule where the reference has the feature)."""
+    import cupy
+    from cuflash import _backward, _forward
+
+    why = _sm90_unavailable()
+    if why:
+        pytest.skip(why)
+    kw = dict(kw)
+    rng = np.random.default_rng(11)
+    hkv = 1 if kw.pop("gqa", False) else 4
+    q, _, _ = random_qkv(rng, 2, 1500, 1, 4, 128, dtype_of("bfloat16"))
+    _, k, v = random_qkv(rng, 2, 1, 1300, hkv, 128, dtype_of("bfloat16"))
+    dout, _, _ = random_qkv(rng, 2, 1500, 1, 4, 128, dtype_of("bfloat16"))
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, 4), dtype=cupy.float32)
+    out, lse = _forward.forward(q, k, v, **kw)
+    run = lambda backend: _backward.backward(dout, q, k, v, out, lse, deterministic=True, backend=backend, **kw)
+    first = run("sm90")
+    for a, b in zip(first, run("sm90")):
+        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+    ref = run("sm80")
+    for name, a, b in zip(("dq", "dk", "dv"), first, ref):
+        a32, b32 = a.astype(cupy.float32), b.astype(cupy.float32)
+        scale = float(cupy.abs(b32).max()) or 1.0
+        assert float(cupy.abs(a32 - b32).max()) <= 2e-2 * scale, name
+
+
+def test_sm90_backward_refuses_what_it_cannot_run():
+    """The deterministic mode takes neither variable-length batches nor block masks (named; the sm80
+    backward runs them)."""
+    import cupy
+    from cuflash import varlen
+
+    why = _sm90_unavailable()
+    if why:
+        pytest.skip(why)
     rng = np.random.default_rng(7)
-    q, k, v = random_qkv(rng, 1, 64, 64, 2, 64, dtype_of("bfloat16"))
-    out, lse = _forward.forward(q, k, v)
-    with pytest.raises(ValueError, match="deterministic"):
-        _backward.backward(q, q, k, v, out, lse, deterministic=True, backend="sm90")
+    q, k, v = (cupy.asarray(rng.standard_normal((100, 2, 64)), dtype=cupy.float32).astype(dtype_of("bfloat16"))
+               for _ in range(3))
+    cu = cupy.asarray([0, 40, 100], dtype=cupy.int32)
+    out, lse = varlen.attention_varlen(q, k, v, cu, cu, 60, 60, return_lse=True)
+    with pytest.raises(ValueError, match="variable-length"):
+        varlen.attention_varlen_backward(q, q, k, v, out, lse, cu, cu, 60, 60, deterministic=True, backend="sm90")

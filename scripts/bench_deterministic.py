@@ -1,0 +1,45 @@
+"""The deterministic backward against the atomic one (issue 11's bar: >= 0.85x), same run.
+
+    PYTHONPATH=$PWD python scripts/bench_deterministic.py [--json out.json]
+
+bf16, 16k tokens per batch, heads x head_dim = 2048 (the benchmark's shapes), d64 and d128, seqlen
+2048 and 8192, causal and not. Times the default backward (atomic dQ: the Hopper kernel on an
+H100/H200), the Hopper deterministic mode (forced: backend="sm90") and the sm80 deterministic one
+(flash_bwd_dq), CUDA events, median of 20 after warm-up, two input sets rotated.
+"""
+import argparse
+import json
+
+import cupy
+import ml_dtypes
+
+from cuflash import _backward, _forward
+from cuflash._timing import flops_attention, time_cuda
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--json")
+args = ap.parse_args()
+rows = []
+for d in (64, 128):
+    for n in (2048, 8192):
+        b, h = 16384 // n, 2048 // d
+        for causal in (False, True):
+            rot = []
+            for _ in range(2):
+                q, k, v, dout = (cupy.random.standard_normal((b, n, h, d), dtype=cupy.float32).astype(ml_dtypes.bfloat16)
+                                 for _ in range(4))
+                out, lse = _forward.forward(q, k, v, causal=causal)
+                rot.append((dout, q, k, v, out, lse))
+            fb = flops_attention(b, h, n, n, d, causal, "bwd")
+            row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal)
+            for name, kw in (("atomic", {}), ("det_sm90", dict(deterministic=True, backend="sm90")),
+                             ("det_sm80", dict(deterministic=True, backend="sm80"))):
+                t = time_cuda(lambda *a: _backward.backward(*a, causal=causal, **kw), rotate=rot, reps=20)
+                row[name] = fb / t["median_ms"] / 1e9
+            rows.append(row)
+            print(f"d{d} N{n} causal={int(causal)}: TFLOP/s atomic {row['atomic']:.1f}, deterministic sm90 "
+                  f"{row['det_sm90']:.1f} ({row['det_sm90'] / row['atomic']:.3f}x), sm80 {row['det_sm80']:.1f} "
+                  f"({row['det_sm80'] / row['atomic']:.3f}x)", flush=True)
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump(rows, f, indent=1)
