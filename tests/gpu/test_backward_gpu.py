@@ -113,6 +113,19 @@ def _sm90_unavailable() -> str | None:
     return None if tuple(props.cc) == (9, 0) else f"the sm90 backward needs cc 9.0, this GPU is {props.cc_str}"
 
 
+def _sm90_case(nq, nk, causal, d, dtype, tag):
+    """(q, k, v, dout, out, lse) of a fresh seeded case for the Hopper backward (skipped off cc 9.0)."""
+    from cuflash import _forward
+
+    why = _sm90_unavailable()
+    if why:
+        pytest.skip(why)
+    rng = np.random.default_rng(hash((nq, nk, causal, d, dtype, tag)) % 2**32)
+    q, k, v = random_qkv(rng, 2, nq, nk, 3, d, dtype_of(dtype))
+    dout, _, _ = random_qkv(rng, 2, nq, 1, 3, d, dtype_of(dtype))
+    return (q, k, v, dout, *_forward.forward(q, k, v, causal=causal))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
@@ -120,15 +133,9 @@ def _sm90_unavailable() -> str | None:
 def test_sm90_backward_matches_reference(nq, nk, causal, d, dtype):
     """The Hopper backward (opt-in: backend="sm90") on the same matrix, outputs poisoned by the plan
     (fresh buffers) and checked by the 2x rule."""
-    from cuflash import _backward, _forward
+    from cuflash import _backward
 
-    why = _sm90_unavailable()
-    if why:
-        pytest.skip(why)
-    rng = np.random.default_rng(hash((nq, nk, causal, d, dtype, "bwd90")) % 2**32)
-    q, k, v = random_qkv(rng, 2, nq, nk, 3, d, dtype_of(dtype))
-    dout, _, _ = random_qkv(rng, 2, nq, 1, 3, d, dtype_of(dtype))
-    out, lse = _forward.forward(q, k, v, causal=causal)
+    q, k, v, dout, out, lse = _sm90_case(nq, nk, causal, d, dtype, "bwd90")
     grads = _backward.backward(dout, q, k, v, out, lse, causal=causal, backend="sm90")
     _check(grads, q, k, v, dout, causal, " (sm90)")
 
@@ -142,15 +149,9 @@ def test_sm90_deterministic_backward_matches_reference_and_repeats_bitwise(nq, n
     turn counters): the 2x rule, three runs bitwise equal, and dK, dV bitwise those of the atomic
     mode (the same products; only dQ's order differs)."""
     import cupy
-    from cuflash import _backward, _forward
+    from cuflash import _backward
 
-    why = _sm90_unavailable()
-    if why:
-        pytest.skip(why)
-    rng = np.random.default_rng(hash((nq, nk, causal, d, dtype, "bwd90det")) % 2**32)
-    q, k, v = random_qkv(rng, 2, nq, nk, 3, d, dtype_of(dtype))
-    dout, _, _ = random_qkv(rng, 2, nq, 1, 3, d, dtype_of(dtype))
-    out, lse = _forward.forward(q, k, v, causal=causal)
+    q, k, v, dout, out, lse = _sm90_case(nq, nk, causal, d, dtype, "bwd90det")
     run = lambda det: _backward.backward(dout, q, k, v, out, lse, causal=causal, deterministic=det, backend="sm90")
     first = run(True)
     _check(first, q, k, v, dout, causal, " (sm90 deterministic)")
