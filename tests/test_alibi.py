@@ -89,7 +89,7 @@ def test_the_v2_families_take_alibi_and_their_shells_pass_nullptr_for_the_rest()
     sm90 = _compile.kernel_source(families.FWD_SM90.default(128, features=f), f)
     assert "(tq, tk, tv, out, lse, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in sm90
     sm90b = _compile.kernel_source(families.BWD_SM90.default(128, features=f), f)
-    assert "(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in sm90b
+    assert "(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, dq_sem, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in sm90b
     cfg = families.FWD.default(128, features=f)
     src = _compile.kernel_source(cfg, f)
     assert "const float* __restrict__ alibi_slopes, " in src and "_alibi(" in src

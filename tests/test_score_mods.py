@@ -60,7 +60,7 @@ def test_the_v2_families_take_user_modifications():
     bwd = _compile.kernel_source(families.BWD.default(128), f)
     assert bwd.rstrip().endswith("nullptr, nullptr, nullptr, mod_aux, nullptr, nullptr, p);\n}"), bwd[-300:]
     sm90b = _compile.kernel_source(families.BWD_SM90.default(128), f)
-    assert "(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, nullptr, nullptr, nullptr, mod_aux, nullptr, nullptr, p);" in sm90b
+    assert "(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, dq_sem, nullptr, nullptr, nullptr, mod_aux, nullptr, nullptr, p);" in sm90b
     src = _compile.kernel_source(families.FWD.default(128), f)
     assert "const void* const* __restrict__ mod_aux, " in src
     assert "(q, k, v, out, lse, nullptr, nullptr, nullptr, nullptr, mod_aux, nullptr, nullptr, p);" in src
