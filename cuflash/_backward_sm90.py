@@ -7,8 +7,9 @@ kernels_cu/flash_bwd_sm90.cuh takes
 
 and runs where the sm80 backward's dK/dV kernel runs, between bwd_prep and bwd_dq_convert
 (cuflash/_backward.py), on a grid of n_blocks * heads * batch CTAs of 128 keys. dq_sem: the
-deterministic mode's turn counters, one per 64 x 64 dQ block (zeroed per call; null otherwise). The maps embed the
-data pointers, so the launch binds them per run from the plan's slots (tma.MapCache per tensor).
+deterministic mode's turn counters, one per 64 x 64 dQ block (zeroed per call; null otherwise).
+The maps embed the data pointers, so the launch binds them per run from the plan's slots
+(tma.MapCache per tensor).
 """
 from __future__ import annotations
 

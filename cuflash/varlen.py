@@ -176,7 +176,7 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
                    score_mod=None, backend=None):
     """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed); `alibi_slopes` and
     `score_mod` the forward's (a score snippet with its grad snippet); `backend` forces the dK/dV
-    kernel (None: the automatic choice, the sm80 kernels for variable-length batches today)."""
+    kernel (None: the automatic choice)."""
     import cupy
 
     from . import _backward
@@ -218,8 +218,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     `out` and `lse` are the forward's (lse (heads, total_q)). The mask options must be the forward's.
     deterministic=True: bitwise reproducible dq (a dQ kernel instead of fp32 atomics). dropout_p, seed:
     the forward's (the mask is regenerated from the seed, not stored). backend: the dK/dV kernel
-    (None: automatic, the sm80 one for variable-length batches; "sm90" forces the Hopper one, whose
-    variable-length instances have not yet run on a GPU; "sm80").
+    (None: automatic, the Hopper one on an H100/H200 at head_dim 64 and 128, else sm80; "sm90" or
+    "sm80" forces one; deterministic=True takes sm80's here).
     CuPy arrays, torch tensors (no autograd: call it yourself, or use attention_varlen on tensors
     that require grad) and other DLPack arrays."""
     families.check_backend(backend)

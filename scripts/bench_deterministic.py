@@ -3,8 +3,8 @@
     PYTHONPATH=$PWD python scripts/bench_deterministic.py [--json out.json]
 
 bf16, 16k tokens per batch, heads x head_dim = 2048 (the benchmark's shapes), d64 and d128, seqlen
-2048 and 8192, causal and not. Times the default backward (atomic dQ: the Hopper kernel on an
-H100/H200), the Hopper deterministic mode (forced: backend="sm90") and the sm80 deterministic one
+2048 and 8192, causal and not. Times the default backward (dQ's additions unordered: the Hopper
+kernel on an H100/H200, its bulk reductions), the Hopper deterministic mode (forced: backend="sm90") and the sm80 deterministic one
 (flash_bwd_dq), CUDA events, median of 20 after warm-up, two input sets rotated.
 """
 import argparse

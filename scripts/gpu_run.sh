@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwdnext] [bwddet] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -110,15 +110,6 @@ for s in $stages; do
                SM90_BWD_CFG=$c timeout ${SM90_BWD_TIMEOUT:-90} python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 \
                  | grep -v Warning | tee -a "$OUT/sm90-bwd.log" | tail -12; echo "[cfg $c rc=${PIPESTATUS[0]}]"
              done ;;
-    bwdnext)  # what the eighth session wrote without a device: the fragment-order dQ tiles (check + time
-      # beside the shipped tile) and the forced Hopper varlen backward (its GPU test mode + timing)
-      for c in ${SM90_BWD_CFGS:-128,64,2,2,0,1 128,64,2,2,2,1 64,64,2,2,2,1}; do
-        SM90_BWD_CFG=$c timeout 90 python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 | grep -v -E "Warning|^ok" \
-          | tee -a "$OUT/bwdnext.log" | tail -8; echo "[cfg $c rc=${PIPESTATUS[0]}]"
-      done
-      timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_varlen_gpu.py -k "backward and sm90" 2>&1 \
-        | tee -a "$OUT/bwdnext.log" | tail -12
-      timeout 150 python3 scripts/bench_varlen.py --json "$OUT/bench-varlen.json" 2>&1 | tee -a "$OUT/bwdnext.log" | tail -4 ;;
     bwddet)  # the ninth session's Hopper deterministic backward (written without a device): its GPU
       # tests, the sanitizers over sanitize_features (which runs it), its speed against the atomic mode
       timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py -k "deterministic or refuses" 2>&1 \

@@ -143,9 +143,9 @@ BWD_SM90 = KernelFamily(
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
     arch_specific=True, backend="sm90", takes_partial_d=False,
     domain=lambda d: [Sm90BwdConfig(d, 64, 2, s, b, o) for s in (2, 3) for b in (0, 1, 2) for o in (0, 1)],
-    # The overlapped fragment-order tile first, then the same with atomics. Every tile of the domain compiles without spills (NVRTC 13.0
-    # and 13.5, sm_90a), dense and with a window, softcap or ALiBi, since acc_dq no longer lives
-    # around the consumers' loop (dq_wg in sm90/bwd.cuh: it cost 32 registers, and the store-warp
+    # The overlapped fragment-order tile first, then the same with atomics. Every tile of the
+    # domain compiles without spills (NVRTC 13.0 and 13.5, sm_90a), dense and with a window,
+    # softcap or ALiBi, since acc_dq no longer lives around the consumers' loop (dq_wg in sm90/bwd.cuh: it cost 32 registers, and the store-warp
     # tile spilled 16 B, 40 B with ALiBi and softcap); the one exception is marked below.
     defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 2, 1), Sm90BwdConfig(64, 64, 2, 2, 0, 1)),
               128: (Sm90BwdConfig(128, 64, 2, 2, 2, 1), Sm90BwdConfig(128, 64, 2, 2, 0, 1))},
