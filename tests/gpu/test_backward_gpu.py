@@ -146,8 +146,9 @@ def test_sm90_backward_matches_reference(nq, nk, causal, d, dtype):
 @pytest.mark.parametrize("nq,nk", [(1, 1), (113, 203), (203, 113), (256, 256), (1000, 1000), (1031, 517)])
 def test_sm90_deterministic_backward_matches_reference_and_repeats_bitwise(nq, nk, causal, d, dtype):
     """The Hopper backward's deterministic mode (dQ's block reductions in key-block order behind
-    turn counters): the 2x rule, three runs bitwise equal, and dK, dV bitwise those of the atomic
-    mode (the same products; only dQ's order differs)."""
+    turn counters): the 2x rule and three runs bitwise equal. dK and dV are not compared bitwise
+    with the atomic mode's: this mode walks the query blocks from the last, so their fp32 sums
+    round in another order (the 2x rule holds for both)."""
     import cupy
     from cuflash import _backward
 
@@ -158,9 +159,6 @@ def test_sm90_deterministic_backward_matches_reference_and_repeats_bitwise(nq, n
     for _ in range(2):
         for a, b in zip(first, run(True)):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
-    fast = run(False)
-    for a, b in zip(first[1:], fast[1:]):
-        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
 
 
 @pytest.mark.parametrize("kw", [dict(window_size=(100, 20)), dict(causal=True, window_size=(300, 0)),
