@@ -267,8 +267,8 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     the record `mask` or the mask keywords (`causal=True`, ...), as the forward (cuflash/_forward.py).
     `config` / `dq_config` override the selected kernel configs (tuner, tests).
     `backend`: None (automatic: the Hopper dK/dV kernel on a cc 9.0 GPU at head_dim 64 and 128
-    where it can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0;
-    its deterministic mode only when forced, for now) to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
+    where it can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0)
+    to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
     `score_mod`: the forward's cuflash.ScoreMod; a score snippet needs its `grad` snippet here.
     `block_mask`: the forward's cuflash.BlockMask (the dK/dV kernels, sm80 and Hopper, read its
     transposed lists, the dQ kernel its lists).

@@ -584,14 +584,13 @@ def test_sm90_backward_is_automatic_at_d64_and_d128_and_says_why_it_cannot_run(m
     d128 = _problem_bwd(d=128)
     assert _backward._main_family(d128, None, None) is families.BWD_SM90
     # d64 too since the overlapped tile (1.44x the sm80 kernel on the H200); the deterministic mode
-    # only when forced until it has run on a GPU
+    # too (its dq_bulk 3 twin: 1.2-1.5x the sm80 deterministic backward), but not with a block mask
     assert p.features.head_dim == 64 and _backward._main_family(p, None, None) is families.BWD_SM90
     assert _backward._main_family(_problem_bwd(d=96), None, None) is families.BWD  # no sm90 instance
     det = dataclasses.replace(d128, deterministic=True)
-    assert _backward._main_family(det, None, None) is families.BWD
-    assert _backward._main_family(det, None, "sm90") is families.BWD_SM90
-    with pytest.raises(RuntimeError, match="bwd_sm90: runs deterministic only when forced"):
-        families.choose((families.BWD_SM90,), det)
+    assert _backward._main_family(det, None, None) is families.BWD_SM90
+    with pytest.raises(RuntimeError, match="deterministic mode does not take variable-length"):
+        families.choose((families.BWD_SM90,), dataclasses.replace(det, varlen=True))
     monkeypatch.setenv(families.BACKEND_ENV, "sm80")
     assert _backward._main_family(d128, None, None) is families.BWD
     with pytest.raises(ValueError, match="backend must be"):
@@ -758,3 +757,26 @@ def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(fake_backward_plan
         assert args[0] == ("map", (64, 300, 2, 4, 1), 0x2000) and args[1] == ("map", (64, 500, 2, 4, 1), 0x3000)
         assert tuple(a.data.ptr for a in args[10:12]) == (0x7000, 0x8000)  # cu_seqlens_q, _k after dk, dv, dq_sem
 
+
+
+def _grouped(bid, n_blocks, bh_total, group):
+    """attn/scheduler.cuh schedule_blocks_grouped, transcribed: blockIdx -> (key block, bh)."""
+    g = bid // (n_blocks * group)
+    rem = bid - g * n_blocks * group
+    heads_in = min(group, bh_total - g * group)
+    return rem // heads_in, g * group + rem % heads_in
+
+
+@pytest.mark.parametrize("n_blocks,bh_total,group", [(64, 32, 17), (16, 128, 66), (64, 1, 1), (5, 7, 3), (3, 4, 4),
+                                                     (1, 9, 2)])
+def test_deterministic_schedule_is_a_bijection_waiting_only_on_lower_indices(n_blocks, bh_total, group):
+    """The deterministic Hopper backward's grouped schedule covers every (key block, head) once, and a
+    CTA's predecessor in every dQ block's turn (the same head's previous key block) has a lower
+    blockIdx, so it was dispatched no later (no deadlock); a wave of the first CTAs holds about
+    group heads' first key blocks."""
+    total = n_blocks * bh_total
+    index = {_grouped(b, n_blocks, bh_total, group): b for b in range(total)}
+    assert len(index) == total and set(index) == {(n, h) for n in range(n_blocks) for h in range(bh_total)}
+    assert all(index[(n - 1, h)] < b for (n, h), b in index.items() if n > 0)
+    first = [_grouped(b, n_blocks, bh_total, group) for b in range(min(total, n_blocks * group))]
+    assert max(n for n, _ in first) == -(-len(first) // min(group, bh_total)) - 1

@@ -148,11 +148,6 @@ def choose(candidates: tuple, problem, backend: str | None = None, props=None) -
         if fam.auto_head_dims is not None and problem.features.head_dim not in fam.auto_head_dims:
             reasons.append(f"{fam.name}: not chosen automatically at head_dim {problem.features.head_dim}")
             continue
-        manual = [v for v in sorted(fam.manual_variants)
-                  if getattr(problem, v, False) or getattr(problem.features, v, False)]
-        if manual:
-            reasons.append(f"{fam.name}: runs {', '.join(manual)} only when forced (backend={fam.backend!r})")
-            continue
         why = fam.cannot_run(problem, props)
         if why is None:
             return fam

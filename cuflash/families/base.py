@@ -69,9 +69,6 @@ class KernelFamily:
     # head dims at which the automatic choice (families.choose with no backend) may take this
     # family, where it was measured faster than the next candidate; None: every head dim it supports
     auto_head_dims: frozenset | None = None
-    # call properties (AttnProblem or Features attribute names) with which this family runs only when
-    # forced (backend=...), never by the automatic choice: instances written but not yet run on a GPU
-    manual_variants: frozenset = frozenset()
     # --- selection
     domain: Callable  # head_dim -> the tiles the kernel's template admits, in search order (before fitting)
     defaults: Mapping[int, tuple]  # head_dim -> heuristic tiles, in order of preference; the first that fits wins

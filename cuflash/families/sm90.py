@@ -160,8 +160,7 @@ BWD_SM90 = KernelFamily(
     # variable-length batches (their dQ by atomics whatever the tile's dq_bulk: kDqMode in
     # sm90/bwd.cuh): 351 TFLOP/s on the H200 where the sm80 kernel gives 202 (scripts/bench_varlen.py)
     takes_varlen=True,
-    # the deterministic mode (the tile's dq_bulk 3 twin: dQ's block reductions in key-block order):
-    # written 2026-12-02 without a device, so only when forced until the GPU tests have run it
-    manual_variants=frozenset({"deterministic"}),
+    # the deterministic mode: the tile's dq_bulk 3 twin (dQ's block reductions in key-block order),
+    # faster than the sm80 deterministic backward on the H200 (scripts/bench_deterministic.py)
     tuned_by_default=False,
 )

@@ -35,12 +35,13 @@
 //            1 / (1 - p) at the end
 //   DQ_BULK 3  the deterministic mode: DQ_BULK 2 with each dQ block's reductions in key-block
 //            order. dq_sem holds one turn counter per dQ block (bh, m, dQ consumer), zeroed by the
-//            plan; the consumer thread that issues a block's reduction first waits until the counter
-//            equals its key block's rank among the key blocks that visit m (attn/block_range.cuh:
-//            key_blocks enumerates them), then waits for the reduction to complete and increments
-//            it. A CTA only ever waits for CTAs of lower index (dispatched no later), and walks its
+//            plan. The consumers stage their blocks for a store warp of the producer warpgroup (as
+//            DQ_BULK 1), whose lane 0 first waits until a block's counter equals its key block's
+//            rank among the key blocks that visit m (attn/block_range.cuh: key_blocks enumerates
+//            them), issues the reduction, and once it is complete increments the counter. A CTA only ever waits for CTAs of lower index (dispatched no later), and walks its
 //            query blocks from the last: under a causal mask every key block's first block is then
-//            the last query block, which key block 0 reaches first.
+//            the last query block, which key block 0 reaches first. The CTAs go by head groups
+//            (attn/scheduler.cuh, schedule_blocks_grouped) so few of a head's key blocks wait at once.
 // Not yet: overlap across query blocks, a persistent schedule.
 #pragma once
 #include "attn/block_mask.cuh"
@@ -129,8 +130,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     const int n_heads = params.heads;
     const int n_blocks = params.n_blocks;
     // key blocks fastest, in natural order: under a causal mask the early key blocks see the most
-    // query blocks, so the heaviest CTAs start first
-    const BlockCoord blk = schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
+    // query blocks, so the heaviest CTAs start first. kOrdered: heads fastest within groups
+    // (attn/scheduler.cuh: schedule_blocks_grouped), against the turns' staircase
+    const int bh_total = params.batch * n_heads;
+    const BlockCoord blk = kOrdered ? schedule_blocks_grouped(blockIdx.x, n_blocks, n_heads, bh_total,
+                                                              ordered_group_heads(bh_total, (params.seqlen_q + BR - 1) / BR))
+                                    : schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
     const int n0 = blk.block * BC;
     // V::kVarlen: q, k, v, dout (and dq, dk, dv) are packed (total, heads, D), mapped as one batch of
     // all the rows; blk.batch is the sequence, its rows and lengths the offsets'; the maps read past
@@ -187,6 +192,50 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 const long long row = ws0 + m0;
                 bulk_load_1d(sLse + s * Tr::kStatBytes, lse2 + row, Tr::kStatBytes, bar_full(s));
                 bulk_load_1d(sDelta + s * Tr::kStatBytes, delta + row, Tr::kStatBytes, bar_full(s));
+            }
+        }
+        if constexpr (kOrdered) {
+            if (tid / 32 == 1 && n_iter > 0) {
+                // the dQ store warp of the deterministic mode: per query block, each dQ consumer's
+                // staged block goes to dq_acc by one bulk reduction at this key block's turn; the
+                // staging is freed once read, and the turns passed on once the reductions are done
+                // in global memory. Here, not in the consumers: the turn's wait and the reduction's
+                // round trip would stall a consumer warpgroup every block (0.65-0.7x the atomic
+                // mode on the H200 when the consumers did it)
+                const int lane = tid % 32;
+                const long long pad = params.seqlen_q_pad;
+#pragma unroll
+                for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
+                for (int it = 0; it < n_iter; ++it) {
+                    const int m = block_at(it);
+                    // this key block's rank among those visiting query block m
+                    const int rank = blk.block - key_blocks<BR, BC, V::kLocal>(geo, m * BR).begin;
+                    const long long blk_id0 = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups;
+#pragma unroll
+                    for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
+                        named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
+                        if (lane == 0) {
+                            while (ld_acquire_gpu(dq_sem + blk_id0 + c) != rank) __nanosleep(32);
+                            fence_proxy_async_global();  // the reduction below after what the acquire saw
+                            bulk_reduce_add_f32(dq_acc + (blk_id0 + c) * (Tr::kDqFragBytes / 4), sDQ + c * Tr::kDqFragBytes,
+                                                Tr::kDqFragBytes);
+                            bulk_commit();
+                        }
+                    }
+                    if (lane == 0) bulk_wait_read0();
+                    __syncwarp();
+                    // the consumers' last block has no next staging to wait for
+                    if (it + 1 < n_iter) {
+#pragma unroll
+                        for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
+                    }
+                    if (lane == 0) {
+                        bulk_wait0();                // the reductions are done in global memory, not only read
+                        fence_proxy_async_global();  // ... and ordered before the release
+#pragma unroll
+                        for (int c = 0; c < Tr::kDqWarpgroups; ++c) red_release_gpu_add(dq_sem + blk_id0 + c, 1);
+                    }
+                }
             }
         }
         if constexpr (kDqMode == 1) {
@@ -481,29 +530,26 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     // the block in fragment order (Sm90BwdTraits::kDqStageBytes), then one bulk
                     // reduction of all of it into dq_acc's block (bh, m, cw), stored in that order
                     const u32 stage = sDQ + cw * Tr::kDqFragBytes;
-                    if (ctid == 0) bulk_wait_read0();  // the last block's reduction has read the staging
-                    named_bar_sync(Tr::kBarDqFull + cw, 128);
+                    if constexpr (kOrdered) {
+                        named_bar_sync(Tr::kBarDqEmpty + cw, Tr::kDqBarThreads);  // the store warp has read the last block
+                    } else {
+                        if (ctid == 0) bulk_wait_read0();  // the last block's reduction has read the staging
+                        named_bar_sync(Tr::kBarDqFull + cw, 128);
+                    }
                     const u32 sthr = opaque(stage) + 16 * ctid;
 #pragma unroll
                     for (int nt = 0; nt < 8; ++nt)
                         asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(sthr + nt * 128 * 16),
                                      "f"(acc_dq[nt][0]), "f"(acc_dq[nt][1]), "f"(acc_dq[nt][2]), "f"(acc_dq[nt][3]) : "memory");
                     fence_proxy_async();  // generic-proxy stores, read next by the bulk reduction
-                    named_bar_sync(Tr::kBarDqFull + cw, 128);
-                    if (ctid == 0) {
-                        const long long blk_id = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups + cw;
-                        if constexpr (kOrdered) {
-                            // this key block's turn at dQ block blk_id: its rank among those visiting m
-                            const int rank = blk.block - key_blocks<BR, BC, V::kLocal>(geo, m0).begin;
-                            while (ld_acquire_gpu(dq_sem + blk_id) != rank) __nanosleep(32);
-                            fence_proxy_async_global();  // the reduction below after what the acquire saw
-                        }
-                        bulk_reduce_add_f32(dq_acc + blk_id * (Tr::kDqFragBytes / 4), stage, Tr::kDqFragBytes);
-                        bulk_commit();
-                        if constexpr (kOrdered) {
-                            bulk_wait0();                // the reduction is done in global memory, not only read
-                            fence_proxy_async_global();  // ... and ordered before the release
-                            red_release_gpu_add(dq_sem + blk_id, 1);
+                    if constexpr (kOrdered) {
+                        named_bar_arrive(Tr::kBarDqFull + cw, Tr::kDqBarThreads);  // to the store warp
+                    } else {
+                        named_bar_sync(Tr::kBarDqFull + cw, 128);
+                        if (ctid == 0) {
+                            const long long blk_id = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups + cw;
+                            bulk_reduce_add_f32(dq_acc + blk_id * (Tr::kDqFragBytes / 4), stage, Tr::kDqFragBytes);
+                            bulk_commit();
                         }
                     }
                 } else if constexpr (kDqMode == 1) {
@@ -539,8 +585,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             }
         }
 
-        // DQ_BULK 2, 3: the last reduction's source is this CTA's shared memory
-        if constexpr (kDqMode >= 2) {
+        // DQ_BULK 2: the last reduction's source is this CTA's shared memory (3: the store warp's)
+        if constexpr (kDqMode == 2) {
             if (ctid == 0) bulk_wait_read0();
         }
 

@@ -40,7 +40,8 @@ struct Sm90BwdTraits {
     // row. DQ_BULK 2: in fragment order (kDqFragBytes each, no padding: thread ctid's float4 nt at
     // (nt * 128 + ctid) * 16, conflict-free), added by one 1-D bulk reduction of the whole block,
     // issued by the consumer itself, into a dq_acc in the same order (bwd_dq_convert_frag reads it)
-    // DQ_BULK 3: as 2, each block's reduction in key-block order (the deterministic mode, sm90/bwd.cuh)
+    // DQ_BULK 3: as 2, each block's reduction in key-block order, issued by the store warp (the
+    // deterministic mode, sm90/bwd.cuh)
     static_assert(DQ_BULK >= 0 && DQ_BULK <= 3, "dq_bulk 0 to 3");
     static constexpr int kDqRowBytes = 64 * 4 + 16;
     static constexpr int kDqFragBytes = 64 * 64 * 4;

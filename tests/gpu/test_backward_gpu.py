@@ -74,11 +74,11 @@ def test_deterministic_is_bitwise_reproducible(causal):
         _, _, again = _fwd_bwd(q, k, v, dout, causal, deterministic=True)
         for a, b in zip(first, again):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
-    # the atomic path agrees with it to rounding (dk, dv are computed identically)
+    # the atomic path agrees with it to rounding (the Hopper kernel's deterministic mode sums dK and
+    # dV over the query blocks in another order too, so none of the three is compared bitwise)
     _, _, fast = _fwd_bwd(q, k, v, dout, causal, deterministic=False)
-    assert bool((fast[1].view(cupy.uint16) == first[1].view(cupy.uint16)).all())
-    assert bool((fast[2].view(cupy.uint16) == first[2].view(cupy.uint16)).all())
-    assert float(cupy.abs(fast[0].astype(cupy.float32) - first[0].astype(cupy.float32)).max()) < 2e-2
+    for a, b in zip(fast, first):
+        assert float(cupy.abs(a.astype(cupy.float32) - b.astype(cupy.float32)).max()) < 2e-2
 
 
 def test_backward_strided_inputs_match_contiguous():

@@ -258,11 +258,14 @@ def test_same_seed_same_bits_other_seed_differs(causal):
             if name != "lse":
                 assert not _same_bits(a, b), f"{name} is the same for seeds {seed} and {other}"
         assert _same_bits(first[1], again[1])  # lse does not depend on the mask
-    # the atomic dQ path: dk, dv are computed identically, dq to rounding
+    # the atomic dQ path: the same mask, so the same gradients to rounding (the Hopper kernel's
+    # deterministic mode sums dK, dV over the query blocks in another order too)
     out, lse = first[:2]
     fast = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, deterministic=False, dropout_p=p,
                                       seed=seed)
-    assert _same_bits(fast[1], first[3]) and _same_bits(fast[2], first[4])
+    for a, b in zip(fast, first[2:]):
+        a, b = a.astype(cupy.float32), b.astype(cupy.float32)
+        assert float(cupy.abs(a - b).max()) <= 1e-2 * max(float(cupy.abs(b).max()), 1.0)
     # v1 with the same seed: the same mask, so v2's output to rounding (far closer than another seed's)
     v1 = cuflash.attention(q, k, v, causal=causal, algorithm="v1", dropout_p=p, seed=seed)
     f64 = lambda x: x.astype(cupy.float64)  # noqa: E731
