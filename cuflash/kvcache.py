@@ -242,7 +242,26 @@ def _paged_infos(q_info, k_cache, v_cache, table):
                          f"{k_cache.shape} and {v_cache.shape}")
     if k_cache.shape[1] == 0:
         raise ValueError("page_size (k_cache.shape[1]) must be at least 1")
+    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        info = problem.describe(x, name)
+        if why := page_layout_problem(info.shape, info.strides, info.itemsize):
+            raise ValueError(f"{name}: {why}")
     return out
+
+
+def page_layout_problem(shape: tuple, strides: tuple, itemsize: int) -> str | None:
+    """Why the decode kernel cannot address a paged cache of this (num_pages, page_size, heads_kv,
+    head_dim) shape and these byte strides, or None: it forms a page's offset as an unsigned 64-bit
+    product and a row's offset within its page in 32 bits (kernels_cu/sm80/decode.cuh,
+    load_kv_tile_paged)."""
+    n_pages, page, _, d = shape
+    page_stride, row_stride = (s // itemsize for s in strides[:2])
+    if (n_pages > 1 and page_stride < 0) or (page > 1 and row_stride < 0):
+        return f"pages and their rows need non-negative strides, got strides {tuple(strides)} bytes"
+    if (page - 1) * row_stride + d >= 2**31:
+        return (f"a page spans 2^31 elements or more (page_size {page}, row stride {row_stride} elements); "
+                f"use smaller pages")
+    return None
 
 
 def _lengths_kernel():

@@ -66,47 +66,85 @@ struct Sm80DecodeTraits {
 // copy it stalled the tile's issue for a load latency every tile (paged caches read at 0.73-0.90x
 // of contiguous ones, H200, 2026-12-01); fetched one iteration earlier, the previous tile's
 // compute covers it. Rows at or past seqlen_k are not looked up (their chunks are zero-filled).
+// Where CH divides THREADS a thread's rows are row0 + kStep i: one division by the page size per
+// tile, then (page, row in page) advanced by kStep (PageWalk); a division per chunk in both the
+// lookup and the copy doubled the kernel's instructions and held paged caches at ~0.55-0.6x of
+// contiguous ones in cells the contiguous kernel reads at the copy bandwidth (H200, 2026-12-02).
 template <int BC, int CH, int THREADS>
 struct PagedTileRows {
     static constexpr int kChunks = BC * CH;
     static constexpr int kPer = (kChunks + THREADS - 1) / THREADS;
+    static constexpr bool kWalk = THREADS % CH == 0;  // a thread's chunks: one column c, rows kStep apart
+    static constexpr int kStep = kWalk ? THREADS / CH : 0;
     int page[kPer];
+
+    // (block-table entry, row within its page) of a row, advanced a fixed number of rows at a time
+    struct PageWalk {
+        int entry, in;
+        __device__ __forceinline__ PageWalk(int row, int page_size) : entry(row / page_size), in(row - entry * page_size) {}
+        __device__ __forceinline__ void advance(int page_size) {
+            in += kStep;
+            const bool next = in >= page_size;  // a page further (at most one when kStep <= page_size)
+            in -= next ? page_size : 0;
+            entry += next;
+            if (in >= page_size) {  // pages of fewer than kStep rows
+                entry += in / page_size;
+                in %= page_size;
+            }
+        }
+    };
 
     __device__ __forceinline__ void fetch(const int* __restrict__ table_row, int page_size, int n_block, int seqlen_k,
                                           int tid) {
+        if constexpr (kWalk) {
+            const int row0 = n_block * BC + tid / CH;
+            PageWalk w(row0, page_size);
 #pragma unroll
-        for (int i = 0; i < kPer; ++i) {
-            const int idx = tid + i * THREADS, row = n_block * BC + idx / CH;
-            const bool ok = (kChunks % THREADS == 0 || idx < kChunks) && row < seqlen_k;
-            page[i] = ok ? __ldg(table_row + row / page_size) : 0;
+            for (int i = 0; i < kPer; ++i) {
+                const bool ok = (kChunks % THREADS == 0 || tid + i * THREADS < kChunks) && row0 + i * kStep < seqlen_k;
+                page[i] = ok ? __ldg(table_row + w.entry) : 0;
+                w.advance(page_size);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) {
+                const int idx = tid + i * THREADS, row = n_block * BC + idx / CH;
+                const bool ok = (kChunks % THREADS == 0 || idx < kChunks) && row < seqlen_k;
+                page[i] = ok ? __ldg(table_row + row / page_size) : 0;
+            }
         }
     }
 };
 
 // K and V rows [n_block * BC, + BC) of one batch's pages into a ring slot (the swizzled layout of
 // load_tile, sm80/tile_copy.cuh), the rows' pages fetched beforehand (PagedTileRows::fetch for
-// this n_block). Rows at or past seqlen_k are zero-filled.
+// this n_block, with the rows' places in them where it walked them). Rows at or past seqlen_k are
+// zero-filled (their page is 0, a real page: the address is formed, never read). A row's offset
+// within its page is 32-bit (k_sn, v_sn as int: the host refuses pages of 2^31 elements or more,
+// cuflash/kvcache.py), the page's 64-bit: ~5 instructions per chunk and tensor, where 64-bit
+// products throughout took ~12.
 template <int BC, int CH, int THREADS>
 __device__ __forceinline__ void load_kv_tile_paged(u32 sK_slot, u32 sV_slot, const elem_t* kg, const elem_t* vg,
-                                                   long long k_sn, long long v_sn, long long k_sp, long long v_sp,
+                                                   int k_sn, int v_sn, long long k_sp, long long v_sp,
                                                    const PagedTileRows<BC, CH, THREADS>& rows, int page_size,
                                                    int n_block, int seqlen_k, int tid) {
+    using Rows = PagedTileRows<BC, CH, THREADS>;
     constexpr int CHUNKS = BC * CH;
+    typename Rows::PageWalk w(Rows::kWalk ? n_block * BC + tid / CH : 0, Rows::kWalk ? page_size : 1);
 #pragma unroll
     for (int i = 0; i < (CHUNKS + THREADS - 1) / THREADS; ++i) {
         const int idx = tid + i * THREADS;
         if (CHUNKS % THREADS == 0 || idx < CHUNKS) {
             const int tr = idx / CH, c = idx % CH, row = n_block * BC + tr;
             const bool ok = row < seqlen_k;
-            long long ko = 0, vo = 0;
-            if (ok) {
-                const long long page = rows.page[i], in = row % page_size;
-                ko = page * k_sp + in * k_sn + c * 8;
-                vo = page * v_sp + in * v_sn + c * 8;
-            }
-            cp_async_16(sK_slot + swz<CH>(tr, c), kg + ko, ok);
-            cp_async_16(sV_slot + swz<CH>(tr, c), vg + vo, ok);
+            const unsigned page = (unsigned)rows.page[i];
+            const int in = Rows::kWalk ? w.in : row % page_size;
+            const elem_t* ks = kg + (page * (unsigned long long)k_sp + (unsigned)(in * k_sn + c * 8));
+            const elem_t* vs = vg + (page * (unsigned long long)v_sp + (unsigned)(in * v_sn + c * 8));
+            cp_async_16(sK_slot + swz<CH>(tr, c), ks, ok);
+            cp_async_16(sV_slot + swz<CH>(tr, c), vs, ok);
         }
+        if constexpr (Rows::kWalk) w.advance(page_size);
     }
 }
 
@@ -177,7 +215,7 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     auto load_kv = [&](int slot, int n_block) {  // paged: after fetch_pages(n_block)
         const u32 ks = sK + slot * Tr::kKVTileBytes, vs = sV + slot * Tr::kKVTileBytes;
         if constexpr (V::kPaged)
-            load_kv_tile_paged<BC, CH, kThreads>(ks, vs, kg, vg, params.k_sn, params.v_sn, params.k_sb, params.v_sb,
+            load_kv_tile_paged<BC, CH, kThreads>(ks, vs, kg, vg, (int)params.k_sn, (int)params.v_sn, params.k_sb, params.v_sb,
                                                  pages, params.page_size, n_block, seqlen_k, tid);
         else
             load_kv_tile<BC, CH, kThreads>(ks, vs, kg, params.k_sn, vg, params.v_sn, n_block, seqlen_k, tid);
