@@ -321,7 +321,8 @@ class Sm90BwdConfig(Tile):
     stages: int = _axis("s", "depth of the TMA Q/dO ring")
     dq_bulk: int = _axis("dqb", "0: dQ added by atomics; 1: staged in smem and added by a store warp, a bulk "
                                "reduction per row; 2: staged in fragment order, one bulk reduction per block; "
-                               "3: as 2 in key-block order (the deterministic mode's twin of a tile, not searched)")
+                               "3: as 2 in key-block order by the store warp (the deterministic mode's twin of a "
+                               "tile, not searched); 4: as 2, the reductions issued by the store warp")
     overlap: int = _axis("ov", "1: a block's element-wise work under its GEMMs (dP^T under exp(S^T), dV under the "
                                "dS^T barrier, dQ's store under dK); 0: each GEMM waited on before the work after it")
 
@@ -344,8 +345,8 @@ class Sm90BwdConfig(Tile):
         # K and V, stages x (Q + dO), two dS^T images (Sm90BwdTraits::kSmemBytes counts the first KiB
         # of slack, for the 1024-B alignment of the base) + a KiB for the static barriers
         d = self.head_dim
-        # Sm90BwdTraits::kDqStageBytes: padded rows (1) or fragment order (2)
-        dq_stage = (d // 64) * 64 * ((64 * 4 + 16) if self.dq_bulk == 1 else 64 * 4) if self.dq_bulk else 0  # 2, 3: the same
+        # Sm90BwdTraits::kDqStageBytes: padded rows (1) or fragment order (2, 3, 4)
+        dq_stage = (d // 64) * 64 * ((64 * 4 + 16) if self.dq_bulk == 1 else 64 * 4) if self.dq_bulk else 0
         stats = 2 * self.stages * self.block_q * 4  # lse2 and delta per stage (kStatBytes)
         return (2 * 2 * self.block_k * d + 2 * self.stages * 2 * self.block_q * d + 2 * 2 * self.block_k * self.block_q
                 + dq_stage + stats + SM90_SMEM_SLACK)
@@ -359,8 +360,8 @@ class Sm90BwdConfig(Tile):
             return f"consumers must be 2, got {self.consumers}"
         if self.stages not in (2, 3, 4):
             return f"stages must be 2, 3 or 4, got {self.stages}"
-        if self.dq_bulk not in (0, 1, 2, 3):
-            return f"dq_bulk must be 0, 1, 2 or 3, got {self.dq_bulk}"
+        if self.dq_bulk not in (0, 1, 2, 3, 4):
+            return f"dq_bulk must be 0 to 4, got {self.dq_bulk}"
         if self.overlap not in (0, 1):
             return f"overlap must be 0 or 1, got {self.overlap}"
         return None

@@ -106,7 +106,7 @@ for s in $stages; do
       python3 -m cuflash.bench --head-dims 256 --seqlens 2048 8192 --reps 20 --json "$OUT/bench-d256.json" 2>&1 \
         | tee -a "$OUT/bench-shapes.log" | tail -8 ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
-    sm90bwd) for c in ${SM90_BWD_CFGS:-128,64,2,2,0,1 128,64,2,2,2,1 128,64,2,3,2,1 64,64,2,2,0,1 64,64,2,2,2,1}; do
+    sm90bwd) for c in ${SM90_BWD_CFGS:-128,64,2,2,2,1 128,64,2,2,4,1 64,64,2,2,2,1 64,64,2,2,4,1}; do  # dq_bulk 4: not yet run
                SM90_BWD_CFG=$c timeout ${SM90_BWD_TIMEOUT:-90} python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 \
                  | grep -v Warning | tee -a "$OUT/sm90-bwd.log" | tail -12; echo "[cfg $c rc=${PIPESTATUS[0]}]"
              done ;;

@@ -202,7 +202,7 @@ def run_bwd(cfg, dout, q, k, v, out, lse, causal):
     return _plan(("bwd", tile, _arrays_key(*arrays), causal), build).run(arrays)
 
 
-BWD_CFGS = {128: [(128, 64, 2, 2, b, o) for o in (0, 1) for b in (0, 1, 2)], 64: [(64, 64, 2, 2, b, o) for o in (0, 1) for b in (0, 1, 2)]}
+BWD_CFGS = {d: [(d, 64, 2, 2, b, o) for o in (0, 1) for b in (0, 1, 2, 4)] for d in (128, 64)}
 # SM90_BWD_CFG="128,64,2,2,1,0" runs one tile alone (scripts/gpu_run.sh runs each under its own
 # timeout: on 2026-11-30 the run printed nothing for 180 s after the first tile, which looked like
 # a hang of the dq_bulk tile, never seen alone)

@@ -551,7 +551,10 @@ def test_sm90_backward_family():
     assert f.supports(Features("bfloat16", 128, True)) and f.supports(Features("bfloat16", 128))  # dropout too
     # dq_bulk 3 (the deterministic twin of a tile, not searched): the fragment order's staging
     assert Sm90BwdConfig(128, 64, 2, 2, 3, 1).smem_bytes == Sm90BwdConfig(128, 64, 2, 2, 2, 1).smem_bytes
-    assert Sm90BwdConfig(128, 64, 2, 2, 3, 1) not in f.domain(128) and "dq_bulk" in Sm90BwdConfig(128, 64, 2, 2, 4, 1).structural_problem()
+    # dq_bulk 4 (the fragment order's reductions issued by the store warp): searched, the same staging
+    assert Sm90BwdConfig(128, 64, 2, 2, 4, 1) in f.domain(128)
+    assert Sm90BwdConfig(128, 64, 2, 2, 4, 1).smem_bytes == Sm90BwdConfig(128, 64, 2, 2, 2, 1).smem_bytes
+    assert Sm90BwdConfig(128, 64, 2, 2, 3, 1) not in f.domain(128) and "dq_bulk" in Sm90BwdConfig(128, 64, 2, 2, 5, 1).structural_problem()
     src = _compile.kernel_source(t, Features("float16", 128))
     assert ("const __grid_constant__ cuflash::TmaMap tdo, const float* __restrict__ lse2" in src
             and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, 0, 0, cuflash::Variant<false, false, false, false, false, false, false, false, false, false, false>>" in src)
@@ -747,7 +750,7 @@ def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(fake_backward_plan
     cu = problem.ArrayInfo((4,), "int32", 4, (4,), 1 << 20, 0)
     lse = problem.ArrayInfo((4, 300), "float32", 4, (300 * 4, 4), 1 << 20, 0)
     p = resolve_backward(qi, qi, ki, ki, qi, lse, cu, cu, 200, 260, CAUSAL, None)
-    for dqb in (0, 2):
+    for dqb in (0, 2, 4):
         names.clear(), rec.clear()
         plan = _backward._plan(p, Sm90BwdConfig(128, 64, 2, 2, dqb, 1), None, np.float16)
         plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(8)))

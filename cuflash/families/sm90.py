@@ -142,7 +142,7 @@ BWD_SM90 = KernelFamily(
     params="BwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
     arch_specific=True, backend="sm90", takes_partial_d=False,
-    domain=lambda d: [Sm90BwdConfig(d, 64, 2, s, b, o) for s in (2, 3) for b in (0, 1, 2) for o in (0, 1)],
+    domain=lambda d: [Sm90BwdConfig(d, 64, 2, s, b, o) for s in (2, 3) for b in (0, 1, 2, 4) for o in (0, 1)],
     # The overlapped fragment-order tile first, then the same with atomics. Every tile of the
     # domain compiles without spills (NVRTC 13.0 and 13.5, sm_90a), dense and with a window,
     # softcap or ALiBi, since acc_dq no longer lives around the consumers' loop (dq_wg in sm90/bwd.cuh: it cost 32 registers, and the store-warp

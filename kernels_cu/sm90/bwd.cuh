@@ -23,7 +23,8 @@
 //              each thread, or (DQ_BULK 1) staged in smem and added by a store warp of WG 0 with
 //              1-D bulk reductions, one per row, or (DQ_BULK 2) staged in fragment order and added
 //              by one 1-D bulk reduction per block that the consumer issues (dq_acc in fragment
-//              order: bwd_dq_convert_frag)
+//              order: bwd_dq_convert_frag), or (DQ_BULK 4) as 2 but issued by the store warp
+//              (FlashAttention-3's arrangement: the consumers only stage and arrive)
 //   end      dK = scale dK, dV from registers to global memory.
 //   lse2, delta  bulk-copied per query block with Q_i and dO_i (same mbarrier) into shared memory
 //   OVERLAP  a block's element-wise work under its own GEMMs (Sm90BwdTraits::kSdpTogether,
@@ -105,10 +106,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     constexpr bool kDvLate = Tr::kDvAfterDs || V::kDropout;
     // how dQ reaches dq_acc: the tile's DQ_BULK, but atomics for variable-length batches with the
     // fragment order (2): their dq_acc is row-major, read by bwd_dq_convert_varlen
-    constexpr int kDqMode = V::kVarlen && DQ_BULK == 2 ? 0 : DQ_BULK;
+    constexpr int kDqMode = V::kVarlen && DQ_BULK >= 2 ? 0 : DQ_BULK;
     // the deterministic mode: dQ's reductions in key-block order (the plan refuses varlen and block
     // masks there: their dq_acc layout / an arbitrary set of key blocks per query block)
     constexpr bool kOrdered = DQ_BULK == 3;
+    // fragment-order blocks staged for the producer's store warp, which issues their reductions
+    // (3: in key-block order; 4: as they come)
+    constexpr bool kFragWarp = kDqMode >= 3;
     static_assert(!kOrdered || (!V::kVarlen && !V::kBlockMask), "the ordered dQ takes neither varlen nor block masks");
 
     extern __shared__ unsigned char smem[];
@@ -194,29 +198,31 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 bulk_load_1d(sDelta + s * Tr::kStatBytes, delta + row, Tr::kStatBytes, bar_full(s));
             }
         }
-        if constexpr (kOrdered) {
+        if constexpr (kFragWarp) {
             if (tid / 32 == 1 && n_iter > 0) {
-                // the dQ store warp of the deterministic mode: per query block, each dQ consumer's
-                // staged block goes to dq_acc by one bulk reduction at this key block's turn; the
-                // staging is freed once read, and the turns passed on once the reductions are done
-                // in global memory. Here, not in the consumers: the turn's wait and the reduction's
-                // round trip would stall a consumer warpgroup every block (0.65-0.7x the atomic
-                // mode on the H200 when the consumers did it)
+                // the dQ store warp of the fragment-order blocks: per query block, each dQ
+                // consumer's staged block goes to dq_acc by one bulk reduction (kOrdered: at this
+                // key block's turn); the staging is freed once read (kOrdered: the turns passed on
+                // once the reductions are done in global memory). Here, not in the consumers: the
+                // turn's wait and the reduction's round trip stalled a consumer warpgroup every
+                // block (0.65-0.7x the atomic mode on the H200 when the consumers did it)
                 const int lane = tid % 32;
                 const long long pad = params.seqlen_q_pad;
 #pragma unroll
                 for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
                 for (int it = 0; it < n_iter; ++it) {
                     const int m = block_at(it);
-                    // this key block's rank among those visiting query block m
-                    const int rank = blk.block - key_blocks<BR, BC, V::kLocal>(geo, m * BR).begin;
+                    // kOrdered: this key block's rank among those visiting query block m
+                    const int rank = kOrdered ? blk.block - key_blocks<BR, BC, V::kLocal>(geo, m * BR).begin : 0;
                     const long long blk_id0 = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups;
 #pragma unroll
                     for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
                         named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
                         if (lane == 0) {
-                            while (ld_acquire_gpu(dq_sem + blk_id0 + c) != rank) __nanosleep(32);
-                            fence_proxy_async_global();  // the reduction below after what the acquire saw
+                            if constexpr (kOrdered) {
+                                while (ld_acquire_gpu(dq_sem + blk_id0 + c) != rank) __nanosleep(32);
+                                fence_proxy_async_global();  // the reduction below after what the acquire saw
+                            }
                             bulk_reduce_add_f32(dq_acc + (blk_id0 + c) * (Tr::kDqFragBytes / 4), sDQ + c * Tr::kDqFragBytes,
                                                 Tr::kDqFragBytes);
                             bulk_commit();
@@ -229,7 +235,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                         for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
                     }
-                    if (lane == 0) {
+                    if (kOrdered && lane == 0) {
                         bulk_wait0();                // the reductions are done in global memory, not only read
                         fence_proxy_async_global();  // ... and ordered before the release
 #pragma unroll
@@ -530,7 +536,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     // the block in fragment order (Sm90BwdTraits::kDqStageBytes), then one bulk
                     // reduction of all of it into dq_acc's block (bh, m, cw), stored in that order
                     const u32 stage = sDQ + cw * Tr::kDqFragBytes;
-                    if constexpr (kOrdered) {
+                    if constexpr (kFragWarp) {
                         named_bar_sync(Tr::kBarDqEmpty + cw, Tr::kDqBarThreads);  // the store warp has read the last block
                     } else {
                         if (ctid == 0) bulk_wait_read0();  // the last block's reduction has read the staging
@@ -542,7 +548,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(sthr + nt * 128 * 16),
                                      "f"(acc_dq[nt][0]), "f"(acc_dq[nt][1]), "f"(acc_dq[nt][2]), "f"(acc_dq[nt][3]) : "memory");
                     fence_proxy_async();  // generic-proxy stores, read next by the bulk reduction
-                    if constexpr (kOrdered) {
+                    if constexpr (kFragWarp) {
                         named_bar_arrive(Tr::kBarDqFull + cw, Tr::kDqBarThreads);  // to the store warp
                     } else {
                         named_bar_sync(Tr::kBarDqFull + cw, 128);
@@ -585,7 +591,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             }
         }
 
-        // DQ_BULK 2: the last reduction's source is this CTA's shared memory (3: the store warp's)
+        // DQ_BULK 2: the last reduction's source is this CTA's shared memory (3, 4: the store warp's)
         if constexpr (kDqMode == 2) {
             if (ctid == 0) bulk_wait_read0();
         }

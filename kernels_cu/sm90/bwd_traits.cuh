@@ -41,8 +41,8 @@ struct Sm90BwdTraits {
     // (nt * 128 + ctid) * 16, conflict-free), added by one 1-D bulk reduction of the whole block,
     // issued by the consumer itself, into a dq_acc in the same order (bwd_dq_convert_frag reads it)
     // DQ_BULK 3: as 2, each block's reduction in key-block order, issued by the store warp (the
-    // deterministic mode, sm90/bwd.cuh)
-    static_assert(DQ_BULK >= 0 && DQ_BULK <= 3, "dq_bulk 0 to 3");
+    // deterministic mode, sm90/bwd.cuh); 4: as 2, issued by the store warp
+    static_assert(DQ_BULK >= 0 && DQ_BULK <= 4, "dq_bulk 0 to 4");
     static constexpr int kDqRowBytes = 64 * 4 + 16;
     static constexpr int kDqFragBytes = 64 * 64 * 4;
     static constexpr int kDqStageBytes = DQ_BULK == 1 ? (D / 64) * 64 * kDqRowBytes

@@ -140,6 +140,22 @@ def test_sm90_backward_matches_reference(nq, nk, causal, d, dtype):
     _check(grads, q, k, v, dout, causal, " (sm90)")
 
 
+@pytest.mark.parametrize("dq_bulk", [0, 1, 2, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_each_sm90_dq_path_matches_reference(d, dq_bulk):
+    """Each way the Hopper backward adds dQ (atomics; a store warp's row reductions; fragment-order
+    blocks reduced by the consumers or by the store warp), forced as the tile, causal and not, odd
+    lengths, by the 2x rule."""
+    from cuflash import _backward
+    from cuflash.tiles import Sm90BwdConfig
+
+    tile = Sm90BwdConfig(d, 64, 2, 2, dq_bulk, 1)
+    for nq, nk, causal in ((333, 555, False), (1031, 517, True)):
+        q, k, v, dout, out, lse = _sm90_case(nq, nk, causal, d, "bfloat16", f"dqb{dq_bulk}")
+        grads = _backward.backward(dout, q, k, v, out, lse, causal=causal, config=tile, backend="sm90")
+        _check(grads, q, k, v, dout, causal, f" (sm90 dq_bulk {dq_bulk})")
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
