@@ -39,7 +39,8 @@
 //            plan. The consumers stage their blocks for a store warp of the producer warpgroup (as
 //            DQ_BULK 1), whose lane 0 first waits until a block's counter equals its key block's
 //            rank among the key blocks that visit m (attn/block_range.cuh: key_blocks enumerates
-//            them), issues the reduction, and once it is complete increments the counter. A CTA only ever waits for CTAs of lower index (dispatched no later), and walks its
+//            them), issues the reduction, and once it is complete increments the counter. A CTA
+//            only ever waits for CTAs of lower index (dispatched no later), and walks its
 //            query blocks from the last: under a causal mask every key block's first block is then
 //            the last query block, which key block 0 reaches first. The CTAs go by head groups
 //            (attn/scheduler.cuh, schedule_blocks_grouped) so few of a head's key blocks wait at once.
