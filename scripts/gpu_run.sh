@@ -110,9 +110,10 @@ for s in $stages; do
                SM90_BWD_CFG=$c timeout ${SM90_BWD_TIMEOUT:-90} python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 \
                  | grep -v Warning | tee -a "$OUT/sm90-bwd.log" | tail -12; echo "[cfg $c rc=${PIPESTATUS[0]}]"
              done ;;
-    bwddet)  # the ninth session's Hopper deterministic backward (written without a device): its GPU
-      # tests, the sanitizers over sanitize_features (which runs it), its speed against the atomic mode
-      timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py -k "deterministic or refuses" 2>&1 \
+    bwddet)  # the Hopper deterministic backward (automatic on the H200 since the tenth session): its GPU
+      # tests and the race test, the sanitizers over sanitize_features (which runs it), its speed against the atomic mode
+      timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py tests/gpu/test_race_gpu.py \
+        -k "deterministic or refuses or race or atomic" 2>&1 \
         | tee -a "$OUT/bwddet.log" | tail -12
       for tool in memcheck racecheck synccheck; do
         timeout 120 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/sanitize_features.py 2>&1 \
