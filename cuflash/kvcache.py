@@ -236,16 +236,14 @@ def _paged_infos(q_info, k_cache, v_cache, table):
             raise ValueError(f"{name} must be (num_pages, page_size, heads_kv, head_dim) with block_table, "
                              f"got shape {info.shape}")
         n_pages, page, hk, d = info.shape
+        if page and (why := page_layout_problem(info.shape, info.strides, info.itemsize)):
+            raise ValueError(f"{name}: {why}")
         out.append(dataclasses.replace(info, shape=(q_info.shape[0], table.shape[1] * page, hk, d)))
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape (num_pages, page_size, heads_kv, head_dim), got "
                          f"{k_cache.shape} and {v_cache.shape}")
     if k_cache.shape[1] == 0:
         raise ValueError("page_size (k_cache.shape[1]) must be at least 1")
-    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        info = problem.describe(x, name)
-        if why := page_layout_problem(info.shape, info.strides, info.itemsize):
-            raise ValueError(f"{name}: {why}")
     return out
 
 

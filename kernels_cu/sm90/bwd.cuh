@@ -199,76 +199,67 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 bulk_load_1d(sDelta + s * Tr::kStatBytes, delta + row, Tr::kStatBytes, bar_full(s));
             }
         }
-        if constexpr (kFragWarp) {
+        if constexpr (kDqMode == 1 || kFragWarp) {
             if (tid / 32 == 1 && n_iter > 0) {
-                // the dQ store warp of the fragment-order blocks: per query block, each dQ
-                // consumer's staged block goes to dq_acc by one bulk reduction (kOrdered: at this
-                // key block's turn); the staging is freed once read (kOrdered: the turns passed on
-                // once the reductions are done in global memory). Here, not in the consumers: the
-                // turn's wait and the reduction's round trip stalled a consumer warpgroup every
-                // block (0.65-0.7x the atomic mode on the H200 when the consumers did it)
+                // the dQ store warp: per query block, each dQ consumer's staged block goes to
+                // dq_acc by bulk reductions, and its staging is freed once they have read it.
+                // DQ_BULK 1: one 256-byte reduction per row (two rows per lane). Fragment order
+                // (3, 4): one reduction per block (kOrdered: at this key block's turn, and the
+                // turns passed on once the reductions are done in global memory). Here, not in the
+                // consumers: the turn's wait and the reduction's round trip stalled a consumer
+                // warpgroup every block (0.65-0.7x the atomic mode on the H200 when the consumers did it)
                 const int lane = tid % 32;
                 const long long pad = params.seqlen_q_pad;
 #pragma unroll
                 for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
                 for (int it = 0; it < n_iter; ++it) {
-                    const int m = block_at(it);
-                    // kOrdered: this key block's rank among those visiting query block m
-                    const int rank = kOrdered ? blk.block - key_blocks<BR, BC, V::kLocal>(geo, m * BR).begin : 0;
-                    const long long blk_id0 = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups;
+                    if constexpr (kFragWarp) {
+                        const int m = block_at(it);
+                        // kOrdered: this key block's rank among those visiting query block m
+                        const int rank = kOrdered ? blk.block - key_blocks<BR, BC, V::kLocal>(geo, m * BR).begin : 0;
+                        const long long blk_id0 = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups;
 #pragma unroll
-                    for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
-                        named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
-                        if (lane == 0) {
-                            if constexpr (kOrdered) {
-                                while (ld_acquire_gpu(dq_sem + blk_id0 + c) != rank) __nanosleep(32);
-                                fence_proxy_async_global();  // the reduction below after what the acquire saw
+                        for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
+                            named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
+                            if (lane == 0) {
+                                if constexpr (kOrdered) {
+                                    while (ld_acquire_gpu(dq_sem + blk_id0 + c) != rank) __nanosleep(32);
+                                    fence_proxy_async_global();  // the reduction below after what the acquire saw
+                                }
+                                bulk_reduce_add_f32(dq_acc + (blk_id0 + c) * (Tr::kDqFragBytes / 4),
+                                                    sDQ + c * Tr::kDqFragBytes, Tr::kDqFragBytes);
+                                bulk_commit();
                             }
-                            bulk_reduce_add_f32(dq_acc + (blk_id0 + c) * (Tr::kDqFragBytes / 4), sDQ + c * Tr::kDqFragBytes,
-                                                Tr::kDqFragBytes);
-                            bulk_commit();
                         }
-                    }
-                    if (lane == 0) bulk_wait_read0();
-                    __syncwarp();
-                    // the consumers' last block has no next staging to wait for
-                    if (it + 1 < n_iter) {
-#pragma unroll
-                        for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
-                    }
-                    if (kOrdered && lane == 0) {
-                        bulk_wait0();                // the reductions are done in global memory, not only read
-                        fence_proxy_async_global();  // ... and ordered before the release
-#pragma unroll
-                        for (int c = 0; c < Tr::kDqWarpgroups; ++c) red_release_gpu_add(dq_sem + blk_id0 + c, 1);
-                    }
-                }
-            }
-        }
-        if constexpr (kDqMode == 1) {
-            if (tid / 32 == 1 && n_iter > 0) {
-                // the dQ store warp: per query block and dQ consumer, wait for the staged block,
-                // add its 64 rows to dq_acc (one 256-byte bulk reduction per row, two rows per
-                // lane), and free the staging once the reductions have read it
-                const int lane = tid % 32;
-                const long long pad = params.seqlen_q_pad;
-#pragma unroll
-                for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
-                for (int it = 0; it < n_iter; ++it) {
-                    const int m0 = block_at(it) * BR;
-#pragma unroll
-                    for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
-                        named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
-                        float* rows = dq_acc + (span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m0) * D + 64 * c;
-                        const u32 stage = sDQ + c * 64 * Tr::kDqRowBytes;
-#pragma unroll
-                        for (int r = lane; r < 64; r += 32)
-                            bulk_reduce_add_f32(rows + (long long)r * D, stage + r * Tr::kDqRowBytes, 64 * 4);
-                        bulk_commit();
-                        bulk_wait_read0();
+                        if (lane == 0) bulk_wait_read0();
                         __syncwarp();
-                        // the consumer's last block has no next staging to wait for
-                        if (it + 1 < n_iter) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
+                        // the consumers' last block has no next staging to wait for
+                        if (it + 1 < n_iter) {
+#pragma unroll
+                            for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
+                        }
+                        if (kOrdered && lane == 0) {
+                            bulk_wait0();                // the reductions are done in global memory, not only read
+                            fence_proxy_async_global();  // ... and ordered before the release
+#pragma unroll
+                            for (int c = 0; c < Tr::kDqWarpgroups; ++c) red_release_gpu_add(dq_sem + blk_id0 + c, 1);
+                        }
+                    } else {
+                        const int m0 = block_at(it) * BR;
+#pragma unroll
+                        for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
+                            named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
+                            float* rows = dq_acc + (span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m0) * D + 64 * c;
+                            const u32 stage = sDQ + c * 64 * Tr::kDqRowBytes;
+#pragma unroll
+                            for (int r = lane; r < 64; r += 32)
+                                bulk_reduce_add_f32(rows + (long long)r * D, stage + r * Tr::kDqRowBytes, 64 * 4);
+                            bulk_commit();
+                            bulk_wait_read0();
+                            __syncwarp();
+                            // the consumer's last block has no next staging to wait for
+                            if (it + 1 < n_iter) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
+                        }
                     }
                 }
             }
