@@ -2,19 +2,23 @@
 
 The kernel (kernels_cu/flash_fwd_sm90.cuh) takes
 
-    (const __grid_constant__ TmaMap tq, tk, tv, elem_t* out, float* lse, FwdParams' fields)
+    (const __grid_constant__ TmaMap tq, tk, tv, elem_t* out, float* lse, int* tile_counter, FwdParams' fields)
 
-on a 1-D grid of m_blocks * heads * batch blocks of (consumers + 1) * 128 threads, with the tile's
-dynamic shared memory. Everything but the three maps is the sm80 forward's (the same FwdParams,
+on a 1-D grid of (consumers + 1) * 128-thread blocks, with the tile's dynamic shared memory: one block
+per work tile (m_blocks * heads * batch of them; persistent 0), or one per SM (persistent 1: each
+strides over the tiles; 2: each draws its next tile from tile_counter, a per-stream int the kernel
+leaves at 0, kernels_cu/sm90/tile_feed.cuh; null otherwise). Everything but the three maps is the sm80 forward's (the same FwdParams,
 packed once per plan; out is written with ordinary stores at the strides FwdParams holds). The maps
 embed the data pointers, so the plan's launch binds them per run (launch.Launch.bind): three
 tma.MapCache lookups, which encode a map only for a pointer the plan has not seen lately.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from . import _compile, device, tma
 from ._forward import INPUTS, INPUTS_VARLEN, OUTPUTS, output_buffers, with_mod_inputs
-from .launch import Launch, Plan, check_grid
+from .launch import Buffer, Launch, Plan, check_grid
 from .params import pack_fwd
 from .problem import AttnProblem
 from .tiles import Sm90FwdConfig
@@ -31,7 +35,7 @@ def geometries(p: AttnProblem, cfg: Sm90FwdConfig) -> tuple:
 
 
 def binder(p: AttnProblem, cfg: Sm90FwdConfig, encoder=None):
-    """slots (q, k, v, out, lse, then cu_seqlens_q / _k, alibi_slopes, mod_aux and a block mask's lists
+    """slots (q, k, v, out, lse, tile_counter, then cu_seqlens_q / _k, alibi_slopes, mod_aux and a block mask's lists
     where the call has them) ->
     the kernel's leading arguments: map(q), map(k), map(v), the other slots as they are."""
     mq, mk, mv = (tma.MapCache(g, encoder=encoder) for g in geometries(p, cfg))
@@ -59,9 +63,12 @@ def plan(p: AttnProblem, cfg: Sm90FwdConfig, dtype, encoder=None) -> Plan:
     kernel = _compile.get_kernel(cfg, p.features, p.device)
     inputs = INPUTS_VARLEN if p.varlen else INPUTS
     inputs = with_mod_inputs(p, inputs)  # alibi_slopes, mod_aux after every other pointer, as the sm80 forward's
-    launch = Launch(kernel, (max(grid, 1),), (cfg.threads,), cfg.smem_bytes, pointers=inputs,
+    # the kernel's pointers: the inputs with the tile counter after lse
+    pointers = (*inputs[:5], "tile_counter", *inputs[5:])
+    counter = Buffer("tile_counter", (1,) if cfg.persistent == 2 else None, np.int32, per_stream=True)
+    launch = Launch(kernel, (max(grid, 1),), (cfg.threads,), cfg.smem_bytes, pointers=pointers,
                     bind=binder(p, cfg, encoder))
     params = pack_fwd(p, m_blocks)
     if p.block_mask is not None:  # entries per key-block list: the tile's key blocks
         params["bm_nb"] = -(-p.seqlen_k // cfg.block_k)
-    return Plan(p.device, inputs, output_buffers(p, dtype), (launch,), OUTPUTS, params)
+    return Plan(p.device, inputs, (*output_buffers(p, dtype), counter), (launch,), OUTPUTS, params)

@@ -53,12 +53,43 @@ def check_grid(n_blocks: int) -> None:
 class Buffer:
     """An array the plan provides when the caller does not: allocated per call, uninitialised (zeroed:
     set to 0 on the launches' stream first), from CuPy's pool on the current stream. shape None:
-    nothing is allocated, kernels get a null pointer."""
+    nothing is allocated, kernels get a null pointer. per_stream: not allocated per call but kept,
+    zeroed once, one per (device, stream, name) for the process: state its kernels return to zero
+    before they finish (the sm90 forward's dynamic tile counter, kernels_cu/sm90/tile_feed.cuh), which
+    launches on one stream may share because they run one after another (a second stream gets its
+    own, so concurrent launches never share one)."""
 
     name: str
     shape: tuple | None
     dtype: object = np.float32
     zeroed: bool = False
+    per_stream: bool = False
+
+
+_STREAM_SCRATCH: dict = {}
+_STREAM_SCRATCH_LOCK = threading.Lock()
+
+
+def stream_scratch(device: int, stream: int, name: str, shape: tuple, dtype) -> object:
+    """The per_stream Buffer `name` of (device, stream): a zeroed CuPy array, made at its first use. Its
+    zeroing is queued on CuPy's current stream; when the launches go to another stream (the torch
+    path) that stream is synchronised once so the zeros are in place before them."""
+    key = (device, stream, name)
+    arr = _STREAM_SCRATCH.get(key)
+    if arr is not None:
+        return arr
+    import cupy
+
+    with _STREAM_SCRATCH_LOCK:
+        arr = _STREAM_SCRATCH.get(key)
+        if arr is None:
+            with cupy.cuda.Device(device):
+                arr = cupy.zeros(shape, dtype=dtype)
+                current = cupy.cuda.get_current_stream()
+                if current.ptr != stream and not current.is_capturing():
+                    current.synchronize()
+            _STREAM_SCRATCH[key] = arr
+    return arr
 
 
 def _memset_zero(ptr: int, nbytes: int, stream: int) -> None:
@@ -197,8 +228,8 @@ class Plan:
     `params`: the pass's packed parameter struct (params.pack_fwd / pack_bwd); its fields follow
     every launch's pointers."""
 
-    __slots__ = ("device", "params", "_blank", "_alloc", "_launches", "_own", "_outputs", "_out_idx", "_args",
-                 "_n_inputs")
+    __slots__ = ("device", "params", "_blank", "_alloc", "_per_stream", "_launches", "_own", "_outputs", "_out_idx",
+                 "_args", "_n_inputs")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
                  params: np.ndarray):
@@ -209,7 +240,10 @@ class Plan:
         self.params = KernelParams(params)
         self._blank = [NULL if b.shape is None else None for b in own]  # the plan's slots before allocation
         self._n_inputs = len(inputs)
-        self._alloc = tuple((index[b.name], b.shape, b.dtype, b.zeroed) for b in buffers if b.shape is not None)
+        self._alloc = tuple((index[b.name], b.shape, b.dtype, b.zeroed) for b in buffers
+                            if b.shape is not None and not b.per_stream)
+        self._per_stream = tuple((index[b.name], b.name, b.shape, b.dtype) for b in buffers
+                                 if b.shape is not None and b.per_stream)
         # take None: the kernel's pointers are all the slots, in order (the sm80 forwards), which
         # spares the per-call gather on the path whose host overhead matters most; a bind is the take
         self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem, _take(ln, names, index),
@@ -230,6 +264,10 @@ class Plan:
             for i, shape, dtype, zeroed in self._alloc:
                 if slots[i] is None:
                     slots[i] = (cupy.zeros if zeroed else cupy.empty)(shape, dtype=dtype)
+            if self._per_stream:
+                stream = cupy.cuda.get_current_stream().ptr
+                for i, name, shape, dtype in self._per_stream:
+                    slots[i] = stream_scratch(self.device, stream, name, shape, dtype)
             self._launch_all(slots, dropout_args, None)
         # Buffers that are not outputs go back to the pool when `slots` dies here; the pool reuses a
         # block only for work queued later on the same stream, so the running kernels keep them.
@@ -249,6 +287,8 @@ class Plan:
                 if zeroed:
                     _memset_zero(ptr, int(np.prod(shape)) * np.dtype(dtype).itemsize, stream)
                 slots[i] = Ptr(ptr)
+        for i, name, shape, dtype in self._per_stream:
+            slots[i] = Ptr(stream_scratch(self.device, stream, name, shape, dtype).data.ptr)
         self._launch_all(slots, dropout_args, stream)
         return tuple(owned[i] for i in self._out_idx)
 

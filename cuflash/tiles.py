@@ -256,7 +256,8 @@ class Sm90FwdConfig(Tile):
     overlap: int = _axis("ov", "1: the next tile's Q K^T is issued before the current tile's softmax")
     q_stages: int = _axis("q", "Q buffers: 2 loads the next work tile's Q while this one computes")
     # host-only (not a template argument): the kernel strides over its work tiles with any grid
-    persistent: int = _axis("p", "1: a persistent grid of one CTA per SM; 0: one CTA per work tile")
+    persistent: int = _axis("p", "0: one CTA per work tile; a persistent grid of one CTA per SM whose CTAs take every "
+                                 "gridDim-th tile (1) or draw their next tile from a counter (2: greedy)")
 
     @property
     def block_q(self) -> int:
@@ -296,9 +297,10 @@ class Sm90FwdConfig(Tile):
             return f"stages must be 2, 3 or 4, got {self.stages}"
         if self.q_stages not in (1, 2):
             return f"q_stages must be 1 or 2, got {self.q_stages}"
-        if self.pingpong not in (0, 1) or self.overlap not in (0, 1) or self.persistent not in (0, 1):
-            return (f"pingpong, overlap and persistent are 0 or 1, got {self.pingpong}, {self.overlap}, "
-                    f"{self.persistent}")
+        if self.pingpong not in (0, 1) or self.overlap not in (0, 1):
+            return f"pingpong and overlap are 0 or 1, got {self.pingpong}, {self.overlap}"
+        if self.persistent not in (0, 1, 2):
+            return f"persistent must be 0 (a CTA per tile), 1 (strided) or 2 (drawn), got {self.persistent}"
         if self.pingpong and (self.consumers < 2 or not self.overlap):
             return "pingpong needs at least 2 consumer warpgroups and the overlapped loop (overlap 1)"
         return None

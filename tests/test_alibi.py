@@ -87,7 +87,7 @@ def test_the_v2_families_take_alibi_and_their_shells_pass_nullptr_for_the_rest()
         assert src.rstrip().endswith("nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);\n}"), src[-300:]
     assert "ALiBi (alibi_slopes)" in families.FWD_V1._unsupported_part(f)
     sm90 = _compile.kernel_source(families.FWD_SM90.default(128, features=f), f)
-    assert "(tq, tk, tv, out, lse, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in sm90
+    assert "(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in sm90
     sm90b = _compile.kernel_source(families.BWD_SM90.default(128, features=f), f)
     assert "(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, dq_sem, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in sm90b
     cfg = families.FWD.default(128, features=f)
@@ -119,8 +119,9 @@ CASES = [(d, ()) for d in (32, 64, 96, 128, 192, 256)] + [
 # for every tile since varlen adds dQ by atomics whatever its dq_bulk
 KNOWN_SM90_BWD_SPILLS: dict = {(128, ("varlen",)): 4,
                                # and with dropout (the Philox rounds): 8 B under 13.5 (none under 13.0),
-                               # 12-24 B with softcap too
-                               (128, ("dropout",)): 8, (128, ("dropout", "softcap")): 24}
+                               # 12-24 B with softcap too; the store-warp dQ tile (dq_bulk 4) 12 B under
+                               # 13.5 (none under 13.0; 8-20 B with softcap)
+                               (128, ("dropout",)): 12, (128, ("dropout", "softcap")): 24}
 
 
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")

@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from cuflash import _compile, _forward, _forward_sm90, families, params, problem, tma
+from cuflash import _compile, _forward, _forward_sm90, families, launch, params, problem, tma
 from cuflash.device import DeviceProps
 from cuflash.features import Features
 from cuflash.mask import CAUSAL
@@ -231,7 +231,8 @@ def test_smem_is_q_and_the_kv_ring_and_two_spare_kib():
     (Sm90FwdConfig(128, 48, 2, 2, 0, 0, 1, 0), "block_k must be a multiple of 16 in [64, 256]"),
     (Sm90FwdConfig(128, 272, 2, 2, 0, 0, 1, 0), "block_k must be a multiple of 16 in [64, 256]"),
     (Sm90FwdConfig(128, 128, 2, 5, 0, 0, 1, 0), "stages must be 2, 3 or 4"),
-    (Sm90FwdConfig(128, 128, 2, 2, 2, 1, 1, 0), "pingpong, overlap and persistent are 0 or 1"),
+    (Sm90FwdConfig(128, 128, 2, 2, 2, 1, 1, 0), "pingpong and overlap are 0 or 1"),
+    (Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 3), "persistent must be 0"),
     (Sm90FwdConfig(128, 128, 1, 2, 1, 1, 1, 0), "pingpong needs at least 2 consumer warpgroups"),
     (Sm90FwdConfig(128, 128, 2, 2, 1, 0, 1, 0), "pingpong needs at least 2 consumer warpgroups and the overlapped loop"),
 ])
@@ -257,7 +258,7 @@ def test_family_is_registered():
     assert (f.backend, families.FWD.backend, families.FWD_V1.backend) == ("sm90", "sm80", "sm80")
     assert f.arch_specific and f.nvrtc_arch(H200) == "sm_90a" and f.min_cc == f.max_cc == (9, 0)
     assert f.pass_ == "forward" and f.params == "FwdParams" and f.plan is not None and f.run is not None
-    assert [n for _, n in f.pointers] == ["tq", "tk", "tv", "out", "lse"]
+    assert [n for _, n in f.pointers] == ["tq", "tk", "tv", "out", "lse", "tile_counter"]
 
 
 def test_defaults_are_selectable_and_implementable_on_hopper():
@@ -305,8 +306,8 @@ def test_kernel_source_declares_the_maps_by_value_and_launch_bounds_for_setmaxnr
     assert '#include "flash_fwd_sm90.cuh"' in src
     assert (f'extern "C" __global__ void __launch_bounds__(384, 1) {name}(const __grid_constant__ cuflash::TmaMap tq, '
             "const __grid_constant__ cuflash::TmaMap tk, const __grid_constant__ cuflash::TmaMap tv, "
-            "cuflash::elem_t* __restrict__ out, float* __restrict__ lse, long long q_sb_, ") in src
-    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, 1, cuflash::Variant<true, false, false, false, false, false, false, false, false, false, false>>(tq, tk, tv, out, lse, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in src
+            "cuflash::elem_t* __restrict__ out, float* __restrict__ lse, int* tile_counter, long long q_sb_, ") in src
+    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, 1, cuflash::Variant<true, false, false, false, false, false, false, false, false, false, false>>(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in src
     decl = ", ".join(f"{ctype} {f}_" for f, ctype in params.fields("FwdParams"))
     assert decl + ") {" in src
     # the sm80 shells keep their single-argument launch bounds
@@ -349,8 +350,8 @@ def test_plan_binds_fresh_maps_per_pointer(calls):
     [(grid, block, args, smem)] = calls
     m_blocks = -(-100 // 128)
     assert grid == (m_blocks * 3 * 2,) and block == (384,) and smem == cfg.smem_bytes
-    assert args[:5] == ("map@0x1000", "map@0x2000", "map@0x3000", out, lse)
-    f = params.unpack(args[5:], "FwdParams")  # the sm80 forward's struct, as pack_fwd makes it
+    assert args[:6] == ("map@0x1000", "map@0x2000", "map@0x3000", out, lse, launch.NULL)  # no tile counter: persistent 0
+    f = params.unpack(args[6:], "FwdParams")  # the sm80 forward's struct, as pack_fwd makes it
     assert int(f["m_blocks"]) == m_blocks and (int(f["heads"]), int(f["seqlen_q"]), int(f["seqlen_k"])) == (3, 100, 300)
     assert (f["drop_seed"], f["drop_threshold"], f["drop_scale"]) == p.dropout.kernel_args
     gq, gk, gv = (g for g, _ in encoded)
@@ -361,6 +362,48 @@ def test_plan_binds_fresh_maps_per_pointer(calls):
     assert len(encoded) == 3 and calls[-1][2][:5] == ("map@0x1000", "map@0x2000", "map@0x3000", "out", "lse")
     plan.run((arr(0x4000), k, v, "out", "lse"), p.dropout.kernel_args)
     assert len(encoded) == 4 and calls[-1][2][0] == "map@0x4000"
+
+
+def test_drawn_tile_order_gets_a_counter_per_stream(calls, monkeypatch):
+    """persistent 2: a persistent grid whose CTAs draw tiles from an int after lse, kept per (device,
+    stream) and zeroed once (launch.stream_scratch; the kernel leaves it at 0); persistent 0 and 1 pass null."""
+    cupy = pytest.importorskip("cupy")
+    made = []
+    monkeypatch.setattr(launch, "_STREAM_SCRATCH", {})
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: made.append((tuple(shape), np.dtype(dtype).name))
+                        or f"counter{len(made)}")
+    stream = types.SimpleNamespace(ptr=0x77, is_capturing=lambda: False, synchronize=lambda: None)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: stream)
+    monkeypatch.setattr(_forward_sm90.device, "query", lambda i=0: H200)
+    p = fwd_problem()
+    cfg = Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 2)
+    plan = _forward_sm90.plan(p, cfg, np.float16, encoder=lambda g, ptr: f"map@{ptr:#x}")
+    q, k, v = arr(0x1000), arr(0x2000), arr(0x3000)
+    for _ in range(2):  # one counter for the stream, made once
+        plan.run((q, k, v, "out", "lse"))
+    assert made == [((1,), "int32")] and [c[2][5] for c in calls] == ["counter1", "counter1"]
+    assert calls[0][0] == (min(1 * 3 * 2, H200.sm_count),)
+    stream.ptr = 0x88  # another stream: its own
+    plan.run((q, k, v, "out", "lse"))
+    assert len(made) == 2 and calls[-1][2][5] == "counter2"
+    assert set(launch._STREAM_SCRATCH) == {(p.device, 0x77, "tile_counter"), (p.device, 0x88, "tile_counter")}
+    strided = _forward_sm90.plan(p, dataclasses.replace(cfg, persistent=1), np.float16, encoder=lambda g, ptr: "m")
+    strided.run((q, k, v, "out", "lse"))
+    assert calls[-1][2][5] is launch.NULL and len(made) == 2
+
+
+def test_varlen_calls_draw_their_tiles(monkeypatch):
+    """A variable-length call runs the selected tile with the drawn order (FWD_SM90.varlen_tile);
+    dense calls and the sm80 family keep the tile as chosen."""
+    from cuflash import _tuned, device
+
+    monkeypatch.setattr(device, "supported", lambda i=0: H200)
+    monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: None)
+    call = lambda **kw: types.SimpleNamespace(device=0, features=Features("bfloat16", 128, **kw))  # noqa: E731
+    base = families.FWD_SM90.defaults[128][0]
+    assert families.select(families.FWD_SM90, call(varlen=True)) == dataclasses.replace(base, persistent=2)
+    assert families.select(families.FWD_SM90, call()) == base
+    assert families.select(families.FWD, call(varlen=True)) == families.select(families.FWD, call())
 
 
 def test_plan_boxes_follow_the_tile():
@@ -617,7 +660,7 @@ def test_gqa_forward_maps_have_the_kv_heads(calls, hkv):
     gq, gk, gv = encoded
     assert gq.dims == (64, 100, 2, 4, 2) and gk.dims == gv.dims == (64, 300, 2, hkv, 2)
     assert gk.strides == (hkv * 128 * 2, 128, 128 * 2, 300 * hkv * 128 * 2)
-    f = params.unpack(calls[0][2][5:], "FwdParams")
+    f = params.unpack(calls[0][2][6:], "FwdParams")
     assert (int(f["heads"]), int(f["heads_kv"]), int(f["group"])) == (4, hkv, 4 // hkv)
     assert int(f["tiles"]) == 1 * 4 * 2  # work tiles over the query heads
 

@@ -64,13 +64,15 @@ def select(family: KernelFamily, problem):
     # variants, windows and softcap, keep their class's tuned tile, as they were measured with it.)
     untuned = problem.features.varlen or problem.features.split_kv
     if problem.features.user_mod:  # each snippet is its own kernel: pick by its own compile report
-        return _tile_for_snippet(family, problem, props, tile)
-    if tile is not None and not (untuned and family.avoids(tile, problem.features)):
-        return tile
-    try:
-        return family.default(problem.features.head_dim, props.smem_optin, problem.features)
-    except RuntimeError as e:  # no tile fits the device's shared memory: say which GPU
-        raise RuntimeError(f"{e} per block on {props.name} (cc {props.cc_str})") from None
+        tile = _tile_for_snippet(family, problem, props, tile)
+    elif tile is None or (untuned and family.avoids(tile, problem.features)):
+        try:
+            tile = family.default(problem.features.head_dim, props.smem_optin, problem.features)
+        except RuntimeError as e:  # no tile fits the device's shared memory: say which GPU
+            raise RuntimeError(f"{e} per block on {props.name} (cc {props.cc_str})") from None
+    if problem.features.varlen and family.varlen_tile is not None:
+        tile = family.varlen_tile(tile)
+    return tile
 
 
 def _tile_for_snippet(family: KernelFamily, problem, props, tuned):

@@ -12,6 +12,7 @@ and intra-warpgroup overlap on); not yet measured in cuflash.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from ..tiles import Sm90BwdConfig, Sm90FwdConfig
@@ -51,7 +52,7 @@ def _plan(problem, tile, dtype):
     return plan(problem, tile, dtype)
 
 
-def _product(d, block_k, consumers, stages, pingpong=(0, 1), overlap=(1,), q_stages=(1, 2), persistent=(0, 1)) -> list:
+def _product(d, block_k, consumers, stages, pingpong=(0, 1), overlap=(1,), q_stages=(1, 2), persistent=(0, 1, 2)) -> list:
     # overlap 0 (S, softmax, P V strictly in turn) was slower everywhere in the bring-up
     # (docs/bench/h200-sm90-bringup-2026-11-30.jsonl); it stays a valid tile, not a searched one
     return [Sm90FwdConfig(d, *c)
@@ -62,7 +63,8 @@ FWD_SM90 = KernelFamily(
     name="fwd_sm90", description="forward on Hopper: TMA + wgmma, warp-specialised (out, lse)",
     what="sm90 forward", pass_="forward", tile_cls=Sm90FwdConfig,
     header="flash_fwd_sm90.cuh", template="cuflash::flash_fwd_sm90",
-    pointers=((TMA_MAP, "tq"), (TMA_MAP, "tk"), (TMA_MAP, "tv"), (OUT, "out"), (F32, "lse")),
+    # tile_counter: the dynamic tile order's counter (persistent 2: sm90/tile_feed.cuh), else null
+    pointers=((TMA_MAP, "tq"), (TMA_MAP, "tk"), (TMA_MAP, "tv"), (OUT, "out"), (F32, "lse"), (I32_WS, "tile_counter")),
     params="FwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
     arch_specific=True, backend="sm90",
@@ -98,6 +100,12 @@ FWD_SM90 = KernelFamily(
     # 0.79-0.82x of plain where the ping-pong default gives 0.73-0.79x and dense's tuned tile
     # (192 keys) 0.74-0.75x (H200, bf16, N 2048 and 8192, scripts/bench_softcap.py, 2026-12-01)
     class_defaults={"softcap": {128: (Sm90FwdConfig(128, 128, 2, 2, 0, 1, 1, 1),)}},
+    # ragged batches draw their tiles (persistent 2, kernels_cu/sm90/tile_feed.cuh): a CTA takes the next
+    # tile when it is about to run out, so one sequence's long tiles do not pile up on a few CTAs as
+    # they do with a static stride. H200, bf16, bench_varlen's 10 sequences (16k tokens, d128, 16
+    # heads), TFLOP/s, strided / one CTA per tile / drawn: 469.7 / 511.8 / 514.3, causal 374.7 / 372.1 /
+    # 428.7 (the dense batch of equal FLOPs: 567.2, causal 420.5; scripts/bench_tile_sched.py)
+    varlen_tile=lambda t: dataclasses.replace(t, persistent=2),
     plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True, takes_user_mod=True,
     takes_block_mask=True, nullable_pointers=True,
 )
@@ -133,6 +141,10 @@ def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
 # atomics 415, the store-warp tile 315, the sm80 kernel 255), d64 N8192 at 411 (cuDNN 434, sm80
 # 244), so the automatic choice takes it at both head dims. The store-warp tile gains nothing from
 # the overlap (314.5): its store warp, one bulk reduction per dQ row, is what it waits for.
+# The eleventh session (2026-12-02, same process, bf16) measured dQ's fragment-order blocks reduced
+# by the producer warpgroup's store warp instead (dq_bulk 4: the consumers go straight on to the next
+# query block) 1-4% faster in all eight cells: d128 N8192 508.1 vs 497.3 (causal 473.3 vs 460.6),
+# N2048 445.2 vs 435.4; d64 N8192 431.8 vs 414.6 (causal 410.9 vs 394.2; cuDNN 437.0 / 400.3).
 # Not tuned by default yet: its space has not been through the tuner on the H200.
 BWD_SM90 = KernelFamily(
     name="bwd_sm90", description="backward dK/dV on Hopper: TMA + wgmma (dQ by bulk reductions)", what="sm90 backward",
@@ -147,8 +159,9 @@ BWD_SM90 = KernelFamily(
     # domain compiles without spills (NVRTC 13.0 and 13.5, sm_90a), dense and with a window,
     # softcap or ALiBi, since acc_dq no longer lives around the consumers' loop (dq_wg in sm90/bwd.cuh: it cost 32 registers, and the store-warp
     # tile spilled 16 B, 40 B with ALiBi and softcap); the one exception is marked below.
-    defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 2, 1), Sm90BwdConfig(64, 64, 2, 2, 0, 1)),
-              128: (Sm90BwdConfig(128, 64, 2, 2, 2, 1), Sm90BwdConfig(128, 64, 2, 2, 0, 1))},
+    defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 4, 1), Sm90BwdConfig(64, 64, 2, 2, 2, 1), Sm90BwdConfig(64, 64, 2, 2, 0, 1)),
+              128: (Sm90BwdConfig(128, 64, 2, 2, 4, 1), Sm90BwdConfig(128, 64, 2, 2, 2, 1),
+                    Sm90BwdConfig(128, 64, 2, 2, 0, 1))},
     # the overlapped atomic tile spills 8 B with ALiBi and softcap (NVRTC 13.5; none under 13.0), and
     # 24 B with dropout (4 B under 13.0), where the fragment-order tile spills none
     spilling={"alibi+softcap": frozenset({Sm90BwdConfig(128, 64, 2, 2, 0, 1)}),

@@ -4,9 +4,10 @@
 // dropout); this file is the data movement and the issue order. design/hopper.md §1 explains the
 // structure; in short:
 //
-//   tiles    (query block of 64*CONSUMERS rows, head, batch), params.tiles of them; CTA i runs
-//            tiles i, i + gridDim.x, ... (any grid works: one CTA per tile, or one per SM); under
-//            a causal mask in attn/tile_order.cuh's heaviest-first order, else block-fastest
+//   tiles    (query block of 64*CONSUMERS rows, head, batch), params.tiles of them, under a causal
+//            mask in attn/tile_order.cuh's heaviest-first order, else block-fastest. The producer
+//            picks the CTA's tiles (sm90/tile_feed.cuh: i, i + gridDim.x, ... on any grid, or drawn
+//            from a grid-wide counter, tile_counter != nullptr) and hands them to the consumers
 //   WG 0     producer: one thread loads K_j, V_j per key block by TMA into a STAGES-deep ring
 //            (full/empty mbarrier pairs, K and V separate), and each tile's Q after its first K.
 //            The ring runs on across tiles, so the next tile's first K/V arrive while this one
@@ -42,6 +43,7 @@
 #include "attn/softmax.cuh"
 #include "core/ptx_sm90.cuh"
 #include "sm80/warp_gemm.cuh"
+#include "sm90/tile_feed.cuh"
 #include "sm90/traits.cuh"
 
 namespace cuflash {
@@ -49,7 +51,10 @@ namespace cuflash {
 // The consumers' GEMM issue order when they take turns (PINGPONG): consumer c waits on barrier
 // kBarSchedule + c, issues, then lets the next one go. Each barrier counts the 128 threads that
 // wait on it plus the 128 of the consumer before it that arrive. Turns run on across tiles (all
-// consumers of a CTA take the same number of turns per tile).
+// consumers of a CTA take the same number of turns per tile). start() is the first hand-off (to
+// consumer 0), finish() takes the last consumer's final one after the CTA's last tile, so every
+// barrier ends complete whatever the CTA's tiles (none, or only keyless ones, included) without
+// knowing in advance which turn is the last (the tiles come from TileFeed one at a time).
 template <int CONSUMERS, bool ON>
 struct IssueOrder {
     int me;
@@ -59,10 +64,11 @@ struct IssueOrder {
     __device__ __forceinline__ void wait_turn(int bar0) const {
         if constexpr (ON) named_bar_sync(bar0 + me, 256);
     }
-    // `final`: this consumer's last turn in the kernel. The last consumer's final hand-off has no
-    // taker, and is skipped so that no barrier is left half-arrived.
-    __device__ __forceinline__ void pass_turn(int bar0, bool final) const {
-        if constexpr (ON) if (!(final && me == CONSUMERS - 1)) named_bar_arrive(bar0 + (me + 1) % CONSUMERS, 256);
+    __device__ __forceinline__ void pass_turn(int bar0) const {
+        if constexpr (ON) named_bar_arrive(bar0 + (me + 1) % CONSUMERS, 256);
+    }
+    __device__ __forceinline__ void finish(int bar0) const {
+        if constexpr (ON) if (me == 0) named_bar_sync(bar0, 256);
     }
 };
 
@@ -127,11 +133,13 @@ struct Sm90FwdTile {
     BlockList<V::kBlockMask> blocks;
     SeqSpan span;
     MaskGeometry geo;
-    __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo_call, int m_blocks, int heads, int bh_count,
+    __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo_call, int m_blocks, int heads, int n_tiles,
                                            const Sm90Seqs& seqs = Sm90Seqs{nullptr, nullptr, 0}) {
         // heavier later rows (causal): heaviest blocks of every head first, so that a strided
         // (persistent) grid balances; else block-fastest, so concurrent CTAs share a head's K/V
-        blk = geo_call.later_rows_heavier() ? schedule_tiles_heaviest_first(tile, m_blocks, bh_count, heads)
+        // (batch * heads = n_tiles / m_blocks, divided here: kept live over the producer's loop it cost
+        // the 24-register producer a spill)
+        blk = geo_call.later_rows_heavier() ? schedule_tiles_heaviest_first(tile, m_blocks, n_tiles / m_blocks, heads)
                                             : schedule_blocks(tile, m_blocks, heads, false);
         r0 = blk.block * BR;
         span = SeqSpan::of<V>(seqs.cu_seqlens_q, seqs.cu_seqlens_k, blk.batch, geo_call.seqlen_q, geo_call.seqlen_k);
@@ -157,7 +165,7 @@ __device__ __forceinline__ void zero_chunks(u32 base, int buffers, int bytes, in
 
 template <bool BF16, int D, int BC, int CONSUMERS, int STAGES, int PINGPONG, int OVERLAP, int QSTAGES, class V>
 __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& tk, const TmaMap& tv,
-                                               elem_t* __restrict__ o, float* __restrict__ lse,
+                                               elem_t* __restrict__ o, float* __restrict__ lse, int* tile_counter,
                                                const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                                                const float* __restrict__ alibi_slopes,
                                                const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
@@ -174,16 +182,21 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
     extern __shared__ unsigned char smem[];
     __shared__ __align__(8) u64 bar_storage[Sm90FwdBarriers<STAGES, QSTAGES>::kCount];
     const Sm90FwdBarriers<STAGES, QSTAGES> bars{smem_u32(bar_storage)};
+    __shared__ __align__(8) u64 feed_bars[4];
+    __shared__ int feed_ids[3];
+    const TileFeed feed{smem_u32(feed_ids), smem_u32(feed_bars)};
     const u32 sQ = (smem_u32(smem) + 1023u) & ~1023u;  // TMA 128B-swizzle images need 1024-B alignment
     const u32 sK = sQ + QSTAGES * Tr::kQBytes;
     const u32 sV = sK + STAGES * Tr::kKVBytes;
 
     const int n_heads = params.heads, m_blocks = params.m_blocks, n_tiles = params.tiles;
-    const int bh_count = n_tiles / m_blocks;  // batch * heads
     const MaskGeometry geo = MaskGeometry::of<V>(params);
 
     const int tid = threadIdx.x;
-    if (tid == 0) bars.init(CONSUMERS);
+    if (tid == 0) {
+        feed.init(4 * CONSUMERS);  // freed by each consumer warp
+        bars.init(CONSUMERS);
+    }
     // V::kPartialD: 64-column chunks of q / k rows and of v rows holding a column of the call's
     const int qk_chunks = V::kPartialD ? (params.head_dim + 63) / 64 : Tr::kChunks;
     const int v_chunks = V::kPartialD ? (params.head_dim_v + 63) / 64 : Tr::kChunks;
@@ -220,10 +233,21 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
             RingPos<STAGES> kv{0};
             int local = 0;  // tiles with keys this CTA ran: the Q barriers' phase
             const int group = params.group;  // GQA/MQA: query head h loads k/v head h / group (MHA: 1)
-            for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-                const Tile w(tile, geo, m_blocks, n_heads, bh_count, seqs);
+            const TileSource source{tile_counter, n_tiles};
+            int tile = source.first();
+            while (true) {
+                if (tile >= n_tiles) {
+                    feed.publish(TileFeed::kEnd);
+                    break;
+                }
+                const Tile w(tile, geo, m_blocks, n_heads, n_tiles, seqs);
+                // a variable-length batch's tile past its sequence: no keys, no rows to store
+                if (V::kVarlen && w.r0 >= w.span.seqlen_q) {
+                    tile = source.next(tile);
+                    continue;
+                }
+                feed.publish(tile);
                 const int n_iter = w.blocks.size();
-                if (n_iter <= 0) continue;
                 const int h_kv = w.blk.head / group;
                 const int map_batch = V::kVarlen ? 0 : w.blk.batch;  // varlen: one mapped batch of packed rows
                 for (int it = 0; it < n_iter; ++it, ++kv.count) {
@@ -246,6 +270,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     load_rows(sV + s * Tr::kKVBytes, tv, bars.v_full(s), Tr::kKVChunkBytes, v_chunks,
                               w.span.k_start + j * BC, h_kv, map_batch);
                 }
+                tile = source.next(tile);
             }
         }
     } else {
@@ -290,26 +315,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
 
         RingPos<STAGES> kv{0};
         int local = 0;
-        if constexpr (PINGPONG) {
-            // the first tile with keys starts the turns (every consumer sees the same tiles)
-            for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x)
-                if (Tile(tile, geo, m_blocks, n_heads, bh_count, seqs).blocks.size() > 0) {
-                    order.start(kBar);
-                    break;
-                }
-        }
-        for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
-            const Tile w(tile, geo, m_blocks, n_heads, bh_count, seqs);
+        order.start(kBar);
+        for (int n = 0;; ++n) {
+            const int tile = feed.receive(n, lane);  // the producer's n-th tile (every consumer sees the same)
+            if (tile >= n_tiles) break;
+            const Tile w(tile, geo, m_blocks, n_heads, n_tiles, seqs);
             const BlockRange range = w.range;
             const Mask<V::kLocal> mask{w.geo};  // the tile's (V::kVarlen: its sequence's) geometry
             const BlockList<V::kBlockMask> blocks = w.blocks;
             const int r0 = w.r0, n_iter = blocks.size();
-            // the kernel's last turn: no later tile of this CTA has keys
-            bool final_tile = true;
-            if constexpr (PINGPONG) {
-                for (int nt = tile + gridDim.x; nt < n_tiles && final_tile; nt += gridDim.x)
-                    final_tile = Tile(nt, geo, m_blocks, n_heads, bh_count, seqs).blocks.size() <= 0;
-            }
             const Dropout drop{params.drop_seed, params.drop_threshold, w.blk.bh};
             // ALiBi: -slope |q + offset - k| after the modifier (attn/score_mod.cuh; nothing without it)
             const AlibiBias<V> alibi = AlibiBias<V>::of(params, alibi_slopes, w.blk.batch, w.blk.head, w.geo.offset);
@@ -372,7 +386,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     wgmma_fence();
                     issue_qk(kv.slot());
                     wgmma_commit();
-                    order.pass_turn(kBar, false);
+                    order.pass_turn(kBar);
                     wgmma_wait<0>();
                     fence_regs(acc_s[0]);
                     release(bars.k_empty(kv.slot()));
@@ -397,7 +411,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                         wgmma_commit();
                         issue_pv(prev.slot(), it > 1);  // O += P_{j-1} V_{j-1}
                         wgmma_commit();
-                        order.pass_turn(kBar, false);
+                        order.pass_turn(kBar);
                         wgmma_wait<1>();  // S_j is in; P V may still run
                         fence_regs(acc_s[0]);
                         release(bars.k_empty(kv.slot()));
@@ -420,7 +434,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     wgmma_fence();
                     issue_pv(kv.slot(), n_iter > 1);
                     wgmma_commit();
-                    order.pass_turn(kBar, final_tile);
+                    order.pass_turn(kBar);
                     wgmma_wait<0>();
                     fence_regs(acc_o[0]);
                     release(bars.v_empty(kv.slot()));
@@ -486,6 +500,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                 }
             }
         }
+        order.finish(kBar);
     }
 }
 
