@@ -115,9 +115,11 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
                                (dq_cfg.threads,), dq_cfg.smem_bytes,
                                pointers=_pointers(families.BWD_DQ) + VARLEN_SLOTS + _alibi_slot(p)))
     else:
-        convert = _compile.get_aux_kernel("bwd_dq_convert_varlen", p.features, p.device)
+        # dq_acc row-major, or in the sm90 kernel's fragment order (its dq_bulk 2 / 4 tiles)
+        name = "bwd_dq_convert_frag_varlen" if getattr(cfg, "dq_bulk", 0) >= 2 else "bwd_dq_convert_varlen"
+        convert = _compile.get_aux_kernel(name, p.features, p.device)
         launches.append(Launch(convert, (-(-p.seqlen_q * chunks // _AUX_THREADS), h, bz), (_AUX_THREADS,), 0,
-                               pointers=_aux_pointers("bwd_dq_convert_varlen")))
+                               pointers=_aux_pointers(name)))
     expanded = ()
     if gqa:
         reduce = _compile.get_aux_kernel("bwd_dkdv_reduce", p.features, p.device)

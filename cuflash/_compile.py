@@ -312,6 +312,7 @@ AUX_KERNELS = {
     "bwd_prep_varlen": (((IN, "out"), (IN, "dout"), (F32_IN, "lse"), (F32, "delta"), (F32, "lse2"), (F32, "dq_acc"),
                          (I32_IN, "cu_seqlens_q")), "BwdParams"),
     "bwd_dq_convert_varlen": (((F32_IN, "dq_acc"), (OUT, "dq"), (I32_IN, "cu_seqlens_q")), "BwdParams"),
+    "bwd_dq_convert_frag_varlen": (((F32_IN, "dq_acc"), (OUT, "dq"), (I32_IN, "cu_seqlens_q")), "BwdParams"),
 }
 
 

@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 
+from . import stream_scratch
 from .params import KernelParams
 
 # Grids are 1-D; blockIdx.x's limit is 2^31 - 1. (The row-wise varlen kernels and the block-mask
@@ -53,11 +54,10 @@ def check_grid(n_blocks: int) -> None:
 class Buffer:
     """An array the plan provides when the caller does not: allocated per call, uninitialised (zeroed:
     set to 0 on the launches' stream first), from CuPy's pool on the current stream. shape None:
-    nothing is allocated, kernels get a null pointer. per_stream: not allocated per call but kept,
-    zeroed once, one per (device, stream, name) for the process: state its kernels return to zero
-    before they finish (the sm90 forward's dynamic tile counter, kernels_cu/sm90/tile_feed.cuh), which
-    launches on one stream may share because they run one after another (a second stream gets its
-    own, so concurrent launches never share one)."""
+    nothing is allocated, kernels get a null pointer. per_stream: not allocated per call but int32
+    words of cuflash/stream_scratch.py, one set per (device, stream): state its kernels return to zero
+    before they finish (the sm90 forward's drawn tile counter), which launches on one stream may share
+    because they run one after another."""
 
     name: str
     shape: tuple | None
@@ -65,31 +65,9 @@ class Buffer:
     zeroed: bool = False
     per_stream: bool = False
 
-
-_STREAM_SCRATCH: dict = {}
-_STREAM_SCRATCH_LOCK = threading.Lock()
-
-
-def stream_scratch(device: int, stream: int, name: str, shape: tuple, dtype) -> object:
-    """The per_stream Buffer `name` of (device, stream): a zeroed CuPy array, made at its first use. Its
-    zeroing is queued on CuPy's current stream; when the launches go to another stream (the torch
-    path) that stream is synchronised once so the zeros are in place before them."""
-    key = (device, stream, name)
-    arr = _STREAM_SCRATCH.get(key)
-    if arr is not None:
-        return arr
-    import cupy
-
-    with _STREAM_SCRATCH_LOCK:
-        arr = _STREAM_SCRATCH.get(key)
-        if arr is None:
-            with cupy.cuda.Device(device):
-                arr = cupy.zeros(shape, dtype=dtype)
-                current = cupy.cuda.get_current_stream()
-                if current.ptr != stream and not current.is_capturing():
-                    current.synchronize()
-            _STREAM_SCRATCH[key] = arr
-    return arr
+    def __post_init__(self):
+        if self.per_stream and np.dtype(self.dtype) != np.int32:
+            raise ValueError(f"per-stream buffer {self.name}: int32 words, got {np.dtype(self.dtype)}")
 
 
 def _memset_zero(ptr: int, nbytes: int, stream: int) -> None:
@@ -242,8 +220,10 @@ class Plan:
         self._n_inputs = len(inputs)
         self._alloc = tuple((index[b.name], b.shape, b.dtype, b.zeroed) for b in buffers
                             if b.shape is not None and not b.per_stream)
-        self._per_stream = tuple((index[b.name], b.name, b.shape, b.dtype) for b in buffers
+        self._per_stream = tuple((index[b.name], b.name, int(np.prod(b.shape))) for b in buffers
                                  if b.shape is not None and b.per_stream)
+        if self._per_stream:
+            stream_scratch.reserve(device)
         # take None: the kernel's pointers are all the slots, in order (the sm80 forwards), which
         # spares the per-call gather on the path whose host overhead matters most; a bind is the take
         self._launches = tuple((ln.kernel, ln.grid, ln.block, ln.smem, _take(ln, names, index),
@@ -266,8 +246,8 @@ class Plan:
                     slots[i] = (cupy.zeros if zeroed else cupy.empty)(shape, dtype=dtype)
             if self._per_stream:
                 stream = cupy.cuda.get_current_stream().ptr
-                for i, name, shape, dtype in self._per_stream:
-                    slots[i] = stream_scratch(self.device, stream, name, shape, dtype)
+                for i, name, n in self._per_stream:
+                    slots[i] = stream_scratch.words(self.device, stream, name, n)
             self._launch_all(slots, dropout_args, None)
         # Buffers that are not outputs go back to the pool when `slots` dies here; the pool reuses a
         # block only for work queued later on the same stream, so the running kernels keep them.
@@ -287,8 +267,8 @@ class Plan:
                 if zeroed:
                     _memset_zero(ptr, int(np.prod(shape)) * np.dtype(dtype).itemsize, stream)
                 slots[i] = Ptr(ptr)
-        for i, name, shape, dtype in self._per_stream:
-            slots[i] = Ptr(stream_scratch(self.device, stream, name, shape, dtype).data.ptr)
+        for i, name, n in self._per_stream:
+            slots[i] = Ptr(stream_scratch.words(self.device, stream, name, n).data.ptr)
         self._launch_all(slots, dropout_args, stream)
         return tuple(owned[i] for i in self._out_idx)
 

@@ -365,31 +365,33 @@ def test_plan_binds_fresh_maps_per_pointer(calls):
 
 
 def test_drawn_tile_order_gets_a_counter_per_stream(calls, monkeypatch):
-    """persistent 2: a persistent grid whose CTAs draw tiles from an int after lse, kept per (device,
-    stream) and zeroed once (launch.stream_scratch; the kernel leaves it at 0); persistent 0 and 1 pass null."""
+    """persistent 2: a persistent grid whose CTAs draw tiles from an int after lse, a word of
+    cuflash/stream_scratch.py per (device, stream) (the kernel leaves it at 0); persistent 0 and 1
+    pass null."""
+    from cuflash import stream_scratch
+
+    given = {}
+    monkeypatch.setattr(stream_scratch, "reserve", lambda dev: given.setdefault("reserved", dev))
+    monkeypatch.setattr(stream_scratch, "words", lambda dev, s, name, n=1: given.setdefault((dev, s, name, n), f"w{len(given)}"))
     cupy = pytest.importorskip("cupy")
-    made = []
-    monkeypatch.setattr(launch, "_STREAM_SCRATCH", {})
-    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: made.append((tuple(shape), np.dtype(dtype).name))
-                        or f"counter{len(made)}")
-    stream = types.SimpleNamespace(ptr=0x77, is_capturing=lambda: False, synchronize=lambda: None)
+    stream = types.SimpleNamespace(ptr=0x77)
     monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: stream)
     monkeypatch.setattr(_forward_sm90.device, "query", lambda i=0: H200)
     p = fwd_problem()
     cfg = Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 2)
     plan = _forward_sm90.plan(p, cfg, np.float16, encoder=lambda g, ptr: f"map@{ptr:#x}")
+    assert given == {"reserved": p.device}  # the pool made when the plan is built
     q, k, v = arr(0x1000), arr(0x2000), arr(0x3000)
-    for _ in range(2):  # one counter for the stream, made once
+    for _ in range(2):
         plan.run((q, k, v, "out", "lse"))
-    assert made == [((1,), "int32")] and [c[2][5] for c in calls] == ["counter1", "counter1"]
+    assert [c[2][5] for c in calls] == ["w1", "w1"] and (p.device, 0x77, "tile_counter", 1) in given
     assert calls[0][0] == (min(1 * 3 * 2, H200.sm_count),)
-    stream.ptr = 0x88  # another stream: its own
+    stream.ptr = 0x88  # another stream: its own word
     plan.run((q, k, v, "out", "lse"))
-    assert len(made) == 2 and calls[-1][2][5] == "counter2"
-    assert set(launch._STREAM_SCRATCH) == {(p.device, 0x77, "tile_counter"), (p.device, 0x88, "tile_counter")}
+    assert calls[-1][2][5] == "w2"
     strided = _forward_sm90.plan(p, dataclasses.replace(cfg, persistent=1), np.float16, encoder=lambda g, ptr: "m")
     strided.run((q, k, v, "out", "lse"))
-    assert calls[-1][2][5] is launch.NULL and len(made) == 2
+    assert calls[-1][2][5] is launch.NULL and len(given) == 3
 
 
 def test_varlen_calls_draw_their_tiles(monkeypatch):
@@ -782,8 +784,8 @@ def test_fragment_order_dq_round_trip():
 
 def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(fake_backward_plan):
     """A forced Hopper backward of a variable-length batch: its maps over the packed rows (one batch),
-    the offsets after dv and before the slopes, n_blocks of the longest sequence's keys, the
-    row-major varlen dQ convert (the fragment-order tiles add dQ by atomics there)."""
+    the offsets after dv and before the slopes, n_blocks of the longest sequence's keys, the varlen dQ
+    convert of the tile's dq_acc layout (row-major for atomics, fragment order for dq_bulk 2 and 4)."""
     from cuflash import _backward
     from cuflash.tiles import Sm90BwdConfig
     from cuflash.varlen import resolve_backward
@@ -797,7 +799,7 @@ def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(fake_backward_plan
         names.clear(), rec.clear()
         plan = _backward._plan(p, Sm90BwdConfig(128, 64, 2, 2, dqb, 1), None, np.float16)
         plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(8)))
-        assert names == ["bwd_prep_varlen", "bwd_dq_convert_varlen"]
+        assert names == ["bwd_prep_varlen", "bwd_dq_convert_frag_varlen" if dqb else "bwd_dq_convert_varlen"]
         grid, _, args, _ = rec[1]
         assert grid == (-(-260 // 128) * 4 * 3,)  # key blocks of the longest sequence x heads x sequences
         assert args[0] == ("map", (64, 300, 2, 4, 1), 0x2000) and args[1] == ("map", (64, 500, 2, 4, 1), 0x3000)

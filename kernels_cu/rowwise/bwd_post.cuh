@@ -92,4 +92,46 @@ __device__ __forceinline__ void bwd_dq_convert_varlen(const float* __restrict__ 
         bwd_dq_convert_varlen_seq<BF16, D>(dq_acc, dq, cu_seqlens_q, params, b);
 }
 
+// Variable-length batches whose dq_acc is in the sm90 backward's fragment order (its dq_bulk 2 and 4
+// tiles): sequence b's rows of head h start at workspace row SeqSpan::varlen_ws_row0 (a multiple of
+// 128), in 64-row blocks laid out as bwd_dq_convert_frag's. One thread per row and 8 columns (one nt):
+// the four float4 of consumer threads ctid = 32 warp + 4 g + t, t = 0..3, are 64 contiguous bytes, of
+// which row 16 warp + g takes each one's x, y and row 16 warp + g + 8 its z, w. Grid as
+// bwd_dq_convert_varlen's.
+template <bool BF16, int D>
+__device__ __forceinline__ void bwd_dq_convert_frag_varlen(const float* __restrict__ dq_acc, elem_t* __restrict__ dq,
+                                                           const int* __restrict__ cu_seqlens_q,
+                                                           const BwdParams& params) {
+    static_assert(D % 64 == 0, "64-column blocks");
+    constexpr int CH = D / 8;
+    const int h = blockIdx.y;
+    const long long gt = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int i = (int)(gt / CH), c8 = (int)(gt % CH);
+    if (c8 >= params.head_dim / 8) return;
+    const float scale = params.scale;
+    for (int b = blockIdx.z; b < params.batch; b += gridDim.z) {
+        const int q_start = cu_seqlens_q[b], seqlen = cu_seqlens_q[b + 1] - q_start;
+        if (i >= seqlen) continue;
+        const long long row0 = SeqSpan::varlen_ws_row0(q_start, b, h, params.seqlen_q_pad) + (i & ~63);
+        const int r = i & 63, half = (r >> 3) & 1;
+        const int ctid0 = 32 * (r >> 4) + 4 * (r & 7);  // t = 0
+        // the 64-column block of column 8 c8, then float4 nt * 128 + ctid of it
+        const float4* blk = reinterpret_cast<const float4*>(dq_acc + row0 * D + (c8 / 8) * 4096);
+        const int nt = c8 % 8;
+        float v[8];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const float4 a = blk[nt * 128 + ctid0 + t];
+            v[2 * t] = half ? a.z : a.x;
+            v[2 * t + 1] = half ? a.w : a.y;
+        }
+        uint4 out;
+        out.x = pack2<BF16>(v[0] * scale, v[1] * scale);
+        out.y = pack2<BF16>(v[2] * scale, v[3] * scale);
+        out.z = pack2<BF16>(v[4] * scale, v[5] * scale);
+        out.w = pack2<BF16>(v[6] * scale, v[7] * scale);
+        *reinterpret_cast<uint4*>(dq + ((long long)q_start + i) * params.dq_sn + h * params.dq_sh + c8 * 8) = out;
+    }
+}
+
 }  // namespace cuflash

@@ -105,9 +105,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     static_assert(!V::kDropout || BR <= 64, "dropout keep bits: 8 per 16x16 block, one u32 for 64 queries");
     // dV after dS^T: with dropout dS^T reads the undropped P^T, which dV's A operand then loses
     constexpr bool kDvLate = Tr::kDvAfterDs || V::kDropout;
-    // how dQ reaches dq_acc: the tile's DQ_BULK, but atomics for variable-length batches with the
-    // fragment order (2): their dq_acc is row-major, read by bwd_dq_convert_varlen
-    constexpr int kDqMode = V::kVarlen && DQ_BULK >= 2 ? 0 : DQ_BULK;
+    // how dQ reaches dq_acc: the tile's DQ_BULK. The fragment order's 64-row blocks start at a
+    // multiple of 64 workspace rows for variable-length batches too (each sequence's rows start at a
+    // multiple of 128 in its head's, SeqSpan::varlen_ws_row0), so its bulk reductions never reach
+    // another sequence's rows; bwd_dq_convert_frag_varlen reads that layout back
+    constexpr int kDqMode = DQ_BULK;
     // the deterministic mode: dQ's reductions in key-block order (the plan refuses varlen and block
     // masks there: their dq_acc layout / an arbitrary set of key blocks per query block)
     constexpr bool kOrdered = DQ_BULK == 3;
@@ -147,6 +149,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     // a sequence's end into the next one's rows (keys masked, queries with lse2 = +inf in the
     // workspace padding: P = 0 there). A key block past its sequence's keys has no rows to write.
     const SeqSpan span = SeqSpan::of<V>(cu_seqlens_q, cu_seqlens_k, blk.batch, params.seqlen_q, params.seqlen_k);
+    // A 64-row x 64-column dQ block in fragment order: workspace rows row0.. (a multiple of 64) and
+    // columns 64 c.., at floats row0 * D + c * 4096 of dq_acc (the rows' own span: bwd_dq_convert_frag)
+    auto dq_frag_block = [&](long long row0, int c) { return dq_acc + row0 * D + c * (Tr::kDqFragBytes / 4); };
     if (V::kVarlen && n0 >= span.seqlen_k) return;
     const int seqlen_k = span.seqlen_k;
     const MaskGeometry geo = MaskGeometry::of<V>(params).template for_span<V>(span, params.align_end);
@@ -217,7 +222,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         const int m = block_at(it);
                         // kOrdered: this key block's rank among those visiting query block m
                         const int rank = kOrdered ? blk.block - key_blocks<BR, BC, V::kLocal>(geo, m * BR).begin : 0;
-                        const long long blk_id0 = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups;
+                        // the block's first workspace row; its turn counters (kOrdered, never varlen)
+                        const long long row0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m * 64;
+                        const long long blk_id0 = row0 / 64 * Tr::kDqWarpgroups;
 #pragma unroll
                         for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
                             named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
@@ -226,8 +233,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                                     while (ld_acquire_gpu(dq_sem + blk_id0 + c) != rank) __nanosleep(32);
                                     fence_proxy_async_global();  // the reduction below after what the acquire saw
                                 }
-                                bulk_reduce_add_f32(dq_acc + (blk_id0 + c) * (Tr::kDqFragBytes / 4),
-                                                    sDQ + c * Tr::kDqFragBytes, Tr::kDqFragBytes);
+                                bulk_reduce_add_f32(dq_frag_block(row0, c), sDQ + c * Tr::kDqFragBytes, Tr::kDqFragBytes);
                                 bulk_commit();
                             }
                         }
@@ -545,8 +551,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     } else {
                         named_bar_sync(Tr::kBarDqFull + cw, 128);
                         if (ctid == 0) {
-                            const long long blk_id = ((long long)blk.bh * (pad / 64) + m) * Tr::kDqWarpgroups + cw;
-                            bulk_reduce_add_f32(dq_acc + blk_id * (Tr::kDqFragBytes / 4), stage, Tr::kDqFragBytes);
+                            bulk_reduce_add_f32(dq_frag_block(ws_row0() + m * 64, cw), stage, Tr::kDqFragBytes);
                             bulk_commit();
                         }
                     }

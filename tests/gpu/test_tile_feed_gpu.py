@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cuflash import _forward, _forward_sm90, families, launch, varlen
+from cuflash import _forward, _forward_sm90, families, stream_scratch, varlen
 from cuflash.mask import MaskOptions
 from cuflash.testing import backend_unavailable, dtype_of, random_qkv
 
@@ -23,8 +23,11 @@ def _need_sm90():
 
 
 def _counters_zero():
-    for arr in launch._STREAM_SCRATCH.values():
-        assert int(arr.get()[0]) == 0
+    import cupy
+
+    cupy.cuda.runtime.deviceSynchronize()
+    given = stream_scratch.handed_out(cupy.cuda.Device().id)
+    assert given and all(int(w.get()[0]) == 0 for w in given.values())
 
 
 def _bits(a):
@@ -95,7 +98,7 @@ def test_two_streams_keep_their_own_counters():
         s.synchronize()
     for out, lse in outs:
         assert np.array_equal(_bits(out), want[0]) and np.array_equal(_bits(lse), want[1])
-    assert len({key[1] for key in launch._STREAM_SCRATCH if key[0] == q.device.id}) >= 2
+    assert {s.ptr for s in streams} <= {stream for stream, _ in stream_scratch.handed_out(q.device.id)}
     _counters_zero()
 
 
@@ -126,4 +129,32 @@ def test_varlen_tiles_past_their_sequence_are_skipped_alike(monkeypatch, causal)
             assert all(np.array_equal(x, y) for x, y in zip(got, results[0])), f"persistent {p}"
         results.setdefault(p, got)
     varlen._plans.clear()
+    _counters_zero()
+
+
+def test_a_graph_captured_on_a_new_stream_takes_its_word_without_allocating():
+    """Warm-up on one stream, capture on another that has no word yet: the capture takes one from the
+    device's pool (an allocation would fail the capture), and the replay gives the eager bits."""
+    _need_sm90()
+    import cupy
+
+    rng = np.random.default_rng(13)
+    q, k, v = random_qkv(rng, 2, 1024, 1024, 4, 128, dtype_of("bfloat16"))
+    tile = dataclasses.replace(families.FWD_SM90.defaults[128][0], persistent=2)
+    want = _fwd(q, k, v, True, tile)
+    plan_args = dict(mask=MaskOptions.of(causal=True), config=tile)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        # the strided order first: CuPy's pool keeps the outputs' blocks for this stream, no word taken
+        _forward.forward(q, k, v, mask=MaskOptions.of(causal=True), config=dataclasses.replace(tile, persistent=1))
+        stream.synchronize()
+        assert (stream.ptr, "tile_counter") not in stream_scratch.handed_out(q.device.id)
+        stream.begin_capture()
+        out, lse = _forward.forward(q, k, v, **plan_args)
+        graph = stream.end_capture()
+        out.fill(0)
+        graph.launch(stream)
+        stream.synchronize()
+    assert np.array_equal(_bits(out), want[0]) and np.array_equal(_bits(lse), want[1])
+    assert (stream.ptr, "tile_counter") in stream_scratch.handed_out(q.device.id)
     _counters_zero()
