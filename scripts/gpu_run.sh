@@ -29,7 +29,7 @@ for s in $stages; do
     alltests)  # -v: each result is written as it comes, so a timeout still leaves the failures' names
       timeout ${ALLTESTS_TIMEOUT:-500} python3 -m pytest -v tests $XDIST -p no:cacheprovider -rfE --durations=15 >"$OUT/all-tests.log" 2>&1
       grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/all-tests.log" | tail -60 ;;
-    tune) python3 -m cuflash.tune --kernels ${TUNE_KERNELS:-fwd bwd bwd_dq fwd_sm90} --dtypes bf16 --seqlens 8192 --head-dims ${TUNE_HEAD_DIMS:-64 128} \
+    tune) python3 -m cuflash.tune --kernels ${TUNE_KERNELS:-fwd bwd bwd_dq fwd_sm90 bwd_sm90} --dtypes bf16 --seqlens 8192 --head-dims ${TUNE_HEAD_DIMS:-64 128} \
             --perf-classes ${TUNE_CLASSES:-dense dropout softcap} --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/nvidia-h200${TUNE_TAG:-}.json" \
             2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45 ;;
     tests) python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 -m gpu tests 2>&1 | tee "$OUT/gpu-tests.log" | tail -40

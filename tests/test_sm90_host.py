@@ -395,16 +395,17 @@ def test_drawn_tile_order_gets_a_counter_per_stream(calls, monkeypatch):
 
 
 def test_varlen_calls_draw_their_tiles(monkeypatch):
-    """A variable-length call runs the selected tile with the drawn order (FWD_SM90.varlen_tile);
-    dense calls and the sm80 family keep the tile as chosen."""
+    """A variable-length call runs the default tile with the drawn order (FWD_SM90.varlen_tile), whatever
+    the dense table says; dense calls and the sm80 family keep the tile as chosen."""
     from cuflash import _tuned, device
 
     monkeypatch.setattr(device, "supported", lambda i=0: H200)
-    monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: None)
+    tuned = Sm90FwdConfig(128, 176, 2, 2, 0, 1, 1, 1)
+    monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: tuned if fam is families.FWD_SM90 else None)
     call = lambda **kw: types.SimpleNamespace(device=0, features=Features("bfloat16", 128, **kw))  # noqa: E731
     base = families.FWD_SM90.defaults[128][0]
     assert families.select(families.FWD_SM90, call(varlen=True)) == dataclasses.replace(base, persistent=2)
-    assert families.select(families.FWD_SM90, call()) == base
+    assert families.select(families.FWD_SM90, call()) == tuned
     assert families.select(families.FWD, call(varlen=True)) == families.select(families.FWD, call())
 
 
@@ -583,7 +584,7 @@ def test_sm90_backward_family():
     from cuflash.tiles import Sm90BwdConfig
 
     f = families.BWD_SM90
-    assert f in families.BACKWARDS and families.REGISTRY["bwd_sm90"] is f and not f.tuned_by_default
+    assert f in families.BACKWARDS and families.REGISTRY["bwd_sm90"] is f and f.tuned_by_default
     t = Sm90BwdConfig(128, 64, 2, 2, 0, 0)
     assert (t.block_k, t.threads, t.launch_bounds()) == (128, 384, "__launch_bounds__(384, 1)")
     assert t.template_args() == (128, 64, 2, 2, 0, 0)

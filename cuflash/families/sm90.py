@@ -103,8 +103,10 @@ FWD_SM90 = KernelFamily(
     # ragged batches draw their tiles (persistent 2, kernels_cu/sm90/tile_feed.cuh): a CTA takes the next
     # tile when it is about to run out, so one sequence's long tiles do not pile up on a few CTAs as
     # they do with a static stride. H200, bf16, bench_varlen's 10 sequences (16k tokens, d128, 16
-    # heads), TFLOP/s, strided / one CTA per tile / drawn: 469.7 / 511.8 / 514.3, causal 374.7 / 372.1 /
-    # 428.7 (the dense batch of equal FLOPs: 567.2, causal 420.5; scripts/bench_tile_sched.py)
+    # heads), TFLOP/s, the default tile strided / one CTA per tile / drawn: 469.7 / 511.8 / 514.3,
+    # causal 374.7 / 372.1 / 428.7 (scripts/bench_tile_sched.py). On the default tile, not the dense
+    # table's: its 176- and 192-key tiles, drawn, ran the same batch at 497.3, causal 357.0
+    # (scripts/bench_varlen.py, a later run): more of each sequence's last key block is padding
     varlen_tile=lambda t: dataclasses.replace(t, persistent=2),
     plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True, takes_user_mod=True,
     takes_block_mask=True, nullable_pointers=True,
@@ -145,7 +147,6 @@ def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
 # by the producer warpgroup's store warp instead (dq_bulk 4: the consumers go straight on to the next
 # query block) 1-4% faster in all eight cells: d128 N8192 508.1 vs 497.3 (causal 473.3 vs 460.6),
 # N2048 445.2 vs 435.4; d64 N8192 431.8 vs 414.6 (causal 410.9 vs 394.2; cuDNN 437.0 / 400.3).
-# Not tuned by default yet: its space has not been through the tuner on the H200.
 BWD_SM90 = KernelFamily(
     name="bwd_sm90", description="backward dK/dV on Hopper: TMA + wgmma (dQ by bulk reductions)", what="sm90 backward",
     pass_="backward", tile_cls=Sm90BwdConfig, header="flash_bwd_sm90.cuh", template="cuflash::flash_bwd_sm90",
@@ -170,10 +171,12 @@ BWD_SM90 = KernelFamily(
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, run=_run_bwd, deterministic_outputs=(1, 2),
     takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
-    # variable-length batches (their dQ by atomics whatever the tile's dq_bulk: kDqMode in
-    # sm90/bwd.cuh): 351 TFLOP/s on the H200 where the sm80 kernel gives 202 (scripts/bench_varlen.py)
+    # variable-length batches, dQ in the same fragment order (each sequence's workspace rows start at
+    # a multiple of 128): varlen / dense of equal useful FLOPs 0.93, causal 0.98 on the H200 (with
+    # per-element atomics: 0.80 / 0.73; scripts/bench_varlen.py, 2026-12-02)
     takes_varlen=True,
     # the deterministic mode: the tile's dq_bulk 3 twin (dQ's block reductions in key-block order),
-    # faster than the sm80 deterministic backward on the H200 (scripts/bench_deterministic.py)
-    tuned_by_default=False,
+    # faster than the sm80 deterministic backward on the H200 (scripts/bench_deterministic.py).
+    # Tuned by default since the eleventh session: the H200's tuner kept the default in all four
+    # dense cells (d64 / d128, causal or not, N8192; docs/bench/tune-h200-bwd-sm90-2026-12-02.log)
 )
