@@ -3,7 +3,8 @@ one CTA per tile (persistent 0), persistent CTAs striding over the tiles (1), pe
 their next tile from a counter (2), each on the default tile of the head dim otherwise; on dense
 batches (16k tokens x 2048 / head_dim heads) and on bench_varlen.py's ragged batch (10 sequences,
 16k tokens, 16 heads, d128) with the dense batch of equal useful FLOPs (issue 12's ratio), with SDPA's
-cuDNN backend of the dense shapes as the anchor. TFLOP/s, bf16, CUDA events, median of --reps.
+cuDNN backend of the dense shapes as the anchor. TFLOP/s, bf16, CUDA events, median of --reps
+(bench_varlen.py's timing).
 
     python scripts/bench_tile_sched.py [--reps 30] [--json out.json]
 """
@@ -13,31 +14,12 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_varlen import _lengths  # noqa: E402  the same ragged batch
-
-
-def _time(fn, reps):
-    import cupy
-
-    for _ in range(3):
-        fn()
-    cupy.cuda.get_current_stream().synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        for _ in range(4):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(cupy.cuda.get_elapsed_time(a, b) / 4e3)
-    return statistics.median(ts)
+from bench_varlen import _lengths, _time  # noqa: E402  the same ragged batch and timing
 
 
 def main():

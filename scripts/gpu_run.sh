@@ -23,6 +23,12 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw --format=csv | tee "$OUT/env.txt"
 python3 -c "import cupy, sys; print('cupy', cupy.__version__, 'nvrtc', cupy.cuda.nvrtc.getVersion(), 'runtime', cupy.cuda.runtime.runtimeGetVersion(), 'py', sys.version.split()[0])" | tee -a "$OUT/env.txt"
+# memcheck, racecheck and synccheck over one script, their summaries appended to a log
+sanitize_script() {
+  for tool in memcheck racecheck synccheck; do
+    timeout 120 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 "$1" 2>&1 | tail -3 | tee -a "$2"
+  done
+}
 for s in $stages; do
   case $s in
     golden) python3 scripts/golden/outputs_golden.py check tests/golden/outputs.json 2>&1 | tee "$OUT/golden.log" | tail -45 ;;
@@ -115,19 +121,13 @@ for s in $stages; do
       timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py tests/gpu/test_race_gpu.py \
         -k "deterministic or refuses or race or atomic" 2>&1 \
         | tee -a "$OUT/bwddet.log" | tail -12
-      for tool in memcheck racecheck synccheck; do
-        timeout 120 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/sanitize_features.py 2>&1 \
-          | tail -3 | tee -a "$OUT/bwddet.log"
-      done
+      sanitize_script scripts/sanitize_features.py "$OUT/bwddet.log"
       timeout 200 python3 scripts/bench_deterministic.py --json "$OUT/bench-deterministic.json" 2>&1 | grep -v Warn \
         | tee -a "$OUT/bwddet.log" | tail -8 ;;
     tilesched)  # the sm90 forward's tile orders (kernels_cu/sm90/tile_feed.cuh): bitwise tests, the sanitizers, the bench
       timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_tile_feed_gpu.py tests/gpu/test_forward_gpu.py \
         tests/gpu/test_varlen_gpu.py 2>&1 | tee "$OUT/tilesched-tests.log" | tail -8
-      for tool in memcheck racecheck synccheck; do
-        timeout 120 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/sanitize_tile_feed.py 2>&1 \
-          | tail -2 | tee -a "$OUT/tilesched.log"
-      done
+      sanitize_script scripts/sanitize_tile_feed.py "$OUT/tilesched.log"
       timeout 300 python3 scripts/bench_tile_sched.py --json "$OUT/bench-tile-sched.json" 2>&1 | grep -v Warn \
         | tee -a "$OUT/tilesched.log" | tail -12 ;;
     sm90fwd) timeout 300 python3 scripts/sm90_bringup.py check bench 2>&1 | tee "$OUT/sm90-fwd.log" | grep -v "^ok" | tail -40 ;;

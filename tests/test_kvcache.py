@@ -232,9 +232,11 @@ def test_rotary_without_cache_seqlens_is_refused():
 # next tile's page numbers (held in registers a tile ahead, decode.cuh PagedTileRows) tip ptxas
 # into spilling 4-8 bytes at 96-128 registers, far below the 255 it may use; one load per tile
 # from L1, against a load latency per tile that the prefetch removes. Since the paged walk
-# (2026-12-02) only d192 with a window and no split does. (bytes of spill stores and of stack
-# frame, each; keyed (arch, head_dim, local, split_kv))
-KNOWN_DECODE_SPILLS = {("sm_90a", 192, True, False): 8}
+# (2026-12-02) only d192 with a window and no split does; under NVRTC 13.0 (the H200's) also its
+# sm_80 instance, with softcap or without (4 B of spills, an 8-byte frame). (bytes of spill stores
+# and of stack frame, each at most; keyed (arch, head_dim, local, split_kv, softcap), paged only)
+KNOWN_DECODE_SPILLS = {("sm_90a", 192, True, False, True): 8, ("sm_80", 192, True, False, True): 8,
+                       ("sm_80", 192, True, False, False): 8}
 
 
 @needs_nvrtc
@@ -249,7 +251,7 @@ def test_decode_instances_compile_without_spills(tile, arch):
                                                                  (False, True), ("bfloat16", "float16")):
         f = Features(dtype, tile.head_dim, seqused_k=True, split_kv=split, local=local, softcap=softcap, paged=paged)
         r = _compile.compile_report(_compile.kernel_source(tile, f), arch)
-        known = KNOWN_DECODE_SPILLS.get((arch, tile.head_dim, local, split), 0) if softcap and paged else 0
+        known = KNOWN_DECODE_SPILLS.get((arch, tile.head_dim, local, split, softcap), 0) if paged else 0
         assert r["registers"] > 0 and r["spill_stores"] <= known and r["stack_bytes"] <= known, \
             (tile, f, r["spill_stores"])
 

@@ -89,11 +89,11 @@ FWD_SM90 = KernelFamily(
     },
     accumulator_registers=_acc, register_limit=_consumer_cap,
     # ptxas, sm_90a (tests/test_compile_sm90.py keeps this honest): three consumers have 160
-    # registers each, which the dropout mask's Philox state does not fit; the sliding-window instance
-    # spills 4 B with a single Q buffer (NVRTC 13.0 on the H200), the softcap one 16 B (NVRTC 13.5,
-    # sm_90a; the two-consumer fallback compiles clean with softcap, dropout and windows)
+    # registers each, which the dropout mask's Philox state does not fit; the softcap instance spills
+    # 16 B (NVRTC 13.0 and 13.5; the two-consumer fallback compiles clean with softcap, dropout and
+    # windows). The sliding-window one spilled 4 B under 13.0 until the consumers stopped walking the
+    # tiles themselves (sm90/tile_feed.cuh, 2026-12-02): none now, so windows take the default
     spilling={"dropout": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)}),
-              "local": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)}),
               "softcap": frozenset({Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1)})}, call_problem=_call_problem,
     # softcap's MUFU.TANH lengthens each consumer's softmax past the other's GEMMs, so ping-pong's
     # alternation costs more than it hides: at d128 the 128-key tile without it runs softcap at

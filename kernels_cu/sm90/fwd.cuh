@@ -152,6 +152,13 @@ struct Sm90FwdTile {
     }
 };
 
+// x, opaque to the compiler (no CSE across it): a value the prologue computes from it is not kept
+// live into the 24-register producer, which computes its own from the parameter
+__device__ __forceinline__ u32 opaque_u32(u32 x) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(x));
+    return x;
+}
+
 // Zero chunks [chunks, bytes / chunk_bytes) of each of `buffers` images of `bytes` at base (the
 // images' chunks no load writes: V::kPartialD), 16 bytes per thread and step.
 __device__ __forceinline__ void zero_chunks(u32 base, int buffers, int bytes, int chunk_bytes, int chunks, int tid,
@@ -185,6 +192,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
     __shared__ __align__(8) u64 feed_bars[4];
     __shared__ int feed_ids[3];
     const TileFeed feed{smem_u32(feed_ids), smem_u32(feed_bars)};
+    __shared__ int q_load_count;  // V::kPartialD: the producer's Q loads so far (SmemCount; below)
+    const SmemCount q_loads{smem_u32(&q_load_count)};
     const u32 sQ = (smem_u32(smem) + 1023u) & ~1023u;  // TMA 128B-swizzle images need 1024-B alignment
     const u32 sK = sQ + QSTAGES * Tr::kQBytes;
     const u32 sV = sK + STAGES * Tr::kKVBytes;
@@ -194,17 +203,20 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
 
     const int tid = threadIdx.x;
     if (tid == 0) {
+        if constexpr (V::kPartialD) q_loads.set(0);
         feed.init(4 * CONSUMERS);  // freed by each consumer warp
         bars.init(CONSUMERS);
     }
     // V::kPartialD: 64-column chunks of q / k rows and of v rows holding a column of the call's
-    const int qk_chunks = V::kPartialD ? (params.head_dim + 63) / 64 : Tr::kChunks;
-    const int v_chunks = V::kPartialD ? (params.head_dim_v + 63) / 64 : Tr::kChunks;
+    auto chunks_of = [](u32 dim) { return V::kPartialD ? (int)(dim + 63) / 64 : Tr::kChunks; };
     if constexpr (V::kPartialD) {
-        // the chunks no load writes, zero in every buffer (Q K^T and P V read them)
-        zero_chunks(sQ, QSTAGES, Tr::kQBytes, Tr::kQChunkBytes, qk_chunks, tid, Tr::kThreads);
-        zero_chunks(sK, STAGES, Tr::kKVBytes, Tr::kKVChunkBytes, qk_chunks, tid, Tr::kThreads);
-        zero_chunks(sV, STAGES, Tr::kKVBytes, Tr::kKVChunkBytes, v_chunks, tid, Tr::kThreads);
+        // the chunks no load writes, zero in every buffer (Q K^T and P V read them). From opaque
+        // copies of the head dims: the producer computes its own counts where it loads (shared with
+        // this prologue, the counts' byte products stayed live into its 24 registers and spilled)
+        const int zq = chunks_of(opaque_u32(params.head_dim)), zv = chunks_of(opaque_u32(params.head_dim_v));
+        zero_chunks(sQ, QSTAGES, Tr::kQBytes, Tr::kQChunkBytes, zq, tid, Tr::kThreads);
+        zero_chunks(sK, STAGES, Tr::kKVBytes, Tr::kKVChunkBytes, zq, tid, Tr::kThreads);
+        zero_chunks(sV, STAGES, Tr::kKVBytes, Tr::kKVChunkBytes, zv, tid, Tr::kThreads);
         fence_proxy_async();  // visible to wgmma (the async proxy) after the barrier below
     }
     __syncthreads();  // the last CTA-wide barrier: after the role split warps leave at different times
@@ -230,8 +242,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     tma_load_5d(dst, map, bar, 0, row, 0, head, batch);
                 }
             };
+            const int qk_chunks = chunks_of(params.head_dim), v_chunks = chunks_of(params.head_dim_v);
             RingPos<STAGES> kv{0};
-            int local = 0;  // tiles with keys this CTA ran: the Q barriers' phase
+            // tiles with keys this CTA ran: the Q barriers' phase (V::kPartialD: q_loads, in shared
+            // memory: with the runtime chunk counts the 24-register producer spilled, NVRTC 13.0)
+            int local = 0;
             const int group = params.group;  // GQA/MQA: query head h loads k/v head h / group (MHA: 1)
             const TileSource source{tile_counter, n_tiles};
             int tile = source.first();
@@ -260,17 +275,23 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     if (it == 0) {
                         // Q after the tile's first K: that K load waits only for a free slot, so it
                         // is in flight while the consumers still read the previous tile's Q
+                        if constexpr (V::kPartialD) {
+                            local = q_loads.get();
+                            q_loads.set(local + 1);
+                        }
                         const int qs = local % QSTAGES;
                         mbar_wait(bars.q_empty(qs), ((local / QSTAGES) & 1) ^ 1);
                         load_rows(sQ + qs * Tr::kQBytes, tq, bars.q_full(qs), Tr::kQChunkBytes, qk_chunks,
                                   w.span.q_start + w.r0, w.blk.head, map_batch);
-                        ++local;
+                        if constexpr (!V::kPartialD) ++local;
                     }
                     mbar_wait(bars.v_empty(s), free_parity);
                     load_rows(sV + s * Tr::kKVBytes, tv, bars.v_full(s), Tr::kKVChunkBytes, v_chunks,
                               w.span.k_start + j * BC, h_kv, map_batch);
                 }
-                tile = source.next(tile);
+                // V::kPartialD: the id read back from its slot, not kept in a register over the loads
+                // (with the runtime chunk counts the 24-register producer spilled it, NVRTC 13.0)
+                tile = source.next(V::kPartialD ? feed.last() : tile);
             }
         }
     } else {

@@ -23,6 +23,18 @@
 
 namespace cuflash {
 
+// A count the producer thread keeps in shared memory instead of a register: the Hopper forward's
+// producer has 24, and the tile loop's counts there spilled (volatile: never cached in a register).
+struct SmemCount {
+    u32 addr;
+    __device__ __forceinline__ int get() const {
+        int v;
+        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
+        return v;
+    }
+    __device__ __forceinline__ void set(int v) const { asm volatile("st.shared.b32 [%0], %1;" :: "r"(addr), "r"(v) : "memory"); }
+};
+
 struct TileSource {
     int* counter;  // nullptr: static
     int tiles;
@@ -46,6 +58,7 @@ struct TileFeed {
     u32 ids, bars;
     static constexpr int kEnd = 0x7fffffff;  // published after the last tile
 
+    __device__ __forceinline__ SmemCount count() const { return SmemCount{ids + 8}; }  // tiles published
     __device__ __forceinline__ u32 full(int slot) const { return bars + 8 * slot; }
     __device__ __forceinline__ u32 empty(int slot) const { return bars + 8 * (2 + slot); }
     __device__ __forceinline__ void init(int readers) const {  // one thread, before the CTA's first barrier
@@ -53,19 +66,21 @@ struct TileFeed {
         mbar_init(full(1), 1);
         mbar_init(empty(0), readers);
         mbar_init(empty(1), readers);
-        asm volatile("st.shared.b32 [%0], %1;" :: "r"(ids + 8), "r"(0) : "memory");
+        count().set(0);
         fence_barrier_init();
     }
     // The producer thread: its next tile (kEnd after the last), once the slot is free.
     __device__ __forceinline__ void publish(int tile) const {
-        int n;
-        asm volatile("ld.shared.b32 %0, [%1];" : "=r"(n) : "r"(ids + 8) : "memory");
-        asm volatile("st.shared.b32 [%0], %1;" :: "r"(ids + 8), "r"(n + 1) : "memory");
+        const int n = count().get();
+        count().set(n + 1);
         const int slot = n & 1;
         mbar_wait(empty(slot), ((n >> 1) & 1) ^ 1);  // a fresh barrier counts as released
         asm volatile("st.shared.b32 [%0], %1;" :: "r"(ids + 4 * slot), "r"(tile) : "memory");
         mbar_arrive(full(slot));  // release: the id is visible to the waiters' acquire
     }
+    // The producer thread: the tile it published last, read back from its slot (its callers keep the
+    // id out of registers while they issue the tile's loads: the 24-register producer spilled it)
+    __device__ __forceinline__ int last() const { return SmemCount{ids + 4 * ((count().get() - 1) & 1)}.get(); }
     // A consumer warp (every lane): the n-th tile; lane 0 frees the slot once the warp has read it.
     __device__ __forceinline__ int receive(int n, int lane) const {
         const int slot = n & 1;
