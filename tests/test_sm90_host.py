@@ -395,16 +395,15 @@ def test_drawn_tile_order_gets_a_counter_per_stream(calls, monkeypatch):
 
 
 def test_varlen_calls_draw_their_tiles(monkeypatch):
-    """A variable-length call runs the default tile with the drawn order (FWD_SM90.varlen_tile), whatever
-    the dense table says; dense calls and the sm80 family keep the tile as chosen."""
+    """A variable-length call runs the dense call's tile (its tuned one here) with the drawn order
+    (FWD_SM90.varlen_tile); dense calls and the sm80 family keep the tile as chosen."""
     from cuflash import _tuned, device
 
     monkeypatch.setattr(device, "supported", lambda i=0: H200)
     tuned = Sm90FwdConfig(128, 176, 2, 2, 0, 1, 1, 1)
     monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: tuned if fam is families.FWD_SM90 else None)
     call = lambda **kw: types.SimpleNamespace(device=0, features=Features("bfloat16", 128, **kw))  # noqa: E731
-    base = families.FWD_SM90.defaults[128][0]
-    assert families.select(families.FWD_SM90, call(varlen=True)) == dataclasses.replace(base, persistent=2)
+    assert families.select(families.FWD_SM90, call(varlen=True)) == dataclasses.replace(tuned, persistent=2)
     assert families.select(families.FWD_SM90, call()) == tuned
     assert families.select(families.FWD, call(varlen=True)) == families.select(families.FWD, call())
 

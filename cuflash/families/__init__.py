@@ -63,8 +63,6 @@ def select(family: KernelFamily, problem):
     # instances (the family's `spilling` marks) gives way to the default that does not. (The older
     # variants, windows and softcap, keep their class's tuned tile, as they were measured with it.)
     untuned = problem.features.varlen or problem.features.split_kv
-    if problem.features.varlen and family.varlen_tile is not None:
-        tile = None  # the family's own rule for ragged batches, on its default tile (below)
     if problem.features.user_mod:  # each snippet is its own kernel: pick by its own compile report
         tile = _tile_for_snippet(family, problem, props, tile)
     elif tile is None or (untuned and family.avoids(tile, problem.features)):

@@ -87,9 +87,9 @@ class KernelFamily:
     # perf class -> head_dim -> tiles preferred to `defaults` for that class while nothing tuned
     # applies (a class whose best tile was measured to differ from its head dim's default)
     class_defaults: Mapping[str, Mapping[int, tuple]] = dataclasses.field(default_factory=dict)
-    # default tile -> the tile a variable-length call runs (a rule measured on ragged batches, e.g. the
-    # sm90 forward's drawn order; the dense tables' tiles are not used for them); None: the tile as
-    # chosen for dense calls (their tuned tile unless it spills with varlen)
+    # tile -> the tile a variable-length call runs instead of the one chosen for dense calls (their tuned
+    # tile unless it spills with varlen): a rule measured on ragged batches, e.g. the sm90 forward's
+    # drawn order; None: that tile
     varlen_tile: Callable | None = None
     # tiles of `defaults` that only a device where no other default fits may pick (the 2-warp d192 /
     # d256 backward of ~99 KB GPUs: slow, and spilling a little, they must not win elsewhere)

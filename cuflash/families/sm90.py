@@ -104,9 +104,9 @@ FWD_SM90 = KernelFamily(
     # tile when it is about to run out, so one sequence's long tiles do not pile up on a few CTAs as
     # they do with a static stride. H200, bf16, bench_varlen's 10 sequences (16k tokens, d128, 16
     # heads), TFLOP/s, the default tile strided / one CTA per tile / drawn: 469.7 / 511.8 / 514.3,
-    # causal 374.7 / 372.1 / 428.7 (scripts/bench_tile_sched.py). On the default tile, not the dense
-    # table's: its 176- and 192-key tiles, drawn, ran the same batch at 497.3, causal 357.0
-    # (scripts/bench_varlen.py, a later run): more of each sequence's last key block is padding
+    # causal 374.7 / 372.1 / 428.7 (scripts/bench_tile_sched.py). On the dense table's tile: against a
+    # dense batch of equal FLOPs on its tuned tile, in one run, varlen on that tile drawn ran 0.83x
+    # (causal 0.99x), on the default tile drawn 0.73x (causal 0.77x) in another (scripts/bench_varlen.py)
     varlen_tile=lambda t: dataclasses.replace(t, persistent=2),
     plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True, takes_user_mod=True,
     takes_block_mask=True, nullable_pointers=True,
