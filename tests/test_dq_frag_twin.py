@@ -1,7 +1,8 @@
 """NumPy twin of the sm90 backward's fragment-order dQ workspace (kernels_cu/sm90/bwd.cuh, dq_bulk 2 and 4)
-and of the two kernels that read it back (kernels_cu/rowwise/bwd_post.cuh): bwd_dq_convert_frag (dense,
-one thread per float4) and bwd_dq_convert_frag_varlen (one thread per row and 8 columns, each
-sequence's 64-row blocks from SeqSpan::varlen_ws_row0)."""
+for variable-length batches and of the kernel that reads it back, bwd_dq_convert_frag_varlen
+(kernels_cu/rowwise/bwd_post.cuh: one thread per row and 8 columns, each sequence's 64-row blocks from
+SeqSpan::varlen_ws_row0). The GPU tests check the kernels themselves; this checks the layout's
+reasoning on ragged lengths, where a mistake would only show for some of them."""
 from __future__ import annotations
 
 import numpy as np
@@ -73,13 +74,3 @@ def test_varlen_fragment_blocks_read_back_row_major(d):
     for (h, b), (row0, rows) in want.items():
         np.testing.assert_array_equal(convert_frag_varlen(ws, row0, len(rows), d), rows)
 
-
-def test_dense_and_varlen_blocks_share_one_address_formula():
-    """The dense convert's block (bh, m, c) at ((bh * pad / 64 + m) * D / 64 + c) * 4096 floats is the
-    varlen one's row0 * D + c * 4096 with row0 = bh * pad + 64 m (sm90/bwd.cuh's dq_frag_block)."""
-    for d in (64, 128):
-        for pad in (128, 256, 1024):
-            for bh in range(3):
-                for m in range(pad // 64):
-                    for c in range(d // 64):
-                        assert ((bh * pad // 64 + m) * (d // 64) + c) * 4096 == (bh * pad + 64 * m) * d + c * 4096

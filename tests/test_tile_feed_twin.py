@@ -38,10 +38,3 @@ def test_every_tile_runs_once_and_the_counter_returns_to_zero(tiles, grid):
         assert sorted(started) == list(range(tiles))
         assert counter == [0]
 
-
-def test_a_counter_left_nonzero_would_skip_tiles():
-    """Why the reset matters (and why concurrent launches need their own word): a launch that finds the
-    counter at k > 0 never runs tiles grid .. grid + k - 1."""
-    counter = [3]
-    started = run_launch(50, 4, counter, random.Random(0))
-    assert sorted(set(range(50)) - set(started)) == [4, 5, 6]
