@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -130,6 +130,13 @@ for s in $stages; do
       sanitize_script scripts/sanitize_tile_feed.py "$OUT/tilesched.log"
       timeout 300 python3 scripts/bench_tile_sched.py --json "$OUT/bench-tile-sched.json" 2>&1 | grep -v Warn \
         | tee -a "$OUT/tilesched.log" | tail -12 ;;
+    l2sections)  # the sm90 forward's causal order by L2 sections (attn/tile_order.cuh): its tests, memcheck, the A/B
+      timeout ${L2_TESTS_TIMEOUT:-200} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_tile_feed_gpu.py \
+        tests/gpu/test_forward_gpu.py tests/test_tile_order_twin.py 2>&1 | tee "$OUT/l2sections-tests.log" | tail -8
+      timeout 120 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 scripts/sanitize_tile_feed.py \
+        2>&1 | tail -3 | tee -a "$OUT/l2sections-tests.log"
+      timeout ${L2_BENCH_TIMEOUT:-300} python3 scripts/bench_l2_sections.py --json "$OUT/bench-l2-sections.json" 2>&1 \
+        | grep -v Warn | tee "$OUT/bench-l2-sections.log" | tail -16 ;;
     sm90fwd) timeout 300 python3 scripts/sm90_bringup.py check bench 2>&1 | tee "$OUT/sm90-fwd.log" | grep -v "^ok" | tail -40 ;;
     roofline) python3 -m cuflash.roofline --out "$OUT/roofline.png" --json "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.log" ;;
     *) echo "unknown stage $s" ;;

@@ -1,31 +1,79 @@
 """NumPy twin of kernels_cu/attn/tile_order.cuh (the sm90 forward's causal tile order): every work
-tile is visited exactly once, each rank holds the same block of every (batch, head), and a grid
-that strides over the order gives every CTA a near-equal share of the causal work."""
+tile is visited exactly once, each rank of a section holds the same block of each of the section's
+(batch, head)s, a grid that strides over the order gives every CTA a near-equal share of the causal
+work, and the CTAs resident together touch few heads' K/V (the L2 sections)."""
 import numpy as np
 import pytest
 
+KIB = 32 * 1024  # kL2SectionKiB
 
-def heaviest_first(tile, n_blocks, bh_count, n_heads):
-    """(block, batch, head) of `tile`, as schedule_tiles_heaviest_first."""
-    rank = tile // bh_count
-    bh = tile - rank * bh_count
+
+def section_heads(seqlen_k, kv_row_bytes, gqa, bh_count):
+    """l2_section_heads, in the kernel's 32-bit unsigned arithmetic."""
+    per_head_kib = max(((seqlen_k >> 4) * (kv_row_bytes >> 6)) & 0xFFFFFFFF, 1)
+    g = (KIB * min(max(gqa, 1), 1024)) // per_head_kib
+    return min(bh_count, max(g, 1))
+
+
+def heaviest_first(tile, n_blocks, bh_count, n_heads, sec=None):
+    """(block, batch, head) of `tile`, as schedule_tiles_heaviest_first (sec None: one section)."""
+    sec = bh_count if sec is None else sec
+    per_section = n_blocks * sec
+    section = tile // per_section
+    first = section * sec
+    heads_in = min(sec, bh_count - first)
+    rem = tile - section * per_section
+    rank = rem // heads_in
+    bh = first + rem - rank * heads_in
     return n_blocks - 1 - rank, bh // n_heads, bh % n_heads
 
 
-@pytest.mark.parametrize("n_blocks,batch,heads", [(1, 1, 1), (16, 8, 16), (128, 1, 16), (7, 3, 5)])
-def test_every_tile_once_heaviest_first(n_blocks, batch, heads):
+SHAPES = [(1, 1, 1), (16, 8, 16), (128, 1, 16), (7, 3, 5), (4, 32, 16)]
+
+
+@pytest.mark.parametrize("sec", [None, 1, 3, 8, 32])
+@pytest.mark.parametrize("n_blocks,batch,heads", SHAPES)
+def test_every_tile_once_heaviest_first_per_section(n_blocks, batch, heads, sec):
     bh = batch * heads
-    seen = [heaviest_first(t, n_blocks, bh, heads) for t in range(n_blocks * bh)]
+    seen = [heaviest_first(t, n_blocks, bh, heads, sec) for t in range(n_blocks * bh)]
     assert len(set(seen)) == n_blocks * bh
     assert all(0 <= b < n_blocks and 0 <= x < batch and 0 <= h < heads for b, x, h in seen)
-    blocks = [b for b, _, _ in seen]
-    assert blocks == sorted(blocks, reverse=True)  # non-increasing: the heaviest blocks first
+    s = bh if sec is None else min(sec, bh)
+    for start in range(0, n_blocks * bh, n_blocks * s):  # within each section: the heaviest blocks first
+        blocks = [b for b, _, _ in seen[start:start + n_blocks * s]]
+        assert blocks == sorted(blocks, reverse=True)
+        heads_of = {x * heads + h for _, x, h in seen[start:start + n_blocks * s]}
+        assert len(heads_of) == min(s, bh - start // n_blocks)  # the section's own (batch, head)s
 
 
-@pytest.mark.parametrize("n_blocks,batch,heads,grid", [(128, 1, 16, 132), (16, 8, 16, 132), (64, 2, 16, 132)])
+@pytest.mark.parametrize("n_blocks,batch,heads", SHAPES)
+def test_one_section_is_the_rank_by_rank_order(n_blocks, batch, heads):
+    bh = batch * heads
+    for t in range(n_blocks * bh):
+        rank = t // bh
+        assert heaviest_first(t, n_blocks, bh, heads, bh) == (n_blocks - 1 - rank, (t % bh) // heads, (t % bh) % heads)
+        assert heaviest_first(t, n_blocks, bh, heads, 10 * bh) == heaviest_first(t, n_blocks, bh, heads, bh)
+
+
+def test_section_heads_fit_the_budget():
+    # d128 (K and V rows of 512 B): N2048 1 MiB a head -> 32 heads; N8192 4 MiB -> 8; N512 -> all of 512
+    assert section_heads(2048, 512, 1, 128) == 32
+    assert section_heads(8192, 512, 1, 32) == 8
+    assert section_heads(512, 512, 1, 512) == 128
+    assert section_heads(1 << 20, 1024, 1, 16) == 1  # a head beyond the budget: one at a time
+    assert section_heads(2048, 512, 4, 128) == 128  # GQA: 4 query heads per K/V head
+    assert section_heads((1 << 31) - 1, 1024, 1024, 7) == 1  # no 32-bit overflow at the extremes
+    assert section_heads(0, 256, 1, 5) == 5
+
+
+CAUSAL_GRIDS = [(128, 1, 16, 132), (16, 8, 16, 132), (64, 2, 16, 132), (4, 32, 16, 132), (32, 4, 16, 132)]
+
+
+@pytest.mark.parametrize("n_blocks,batch,heads,grid", CAUSAL_GRIDS)
 def test_strided_grid_balances_causal_work(n_blocks, batch, heads, grid):
-    """Causal: block i of a head visits i + 1 key blocks. Striding the heaviest-first order keeps the
-    busiest CTA within ~one tile of the mean; the block-fastest order would not."""
+    """Causal: block i of a head visits i + 1 key blocks. Striding the heaviest-first order (one
+    section: the kernel gives a strided grid no others) keeps the busiest CTA within ~one tile of the
+    mean; the block-fastest order would not."""
     bh = batch * heads
     tiles = n_blocks * bh
     work = np.zeros(grid)
@@ -38,3 +86,34 @@ def test_strided_grid_balances_causal_work(n_blocks, batch, heads, grid):
     for t in range(tiles):
         block_fastest[t % grid] += (n_blocks - 1 - t % n_blocks) + 1
     assert busiest <= block_fastest.max()
+
+
+def test_resident_ctas_share_heads():
+    """d128 N2048 causal at 16k tokens (8 x 16 heads, 16 query blocks of 128), 132 CTAs drawing in
+    order: any 132 consecutive tiles hold at most ~section heads' K/V, where one section held ~one
+    tile of 128 different heads."""
+    n_blocks, bh, grid = 16, 128, 132
+    sec = section_heads(2048, 512, 1, bh)
+    for order_sec, most in ((sec, 2 * sec), (bh, bh)):
+        tiles = [heaviest_first(t, n_blocks, bh, 16, order_sec) for t in range(n_blocks * bh)]
+        widest = max(len({x * 16 + h for _, x, h in tiles[i:i + grid]}) for i in range(0, len(tiles) - grid))
+        assert widest <= most
+    assert sec <= 32
+
+
+@pytest.mark.parametrize("n_blocks,batch,heads,grid", CAUSAL_GRIDS)
+def test_drawn_sections_balance_causal_work(n_blocks, batch, heads, grid):
+    """CTAs drawing the sectioned order as they free up (the drawn order; one CTA per tile likewise)
+    finish within ~one heavy tile of the ideal: the tail is the last section's lightest tiles."""
+    import heapq
+
+    bh = batch * heads
+    sec = section_heads(n_blocks * 128, 512, 1, bh)
+    free = [(0.0, c) for c in range(grid)]
+    for t in range(n_blocks * bh):
+        block, _, _ = heaviest_first(t, n_blocks, bh, heads, sec)
+        at, c = heapq.heappop(free)
+        heapq.heappush(free, (at + block + 1, c))
+    makespan = max(at for at, _ in free)
+    ideal = n_blocks * (n_blocks + 1) / 2 * bh / grid
+    assert makespan <= ideal + n_blocks

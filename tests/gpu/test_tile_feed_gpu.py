@@ -60,6 +60,26 @@ def test_drawn_and_strided_tiles_give_the_same_bits(d, b, n, h, hkv, causal):
     _counters_zero()
 
 
+@pytest.mark.parametrize("d,b,nq,nk,h,hkv", [(128, 2, 300, 24000, 5, 5), (64, 3, 200, 40000, 6, 2),
+                                               (128, 2, 1000, 20000, 7, 7)])
+def test_l2_sections_give_the_same_bits(d, b, nq, nk, h, hkv):
+    """Causal calls of several L2 sections (attn/tile_order.cuh: long keys, so few heads a section;
+    the last one partial): the sectioned order (one CTA per tile, drawn) gives the strided order's
+    bits (one section), so it runs every tile exactly once."""
+    _need_sm90()
+    from tests.test_tile_order_twin import section_heads
+
+    assert section_heads(nk, 4 * d, h // hkv, b * h) < b * h  # more than one section
+    rng = np.random.default_rng(nk + h)
+    q, k, v = random_qkv(rng, b, nq, nk, h, d, dtype_of("bfloat16"), heads_kv=hkv)
+    base = families.FWD_SM90.defaults[d][0]
+    want = _fwd(q, k, v, True, dataclasses.replace(base, persistent=1))
+    for p in (0, 2, 2):
+        got = _fwd(q, k, v, True, dataclasses.replace(base, persistent=p))
+        assert all(np.array_equal(x, y) for x, y in zip(got, want)), f"persistent {p}"
+    _counters_zero()
+
+
 def test_a_few_ctas_drawing_many_tiles(monkeypatch):
     """Three CTAs over ~200 tiles: each draws dozens, the last draw's CTA resets the counter."""
     _need_sm90()
