@@ -1,6 +1,6 @@
-"""The Hopper forward's causal tile order by L2 sections (kernels_cu/attn/tile_order.cuh) against the
-order without them, in one run: the same kernel compiled with other section budgets
-(CUFLASH_L2_SECTION_KIB; "off" is a budget past every (batch, head) of these shapes, one section,
+"""The Hopper forward's causal tile order by sections of K/V heads (kernels_cu/attn/tile_order.cuh)
+against the order without them, in one run: the same kernel compiled with other section sizes
+(CUFLASH_SECTION_KV_HEADS; "off" is a size past every (batch, head) of these shapes, one section,
 the order before sections), on dense causal batches of 16k tokens x 2048 / head_dim heads, each on the
 family's default tile (drawn: persistent 2) and on the shipped table's tuned tile of its head dim, with SDPA's cuDNN and
 flash backends as the anchors. TFLOP/s, bf16, CUDA events; every callable of a cell takes its turn in
@@ -17,7 +17,7 @@ import pathlib
 
 from cuflash._timing import time_rounds, variant_bench_parser
 
-BUDGETS = {"off": 1 << 21, "8M": 8 << 10, "16M": 16 << 10, "32M": 32 << 10}
+SIZES = {"off": 1 << 20, "16": 16, "32": 32, "64": 64}
 
 
 def shipped_tile(head_dim: int, causal: bool):
@@ -42,26 +42,26 @@ def main():
 
     ap = variant_bench_parser(__doc__, head_dims=[128, 64])
     ap.set_defaults(seqlens=[512, 1024, 2048, 4096, 8192, 16384], reps=15, rounds=3)
-    ap.add_argument("--budgets", nargs="+", default=list(BUDGETS))
+    ap.add_argument("--sizes", nargs="+", default=list(SIZES), help="section sizes (K/V heads) to compare")
     a = ap.parse_args()
 
     original = _compile.kernel_source
 
-    def source_with(kib):
+    def source_with(heads):
         @functools.lru_cache(maxsize=None)
         def src(tile, features):
             s = original(tile, features)
-            return s if families.of(tile) is not families.FWD_SM90 else f"#define CUFLASH_L2_SECTION_KIB ({kib}u)\n{s}"
+            return s if families.of(tile) is not families.FWD_SM90 else f"#define CUFLASH_SECTION_KV_HEADS {heads}\n{s}"
         return src
 
-    sources = {name: source_with(BUDGETS[name]) for name in a.budgets}
+    sources = {name: source_with(SIZES[name]) for name in a.sizes}
     real_select = families.select
-    state = {"budget": None, "tile": None}
+    state = {"size": None, "tile": None}
 
-    def use(budget, tile):
-        if (state["budget"], state["tile"]) != (budget, tile):
-            state.update(budget=budget, tile=tile)
-            _compile.kernel_source = sources[budget]
+    def use(size, tile):
+        if (state["size"], state["tile"]) != (size, tile):
+            state.update(size=size, tile=tile)
+            _compile.kernel_source = sources[size]
             _compile._loaded.clear()
             _forward._plans.clear()
 
@@ -91,16 +91,16 @@ def main():
                 for tname, tile in tiles.items():
                     if tile is None:
                         continue
-                    for budget in a.budgets:
-                        def fn(budget=budget, tile=tile):
-                            use(budget, tile)
+                    for size in a.sizes:
+                        def fn(size=size, tile=tile):
+                            use(size, tile)
                             return cuflash.attention(q, k, v, causal=causal)
                         out = fn()
                         if ref is None:
                             ref = out.astype(cupy.float32)
                         elif tname == "tuned":  # the order changes which CTA runs a tile, never its result
-                            assert bool((out.astype(cupy.float32) == ref).all()), (d, n, tname, budget)
-                        fns[f"{tname}_{budget}"] = fn
+                            assert bool((out.astype(cupy.float32) == ref).all()), (d, n, tname, size)
+                        fns[f"{tname}_{size}"] = fn
                 bq, bk, bv = (x.transpose(1, 2) for x in (tq, tk, tv))
                 for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
                     def sd(backend=backend):
@@ -114,18 +114,18 @@ def main():
                     best = max((key for key in row if key.startswith(tname + "_")), key=row.get, default=None)
                     if best:
                         row[f"{tname}_best"] = best
-                        row[f"{tname}_vs_cudnn"] = {bud: round(row[f"{tname}_{bud}"] / row["cudnn"], 3) for bud in a.budgets}
+                        row[f"{tname}_vs_cudnn"] = {bud: round(row[f"{tname}_{bud}"] / row["cudnn"], 3) for bud in a.sizes}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 fns = None
                 cupy.get_default_memory_pool().free_all_blocks()
     families.select = real_select
     _compile.kernel_source = original
-    print(f"{'d':>4} {'N':>6} " + " ".join(f"{t[:3]}_{bud:>4}" for t in ("tuned", "default") for bud in a.budgets)
+    print(f"{'d':>4} {'N':>6} " + " ".join(f"{t[:3]}_{bud:>4}" for t in ("tuned", "default") for bud in a.sizes)
           + "  cudnn  flash")
     for r in rows:
         print(f"{r['d']:>4} {r['n']:>6} " + " ".join(f"{r.get(f'{t}_{bud}', float('nan')):>8.1f}" for t in ("tuned", "default")
-                                                  for bud in a.budgets) + f" {r['cudnn']:>6.1f} {r['flash']:>6.1f}")
+                                                  for bud in a.sizes) + f" {r['cudnn']:>6.1f} {r['flash']:>6.1f}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,18 +1,16 @@
 """NumPy twin of kernels_cu/attn/tile_order.cuh (the sm90 forward's causal tile order): every work
 tile is visited exactly once, each rank of a section holds the same block of each of the section's
 (batch, head)s, a grid that strides over the order gives every CTA a near-equal share of the causal
-work, and the CTAs resident together touch few heads' K/V (the L2 sections)."""
+work, and the CTAs resident together touch few heads' K/V (the sections)."""
 import numpy as np
 import pytest
 
-KIB = 32 * 1024  # kL2SectionKiB
+KV_HEADS = 32  # kSectionKVHeads
 
 
-def section_heads(seqlen_k, kv_row_bytes, gqa, bh_count):
-    """l2_section_heads, in the kernel's 32-bit unsigned arithmetic."""
-    per_head_kib = max(((seqlen_k >> 4) * (kv_row_bytes >> 6)) & 0xFFFFFFFF, 1)
-    g = (KIB * min(max(gqa, 1), 1024)) // per_head_kib
-    return min(bh_count, max(g, 1))
+def section_heads(gqa, bh_count):
+    """section_heads of tile_order.cuh."""
+    return min(bh_count, KV_HEADS * max(gqa, 1))
 
 
 def heaviest_first(tile, n_blocks, bh_count, n_heads, sec=None):
@@ -55,15 +53,11 @@ def test_one_section_is_the_rank_by_rank_order(n_blocks, batch, heads):
         assert heaviest_first(t, n_blocks, bh, heads, 10 * bh) == heaviest_first(t, n_blocks, bh, heads, bh)
 
 
-def test_section_heads_fit_the_budget():
-    # d128 (K and V rows of 512 B): N2048 1 MiB a head -> 32 heads; N8192 4 MiB -> 8; N512 -> all of 512
-    assert section_heads(2048, 512, 1, 128) == 32
-    assert section_heads(8192, 512, 1, 32) == 8
-    assert section_heads(512, 512, 1, 512) == 128
-    assert section_heads(1 << 20, 1024, 1, 16) == 1  # a head beyond the budget: one at a time
-    assert section_heads(2048, 512, 4, 128) == 128  # GQA: 4 query heads per K/V head
-    assert section_heads((1 << 31) - 1, 1024, 1024, 7) == 1  # no 32-bit overflow at the extremes
-    assert section_heads(0, 256, 1, 5) == 5
+def test_section_heads():
+    assert section_heads(1, 128) == 32
+    assert section_heads(1, 16) == 16  # fewer (batch, head)s than a section: one section
+    assert section_heads(4, 128) == 128  # GQA: 32 K/V heads of 4 query heads each
+    assert section_heads(0, 5) == 5
 
 
 CAUSAL_GRIDS = [(128, 1, 16, 132), (16, 8, 16, 132), (64, 2, 16, 132), (4, 32, 16, 132), (32, 4, 16, 132)]
@@ -93,7 +87,7 @@ def test_resident_ctas_share_heads():
     order: any 132 consecutive tiles hold at most ~section heads' K/V, where one section held ~one
     tile of 128 different heads."""
     n_blocks, bh, grid = 16, 128, 132
-    sec = section_heads(2048, 512, 1, bh)
+    sec = section_heads(1, bh)
     for order_sec, most in ((sec, 2 * sec), (bh, bh)):
         tiles = [heaviest_first(t, n_blocks, bh, 16, order_sec) for t in range(n_blocks * bh)]
         widest = max(len({x * 16 + h for _, x, h in tiles[i:i + grid]}) for i in range(0, len(tiles) - grid))
@@ -108,7 +102,7 @@ def test_drawn_sections_balance_causal_work(n_blocks, batch, heads, grid):
     import heapq
 
     bh = batch * heads
-    sec = section_heads(n_blocks * 128, 512, 1, bh)
+    sec = section_heads(1, bh)
     free = [(0.0, c) for c in range(grid)]
     for t in range(n_blocks * bh):
         block, _, _ = heaviest_first(t, n_blocks, bh, heads, sec)

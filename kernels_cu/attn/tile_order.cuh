@@ -6,29 +6,24 @@
 
 namespace cuflash {
 
-// K and V bytes the (batch, head)s of one section of the heaviest-first order may hold in L2 together
-// (the H100's and H200's L2 is 50 MB; the rest is Q and O streaming through, and the sections' overlap).
-// A macro only so that scripts/bench_l2_sections.py can compile other budgets beside it (at most
-// 2^21 KiB: times the GQA factor's 1024 it stays within 32 bits).
-#ifndef CUFLASH_L2_SECTION_KIB
-#define CUFLASH_L2_SECTION_KIB (32u * 1024u)
+// K/V heads per section of the heaviest-first order: with one CTA per SM drawing its tiles in
+// order, ~4 CTAs per K/V head run at once on the H100's and H200's 132 SMs. A head's CTAs at adjacent
+// ranks start together and stream the same K/V blocks nearly in step, so one's reads are L2 hits for
+// the others. Measured (scripts/bench_l2_sections.py, d128 causal, 16k tokens x 16 heads): one section
+// of all 128 (batch, head)s at N2048 (~1 CTA per head, every K/V block from DRAM at ~4 TB/s) 417
+// TFLOP/s, sections of 16-32 heads 514-516; at N8192 (32 heads) sections of 2, 4, 8 heads ran 539,
+// 570, 602 against 635 for one of 32: more CTAs per head spread over more ranks read less in step.
+// A macro only so that scripts/bench_l2_sections.py can compile other counts beside it.
+#ifndef CUFLASH_SECTION_KV_HEADS
+#define CUFLASH_SECTION_KV_HEADS 32
 #endif
-constexpr unsigned kL2SectionKiB = CUFLASH_L2_SECTION_KIB;
+constexpr int kSectionKVHeads = CUFLASH_SECTION_KV_HEADS;
 
-// (batch, head)s per section of schedule_tiles_heaviest_first: as many as have their K and V rows
-// (seqlen_k rows of kv_row_bytes each, gqa query heads sharing one K/V head) within kL2SectionKiB
-// together; at least 1, at most bh_count (then one section: the plain rank-by-rank order).
-// Why sections: ranked over every (batch, head) at once, the CTAs resident together hold one tile of
-// ~as many different heads as there are SMs, so when the heads outnumber the SMs (short causal
-// sequences: 128 of them at 16k tokens x 16 heads of 2048) no two share a K/V block and every one
-// comes from DRAM (d128 N2048 causal read ~4 TB/s of K/V, the H200's copy bandwidth). Within a
-// section the same number of CTAs spans ~SMs / section_heads tiles of each of its heads, which read
-// the same K/V blocks from L2.
-__device__ __forceinline__ int l2_section_heads(int seqlen_k, int kv_row_bytes, int gqa, int bh_count) {
-    // KiB of one K/V head, in 32 bits: seqlen_k < 2^31, kv_row_bytes <= 1024 (at least 1)
-    const unsigned per_head_kib = max((unsigned)(seqlen_k >> 4) * (unsigned)(kv_row_bytes >> 6), 1u);
-    const unsigned g = (kL2SectionKiB * (unsigned)min(max(gqa, 1), 1024)) / per_head_kib;
-    return (int)min((unsigned)bh_count, max(g, 1u));
+// (batch, head)s per section of schedule_tiles_heaviest_first: kSectionKVHeads K/V heads' worth of
+// query heads (gqa of them share one K/V head), at most bh_count (then one section: the plain
+// rank-by-rank order).
+__device__ __forceinline__ int section_heads(int gqa, int bh_count) {
+    return (int)min((long long)bh_count, (long long)kSectionKVHeads * max(gqa, 1));
 }
 
 // Tile t of n_blocks * bh_count (bh_count = batch * heads) under a mask where later query blocks

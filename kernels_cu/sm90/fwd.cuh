@@ -119,15 +119,15 @@ struct Sm90Seqs {
     const int* bm_counts = nullptr;
     const int* bm_index = nullptr;
     int bm_sb = 0, bm_sh = 0, bm_nb = 0;
-    int gqa = 1;         // query heads per K/V head (the L2 sections of the causal order: attn/tile_order.cuh)
-    bool sections = false;  // whether the causal order goes by L2 sections (not for a strided grid: tile_order.cuh)
+    int gqa = 1;            // query heads per K/V head (the sections of the causal order: attn/tile_order.cuh)
+    bool sections = false;  // whether the causal order goes by sections (not for a strided grid: tile_order.cuh)
 };
 
 // The work tile `tile` (0 <= tile < params.tiles) and the key blocks its rows visit (`blocks`: the
 // range, or its blocks a block mask lists). V::kVarlen: also its batch's rows (SeqSpan) and
 // geometry; a tile past its batch's queries visits no key block (every role skips it, and its
 // epilogue writes no row).
-template <int BR, int BC, int D, class V>
+template <int BR, int BC, class V>
 struct Sm90FwdTile {
     BlockCoord blk;
     int r0;  // first query row (of its sequence)
@@ -137,17 +137,15 @@ struct Sm90FwdTile {
     MaskGeometry geo;
     __device__ __forceinline__ Sm90FwdTile(int tile, const MaskGeometry& geo_call, int m_blocks, int heads, int n_tiles,
                                            const Sm90Seqs& seqs = Sm90Seqs{nullptr, nullptr, 0}) {
-        // heavier later rows (causal): heaviest blocks of every head (of an L2 section, where the CTAs
+        // heavier later rows (causal): heaviest blocks of every head (of a section, where the CTAs
         // take tiles as they free up: seqs.sections) first, so that the grid balances (and concurrent
-        // CTAs share their section's K/V); else block-fastest, so concurrent CTAs share a head's K/V.
-        // (batch * heads = n_tiles / m_blocks and the section, computed here per tile: kept live over
-        // the producer's loop, its 24 registers spilled.) A variable-length batch's section: by its
-        // mean K/V length.
+        // CTAs share their section's K/V: attn/tile_order.cuh); else block-fastest, so concurrent
+        // CTAs share a head's K/V. (batch * heads = n_tiles / m_blocks, computed here per tile: kept
+        // live over the producer's loop, its 24 registers spilled.)
         if (geo_call.later_rows_heavier()) {
             const int bh_count = n_tiles / m_blocks;
-            const int seq_k = V::kVarlen ? geo_call.seqlen_k / max(1, bh_count / heads) : geo_call.seqlen_k;
             blk = schedule_tiles_heaviest_first(tile, m_blocks, bh_count, heads,
-                                                seqs.sections ? l2_section_heads(seq_k, 4 * D, seqs.gqa, bh_count) : bh_count);
+                                                seqs.sections ? section_heads(seqs.gqa, bh_count) : bh_count);
         } else {
             blk = schedule_blocks(tile, m_blocks, heads, false);
         }
@@ -188,7 +186,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                                                const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
                                                const int* __restrict__ bm_index, const FwdParams& params) {
     using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES, QSTAGES>;
-    using Tile = Sm90FwdTile<Tr::kBlockQ, BC, D, V>;
+    using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V>;
     // V::kVarlen: q, k, v are packed (total, heads, D) and mapped as one batch of total rows; a
     // tile's rows are its sequence's, from the offsets (the maps read past a sequence's end into the
     // next one's rows: masked keys, queries never stored)

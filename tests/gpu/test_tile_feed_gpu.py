@@ -60,16 +60,16 @@ def test_drawn_and_strided_tiles_give_the_same_bits(d, b, n, h, hkv, causal):
     _counters_zero()
 
 
-@pytest.mark.parametrize("d,b,nq,nk,h,hkv", [(128, 2, 300, 24000, 5, 5), (64, 3, 200, 40000, 6, 2),
-                                               (128, 2, 1000, 20000, 7, 7)])
-def test_l2_sections_give_the_same_bits(d, b, nq, nk, h, hkv):
-    """Causal calls of several L2 sections (attn/tile_order.cuh: long keys, so few heads a section;
-    the last one partial): the sectioned order (one CTA per tile, drawn) gives the strided order's
-    bits (one section), so it runs every tile exactly once."""
+@pytest.mark.parametrize("d,b,nq,nk,h,hkv", [(128, 4, 300, 500, 10, 10), (64, 2, 200, 700, 48, 24),
+                                               (128, 9, 500, 500, 8, 8)])
+def test_sections_give_the_same_bits(d, b, nq, nk, h, hkv):
+    """Causal calls of several sections (attn/tile_order.cuh; the last one partial, GQA's of K/V
+    heads): the sectioned order (one CTA per tile, drawn) gives the strided order's bits (one
+    section), so it runs every tile exactly once."""
     _need_sm90()
     from tests.test_tile_order_twin import section_heads
 
-    assert section_heads(nk, 4 * d, h // hkv, b * h) < b * h  # more than one section
+    assert section_heads(h // hkv, b * h) < b * h  # more than one section
     rng = np.random.default_rng(nk + h)
     q, k, v = random_qkv(rng, b, nq, nk, h, d, dtype_of("bfloat16"), heads_kv=hkv)
     base = families.FWD_SM90.defaults[d][0]
