@@ -33,6 +33,7 @@ def time_cuda(
     reps: int = 50,
     rotate: Sequence[tuple] | None = None,
     events="cupy",
+    warmup_ms: float = 0.0,
 ) -> dict:
     """Time ``fn`` on the GPU; returns ``dict(median_ms, p20_ms, p80_ms, n)``.
 
@@ -45,17 +46,38 @@ def time_cuda(
     ``rotate`` is a list of argument tuples that successive calls cycle through: with a few input
     sets each larger than L2 (60 MB on H200), a run never finds its inputs already cached by the
     previous one. Without it, ``fn`` is called with no arguments.
+
+    ``warmup_ms``: after the ``warmup`` calls, keep calling ``fn`` until it has kept the GPU busy
+    this long (device time, in doubling batches), so the timed runs see the clock it settles at
+    under sustained load. An H200 coming from lighter work (another backend, the host's setup of
+    a case) runs a power-hungry kernel up to ~10% faster for the first tens of milliseconds: with
+    count-only warm-ups, whichever callable ran first after a pause measured faster than the same
+    kernel later in the same round (scripts/bench_l2_sections.py, 2026-12-02).
     """
     new_event, elapsed_ms = _EVENT_APIS[events]() if isinstance(events, str) else events
     args = list(rotate) if rotate else [()]
     reps = max(1, int(reps))
 
-    for i in range(max(0, int(warmup))):
-        fn(*args[i % len(args)])
+    calls = 0
+    for _ in range(max(0, int(warmup))):
+        fn(*args[calls % len(args)])
+        calls += 1
     # Wait for the warm-up so that its errors (asynchronous in CUDA) surface here, not in the timing.
     sync = new_event()
     sync.record()
     sync.synchronize()
+    busy_ms, batch = 0.0, 1
+    while busy_ms < warmup_ms:
+        start, end = new_event(), new_event()
+        start.record()
+        for _ in range(batch):
+            fn(*args[calls % len(args)])
+            calls += 1
+        end.record()
+        end.synchronize()
+        busy_ms += elapsed_ms(start, end)
+        batch *= 2
+    warmup = calls
 
     pairs = [(new_event(), new_event()) for _ in range(reps)]
     for i, (start, end) in enumerate(pairs):
@@ -69,21 +91,21 @@ def time_cuda(
     return {"median_ms": float(p50), "p20_ms": float(p20), "p80_ms": float(p80), "n": reps}
 
 
-def time_rounds(fns: dict, rounds: int, reps: int) -> dict:
+def time_rounds(fns: dict, rounds: int, reps: int, warmup_ms: float = 0.0) -> dict:
     """The median milliseconds of each of `fns` (name -> callable) over `rounds` alternating rounds,
     each round one time_cuda median of `reps` runs per callable: the clock drifts as the GPU warms,
     which timing one callable after the other would charge to the later ones (the variant benches,
-    scripts/bench_*.py)."""
+    scripts/bench_*.py). warmup_ms: time_cuda's, per callable and round."""
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(time_cuda(fn, reps=reps)["median_ms"])
+            times[name].append(time_cuda(fn, reps=reps, warmup_ms=warmup_ms)["median_ms"])
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def variant_bench_parser(doc: str, head_dims: list | None = None):
-    """The variant benches' command line (scripts/bench_*.py): --seqlens, --reps, --rounds, --json,
-    and --head-dims when `head_dims` gives its default. The script adds its own and parses."""
+    """The variant benches' command line (scripts/bench_*.py): --seqlens, --reps, --rounds, --warmup-ms,
+    --json, and --head-dims when `head_dims` gives its default. The script adds its own and parses."""
     import argparse
 
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,6 +114,8 @@ def variant_bench_parser(doc: str, head_dims: list | None = None):
     p.add_argument("--seqlens", nargs="+", type=int, default=[2048, 8192])
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup-ms", type=float, default=200.0,
+                   help="each callable kept busy this long before each round's timing (time_cuda's warmup_ms)")
     p.add_argument("--json")
     return p
 

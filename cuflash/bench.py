@@ -81,6 +81,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-sdpa", action="store_true", help="do not use torch, measure cuflash only")
     p.add_argument("--reps", type=int, default=50, help="timed runs per measurement (median reported)")
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--warmup-ms", type=float, default=300.0,
+                   help="after --warmup calls, keep each backend busy this long before timing it, so every "
+                        "backend is timed at the clock the GPU holds under sustained load (0: calls only)")
     p.add_argument("--passes", nargs="+", choices=sorted(PASS_BENCHES), default=["fwd", "bwd"])
     p.add_argument("--quick", action="store_true", help="only seqlen 2048 and 8192")
     p.add_argument("--gqa", type=int, default=1, metavar="G",
@@ -379,7 +382,8 @@ def _short_error(e: Exception) -> str:
     return f"{type(e).__name__}: {first}"[:300]
 
 
-def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50, warmup=10) -> dict:
+def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50, warmup=10,
+                 warmup_ms: float = 0.0) -> dict:
     """Time every backend for every pass of one case; a backend that raises is recorded as None."""
     import cupy
 
@@ -393,7 +397,8 @@ def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50
                 # SDPA warns at length when a forced backend cannot run; the exception says why.
                 with warnings.catch_warnings(), b.context():
                     warnings.simplefilter("ignore")
-                    stats = time_cuda(b.fn, warmup=warmup, reps=reps, rotate=b.rotate, events=b.events)
+                    stats = time_cuda(b.fn, warmup=warmup, reps=reps, rotate=b.rotate, events=b.events,
+                                      warmup_ms=warmup_ms)
                 add_timing(rec, pass_, name, stats)
             except Exception as e:
                 add_timing(rec, pass_, name, None, _short_error(e))
@@ -459,7 +464,7 @@ def main(argv=None) -> int:
     records = []
     for case in cases:
         rec = measure_case(case, dtype=args.dtype, torch=torch, passes=tuple(args.passes), reps=args.reps,
-                           warmup=args.warmup)
+                           warmup=args.warmup, warmup_ms=args.warmup_ms)
         records.append(rec)
         for row in format_rows(rec):
             print(row, flush=True)

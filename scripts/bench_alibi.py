@@ -44,7 +44,7 @@ def main():
                             fns[name] = lambda s=s, out=out, lse=lse: cuflash.attention_backward(  # noqa: E731
                                 dout, q, k, v, out, lse, causal=causal, alibi_slopes=s)
                     res = {name: flops_attention(b, h, n, n, d, causal, pass_) / (t * 1e-3) / 1e12
-                           for name, t in time_rounds(fns, a.rounds, a.reps).items()}
+                           for name, t in time_rounds(fns, a.rounds, a.reps, a.warmup_ms).items()}
                     ratio = res["alibi"] / res["plain"]
                     print(f"{d:4d}  {n:6d}  {'yes' if causal else 'no':>6}  {pass_:4}  {res['plain']:13.1f}  "
                           f"{res['alibi']:13.1f}  {ratio:11.3f}", flush=True)

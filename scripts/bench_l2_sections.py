@@ -107,7 +107,7 @@ def main():
                         with sdpa_kernel([backend]):
                             return torch.nn.functional.scaled_dot_product_attention(bq, bk, bv, is_causal=causal)
                     fns[name] = sd
-                ms = time_rounds(fns, a.rounds, a.reps)
+                ms = time_rounds(fns, a.rounds, a.reps, a.warmup_ms)
                 row = dict(d=d, n=n, b=b, h=h, causal=causal, tuned=str(tiles["tuned"]), default=str(tiles["default"]))
                 row.update({key: round(flops / (t * 1e-3) / 1e12, 1) for key, t in ms.items()})
                 for tname in ("tuned", "default"):

@@ -62,7 +62,7 @@ def main():
             fns.update(_sdpa(q, k, v, a.causal))
             for fn in fns.values():
                 fn()
-            ms = time_rounds(fns, a.rounds, a.reps)
+            ms = time_rounds(fns, a.rounds, a.reps, a.warmup_ms)
             flops = 2.0 * b * h * n * n * (d + dv) / (2 if a.causal else 1)
             tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
             for name, x in tf.items():

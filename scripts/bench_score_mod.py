@@ -62,7 +62,7 @@ def main():
             fns = {name: (lambda kw=kw: cuflash.attention(q, k, v, **kw)) for name, kw in calls.items()}
             for fn in fns.values():
                 fn()
-            ms = time_rounds(fns, a.rounds, a.reps)
+            ms = time_rounds(fns, a.rounds, a.reps, a.warmup_ms)
             flops = flops_attention(b, h, n, n, d, False, "fwd")
             tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
             visible = (min(512, n) / n)  # the documents' share of the scores

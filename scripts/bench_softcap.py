@@ -38,7 +38,7 @@ def main():
                 fns[f"softcap {t}"] = (lambda t=t: _forward.forward(q, k, v, causal=a.causal, softcap=30.0, config=t))
             for fn in fns.values():
                 fn()
-            ms = time_rounds(fns, a.rounds, a.reps)
+            ms = time_rounds(fns, a.rounds, a.reps, a.warmup_ms)
             flops = flops_attention(b, h, n, n, d, a.causal, "fwd")
             tf = {name: flops / (t * 1e-3) / 1e12 for name, t in ms.items()}
             for name, x in tf.items():

@@ -57,6 +57,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup-ms", type=float, default=200.0,
+                   help="each call kept busy this long before each round's timing (time_cuda's warmup_ms)")
     p.add_argument("--json")
     a = p.parse_args()
     rng = np.random.default_rng(0)
@@ -90,7 +92,7 @@ def main():
                           f"dense_{tag}_bwd": 2.5 * dense_flops})
         # alternating rounds: the H200's clock moves by 10-15% between runs and drifts within one, which
         # timing the varlen calls before the dense ones would charge to the ratio
-        ms = time_rounds(fns, a.rounds, a.reps)
+        ms = time_rounds(fns, a.rounds, a.reps, a.warmup_ms)
         row = dict(causal=causal, lengths=lens, useful_tflop=useful / 1e12, dense_batch=batch, dense_seqlen=n,
                    **{name: flops[name] / (t * 1e-3) / 1e12 for name, t in ms.items()})
         rows.append(row)

@@ -51,6 +51,26 @@ def test_time_cuda_rotates_and_reports():
     assert r == {"median_ms": 2.0, "p20_ms": 2.0, "p80_ms": 2.0, "n": 1}
 
 
+def test_time_cuda_warms_up_for_a_device_time():
+    """warmup_ms: after the counted warm-up, doubling batches until the device was busy that long (each
+    call 1 ms here: batches of 1, 2, 4 reach 7 >= 5 ms), then the timed runs; the rotation runs on."""
+    calls = []
+
+    class Ev:
+        def record(self):
+            self.n = len(calls)
+
+        def synchronize(self):
+            pass
+
+    sets = [("a",), ("b",)]
+    r = time_cuda(calls.append, warmup=1, reps=3, rotate=sets, events=(Ev, lambda s, e: float(e.n - s.n)),
+                  warmup_ms=5)
+    assert len(calls) == 1 + 7 + 3 and calls == list("ab" * 5) + ["a"]
+    assert r["median_ms"] == 1.0 and r["n"] == 3
+    assert time_cuda(lambda: None, warmup=0, reps=1, events=(Ev, lambda s, e: 2.0), warmup_ms=0)["n"] == 1
+
+
 # ----------------------------------------------------------------------------- cases and CLI
 
 
@@ -162,7 +182,8 @@ def test_main_with_fake_measurements(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "_cuda_device_count", lambda: (1, ""))
     monkeypatch.setattr(bench, "env_info", lambda torch=None: {"gpu": "Fake GPU", "sm_count": 1})
 
-    def fake_measure(case, *, dtype, torch=None, passes=("fwd",), reps=50, warmup=10):
+    def fake_measure(case, *, dtype, torch=None, passes=("fwd",), reps=50, warmup=10, warmup_ms=0.0):
+        assert warmup_ms == 300.0  # the default: every backend timed at the sustained clock
         rec = bench.new_record(case, dtype)
         bench.add_timing(rec, "fwd", "cuflash", {"median_ms": 1.0, "p20_ms": 1.0, "p80_ms": 1.0, "n": reps})
         rec["max_abs_diff"], rec["checked_against"] = 1.0, "sdpa_flash"  # a mismatch: warns
@@ -198,7 +219,7 @@ def test_time_rounds_alternates_and_takes_each_medians_median(monkeypatch):
 
     order = []
     clock = iter([5.0, 1.0, 7.0, 2.0, 6.0, 9.0])
-    monkeypatch.setattr(_timing, "time_cuda", lambda fn, reps: order.append(fn) or {"median_ms": next(clock)})
+    monkeypatch.setattr(_timing, "time_cuda", lambda fn, reps, warmup_ms: order.append(fn) or {"median_ms": next(clock)})
     assert _timing.time_rounds({"a": "fa", "b": "fb"}, 3, 20) == {"a": 6.0, "b": 2.0}
     assert order == ["fa", "fb"] * 3
     assert _timing.variant_bench_shape(128, 8192) == (2, 16) and _timing.variant_bench_shape(64, 32768) == (1, 32)
