@@ -288,7 +288,8 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
             problem.with_block_mask(None, block_mask, score_mod)  # raises, naming the argument
         # this mask against this call, every call (a cached plan knows only its layout)
         block_mask.check_call(score_mod.source, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device.id)
-    if config is None and dq_config is None and all(type(a) is cupy.ndarray for a in arrays):
+    cupy_arrays = all(type(a) is cupy.ndarray for a in arrays)
+    if config is None and dq_config is None and cupy_arrays:
         key = lambda: plan_key(arrays, mask.key, softmax_scale, deterministic, dropout is not None, backend, score_mod)
         build = lambda: _build_plan(arrays, mask, softmax_scale, deterministic, dropout, None, None, backend,
                                     alibi_slopes, score_mod, block_mask)
@@ -296,6 +297,12 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
             plan, cfg, dq_cfg = _plans.get(key, lambda: build()[0]), None, None
         else:  # the lists are the tiles': the cache keeps them beside the plan
             plan, cfg, dq_cfg = _plans.get(lambda: (*key(), "block_mask", block_mask.layout), build)
+    elif cupy_arrays and block_mask is None:  # given configs: cached under them too (as the forward's)
+        key = lambda: (*plan_key(arrays, mask.key, softmax_scale, deterministic, dropout is not None, backend, score_mod),
+                       "config", config, dq_config)
+        plan, cfg, dq_cfg = _plans.get(key, lambda: _build_plan(
+            arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend, alibi_slopes, score_mod,
+            block_mask)[0]), None, None
     else:
         plan, cfg, dq_cfg = _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_config, backend,
                                         alibi_slopes, score_mod, block_mask)

@@ -121,7 +121,8 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
 
     arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
     tile = None
-    if config is None and all(type(a) is cupy.ndarray for a in arrays):
+    cupy_arrays = all(type(a) is cupy.ndarray for a in arrays)
+    if config is None and cupy_arrays:
         key = lambda: plan_key(arrays, mask.key, softmax_scale, dropout is not None, backend, score_mod)
         if block_mask is None:
             plan = plans.get(key, lambda: build_with_tile(None)[0])
@@ -129,6 +130,11 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
             plan, tile = plans.get(lambda: (*key(), "block_mask", block_mask.layout), lambda: build_with_tile(None))
             # this mask against this call, every call (a cached plan knows only its layout)
             block_mask.check_call(score_mod.source, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device.id)
+    elif cupy_arrays and block_mask is None:  # a given config: its plan cached under the config too (the
+        # tuner's trials time what a repeated call costs, not a plan build per call: ~0.1 ms, which bounded
+        # its timings of short kernels)
+        key = lambda: (*plan_key(arrays, mask.key, softmax_scale, dropout is not None, backend, score_mod), "config", config)
+        plan = plans.get(key, lambda: build_with_tile(config)[0])
     else:
         plan, tile = build_with_tile(config)
     if out is not None:

@@ -223,6 +223,37 @@ def test_more_than_2_31_elements_uses_64_bit_offsets(backend):
 
 # ------------------------------------------------------------------------------ backend dispatch
 
+def test_given_configs_plans_are_built_once():
+    """A call with an explicit config (the tuner's trials, tests) takes a cached plan the second time
+    (keyed by the config as well): a trial times the launch, not a plan build (~0.1 ms of host time,
+    which bounded the tuner's timings of short kernels); another config gets a plan of its own."""
+    import dataclasses
+
+    from cuflash import _backward, _forward, families
+
+    rng = np.random.default_rng(17)
+    q, k, v = random_qkv(rng, 2, 300, 300, 2, 64, dtype_of("bfloat16"))
+    dout = random_qkv(rng, 2, 300, 300, 2, 64, dtype_of("bfloat16"))[0]
+    fam = families.FWD_SM90 if backend_unavailable("sm90") is None else families.FWD
+    tile = fam.defaults[64][0]
+    other = dataclasses.replace(tile, persistent=0) if fam is families.FWD_SM90 else dataclasses.replace(tile, stages=3)
+    _forward._plans.clear()
+    _backward._plans.clear()
+    first, lse = _forward.forward(q, k, v, causal=True, config=tile)
+    again, _ = _forward.forward(q, k, v, causal=True, config=tile)
+    assert len(_forward._plans) == 1
+    third, _ = _forward.forward(q, k, v, causal=True, config=other)
+    assert len(_forward._plans) == 2
+    for x in (again, third):
+        assert bool((x.view(np.uint16) == first.view(np.uint16)).all())
+    btile = families.BWD.defaults[64][0]
+    grads = [_backward.backward(dout, q, k, v, first, lse, causal=True, config=btile, backend="sm80") for _ in range(2)]
+    assert len(_backward._plans) == 1
+    assert all(bool((a.view(np.uint16) == b.view(np.uint16)).all()) for a, b in zip(grads[0][1:], grads[1][1:]))
+    _forward._plans.clear()
+    _backward._plans.clear()
+
+
 def test_auto_backend_is_sm90_where_it_runs(monkeypatch):
     """backend=None runs the Hopper kernel on a cc 9.0 GPU (and the sm80 one elsewhere): same bits as forced."""
     import cupy

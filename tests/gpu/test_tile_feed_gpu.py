@@ -87,6 +87,7 @@ def test_a_few_ctas_drawing_many_tiles(monkeypatch):
 
     real = device.query
     monkeypatch.setattr(_forward_sm90.device, "query", lambda i=0: dataclasses.replace(real(i), sm_count=3))
+    _forward._plans.clear()  # plans of given configs are cached too: none built for the real SM count
     rng = np.random.default_rng(5)
     q, k, v = random_qkv(rng, 2, 1500, 1500, 8, 128, dtype_of("float16"))
     base = families.FWD_SM90.defaults[128][0]
@@ -95,6 +96,7 @@ def test_a_few_ctas_drawing_many_tiles(monkeypatch):
         for _ in range(3):
             got = _fwd(q, k, v, causal, dataclasses.replace(base, persistent=2))
             assert all(np.array_equal(x, y) for x, y in zip(got, want))
+    _forward._plans.clear()  # nor left for later calls: their grids are of 3 CTAs
     _counters_zero()
 
 
