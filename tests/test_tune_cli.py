@@ -53,7 +53,7 @@ class FakeWorker:
         self.shape = shape
         return "ok", {}
 
-    def trial(self, cfg, warmup=5, reps=20, verify=True):
+    def trial(self, cfg, warmup=5, reps=20, verify=True, warmup_ms=0.0):
         assert not _spills(cfg), "a pruned config was timed"
         self.timed.append((self.shape, cfg, verify))
         if verify and cfg == tiles.FwdConfig(cfg.head_dim, 64, 32, 4, 2):
@@ -79,6 +79,8 @@ def test_options_from_args():
     assert d.mode == "search" and d.dtypes == ("bfloat16", "float16") and d.causal == (False, True)
     assert d.seqlens == cli.DEFAULT_SEQLENS and d.head_dims == (32, 64, 96, 128, 192, 256)
     assert "fwd" in d.kernels
+    assert d.warmup_ms == 100.0  # trials ranked at the sustained clock (cuflash._timing.time_cuda)
+    assert cli.options_from_args(cli.parse_args(["--warmup-ms", "0"])).warmup_ms == 0.0
     with pytest.raises(SystemExit):
         cli.parse_args(["--exhaustive", "--exhaustive-compare"])
 

@@ -74,6 +74,9 @@ def parse_args(argv=None):
     g.add_argument("--sampler", choices=list(search.SAMPLERS), default="tpe", help="Optuna sampler (gp needs torch)")
     g.add_argument("--reps", type=int, default=20, help="timed runs per trial (median; default %(default)s)")
     g.add_argument("--warmup", type=int, default=5)
+    g.add_argument("--warmup-ms", type=float, default=100.0,
+                   help="device time each trial runs before it is timed, so every config is ranked at the clock the "
+                        "GPU holds under sustained load (default %(default)s; 0: --warmup calls only)")
     g.add_argument("--confirm-rounds", type=int, default=3, help="re-timing rounds of the finalists")
     g.add_argument("--allow-spills", type=int, default=0, metavar="BYTES",
                    help="keep configs with up to BYTES of local memory per thread (default 0: prune any spill)")
@@ -116,7 +119,8 @@ def options_from_args(a) -> Options:
     mode = "exhaustive" if a.exhaustive else ("compare" if a.exhaustive_compare else "search")
     return Options(kernels=tuple(kernels), perf_classes=tuple(a.perf_classes), head_dims=tuple(a.head_dims), dtypes=tuple(DTYPES[d] for d in a.dtypes),
                    seqlens=tuple(a.seqlens), causal=_causal(a.causal), mode=mode, trials=a.trials,
-                   time_budget_s=a.time_budget, seed=a.seed, sampler=a.sampler, warmup=a.warmup, reps=a.reps,
+                   time_budget_s=a.time_budget, seed=a.seed, sampler=a.sampler, warmup=a.warmup,
+                   warmup_ms=a.warmup_ms, reps=a.reps,
                    confirm_rounds=a.confirm_rounds, tokens=a.tokens, hidden=a.hidden,
                    allow_local_bytes=a.allow_spills, write_cache=not a.no_cache,
                    compile_jobs=precompile.default_jobs() if a.compile_jobs is None else a.compile_jobs)

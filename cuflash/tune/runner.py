@@ -178,8 +178,9 @@ class Bench:
     def check(self, cfg, features, allow_local_bytes=0) -> str | None:
         return check_on_device(cfg, features, self.device, allow_local_bytes)
 
-    def trial(self, cfg, warmup=5, reps=20, verify=True) -> Outcome:
-        """Verify `cfg` against the default's output (twice: races), then time it."""
+    def trial(self, cfg, warmup=5, reps=20, verify=True, warmup_ms=0.0) -> Outcome:
+        """Verify `cfg` against the default's output (twice: races), then time it (after `warmup`
+        calls and `warmup_ms` of device time: time_cuda's)."""
         import cupy
 
         from .._timing import time_cuda
@@ -198,7 +199,7 @@ class Bench:
                         return Outcome("wrong", None, why, info)
                 sets = self.sets
                 t = time_cuda(lambda i: self._run(cfg, sets[i]), warmup=warmup, reps=reps,
-                              rotate=[(i,) for i in range(len(sets))])
+                              rotate=[(i,) for i in range(len(sets))], warmup_ms=warmup_ms)
         except Exception as e:  # noqa: BLE001 - launch failures etc.; the worker checks the context after
             return Outcome("failed", None, _short(e), info)
         info.update(p20_ms=t["p20_ms"], p80_ms=t["p80_ms"], reps=t["n"])
@@ -413,8 +414,8 @@ class Worker:
             return payload
         return f"check {status}: {payload}"
 
-    def trial(self, cfg, warmup=5, reps=20, verify=True) -> Outcome:
-        status, payload = self.call("trial", cfg, warmup, reps, verify)
+    def trial(self, cfg, warmup=5, reps=20, verify=True, warmup_ms=0.0) -> Outcome:
+        status, payload = self.call("trial", cfg, warmup, reps, verify, warmup_ms)
         if status == "ok":
             return payload
         return Outcome("crashed" if status == "crashed" else "failed", None, str(payload))

@@ -46,6 +46,7 @@ class Options:
     sampler: str = "tpe"
     n_startup: int = 3
     warmup: int = 5
+    warmup_ms: float = 0.0  # device time each trial runs before it is timed (time_cuda's warmup_ms)
     reps: int = 20
     confirm_top: int = 3
     confirm_rounds: int = 3
@@ -182,7 +183,7 @@ def confirm(worker, finalists: list, o: Options) -> dict:
     for r in range(max(1, o.confirm_rounds)):
         k = r % len(finalists)
         for cfg in finalists[k:] + finalists[:k]:
-            out = worker.trial(cfg, o.warmup, o.reps, False)
+            out = worker.trial(cfg, o.warmup, o.reps, False, o.warmup_ms)
             times[cfg].append(out.ms if out.ok else None)
     return times
 
@@ -285,7 +286,7 @@ def _study(rep: StudyReport, worker, valid, o: Options, done, cached, ev):
         return
 
     def evaluate(cfg):
-        return worker.trial(cfg, o.warmup, o.reps, True)
+        return worker.trial(cfg, o.warmup, o.reps, True, o.warmup_ms)
 
     def on_trial(t):
         ev("trial", shape=sh, trial=t)
