@@ -141,8 +141,10 @@ struct Sm90FwdTile {
         // take tiles as they free up: seqs.sections) first, so that the grid balances (and concurrent
         // CTAs share their section's K/V: attn/tile_order.cuh); else block-fastest, so concurrent
         // CTAs share a head's K/V. (batch * heads = n_tiles / m_blocks, computed here per tile: kept
-        // live over the producer's loop, its 24 registers spilled.)
-        if (geo_call.later_rows_heavier()) {
+        // live over the producer's loop, its 24 registers spilled.) Not in V::kLocal instances: the
+        // host runs them for a bounded left window only, whose later rows are not heavier (and the
+        // order's arithmetic cost the d64 ALiBi window instance 8 B of spills, NVRTC 13.0).
+        if (!V::kLocal && geo_call.later_rows_heavier()) {
             const int bh_count = n_tiles / m_blocks;
             blk = schedule_tiles_heaviest_first(tile, m_blocks, bh_count, heads,
                                                 seqs.sections ? section_heads(seqs.gqa, bh_count) : bh_count);
