@@ -1,10 +1,11 @@
 """The Hopper forward's causal tile order by sections of K/V heads (kernels_cu/attn/tile_order.cuh)
 against the order without them, in one run: the same kernel compiled with other section sizes
 (CUFLASH_SECTION_KV_HEADS; "off" is a size past every (batch, head) of these shapes, one section,
-the order before sections), on dense causal batches of 16k tokens x 2048 / head_dim heads, each on the
-family's default tile (drawn: persistent 2) and on the shipped table's tuned tile of its head dim, with SDPA's cuDNN and
-flash backends as the anchors. TFLOP/s, bf16, CUDA events; every callable of a cell takes its turn in
-each of --rounds alternating rounds (cuflash._timing.time_rounds), so the clock's drift is shared.
+the order before sections), on dense causal batches of 16k tokens x 2048 / head_dim heads, each on
+the family's default tile (drawn: persistent 2) and on the shipped table's tuned tile of the cell
+(its nearest seqlen bucket), with SDPA's cuDNN and flash backends as the anchors. TFLOP/s, bf16,
+CUDA events; every callable of a cell takes its turn in each of --rounds alternating rounds, each
+after --warmup-ms of its own work (cuflash._timing.time_rounds), so the clock's drift is shared.
 
     python scripts/bench_l2_sections.py [--head-dims 128 64] [--seqlens 512 ... 16384] [--json out.json]
 """
@@ -20,15 +21,18 @@ from cuflash._timing import time_rounds, variant_bench_parser
 SIZES = {"off": 1 << 20, "16": 16, "32": 32, "64": 64}
 
 
-def shipped_tile(head_dim: int, causal: bool):
-    """The shipped H200 table's fwd_sm90 dense tile for this head dim (stale or not), or None."""
+def shipped_tile(head_dim: int, causal: bool, seqlen: int):
+    """The shipped H200 table's fwd_sm90 dense tile for this head dim and the seqlen bucket nearest
+    `seqlen` (stale or not), or None."""
     from cuflash.tiles import Sm90FwdConfig
 
     table = json.loads((pathlib.Path(__file__).resolve().parents[1] / "tuning" / "nvidia-h200.json").read_text())
-    for e in table["entries"]:
-        if (e["kernel"], e["head_dim"], e["causal"], e["perf_class"]) == ("fwd_sm90", head_dim, causal, "dense"):
-            return Sm90FwdConfig(**e["config"])
-    return None
+    found = [e for e in table["entries"]
+             if (e["kernel"], e["head_dim"], e["causal"], e["perf_class"]) == ("fwd_sm90", head_dim, causal, "dense")]
+    if not found:
+        return None
+    e = min(found, key=lambda e: (abs(e["seqlen_bucket"].bit_length() - seqlen.bit_length()), -e["seqlen_bucket"]))
+    return Sm90FwdConfig(**e["config"])
 
 
 def main():
@@ -83,7 +87,7 @@ def main():
                 prob = _problem(q, k, v, causal)
                 props = device.supported(prob.device)
                 # the default tile drawn (persistent 2): a strided grid takes no sections (tile_order.cuh)
-                tiles = {"tuned": shipped_tile(d, causal),
+                tiles = {"tuned": shipped_tile(d, causal, n),
                          "default": dataclasses.replace(families.FWD_SM90.default(d, props.smem_optin, prob.features),
                                                         persistent=2)}
                 fns = {}
