@@ -50,9 +50,9 @@ def time_cuda(
     ``warmup_ms``: after the ``warmup`` calls, keep calling ``fn`` until it has kept the GPU busy
     this long (device time, in doubling batches), so the timed runs see the clock it settles at
     under sustained load. An H200 coming from lighter work (another backend, the host's setup of
-    a case) runs a power-hungry kernel up to ~10% faster for the first tens of milliseconds: with
-    count-only warm-ups, whichever callable ran first after a pause measured faster than the same
-    kernel later in the same round (scripts/bench_l2_sections.py, 2026-12-02).
+    a case) runs attention kernels 9-15% faster for their first ~50 ms (scripts/clock_drift.py,
+    2026-12-02): with count-only warm-ups, whichever callable ran first after a pause measured
+    faster than the same kernel later in the same round.
     """
     new_event, elapsed_ms = _EVENT_APIS[events]() if isinstance(events, str) else events
     args = list(rotate) if rotate else [()]

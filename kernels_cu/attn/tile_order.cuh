@@ -10,9 +10,9 @@ namespace cuflash {
 // order, ~4 CTAs per K/V head run at once on the H100's and H200's 132 SMs. A head's CTAs at adjacent
 // ranks start together and stream the same K/V blocks nearly in step, so one's reads are L2 hits for
 // the others. Measured (scripts/bench_l2_sections.py, d128 causal, 16k tokens x 16 heads): one section
-// of all 128 (batch, head)s at N2048 (~1 CTA per head, every K/V block from DRAM at ~4 TB/s) 417
-// TFLOP/s, sections of 16-32 heads 514-516; at N8192 (32 heads) sections of 2, 4, 8 heads ran 539,
-// 570, 602 against 635 for one of 32: more CTAs per head spread over more ranks read less in step.
+// of all 128 (batch, head)s at N2048 (~1 CTA per head, every K/V block from DRAM at ~4 TB/s) 417-420
+// TFLOP/s, sections of 16-32 heads 514-526; N512 250 -> 290. Sections of 2-8 heads at N8192 read
+// 5-15% below one of 32 in a run whose warm-ups were too short to trust that (docs/perf-notes.md).
 // A macro only so that scripts/bench_l2_sections.py can compile other counts beside it.
 #ifndef CUFLASH_SECTION_KV_HEADS
 #define CUFLASH_SECTION_KV_HEADS 32
