@@ -16,7 +16,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export CUDA_CACHE_DISABLE=1
 stages=${*:-tests sanitize bench}
 # pytest-xdist is on the H200 image: the compile-heavy suite spreads over its 16 cores (the tests share
-# the one GPU; none of them times anything it asserts on). XDIST= runs serially.
+# the one GPU; the one that times what it asserts on does so only when serial). XDIST= runs serially.
 XDIST=${XDIST--n 14}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site

@@ -1,6 +1,8 @@
 """The sm90 forward's drawn tile order (persistent 2) on small calls, for compute-sanitizer (memcheck,
-racecheck, synccheck): a dense causal call, a GQA one, a ragged variable-length batch with empty
-sequences, each launched twice (the second finds the counter the first left at 0)."""
+racecheck, synccheck): a dense causal call, a GQA one, a causal one whose top tiles see no key
+(seqlen_q > seqlen_k: keyless tiles between tiles with keys, the cross-tile overlap's other turn), a
+ragged variable-length batch with empty sequences, each launched twice (the second finds the
+counter the first left at 0)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,9 +16,9 @@ from cuflash.testing import dtype_of, random_qkv
 
 rng = np.random.default_rng(0)
 bf = dtype_of("bfloat16")
-for d, hkv, causal in ((128, 4, True), (64, 2, False)):
+for d, hkv, causal, nq, nk in ((128, 4, True, 700, 900), (64, 2, False, 700, 900), (128, 2, True, 900, 300)):
     tile = dataclasses.replace(families.FWD_SM90.defaults[d][0], persistent=2)
-    q, k, v = random_qkv(rng, 2, 700, 900, 4, d, bf, heads_kv=hkv)
+    q, k, v = random_qkv(rng, 2, nq, nk, 4, d, bf, heads_kv=hkv)
     for _ in range(2):
         _forward.forward(q, k, v, mask=MaskOptions.of(causal=causal), config=tile)
 real = families.select
