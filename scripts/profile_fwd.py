@@ -1,5 +1,6 @@
-"""One bf16 forward (the automatic kernel: the sm90 one on an H200), batch 2, 16 heads, N 8192, for
-`ncu -k regex:fwd_sm90 --launch-skip 3 -c 1 --section ... python scripts/profile_fwd.py [--alibi] [--softcap] [--causal] [--d 64]`
+"""One bf16 forward (the automatic kernel: the sm90 one on an H200), 16k tokens (batch 16384 // N, N 8192
+unless --n), 2048 / head_dim heads, for
+`ncu -k regex:fwd_sm90 --launch-skip 3 -c 1 --section ... python scripts/profile_fwd.py [--alibi] [--softcap] [--causal] [--d 64] [--n 512]`
 (issue 13's ALiBi and softcap costs: the same launch with and without them). Warm-up runs come first."""
 import sys
 
@@ -12,8 +13,9 @@ from cuflash import testing
 causal = "--causal" in sys.argv
 d = int(sys.argv[sys.argv.index("--d") + 1]) if "--d" in sys.argv else 128
 h = 16 if d >= 128 else 32
+n = int(sys.argv[sys.argv.index("--n") + 1]) if "--n" in sys.argv else 8192
 rng = np.random.default_rng(0)
-q, k, v = testing.random_qkv(rng, 2, 8192, 8192, h, d, testing.bf16())
+q, k, v = testing.random_qkv(rng, max(1, 16384 // n), n, n, h, d, testing.bf16())
 slopes = cupy.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)) if "--alibi" in sys.argv else None
 softcap = 30.0 if "--softcap" in sys.argv else 0.0
 for _ in range(4):
