@@ -1,6 +1,6 @@
 """The sm90 forward's drawn tile order (persistent 2) on small calls, for compute-sanitizer (memcheck,
 racecheck, synccheck): a dense causal call, a GQA one, a causal one whose top tiles see no key
-(seqlen_q > seqlen_k: keyless tiles between tiles with keys, the cross-tile overlap's other turn), a
+(seqlen_q > seqlen_k: keyless tiles between tiles with keys in one CTA's sequence), a
 ragged variable-length batch with empty sequences, each launched twice (the second finds the
 counter the first left at 0)."""
 from __future__ import annotations
