@@ -169,9 +169,9 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
         launches.append(Launch(dq_kernel, (m_blocks * h * b,), (dq_cfg.threads,), dq_cfg.smem_bytes,
                                pointers=_pointers(families.BWD_DQ) + _alibi_slot(p)
                                + (BM_DQ_SLOTS if p.block_mask is not None else ())))
-    elif getattr(cfg, "dq_bulk", 0) >= 2:  # dq_acc in the sm90 kernel's fragment order: a thread per float4
+    elif getattr(cfg, "dq_bulk", 0) >= 2:  # dq_acc in the sm90 kernel's fragment order: a thread per 2 rows x 8 columns
         convert = _compile.get_aux_kernel("bwd_dq_convert_frag", p.features, p.device)
-        launches.append(Launch(convert, (-(-ws_rows * kd // 4 // _AUX_THREADS),), (_AUX_THREADS,), 0,
+        launches.append(Launch(convert, (-(-ws_rows * kd // 16 // _AUX_THREADS),), (_AUX_THREADS,), 0,
                                pointers=_aux_pointers("bwd_dq_convert_frag")))
     else:
         convert = _compile.get_aux_kernel("bwd_dq_convert", p.features, p.device)

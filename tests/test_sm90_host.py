@@ -709,8 +709,8 @@ def fake_backward_plan(monkeypatch):
 
 
 def test_fragment_order_dq_plan_converts_with_the_fragment_kernel(fake_backward_plan):
-    """dq_bulk 2: the plan's dQ convert is bwd_dq_convert_frag, one thread per float4 of dq_acc
-    (batch x heads x padded rows x the instantiated head dim / 4), after the dK/dV kernel."""
+    """dq_bulk 2: the plan's dQ convert is bwd_dq_convert_frag, one thread per two rows x 8 columns of
+    dq_acc (batch x heads x padded rows x the instantiated head dim / 16), after the dK/dV kernel."""
     from cuflash import _backward
     from cuflash.tiles import Sm90BwdConfig
 
@@ -720,7 +720,7 @@ def test_fragment_order_dq_plan_converts_with_the_fragment_kernel(fake_backward_
     plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(6)))
     assert names == ["bwd_prep", "bwd_dq_convert_frag"]
     pad = -(-100 // _backward._ROW_PAD) * _backward._ROW_PAD
-    assert rec[2][0] == (-(-2 * 3 * pad * 128 // 4 // _backward._AUX_THREADS),)
+    assert rec[2][0] == (-(-2 * 3 * pad * 128 // 16 // _backward._AUX_THREADS),)
     assert Sm90BwdConfig(128, 64, 2, 2, 2, 1).smem_bytes == Sm90BwdConfig(128, 64, 2, 2, 0, 1).smem_bytes + 2 * 64 * 64 * 4
 
 
@@ -753,8 +753,9 @@ def test_fragment_order_dq_round_trip():
     """The fragment order of dq_acc, as kernels_cu/sm90/bwd.cuh writes it (thread ctid's acc_dq[nt][e],
     the wgmma accumulator element at row 16 warp + g + 8 (e / 2), column 8 nt + 2 t + e % 2, to float
     (nt * 128 + ctid) * 4 + e of its 64 x 64 block) and as rowwise/bwd_post.cuh's bwd_dq_convert_frag
-    reads it back (float4 nt * 128 + ctid: rows row0 and row0 + 8, two columns each): a bijection whose
-    round trip is the identity, block by block ((bh * pad / 64 + m) * D / 64 + c)."""
+    reads it back (a thread per row pair and 8 columns, 256 per block, nt fastest: the four float4
+    32 warp + 4 g + t of nt, x y to row 16 warp + g, z w to row + 8): a bijection whose round trip is
+    the identity, block by block ((bh * pad / 64 + m) * D / 64 + c)."""
     rng = np.random.default_rng(0)
     bh, pad, d = 3, 128, 128
     dq = rng.standard_normal((bh, pad, d)).astype(np.float32)
@@ -772,13 +773,16 @@ def test_fragment_order_dq_round_trip():
                             acc[base + (nt * 128 + ctid) * 4 + e] = dq[b, row, col]
     assert not np.isnan(acc).any()
     back = np.full_like(dq, np.nan)
-    for g4 in range(bh * pad * d // 4):  # the convert kernel's threads
-        within, blk = g4 % 1024, g4 // 1024
-        nt, ctid, c, bm = within // 128, within % 128, blk % (d // 64), blk // (d // 64)
+    for gt in range(bh * pad * d // 16):  # the convert kernel's threads
+        within, blk = gt % 256, gt // 256
+        nt, warp, g = within % 8, within // 8 // 8, within // 8 % 8
+        c, bm = blk % (d // 64), blk // (d // 64)
         b, m = bm // (pad // 64), bm % (pad // 64)
-        row, col = m * 64 + 16 * (ctid // 32) + ctid % 32 // 4, 64 * c + 8 * nt + 2 * (ctid % 4)
-        a = acc[4 * g4:4 * g4 + 4]
-        back[b, row, col:col + 2], back[b, row + 8, col:col + 2] = a[:2], a[2:]
+        row, col = m * 64 + 16 * warp + g, 64 * c + 8 * nt
+        f4 = blk * 1024 + nt * 128 + 32 * warp + 4 * g  # the first of its four float4
+        a = acc[4 * f4:4 * f4 + 16].reshape(4, 4)  # [t][x y z w]
+        assert np.isnan(back[b, row, col:col + 8]).all() and np.isnan(back[b, row + 8, col:col + 8]).all()
+        back[b, row, col:col + 8], back[b, row + 8, col:col + 8] = a[:, :2].ravel(), a[:, 2:].ravel()
     np.testing.assert_array_equal(back, dq)
 
 
