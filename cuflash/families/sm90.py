@@ -159,14 +159,12 @@ BWD_SM90 = KernelFamily(
     # The overlapped fragment-order tile first, then the same with atomics. Every tile of the
     # domain compiles without spills (NVRTC 13.0 and 13.5, sm_90a), dense and with a window,
     # softcap or ALiBi, since acc_dq no longer lives around the consumers' loop (dq_wg in sm90/bwd.cuh: it cost 32 registers, and the store-warp
-    # tile spilled 16 B, 40 B with ALiBi and softcap); the one exception is marked below.
+    # tile spilled 16 B, 40 B with ALiBi and softcap), and with dropout since the dK/dV epilogue is
+    # staged through shared memory (the atomic tile spilled 4-24 B with dropout, 8 B with ALiBi and
+    # softcap, when it stored from the fragments).
     defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 4, 1), Sm90BwdConfig(64, 64, 2, 2, 2, 1), Sm90BwdConfig(64, 64, 2, 2, 0, 1)),
               128: (Sm90BwdConfig(128, 64, 2, 2, 4, 1), Sm90BwdConfig(128, 64, 2, 2, 2, 1),
                     Sm90BwdConfig(128, 64, 2, 2, 0, 1))},
-    # the overlapped atomic tile spills 8 B with ALiBi and softcap (NVRTC 13.5; none under 13.0), and
-    # 24 B with dropout (4 B under 13.0), where the fragment-order tile spills none
-    spilling={"alibi+softcap": frozenset({Sm90BwdConfig(128, 64, 2, 2, 0, 1)}),
-              "dropout": frozenset({Sm90BwdConfig(128, 64, 2, 2, 0, 1)})},
     auto_head_dims=frozenset({64, 128}),
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, run=_run_bwd, deterministic_outputs=(1, 2),

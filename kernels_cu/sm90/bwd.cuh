@@ -593,27 +593,58 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             if (ctid == 0) bulk_wait_read0();
         }
 
-        // ---------------- epilogue: dK = scale dK~, dV (x 1 / (1 - p) with dropout), from registers ----------------
+        // ---------------- epilogue: dK = scale dK~, dV (x 1 / (1 - p) with dropout) ----------------
+        // Staged through shared memory, then copied out in whole rows: the fragment layout's direct
+        // stores (4 bytes a thread, a warp's store touching 8 rows) took ~5 us a CTA at d128 on the
+        // H200, two iterations' time (scripts/trace_bwd_tiles.py). The staging rows (D 16-bit values
+        // at a pitch of D * 2 + 16 bytes: the fragment stores hit 32 distinct banks) lie over the K,
+        // V, Q, dO and dS^T images, free once both consumers' last GEMMs are done (each waited for
+        // its own; the barrier below for the other's) and the producer has loaded its last block
+        // (every block it loads, the consumers waited for). Each consumer copies its own 64 rows.
+        constexpr int kPitch = D * 2 + 16;
+        static_assert(2 * Tr::kBlockK * kPitch <= 2 * Tr::kKVBytes + 2 * STAGES * Tr::kQBytes + Tr::kDSBuffers * Tr::kDSBytes,
+                      "the dK, dV staging fits over the K, V, Q, dO and dS^T images");
+        named_bar_sync(Tr::kBarEpilogue, 128 * CONSUMERS);
         const float scale = params.scale;
         const float dv_scale = V::kDropout ? params.drop_scale : 1.f;
-        elem_t* dkg = dk + (long long)blk.batch * params.dk_sb + (long long)span.k_start * params.dk_sn
-                      + (long long)blk.head * params.dk_sh;
-        elem_t* dvg = dv + (long long)blk.batch * params.dv_sb + (long long)span.k_start * params.dv_sn
-                      + (long long)blk.head * params.dv_sh;
+        const bool live = n_iter > 0;  // a key block no query sees: dK = dV = 0
+        const u32 stage_k = sK, stage_v = sK + Tr::kBlockK * kPitch;
+        {
+            const u32 srow = opaque(stage_k) + (64 * cw + 16 * warp + g) * kPitch + 4 * t;
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = key_w + g + 8 * half;
-            if (row < seqlen_k) {
-                elem_t* krow = dkg + (long long)row * params.dk_sn + 2 * t;
-                elem_t* vrow = dvg + (long long)row * params.dv_sn + 2 * t;
+            for (int half = 0; half < 2; ++half)
 #pragma unroll
                 for (int nt = 0; nt < D / 8; ++nt) {
-                    const bool live = n_iter > 0;  // a key block no query sees: dK = dV = 0
-                    *reinterpret_cast<u32*>(krow + 8 * nt) =
-                        pack2<BF16>(live ? acc_dk[nt][2 * half] * scale : 0.f, live ? acc_dk[nt][2 * half + 1] * scale : 0.f);
-                    *reinterpret_cast<u32*>(vrow + 8 * nt) =
-                        pack2<BF16>(live ? acc_dv[nt][2 * half] * dv_scale : 0.f, live ? acc_dv[nt][2 * half + 1] * dv_scale : 0.f);
+                    const u32 off = 8 * half * kPitch + 16 * nt;
+                    st_shared_u32(srow + off, pack2<BF16>(live ? acc_dk[nt][2 * half] * scale : 0.f,
+                                                          live ? acc_dk[nt][2 * half + 1] * scale : 0.f));
+                    st_shared_u32(srow + (stage_v - stage_k) + off,
+                                  pack2<BF16>(live ? acc_dv[nt][2 * half] * dv_scale : 0.f,
+                                              live ? acc_dv[nt][2 * half + 1] * dv_scale : 0.f));
                 }
+        }
+        named_bar_sync(Tr::kBarEpilogue + 1 + cw, 128);  // this consumer's rows are staged
+        // 16 bytes a thread: CH chunks a row, 128 / CH rows a pass, 64 rows (dK, then dV)
+        constexpr int CH = D / 8, kRowsPerPass = 128 / CH;
+        const int chunk = ctid % CH;
+        elem_t* dkg = dk + (long long)blk.batch * params.dk_sb + (long long)span.k_start * params.dk_sn
+                      + (long long)blk.head * params.dk_sh + 8 * chunk;
+        elem_t* dvg = dv + (long long)blk.batch * params.dv_sb + (long long)span.k_start * params.dv_sn
+                      + (long long)blk.head * params.dv_sh + 8 * chunk;
+        // the call's head dims (V::kPartialD: less than D; dv's may differ from dk's)
+        const bool k_col = 8 * chunk < params.head_dim, v_col = 8 * chunk < params.head_dim_v;
+#pragma unroll
+        for (int pass = 0; pass < 64 / kRowsPerPass; ++pass) {
+            const int r = 64 * cw + pass * kRowsPerPass + ctid / CH;  // row of the key block
+            const int row = n0 + r;
+            const u32 src = stage_k + r * kPitch + 16 * chunk;
+            uint4 a, b;
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(a.x), "=r"(a.y), "=r"(a.z), "=r"(a.w) : "r"(src));
+            asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(b.x), "=r"(b.y), "=r"(b.z), "=r"(b.w) : "r"(src + (stage_v - stage_k)));
+            if (row < seqlen_k) {
+                if (k_col) *reinterpret_cast<uint4*>(dkg + (long long)row * params.dk_sn) = a;
+                if (v_col) *reinterpret_cast<uint4*>(dvg + (long long)row * params.dv_sn) = b;
             }
         }
     }

@@ -75,6 +75,9 @@ struct Sm90BwdTraits {
     static constexpr int kBarDqFull = 2;   // + consumer
     static constexpr int kBarDqEmpty = 4;  // + consumer
     static constexpr int kDqBarThreads = 128 + 32;
+    // the epilogue: both consumers' last GEMMs done (the dK, dV staging overwrites their operands);
+    // + 1 + consumer: that consumer's rows staged
+    static constexpr int kBarEpilogue = 6;
 };
 
 }  // namespace cuflash
