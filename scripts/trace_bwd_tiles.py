@@ -7,7 +7,7 @@ cells, whose per-CTA fixed cost is ~3.5 iterations' time).
 The kernel is compiled from a patched copy of kernels_cu/ (sm90/bwd.cuh with trace stores behind
 anchors of its text; main's sources are untouched) and put in cuflash's kernel cache before the call.
 Per CTA: 0 start (thread 0), 1 K/V landed (consumer thread 128), 2 iteration 1 begins, 3 the last
-iteration begins, 4 the loop ends, 5 its dK/dV stores issued, 6 the dQ store warp's last reduction
+iteration begins, 4 the loop ends, 5 its dK/dV stores issued (its share of the staged rows), 6 the dQ store warp's last reduction
 read; slot 7 the SM id. Printed: each phase's median / p10 / p90 over CTAs, and per SM the gap from
 one CTA's last stamp to the next CTA's start."""
 from __future__ import annotations
@@ -43,7 +43,8 @@ _PATCHES = [
     ("        // DQ_BULK 2: the last reduction's source is this CTA's shared memory (3, 4: the store warp's)\n",
      "        if (tid == 128) TRACE(4);\n"),
 ]
-_END_ANCHOR = "                        pack2<BF16>(live ? acc_dv[nt][2 * half] * dv_scale : 0.f, live ? acc_dv[nt][2 * half + 1] * dv_scale : 0.f);\n                }\n            }\n        }\n"
+_END_ANCHOR = ("                if (v_col) *reinterpret_cast<uint4*>(dvg + (long long)row * params.dv_sn) = b;\n"
+               "            }\n        }\n")
 _STORE_ANCHOR = "                        if (lane == 0) bulk_wait_read0();\n"
 
 

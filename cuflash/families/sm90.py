@@ -176,5 +176,7 @@ BWD_SM90 = KernelFamily(
     # the deterministic mode: the tile's dq_bulk 3 twin (dQ's block reductions in key-block order),
     # faster than the sm80 deterministic backward on the H200 (scripts/bench_deterministic.py).
     # Tuned by default since the eleventh session: the H200's tuner kept the default in all four
-    # dense cells (d64 / d128, causal or not, N8192; docs/bench/tune-h200-bwd-sm90-2026-12-02.log)
+    # dense cells (d64 / d128, causal or not, N8192; docs/bench/tune-h200-bwd-sm90-2026-12-02.log).
+    # Those four entries were dropped when the dK/dV epilogue changed (2026-12-03): with no entry
+    # the default runs, the tile they held; not yet re-tuned.
 )
