@@ -252,10 +252,17 @@ def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_
 
 
 def _tile(family, config, p):
-    """The caller's tile (checked against family and problem), else the selected one."""
+    """The caller's tile (checked against family, problem and device: ValueError before any launch
+    where the device cannot launch it), else the selected one."""
     if config is None:
         return families.select(family, p)
     family.check_explicit(config, p.features)
+    from . import device
+
+    props = device.supported(p.device)
+    why = family.launch_limits_problem(config, props)
+    if why:
+        raise ValueError(f"config {config} cannot run on {props.name} (cc {props.cc_str}): {why}")
     return config
 
 

@@ -175,7 +175,7 @@ def _explicit_family(candidates: tuple, cfg, p: AttnProblem, backend):
     if backend is not None and family.backend != backend:
         raise ValueError(f"config {cfg} is a {family.backend} config, but backend={backend!r}")
     props = device.supported(p.device)
-    why = family.cannot_run(p, props)
+    why = family.cannot_run(p, props) or family.launch_limits_problem(cfg, props)
     if why:
         raise ValueError(f"config {cfg} cannot run this call on {props.name} (cc {props.cc_str}): {why}")
     return family

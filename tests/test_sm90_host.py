@@ -532,6 +532,27 @@ def test_explicit_configs_pick_their_family(bindings, monkeypatch):
     assert _forward._explicit_family(families.FORWARDS, sm80, p, None) is families.FWD
 
 
+def test_explicit_configs_past_the_devices_shared_memory_fail_before_launch(bindings, monkeypatch):
+    """A caller's tile that needs more shared memory than the GPU's opt-in limit raises ValueError
+    naming both, before any launch (it used to pass the checks and fail in the driver with
+    CUDA_ERROR_INVALID_VALUE: the d128 3-stage backward tiles with a dQ staging)."""
+    from cuflash import _backward, device
+    from cuflash.tiles import Sm90BwdConfig
+
+    monkeypatch.setattr(device, "query", lambda i=0: H200)
+    big = Sm90FwdConfig(128, 256, 2, 4, 1, 1, 2, 0)
+    assert big.smem_bytes > H200.smem_optin
+    with pytest.raises(ValueError, match=rf"cannot run this call on NVIDIA H200.*shared memory {big.smem_bytes} B "
+                                         rf"> opt-in limit {H200.smem_optin} B"):
+        _forward._explicit_family(families.FORWARDS, big, fwd_problem(), None)
+    p = _problem_bwd(d=128)
+    for dqb in (2, 4):
+        tile = Sm90BwdConfig(128, 64, 2, 3, dqb, 1)
+        with pytest.raises(ValueError, match=rf"config .* cannot run on NVIDIA H200.*shared memory {tile.smem_bytes} B"):
+            _backward._tile(families.BWD_SM90, tile, p)
+    assert _backward._tile(families.BWD_SM90, Sm90BwdConfig(128, 64, 2, 3, 0, 1), p) == Sm90BwdConfig(128, 64, 2, 3, 0, 1)
+
+
 # ------------------------------------------------------------------------------------- the tuner
 
 def test_tuner_skips_the_family_off_hopper(monkeypatch):

@@ -258,18 +258,23 @@ class KernelFamily:
         why = self.device_problem(props)
         if why:
             return why
-        why = tile.structural_problem()
+        why = tile.structural_problem() or self.launch_limits_problem(tile, props)
         if why:
             return why
-        if tile.threads > props.max_threads_per_block:
-            return f"{tile.threads} threads > {props.max_threads_per_block} per block"
-        if tile.smem_bytes > props.smem_optin:
-            return f"shared memory {tile.smem_bytes} B > opt-in limit {props.smem_optin} B"
         need, cap = self.accumulator_registers(tile), self.register_cap(tile, props)
         if need > cap:
             return f"accumulators alone need {need} registers per thread > {cap} available (would spill)"
         if self.avoids(tile, features):
             return f"its {features.perf_class()} instantiation spills registers"
+        return None
+
+    @staticmethod
+    def launch_limits_problem(tile, props) -> str | None:
+        """Why the device cannot launch `tile` at all (its threads or shared memory), or None."""
+        if tile.threads > props.max_threads_per_block:
+            return f"{tile.threads} threads > {props.max_threads_per_block} per block"
+        if tile.smem_bytes > props.smem_optin:
+            return f"shared memory {tile.smem_bytes} B > opt-in limit {props.smem_optin} B"
         return None
 
     def check_explicit(self, tile, features: Features) -> None:
