@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -122,6 +122,15 @@ for s in $stages; do
                SM90_BWD_CFG=$c timeout ${SM90_BWD_TIMEOUT:-90} python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 \
                  | grep -v Warning | tee -a "$OUT/sm90-bwd.log" | tail -12; echo "[cfg $c rc=${PIPESTATUS[0]}]"
              done ;;
+    bwdprofile)  # where the backward's time goes, beside SDPA cuDNN's (per kernel), per-CTA phase stamps of the
+      # sm90 backward and forward's work tiles, and the deterministic mode's ratio to the atomic one
+      timeout 180 python3 scripts/bwd_phases.py --json "$OUT/bwd-phases.json" 2>&1 | grep -E "^d[0-9]+ N" | tee "$OUT/bwdprofile.log"
+      timeout 90 python3 scripts/trace_bwd_tiles.py --shapes 128:512,128:8192,64:512 --json "$OUT/trace-bwd.json" 2>&1 \
+        | grep -v Warn | tee -a "$OUT/bwdprofile.log" | grep -E "span|epilogue|per iter|gap"
+      timeout 90 python3 scripts/trace_fwd_tiles.py --shapes 128:512,128:1024,128:8192 --json "$OUT/trace-fwd.json" 2>&1 \
+        | grep -vE "Warn|load_index" | tee -a "$OUT/bwdprofile.log" | grep -E "tiles|epilogue share"
+      timeout 120 python3 scripts/bench_deterministic.py --no-sm80 --json "$OUT/bench-deterministic.json" 2>&1 | grep -v Warn \
+        | tee -a "$OUT/bwdprofile.log" | tail -8 ;;
     bwddet)  # the Hopper deterministic backward (automatic on the H200 since the tenth session): its GPU
       # tests and the race test, the sanitizers over sanitize_features (which runs it), its speed against the atomic mode
       timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py tests/gpu/test_race_gpu.py \
