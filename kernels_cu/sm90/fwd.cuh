@@ -189,6 +189,17 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                                                const int* __restrict__ bm_index, const FwdParams& params) {
     using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES, QSTAGES>;
     using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V>;
+    // O leaves through shared memory: each consumer stages its rows in its own rows of the tile's Q
+    // image (no other consumer reads those bytes), then copies them out 16 bytes a thread, whole rows
+    // per warp; Q is released after that, not after the tile's last S GEMM, so the next tile's Q
+    // goes to the other buffer (QSTAGES 2). Not V::kPartialD: there the Q chunks past head_dim are
+    // zeroed once and never loaded again, and O's staging would overwrite them. Not with three
+    // consumers: at 160 registers the d64 tile then spilled 24-80 B (NVRTC 13.5). Not with dropout:
+    // its 128 x 128 tiles then spilled 16-36 B (NVRTC 13.0), and its epilogue is a smaller share of
+    // a tile (on the H200 the staging made the plain q2 tiles 3-12% faster at N512-2048). Nor with
+    // softcap and ALiBi together: the d128 128-key tile then spilled 60-96 B (NVRTC 13.0).
+    constexpr bool kStagedO = !V::kPartialD && !V::kDropout && !(V::kSoftcap && V::kAlibi) && QSTAGES == 2 &&
+                              CONSUMERS <= 2;
     // V::kVarlen: q, k, v are packed (total, heads, D) and mapped as one batch of total rows; a
     // tile's rows are its sequence's, from the offsets (the maps read past a sequence's end into the
     // next one's rows: masked keys, queries never stored)
@@ -422,7 +433,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     wgmma_wait<0>();
                     fence_regs(acc_s[0]);
                     release(bars.k_empty(kv.slot()));
-                    if (n_iter == 1) release(bars.q_empty(qs));
+                    if (!kStagedO && n_iter == 1) release(bars.q_empty(qs));
                     {
                         float corr[2];
                         softmax_block(blocks.at(0), blocks.full(0), corr);
@@ -447,7 +458,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                         wgmma_wait<1>();  // S_j is in; P V may still run
                         fence_regs(acc_s[0]);
                         release(bars.k_empty(kv.slot()));
-                        if (it == n_iter - 1) release(bars.q_empty(qs));  // the tile's last read of Q
+                        if (!kStagedO && it == n_iter - 1) release(bars.q_empty(qs));  // the tile's last read of Q
                         float corr[2];
                         softmax_block(j, blocks.full(it), corr);
                         wgmma_wait<0>();  // P_{j-1} V_{j-1} done: O and the P registers are free
@@ -483,7 +494,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                         wgmma_wait<0>();
                         fence_regs(acc_s[0]);
                         release(bars.k_empty(s));
-                        if (it == n_iter - 1) release(bars.q_empty(qs));
+                        if (!kStagedO && it == n_iter - 1) release(bars.q_empty(qs));
                         float corr[2];
                         softmax_block(j, blocks.full(it), corr);
                         if (it > 0) {
@@ -514,6 +525,40 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                                         : lse + (long long)w.blk.bh * seqlen_q;
             elem_t* og = o + (long long)w.blk.batch * params.o_sb + (long long)q_start * params.o_sn +
                          (long long)w.blk.head * params.o_sh;
+            if (kStagedO && n_iter > 0) {
+                // row rr of the image, column chunk c (64 columns), 16-byte unit u of it: at
+                // c * kQChunkBytes + rr * 128 + (u ^ rr % 8) * 16 (the fragment stores hit 32 banks)
+                const int qs = (local - 1) % QSTAGES;  // the tile's Q buffer (local counted it)
+                const u32 img = sQ + qs * Tr::kQBytes;
+                fence_proxy_async();  // after the async proxy's (wgmma's) reads of these bytes
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const float l = softmax.final_sum(0, half);
+                    const float inv = l != 0.f ? (V::kDropout ? params.drop_scale : 1.f) / l : 0.f;
+                    const int rr = warp_row0 + g + 8 * half;
+                    if (t == 0 && r0 + rr < seqlen_q)
+                        lse_row[r0 + rr] = OnlineSoftmax<1>::lse(softmax.row_max[0][half], l, scale_log2);
+                    const u32 line = opaque_u32(img) + rr * 128 + 4 * t;
+#pragma unroll
+                    for (int nt = 0; nt < D / 8; ++nt) {
+                        const float x0 = l != 0.f ? acc_o[0][nt][2 * half] * inv : 0.f;
+                        const float x1 = l != 0.f ? acc_o[0][nt][2 * half + 1] * inv : 0.f;
+                        st_shared_u32(line + (nt / 8) * Tr::kQChunkBytes + (((nt % 8) ^ (rr % 8)) << 4), pack2<BF16>(x0, x1));
+                    }
+                }
+                named_bar_sync(Tr::kBarEpilogue + cw, 128);  // this consumer's rows are staged
+                constexpr int CH = D / 8;  // 16-byte units of a row
+#pragma unroll
+                for (int i = ctid; i < 64 * CH; i += 128) {
+                    const int rr = 64 * cw + i / CH, u = i % CH;
+                    uint4 x;
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(x.x), "=r"(x.y), "=r"(x.z), "=r"(x.w)
+                                 : "r"(img + (u / 8) * Tr::kQChunkBytes + rr * 128 + (((u % 8) ^ (rr % 8)) << 4)));
+                    if (r0 + rr < seqlen_q) *reinterpret_cast<uint4*>(og + (long long)(r0 + rr) * params.o_sn + 8 * u) = x;
+                }
+                named_bar_sync(Tr::kBarEpilogue + cw, 128);  // every thread's reads are done
+                release(bars.q_empty(qs));  // the producer may load the tile after next's Q here
+            } else {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float l = n_iter > 0 ? softmax.final_sum(0, half) : 0.f;
@@ -530,6 +575,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                         *reinterpret_cast<u32*>(orow + 8 * nt) = pack2<BF16>(x0, x1);
                     }
                 }
+            }
             }
         }
         order.finish(kBar);

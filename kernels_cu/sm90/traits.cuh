@@ -41,6 +41,8 @@ struct Sm90FwdTraits {
 
     // Named barrier ids (0 is __syncthreads): the consumers' issue order (ping-pong).
     static constexpr int kBarSchedule = 1;  // + consumer index
+    // the epilogue (kStagedO in sm90/fwd.cuh): a consumer's O rows staged, and read back out
+    static constexpr int kBarEpilogue = 4;  // + consumer index
 };
 
 }  // namespace cuflash
