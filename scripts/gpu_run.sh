@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -152,6 +152,10 @@ for s in $stages; do
         2>&1 | tail -3 | tee -a "$OUT/l2sections-tests.log"
       timeout ${L2_BENCH_TIMEOUT:-300} python3 scripts/bench_l2_sections.py --json "$OUT/bench-l2-sections.json" 2>&1 \
         | grep -v Warn | tee "$OUT/bench-l2-sections.log" | tail -16 ;;
+    stagedo)  # the sm90 forward's staged epilogue: bitwise against the direct one, then q2 tiles beside cuDNN
+      timeout 150 python3 scripts/check_staged_o.py 2>&1 | grep -v Warn > "$OUT/check-staged.log"; grep -E "BAD|mismatches" "$OUT/check-staged.log"
+      timeout 200 python3 scripts/bench_fwd_configs.py --json "$OUT/bench-fwd-configs.json" 2>&1 | grep -v Warn \
+        | tee "$OUT/bench-fwd-configs.log" | tail -30 ;;
     sm90fwd) timeout 300 python3 scripts/sm90_bringup.py check bench 2>&1 | tee "$OUT/sm90-fwd.log" | grep -v "^ok" | tail -40 ;;
     roofline) python3 -m cuflash.roofline --out "$OUT/roofline.png" --json "$OUT/roofline.json" 2>&1 | tee "$OUT/roofline.log" ;;
     *) echo "unknown stage $s" ;;

@@ -261,8 +261,33 @@ def test_varlen_dropout_forward_and_backward(h, hk, causal, dtype):
         assert err <= allowed, f"sequence {b} out: {err:.3e} > {allowed:.3e}"
         res = fa_rule_grads((grads[0][rq][None], grads[1][rk][None], grads[2][rk][None]), *seq, dout[rq][None], mask,
                             scale, keep_scale=z)
+        if nk == 1:  # dq and dk are rounding noise here, bounded instead of compared (_one_key_noise_bounds)
+            for name, got, bound in zip(("dq", "dk"), (grads[0][rq], grads[1][rk]),
+                                        _one_key_noise_bounds(q[rq], out[rq], dout[rq], k[rk], scale, hk)):
+                err = float(cupy.abs(got.astype(cupy.float64)).max())
+                assert err <= bound, f"sequence {b} (one key) {name}: {err:.3e} > noise bound {bound:.3e}"
+            res = {"dv": res["dv"]}
         for name, (err, pt, allowed) in res.items():
             assert err <= allowed, f"sequence {b} {name}: {err:.3e} > {allowed:.3e} (same-dtype {pt:.3e})"
+
+
+def _one_key_noise_bounds(q, out, dout, k, scale, heads_kv):
+    """Bounds on |dq| and |dk| of a sequence with a single key, where both are zero in exact
+    arithmetic (a softmax over one key has no derivative): dS = P (dP o Z - D) with D = rowsum(dO o O),
+    and D is computed from O as stored, in its dtype, as FlashAttention does; the difference from the
+    exact D is at most sum |dO o O| x the dtype's relative rounding. The 2x rule is no measure here:
+    each row's dS is one rounding residue, the kernel's and the same-dtype reference's independent
+    draws of it (a failure of 1.2e-2 against a reference of 2.9e-3 seen 2026-12-03). x2 for the fp32
+    sums and the stores' own rounding; plus the output dtype's spacing near 0.3 as the rule's floor."""
+    import cupy
+
+    eps = 2.0 ** -8 if q.dtype == dtype_of("bfloat16") else 2.0 ** -11
+    f = lambda x: cupy.abs(x.astype(cupy.float64))
+    ds = (f(dout) * f(out)).sum(axis=-1) * eps  # (nq, h): each row's bound on |dS|
+    floor = 2 * (0.3 * eps)
+    dq = 2 * scale * float(ds.max()) * float(f(k).max()) + floor
+    dk = 2 * scale * float((ds[..., None] * f(q)).sum(axis=0).max()) * (q.shape[1] // heads_kv) + floor
+    return dq, dk
 
 
 def test_varlen_backward_past_65535_sequences_grid_axis():
