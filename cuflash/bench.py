@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup-ms", type=float, default=300.0,
                    help="after --warmup calls, keep each backend busy this long before timing it, so every "
                         "backend is timed at the clock the GPU holds under sustained load (0: calls only)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="the backends take turns this many times per case, each round its warm-up and --reps "
+                        "timed runs; each backend's figure is the median of its rounds' medians (1: one pass each)")
     p.add_argument("--passes", nargs="+", choices=sorted(PASS_BENCHES), default=["fwd", "bwd"])
     p.add_argument("--quick", action="store_true", help="only seqlen 2048 and 8192")
     p.add_argument("--gqa", type=int, default=1, metavar="G",
@@ -382,9 +385,26 @@ def _short_error(e: Exception) -> str:
     return f"{type(e).__name__}: {first}"[:300]
 
 
+def merge_rounds(per_round: list[dict]) -> dict:
+    """One backend's stats over alternating rounds (time_cuda dicts, one a round): the median of the
+    rounds' medians, the rounds' own medians kept beside it (their spread is the run's drift)."""
+    import numpy as np
+
+    medians = [r["median_ms"] for r in per_round]
+    return {"median_ms": float(np.median(medians)),
+            "p20_ms": float(np.median([r["p20_ms"] for r in per_round])),
+            "p80_ms": float(np.median([r["p80_ms"] for r in per_round])),
+            "n": sum(r["n"] for r in per_round), "round_ms": medians}
+
+
 def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50, warmup=10,
-                 warmup_ms: float = 0.0) -> dict:
-    """Time every backend for every pass of one case; a backend that raises is recorded as None."""
+                 warmup_ms: float = 0.0, rounds: int = 1) -> dict:
+    """Time every backend for every pass of one case; a backend that raises is recorded as None.
+
+    With rounds > 1 the backends take turns, round after round (each round: warm-up, then `reps`
+    timed runs per backend), and each gets the median of its rounds' medians: the GPU's clock drifts
+    within a run by a few per cent (more on short kernels), and timing one backend after the other
+    charged that drift to whichever came later, which moved a short cell's ratio 5-8% between runs."""
     import cupy
 
     rec = new_record(case, dtype, passes)
@@ -392,16 +412,26 @@ def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50
     benches = {}
     for pass_ in passes:
         benches = PASS_BENCHES[pass_](case, sets, torch)
-        for name, b in benches.items():
-            try:
-                # SDPA warns at length when a forced backend cannot run; the exception says why.
-                with warnings.catch_warnings(), b.context():
-                    warnings.simplefilter("ignore")
-                    stats = time_cuda(b.fn, warmup=warmup, reps=reps, rotate=b.rotate, events=b.events,
-                                      warmup_ms=warmup_ms)
-                add_timing(rec, pass_, name, stats)
-            except Exception as e:
-                add_timing(rec, pass_, name, None, _short_error(e))
+        per_round: dict[str, list] = {name: [] for name in benches}
+        failed: dict[str, str] = {}
+        for r in range(max(1, int(rounds))):
+            for name, b in benches.items():
+                if name in failed:
+                    continue
+                try:
+                    # SDPA warns at length when a forced backend cannot run; the exception says why.
+                    with warnings.catch_warnings(), b.context():
+                        warnings.simplefilter("ignore")
+                        per_round[name].append(time_cuda(b.fn, warmup=warmup if r == 0 else 0, reps=reps,
+                                                         rotate=b.rotate, events=b.events, warmup_ms=warmup_ms))
+                except Exception as e:
+                    failed[name] = _short_error(e)
+        for name in benches:
+            if name in failed:
+                add_timing(rec, pass_, name, None, failed[name])
+            else:
+                add_timing(rec, pass_, name, per_round[name][0] if len(per_round[name]) == 1
+                           else merge_rounds(per_round[name]))
         if pass_ == "fwd" and torch is not None:
             try:
                 _check_fwd(rec, benches, torch)
@@ -464,7 +494,7 @@ def main(argv=None) -> int:
     records = []
     for case in cases:
         rec = measure_case(case, dtype=args.dtype, torch=torch, passes=tuple(args.passes), reps=args.reps,
-                           warmup=args.warmup, warmup_ms=args.warmup_ms)
+                           warmup=args.warmup, warmup_ms=args.warmup_ms, rounds=args.rounds)
         records.append(rec)
         for row in format_rows(rec):
             print(row, flush=True)

@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -48,10 +48,10 @@ for s in $stages; do
            python3 -m pytest -q -p no:cacheprovider -rfE tests/test_torch_meta.py tests/test_signature.py tests/test_interop.py \
              tests/test_mask.py tests/test_reference.py tests/test_bench.py tests/test_roofline.py 2>&1 | tee "$OUT/torch-cpu-tests.log" | tail -15 ;;
     sanitize)
-      for tool in memcheck racecheck synccheck initcheck; do
+      for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}; do
         for cases in ${SANITIZE_CASES:-sanitize_cases sanitize_features}; do
           echo "== $tool $cases" | tee -a "$OUT/sanitize.log"
-          compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/$cases.py 2>&1 | tail -6 | tee -a "$OUT/sanitize.log"
+          timeout ${SANITIZE_TIMEOUT:-600} compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 scripts/$cases.py 2>&1 | tail -6 | tee -a "$OUT/sanitize.log"
         done
       done
       # every run must end in "ERROR SUMMARY: 0 errors" (racecheck: "0 hazards"): say which did not
@@ -118,6 +118,11 @@ for s in $stages; do
       python3 -m cuflash.bench --head-dims 256 --seqlens 2048 8192 --reps 20 --json "$OUT/bench-d256.json" 2>&1 \
         | tee -a "$OUT/bench-shapes.log" | tail -8 ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
+    benchcells)  # some cells of the benchmark (BENCH_ARGS: its flags, e.g. --seqlens 512 1024 --passes fwd)
+      python3 -m cuflash.bench ${BENCH_ARGS:-} --json "$OUT/bench-cells${BENCH_TAG:-}.json" 2>&1 | tee "$OUT/bench-cells${BENCH_TAG:-}.log" ;;
+    ncupipes)  # NCU_CASES: profile_fwd.py flag sets separated by ';' (one ncu launch each: scripts/ncu_pipes.sh)
+      IFS=';' read -ra ncu_cases <<< "${NCU_CASES:---d 64 --n 512 --causal;--d 64 --n 512 --causal --cudnn}"
+      timeout ${NCU_TIMEOUT:-400} bash scripts/ncu_pipes.sh "${ncu_cases[@]}" ;;
     sm90bwd) for c in ${SM90_BWD_CFGS:-128,64,2,2,2,1 128,64,2,2,4,1 64,64,2,2,2,1 64,64,2,2,4,1}; do  # dq_bulk 4: not yet run
                SM90_BWD_CFG=$c timeout ${SM90_BWD_TIMEOUT:-90} python3 scripts/sm90_bringup.py bwd benchbwd 2>&1 \
                  | grep -v Warning | tee -a "$OUT/sm90-bwd.log" | tail -12; echo "[cfg $c rc=${PIPESTATUS[0]}]"

@@ -1,7 +1,9 @@
 """One bf16 forward (the automatic kernel: the sm90 one on an H200), 16k tokens (batch 16384 // N, N 8192
 unless --n), 2048 / head_dim heads, for
 `ncu -k regex:fwd_sm90 --launch-skip 3 -c 1 --section ... python scripts/profile_fwd.py [--alibi] [--softcap] [--causal] [--d 64] [--n 512]`
-(issue 13's ALiBi and softcap costs: the same launch with and without them). Warm-up runs come first."""
+(issue 13's ALiBi and softcap costs: the same launch with and without them). Warm-up runs come first.
+--cudnn: SDPA's cuDNN backend on the same shape instead (its kernel: `-k regex:fprop`), to set its
+pipes beside ours."""
 import sys
 
 import cupy
@@ -18,7 +20,17 @@ rng = np.random.default_rng(0)
 q, k, v = testing.random_qkv(rng, max(1, 16384 // n), n, n, h, d, testing.bf16())
 slopes = cupy.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)) if "--alibi" in sys.argv else None
 softcap = 30.0 if "--softcap" in sys.argv else 0.0
-for _ in range(4):
-    cuflash.attention(q, k, v, causal=causal, alibi_slopes=slopes, softcap=softcap)
-cupy.cuda.Device().synchronize()
+if "--cudnn" in sys.argv:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt, kt, vt = (torch.from_dlpack(x).transpose(1, 2) for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        for _ in range(4):
+            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+    torch.cuda.synchronize()
+else:
+    for _ in range(4):
+        cuflash.attention(q, k, v, causal=causal, alibi_slopes=slopes, softcap=softcap)
+    cupy.cuda.Device().synchronize()
 print("done")

@@ -1,5 +1,6 @@
 """CPU tests of the benchmark's formulas, case list, table, JSON and CLI (no GPU needed)."""
 import json
+import sys
 from datetime import datetime, timezone
 
 import pytest
@@ -182,8 +183,9 @@ def test_main_with_fake_measurements(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "_cuda_device_count", lambda: (1, ""))
     monkeypatch.setattr(bench, "env_info", lambda torch=None: {"gpu": "Fake GPU", "sm_count": 1})
 
-    def fake_measure(case, *, dtype, torch=None, passes=("fwd",), reps=50, warmup=10, warmup_ms=0.0):
+    def fake_measure(case, *, dtype, torch=None, passes=("fwd",), reps=50, warmup=10, warmup_ms=0.0, rounds=1):
         assert warmup_ms == 300.0  # the default: every backend timed at the sustained clock
+        assert rounds == 3  # the default: backends in alternating rounds
         rec = bench.new_record(case, dtype)
         bench.add_timing(rec, "fwd", "cuflash", {"median_ms": 1.0, "p20_ms": 1.0, "p80_ms": 1.0, "n": reps})
         rec["max_abs_diff"], rec["checked_against"] = 1.0, "sdpa_flash"  # a mismatch: warns
@@ -197,6 +199,50 @@ def test_main_with_fake_measurements(monkeypatch, tmp_path, capsys):
     data = json.loads(path.read_text())
     assert [(c["seqlen"], c["causal"]) for c in data["cases"]] == [(2048, False), (2048, True), (8192, False), (8192, True)]
     assert data["cases"][0]["timings"]["fwd"]["cuflash"]["n"] == 3
+
+
+def test_measure_case_alternates_backends_over_rounds(monkeypatch):
+    """--rounds: the backends take turns round after round; each gets its rounds' medians' median,
+    the rounds kept; a backend that raises is tried once and recorded with its reason."""
+    calls = []
+    times = iter([3.0, 1.0, 5.0, 2.0, 4.0, 9.0])  # a, b per round over three rounds
+
+    def fake_time_cuda(fn, *, warmup, reps, rotate, events, warmup_ms):
+        calls.append((fn(), warmup))
+        ms = next(times)
+        return {"median_ms": ms, "p20_ms": ms, "p80_ms": ms, "n": reps}
+
+    def boom():
+        raise RuntimeError("no such backend here")
+
+    class FakeBench:
+        def __init__(self, fn):
+            self.fn, self.rotate, self.events = fn, None, "cupy"
+
+        def context(self):
+            import contextlib
+            return contextlib.nullcontext()
+
+    benches = {"a": FakeBench(lambda: "a"), "bad": FakeBench(boom), "b": FakeBench(lambda: "b")}
+    monkeypatch.setattr(bench, "time_cuda", lambda fn, **kw: fake_time_cuda(fn, **kw))
+    monkeypatch.setattr(bench, "make_inputs", lambda case, dtype, torch=None: [])
+    monkeypatch.setitem(bench.PASS_BENCHES, "fwd", lambda case, sets, torch: benches)
+
+    class FakePool:
+        def free_all_blocks(self):
+            pass
+
+    import types
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=FakePool))
+    case = bench.Case(64, 512, 32, 32, True)
+    rec = bench.measure_case(case, dtype="bf16", reps=7, warmup=10, rounds=3)
+    # the failing backend raised inside fake_time_cuda's fn() call: tried once, in round one
+    assert [c[0] for c in calls] == ["a", "b", "a", "b", "a", "b"]
+    assert [c[1] for c in calls] == [10, 10, 0, 0, 0, 0]  # the counted warm-up only in the first round
+    a, b = rec["timings"]["fwd"]["a"], rec["timings"]["fwd"]["b"]
+    assert (a["median_ms"], a["round_ms"], a["n"]) == (4.0, [3.0, 5.0, 4.0], 21)
+    assert (b["median_ms"], b["round_ms"]) == (2.0, [1.0, 2.0, 9.0])
+    assert rec["timings"]["fwd"]["bad"] is None and "no such backend here" in rec["errors"]["fwd"]["bad"]
 
 
 def test_gqa_cases_and_their_row():
