@@ -175,9 +175,12 @@ def traffic_v1(s: Shape, block_q: int, block_k: int) -> dict:
 
 
 # Which model each measured kernel is placed with, and why.
+V2_SM80 = "v2_sm80"  # the v2 call forced to the mma.sync family, where the automatic one is another
 MODELS = {
     "v1": ("v1", "cuflash v1: traffic_v1 with its config's tiles"),
-    "v2": ("v2", "cuflash v2: traffic_v2 with its config's tiles"),
+    "v2": ("v2", "cuflash v2, the automatic family (the Hopper one on cc 9.0): traffic_v2 with its config's tiles"),
+    V2_SM80: ("v2", ("cuflash v2 forced to the mma.sync family (measured where the automatic family is another): "
+                     "traffic_v2 with its config's tiles")),
     "sdpa_flash": ("v2", "SDPA flash (FlashAttention-2): traffic_v2 with --sdpa-flash-tiles (default 128 x 64, "
                          "upstream FA2's forward tile for head_dim 128 outside sm86/89; PyTorch's vendored copy "
                          "may use others), an assumption"),
@@ -239,7 +242,7 @@ def analyse_case(s: Shape, ceilings: Ceilings, tiles: dict, timings_ms: dict) ->
 
 # ----------------------------------------------------------------------------- text and JSON
 
-_KERNEL_ORDER = ("v1", "v2", "sdpa_flash", "sdpa_cudnn")
+_KERNEL_ORDER = ("v1", "v2", V2_SM80, "sdpa_flash", "sdpa_cudnn")
 
 
 def format_case(c: dict) -> str:
@@ -300,7 +303,7 @@ def plot(report: dict, path: str) -> None:
                 label=f"{nom.label}: {nom.peak_tflops:.0f} TFLOP/s, {nom.bandwidth_gbps / 1e3:.2f} TB/s")
     ax.axvline(meas.ridge, color="0.8", lw=0.8, zorder=0)
 
-    colors = {"v1": "tab:red", "v2": "tab:blue", "sdpa_flash": "tab:green", "sdpa_cudnn": "tab:purple"}
+    colors = {"v1": "tab:red", "v2": "tab:blue", V2_SM80: "tab:cyan", "sdpa_flash": "tab:green", "sdpa_cudnn": "tab:purple"}
     labelled = set()
     brief = report.get("settings", {}).get("highlight_seqlen")
     for name, k, c in points:
@@ -393,13 +396,20 @@ def measure_case(s: Shape, dtype: str, torch=None, reps: int = 10, warmup: int =
     sets = make_inputs(Case(s.head_dim, s.seqlen_q, s.batch, s.heads, s.causal), dtype, torch)
     infos = [problem.describe(x, n) for x, n in zip(sets[0]["cupy"], "qkv")]
     attn = problem.resolve_forward(*infos, MaskOptions.of(causal=s.causal), None)
-    configs = {"v1": families.select(families.FWD_V1, attn), "v2": families.select(families.FWD, attn)}
+    # v2 is the automatic family (the Hopper one on cc 9.0), placed with its own tile; where that is
+    # not the mma.sync family, the call forced to it (backend="sm80") is measured beside it
+    v2_family = families.choose(families.FORWARDS, attn)
+    configs = {"v1": families.select(families.FWD_V1, attn), "v2": families.select(v2_family, attn)}
     benches = {
         "v1": (lambda q, k, v: _forward_v1.forward_v1(q, k, v, causal=s.causal), [x["cupy"] for x in sets], "cupy",
                contextlib.nullcontext),
         "v2": (lambda q, k, v: _forward.forward(q, k, v, causal=s.causal), [x["cupy"] for x in sets], "cupy",
                contextlib.nullcontext),
     }
+    if v2_family is not families.FWD:
+        configs[V2_SM80] = families.select(families.FWD, attn)
+        benches[V2_SM80] = (lambda q, k, v: _forward.forward(q, k, v, causal=s.causal, backend="sm80"),
+                            [x["cupy"] for x in sets], "cupy", contextlib.nullcontext)
     if torch is not None:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -93,6 +93,19 @@ def test_analyse_case_speedup_and_causal_flops():
     assert "sdpa_flash" in c["kernels"] and c["kernels"]["sdpa_flash"]["tiles"] == (128, 64)
 
 
+def test_the_forced_mma_sync_call_is_placed_beside_the_automatic_one():
+    """On Hopper, v2 is the sm90 kernel with its own tile and v2_sm80 the same call forced to the
+    mma.sync family (measure_case adds it): both placed with the v2 traffic model, both listed."""
+    tiles = {"v1": (128, 64), "v2": (192, 128), rl.V2_SM80: (128, 64)}
+    c = rl.analyse_case(BRIEF, rl.Ceilings(800, 4000), tiles, {"v1": 10.0, "v2": 2.0, rl.V2_SM80: 4.0})
+    for name in ("v2", rl.V2_SM80):
+        assert c["kernels"][name]["model"] == "v2" and c["kernels"][name]["tiles"] == tiles[name]
+    # taller Q tiles re-read K and V less: the Hopper tile sits at a higher intensity
+    assert c["kernels"]["v2"]["intensity"] > c["kernels"][rl.V2_SM80]["intensity"]
+    line = rl.format_case(c)
+    assert line.index("v2 ") < line.index("v2_sm80")
+
+
 def test_nominal_lookup():
     assert rl.nominal_ceilings("NVIDIA H200").peak_tflops == 989
     assert rl.nominal_ceilings("NVIDIA A100-SXM4-40GB").bandwidth_gbps == 1555
