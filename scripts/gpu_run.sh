@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -136,6 +136,19 @@ for s in $stages; do
         | grep -vE "Warn|load_index" | tee -a "$OUT/bwdprofile.log" | grep -E "tiles|epilogue share"
       timeout 120 python3 scripts/bench_deterministic.py --no-sm80 --json "$OUT/bench-deterministic.json" 2>&1 | grep -v Warn \
         | tee -a "$OUT/bwdprofile.log" | tail -8 ;;
+    detab)  # the deterministic backward's loss (issue 11): its CTA order by head groups (main) against key
+      # blocks fastest (the atomic mode's order, a one-line variant) in one call, then ncu of the ordered
+      # kernel beside the atomic one at d128 N2048 (DRAM and L2 traffic, stalls)
+      sed 's/const BlockCoord blk = kOrdered ? schedule_blocks_grouped(/const BlockCoord blk = (kOrdered \&\& false) ? schedule_blocks_grouped(/' \
+        kernels_cu/sm90/bwd.cuh > /tmp/bwd_kb_fastest.cuh
+      grep -q "(kOrdered && false)" /tmp/bwd_kb_fastest.cuh || echo "detab: the variant's edit did not apply (bwd.cuh changed?)"
+      bash scripts/ab_sources.sh kernels_cu/sm90/bwd.cuh=/tmp/bwd_kb_fastest.cuh -- bash -c \
+        'timeout 90 python3 scripts/bench_deterministic.py --no-sm80 2>&1 | grep -E "^d[0-9]"' | tee "$OUT/detab.log"
+      for which in ours det; do
+        timeout 120 ncu -k regex:bwd_sm90 --launch-skip 3 -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+          --section WarpStateStats python3 scripts/profile_bwd_pair.py $which --n 2048 --d 128 > "$OUT/ncu-bwd-$which.txt" 2>&1
+        grep -E "Duration|DRAM Throughput|L2 Hit|Memory Throughput|Warp Cycles Per Issued|==ERR" "$OUT/ncu-bwd-$which.txt" | head -8
+      done ;;
     bwddet)  # the Hopper deterministic backward (automatic on the H200 since the tenth session): its GPU
       # tests and the race test, the sanitizers over sanitize_features (which runs it), its speed against the atomic mode
       timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py tests/gpu/test_race_gpu.py \
