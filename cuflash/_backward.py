@@ -19,10 +19,10 @@ import dataclasses
 
 import numpy as np
 
-from . import _compile, families, problem
+from . import _compile, device, families, problem
 from . import _plans as plan_cache
 from .launch import GRID_YZ_MAX, Buffer, FilledPlan, Launch, Plan, check_grid
-from .mask import MaskOptions
+from .mask import UNBOUNDED, MaskOptions
 from .params import pack_bwd
 from .problem import AttnProblem
 from .signature import BWD_ARRAYS
@@ -191,11 +191,29 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
                Buffer("dv", (b, nk, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if dq_cfg is not None else (ws_rows * kd,)), _dq_sem(cfg, ws_rows, kd), *expanded)
     params = pack_bwd(p, pad, n_blocks, m_blocks)
+    if getattr(cfg, "dq_bulk", 0) == 3:
+        params["det_rotate"] = det_rotation(p, n_blocks, -(-nq // cfg.block_q), device.query(p.device).sm_count)
     if p.block_mask is not None:  # entries per list row: the dQ tile's key blocks, the dK/dV tile's query blocks
         params["bm_nb"] = -(-nk // dq_cfg.block_k) if dq_cfg is not None else 0
         params["bm_mb"] = -(-nq // cfg.block_q)
     return Plan(p.device, BWD_ARRAYS + _alibi_slot(p) + _block_mask_inputs(p), buffers, tuple(launches), OUTPUTS,
                 params)
+
+
+def det_rotation(p, n_blocks: int, m_blocks: int, sm_count: int) -> int:
+    """BwdParams.det_rotate of the sm90 deterministic backward (kernels_cu/sm90/det_order.cuh): the
+    rotated order's stride (>= 1) where it applies, 0 for the staircase. Rotated, a key block may
+    wait for a higher one of its head: only where a head's n_blocks CTAs fit on the GPU at once
+    (dispatched in order, the head's first ones cannot then wait for ones no SM will take), never
+    with a left window edge (its instances keep the staircase), and without a right bound only
+    where no two key blocks reach a query block at the same step (n_blocks <= m_blocks). There key
+    block n starts at query block r n, r = m_blocks // n_blocks: a dQ block's contributors arrive r
+    steps apart (a step, r 1, left the turn's hand-over on the critical path: measured at d64)."""
+    if p.window_left != UNBOUNDED or n_blocks > sm_count:
+        return 0
+    if p.window_right != UNBOUNDED:
+        return 1
+    return m_blocks // n_blocks  # 0 where n_blocks > m_blocks: the staircase
 
 
 def _dq_sem(cfg, ws_rows: int, kd: int) -> Buffer:

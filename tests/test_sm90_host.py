@@ -755,9 +755,13 @@ def test_deterministic_sm90_plan_orders_dq_behind_zeroed_turn_counters(fake_back
     from cuflash.tiles import Sm90BwdConfig
 
     monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: ("zeros", tuple(shape), np.dtype(dtype).name))
+    sms = {"count": 132}
+    monkeypatch.setattr(_backward.device, "query", lambda dev: types.SimpleNamespace(sm_count=sms["count"]))
     names, rec = fake_backward_plan
     p = dataclasses.replace(_problem_bwd(d=128), deterministic=True)
     plan = _backward._plan(p, Sm90BwdConfig(128, 64, 2, 2, 3, 1), None, np.float16)
+    # causal, 3 key blocks: the rotated order where they fit on the GPU at once, else the staircase
+    assert plan.params.packed["det_rotate"][0] == 1
     plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(6)))
     assert names == ["bwd_prep", "bwd_dq_convert_frag"]
     pad = -(-100 // _backward._ROW_PAD) * _backward._ROW_PAD
@@ -768,6 +772,8 @@ def test_deterministic_sm90_plan_orders_dq_behind_zeroed_turn_counters(fake_back
     _backward._plan(_problem_bwd(d=128), Sm90BwdConfig(128, 64, 2, 2, 2, 1), None, np.float16).run(
         tuple(arr(0x1000 * (i + 1)) for i in range(6)))
     assert rec[1][2][9] == NULL
+    sms["count"] = 2
+    assert _backward._plan(p, Sm90BwdConfig(128, 64, 2, 2, 3, 1), None, np.float16).params.packed["det_rotate"][0] == 0
 
 
 def test_fragment_order_dq_round_trip():

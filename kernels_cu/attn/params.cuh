@@ -102,10 +102,12 @@ struct BwdParams {
     int bm_mb;                // V::kBlockMask: the dK/dV kernel's entries per transposed list (its tile's query blocks)
     int head_dim_v;           // as FwdParams' (v, out, dout, dv)
     int batch;                // the batch (V::kVarlen: the sequences, past the 65,535 of a grid's z: the row-wise kernels stride over them)
+    int det_rotate;           // the sm90 deterministic backward's rotated order (sm90/det_order.cuh; cuflash/_backward.py)
+    int reserved0;            // the tail to 8 bytes, named as cuflash/params.py names every byte; unused
 };
 
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 208, "FwdParams layout changed: update cuflash/params.py");
-static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 328, "BwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 336, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)
 

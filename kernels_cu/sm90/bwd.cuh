@@ -34,16 +34,19 @@
 //            P^T o (Z o dP^T / (1 - p) - delta) from the undropped P^T, then P^T's dropped elements
 //            are zeroed in place for dV (issued after dS^T for that reason), and dV is scaled by
 //            1 / (1 - p) at the end
-//   DQ_BULK 3  the deterministic mode: DQ_BULK 2 with each dQ block's reductions in key-block
-//            order. dq_sem holds one turn counter per dQ block (bh, m, dQ consumer), zeroed by the
-//            plan. The consumers stage their blocks for a store warp of the producer warpgroup (as
-//            DQ_BULK 1), whose lane 0 first waits until a block's counter equals its key block's
-//            rank among the key blocks that visit m (attn/block_range.cuh: key_blocks enumerates
-//            them), issues the reduction, and once it is complete increments the counter. A CTA
-//            only ever waits for CTAs of lower index (dispatched no later), and walks its
-//            query blocks from the last: under a causal mask every key block's first block is then
-//            the last query block, which key block 0 reaches first. The CTAs go by head groups
-//            (attn/scheduler.cuh, schedule_blocks_grouped) so few of a head's key blocks wait at once.
+//   DQ_BULK 3  the deterministic mode: DQ_BULK 2 with each dQ block's reductions in a fixed order
+//            of its key blocks. dq_sem holds one turn counter per dQ block (bh, m, dQ consumer),
+//            zeroed by the plan. The consumers stage their blocks for a store warp of the producer
+//            warpgroup (as DQ_BULK 1), whose lane 0 first waits until a block's counter equals its
+//            key block's rank (sm90/det_order.cuh), issues the reduction, and once it is complete
+//            increments the counter. Two orders: rotated (params.det_rotate, where the host knows a
+//            head's key blocks fit on the GPU at once), each key block walking its query blocks from
+//            its own first one, every dQ block taking its key blocks as they reach it (none waits in
+//            step), the CTAs in the atomic mode's order (whole heads per wave); or the staircase,
+//            every key block walking from the last query block, each dQ block taking its key blocks
+//            in ascending order, so a CTA only ever waits for CTAs of lower index (dispatched no
+//            later), the CTAs by head groups (attn/scheduler.cuh, schedule_blocks_grouped) so few
+//            of a head's key blocks wait at once.
 // Not yet: overlap across query blocks, a persistent schedule.
 #pragma once
 #include "attn/block_mask.cuh"
@@ -58,6 +61,7 @@
 #include "core/wgmma_sm90_mn.cuh"
 #include "sm80/warp_gemm.cuh"
 #include "sm90/bwd_traits.cuh"
+#include "sm90/det_order.cuh"
 
 namespace cuflash {
 
@@ -140,7 +144,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     // query blocks, so the heaviest CTAs start first. kOrdered: heads fastest within groups
     // (attn/scheduler.cuh: schedule_blocks_grouped), against the turns' staircase
     const int bh_total = params.batch * n_heads;
-    const BlockCoord blk = kOrdered ? schedule_blocks_grouped(blockIdx.x, n_blocks, n_heads, bh_total,
+    const BlockCoord blk = kOrdered && !params.det_rotate ? schedule_blocks_grouped(blockIdx.x, n_blocks, n_heads, bh_total,
                                                               ordered_group_heads(bh_total, (params.seqlen_q + BR - 1) / BR))
                                     : schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
     const int n0 = blk.block * BC;
@@ -164,8 +168,17 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         bm_counts, bm_index, V::kBlockMask ? block_list_row(params, blk.batch, blk.head, n_blocks, blk.block) : 0,
         params.bm_mb, range);
     const int n_iter = blocks.size();
-    // the query block of step it: the range's (or list's) order, from its end when kOrdered
-    auto block_at = [&](int it) { return blocks.at(kOrdered ? n_iter - 1 - it : it); };
+    // the query block of step it: the range's (or list's) order; kOrdered, from its end (the turn
+    // staircase), or rotated (params.det_rotate, never V::kLocal): under a right-bounded mask up
+    // from the key block's first query block, else from query block r n, r = params.det_rotate
+    // (the range is every query block, n_iter >= r n_blocks > r n: one wrap). (params read again
+    // where used: the producer has 24 registers.)
+    auto block_at = [&](int it) {
+        if (!kOrdered || (!V::kLocal && params.det_rotate && params.window_right < kUnbounded)) return blocks.at(it);
+        if (V::kLocal || !params.det_rotate) return blocks.at(n_iter - 1 - it);
+        const int i = it + params.det_rotate * blk.block;
+        return blocks.at(i >= n_iter ? i - n_iter : i);
+    };
 
     const int tid = threadIdx.x;
     if (tid == 0) {
@@ -220,8 +233,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 for (int it = 0; it < n_iter; ++it) {
                     if constexpr (kFragWarp) {
                         const int m = block_at(it);
-                        // kOrdered: this key block's rank among those visiting query block m
-                        const int rank = kOrdered ? blk.block - key_blocks<BR, BC, V::kLocal>(geo, m * BR).begin : 0;
+                        // kOrdered: this key block's rank among those visiting query block m, in
+                        // the order they reach it (sm90/det_order.cuh)
+                        const int rank = kOrdered ? det_rank<BR, BC, V::kLocal>(geo, params, blk.block, m) : 0;
                         // the block's first workspace row; its turn counters (kOrdered, never varlen)
                         const long long row0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m * 64;
                         const long long blk_id0 = row0 / 64 * Tr::kDqWarpgroups;
