@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -37,7 +37,7 @@ for s in $stages; do
       grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/all-tests.log" | tail -60 ;;
     tune)  # the export merges into a copy of the shipped table (stale entries of a re-tuned family: drop them by hand)
       cp tuning/nvidia-h200.json "$OUT/nvidia-h200${TUNE_TAG:-}.json"
-      python3 -m cuflash.tune --kernels ${TUNE_KERNELS:-fwd bwd bwd_dq fwd_sm90 bwd_sm90} --dtypes bf16 --seqlens ${TUNE_SEQLENS:-8192} \
+      python3 -m cuflash.tune --kernels ${TUNE_KERNELS:-fwd bwd bwd_dq fwd_sm90 bwd_sm90} --dtypes ${TUNE_DTYPES:-bf16} --seqlens ${TUNE_SEQLENS:-8192} \
         --head-dims ${TUNE_HEAD_DIMS:-64 128} --perf-classes ${TUNE_CLASSES:-dense dropout softcap} ${TUNE_ARGS:-} \
         --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/nvidia-h200${TUNE_TAG:-}.json" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45
       rm -f "$OUT/nvidia-h200${TUNE_TAG:-}.json.lock" ;;
@@ -149,6 +149,12 @@ for s in $stages; do
           --section WarpStateStats python3 scripts/profile_bwd_pair.py $which --n 2048 --d 128 > "$OUT/ncu-bwd-$which.txt" 2>&1
         grep -E "Duration|DRAM Throughput|L2 Hit|Memory Throughput|Warp Cycles Per Issued|==ERR" "$OUT/ncu-bwd-$which.txt" | head -8
       done ;;
+    detwaits)  # issue 11's last bar: where the deterministic backward waits against the atomic one, per CTA
+      # (turns, the store warp idle, completions, the consumers' staging), dense and causal, then the ratio
+      for c in "" --causal; do timeout 120 python3 scripts/trace_det_waits.py --shapes ${DET_SHAPES:-64:2048,128:2048} $c \
+        --json "$OUT/det-waits${c}.json" 2>&1 | grep -v Warn | tee -a "$OUT/det-waits.log"; done
+      timeout 100 python3 scripts/bench_deterministic.py --no-sm80 --json "$OUT/bench-deterministic.json" 2>&1 \
+        | grep -E "^d[0-9]" | tee -a "$OUT/det-waits.log" ;;
     bwddet)  # the Hopper deterministic backward (automatic on the H200 since the tenth session): its GPU
       # tests and the race test, the sanitizers over sanitize_features (which runs it), its speed against the atomic mode
       timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py tests/gpu/test_race_gpu.py \
