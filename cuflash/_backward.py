@@ -108,14 +108,15 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
         slots = tuple(_EXPANDED.get(n, n) for n in slots)
     launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
     m_blocks = 0
-    if p.deterministic:
+    if dq_cfg is not None:  # deterministic: the dQ kernel
         m_blocks = -(-p.seqlen_q // dq_cfg.block_q)
         check_grid(m_blocks * h * b)
         launches.append(Launch(_compile.get_kernel(dq_cfg, p.features, p.device), (m_blocks * h * b,),
                                (dq_cfg.threads,), dq_cfg.smem_bytes,
                                pointers=_pointers(families.BWD_DQ) + VARLEN_SLOTS + _alibi_slot(p)))
     else:
-        # dq_acc row-major, or in the sm90 kernel's fragment order (its dq_bulk 2 / 4 tiles)
+        # dq_acc row-major, or in the sm90 kernel's fragment order (its dq_bulk 2 / 4 tiles, and 3:
+        # the deterministic twin, the same layout)
         name = "bwd_dq_convert_frag_varlen" if getattr(cfg, "dq_bulk", 0) >= 2 else "bwd_dq_convert_varlen"
         convert = _compile.get_aux_kernel(name, p.features, p.device)
         launches.append(Launch(convert, (-(-p.seqlen_q * chunks // _AUX_THREADS), h, bz), (_AUX_THREADS,), 0,
@@ -128,9 +129,11 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
         expanded = tuple(Buffer(n, (p.total_k, h, w), dtype) for n, w in zip(_EXPANDED.values(), (d, p.dv)))
     buffers = (Buffer("dq", (p.total_q, h, d), dtype), Buffer("dk", (p.total_k, hkv, d), dtype),
                Buffer("dv", (p.total_k, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
-               Buffer("dq_acc", None if p.deterministic else (ws_rows * kd,)), Buffer("dq_sem", None), *expanded)
-    return Plan(p.device, BWD_ARRAYS + VARLEN_SLOTS + _alibi_slot(p), buffers, tuple(launches), OUTPUTS,
-                pack_bwd(p, pad, n_blocks, m_blocks))
+               Buffer("dq_acc", None if dq_cfg is not None else (ws_rows * kd,)), _dq_sem(cfg, ws_rows, kd), *expanded)
+    params = pack_bwd(p, pad, n_blocks, m_blocks)
+    if getattr(cfg, "dq_bulk", 0) == 3:
+        params["det_rotate"] = det_rotation(p, n_blocks, -(-p.seqlen_q // cfg.block_q), device.query(p.device).sm_count)
+    return Plan(p.device, BWD_ARRAYS + VARLEN_SLOTS + _alibi_slot(p), buffers, tuple(launches), OUTPUTS, params)
 
 
 def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Plan:
@@ -201,19 +204,22 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
 
 
 def det_rotation(p, n_blocks: int, m_blocks: int, sm_count: int) -> int:
-    """BwdParams.det_rotate of the sm90 deterministic backward (kernels_cu/sm90/det_order.cuh): the
-    rotated order's stride (>= 1) where it applies, 0 for the staircase. Rotated, a key block may
-    wait for a higher one of its head: only where a head's n_blocks CTAs fit on the GPU at once
-    (dispatched in order, the head's first ones cannot then wait for ones no SM will take), never
-    with a left window edge (its instances keep the staircase), and without a right bound only
-    where no two key blocks reach a query block at the same step (n_blocks <= m_blocks). There key
-    block n starts at query block r n, r = m_blocks // n_blocks: a dQ block's contributors arrive r
-    steps apart (a step, r 1, left the turn's hand-over on the critical path: measured at d64)."""
+    """BwdParams.det_rotate of the sm90 deterministic backward (kernels_cu/sm90/det_order.cuh): 1
+    where the rotated order may apply (the grid in the atomic mode's CTA order; each CTA takes a
+    stride from its own sequence, det_stride), 0 for the staircase everywhere (the grid by head
+    groups). Rotated, a key block may wait for a higher one of its head: only where a head's
+    n_blocks CTAs (the longest sequence's, varlen) fit on the GPU at once (dispatched in order, the
+    head's first ones cannot then wait for ones no SM will take), never with a left window edge
+    (its instances keep the staircase). A dense unmasked call needs n_blocks <= m_blocks, where key
+    block n starts at query block r n, r = m_blocks // n_blocks, and a dQ block's contributors
+    arrive r steps apart (stride 1 left the turn's hand-over on the critical path: measured at
+    d64); otherwise the head groups' order serves its staircase better. Varlen: each sequence
+    decides in the kernel, the staircase where it has more key blocks than query blocks."""
     if p.window_left != UNBOUNDED or n_blocks > sm_count:
         return 0
-    if p.window_right != UNBOUNDED:
-        return 1
-    return m_blocks // n_blocks  # 0 where n_blocks > m_blocks: the staircase
+    if p.window_right == UNBOUNDED and not getattr(p, "varlen", False) and n_blocks > m_blocks:
+        return 0
+    return 1
 
 
 def _dq_sem(cfg, ws_rows: int, kd: int) -> Buffer:

@@ -21,8 +21,6 @@ SLOTS = ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv", "dq_sem")
 
 def call_problem(p) -> str | None:
     """Why the Hopper backward cannot take this call (an AttnProblem), or None."""
-    if p.deterministic and p.varlen:
-        return "the sm90 backward's deterministic mode does not take variable-length batches"
     if p.deterministic and p.block_mask is not None:
         return "the sm90 backward's deterministic mode does not take block masks"
     return tma.tensors_problem(p, ("q", "k", "v", "dout")) or tma.bindings_problem()

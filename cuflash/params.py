@@ -85,9 +85,10 @@ BWD_FIELDS = [
     ("bm_sb", _I32), ("bm_sh", _I32), ("bm_nb", _I32), ("bm_mb", _I32),
     ("head_dim_v", _I32),  # as FwdParams' (v, out, dout, dv)
     ("batch", _I32),  # the batch; varlen: the sequences (the row-wise kernels' grid z strides over them)
-    # the sm90 deterministic backward's order (kernels_cu/sm90/bwd.cuh, DQ_BULK 3): 1 rotates each key
-    # block's walk over its query blocks (every head's key blocks fit on the GPU at once), 0 keeps
-    # the turn staircase's order (cuflash/_backward.py, det_rotation)
+    # the sm90 deterministic backward's order (kernels_cu/sm90/bwd.cuh, DQ_BULK 3): 1 lets each CTA
+    # rotate its key block's walk over its query blocks (the grid in the atomic mode's order; every
+    # head's key blocks fit on the GPU at once), 0 keeps the turn staircase's order and grid
+    # (cuflash/_backward.py, det_rotation)
     ("det_rotate", _I32),
     ("reserved0", _I32),  # the struct's tail to 8 bytes, named (every byte is a field); unused
 ]

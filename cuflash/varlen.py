@@ -200,7 +200,11 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
             return FilledPlan(p.device, (), tuple((Buffer(n, x.shape, q.dtype), 0)
                                                   for n, x in zip(_backward.OUTPUTS, (q, k, v))))
         cfg = families.select(_backward._main_family(p, None, backend), p)
-        dq_cfg = families.select(families.BWD_DQ, p) if p.deterministic else None
+        if p.deterministic and families.of(cfg) is families.BWD_SM90:
+            # its deterministic twin, as for dense calls (_backward._build_plan)
+            cfg, dq_cfg = dataclasses.replace(cfg, dq_bulk=3), None
+        else:
+            dq_cfg = families.select(families.BWD_DQ, p) if p.deterministic else None
         return _backward._plan(p, cfg, dq_cfg, q.dtype)
 
     key = lambda: (*plan_cache.array_key((*arrays, *slopes)), p.batch, p.seqlen_q, p.seqlen_k, mask.key, softmax_scale,
@@ -219,7 +223,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     deterministic=True: bitwise reproducible dq (a dQ kernel instead of fp32 atomics). dropout_p, seed:
     the forward's (the mask is regenerated from the seed, not stored). backend: the dK/dV kernel
     (None: automatic, the Hopper one on an H100/H200 at head_dim 64 and 128, else sm80; "sm90" or
-    "sm80" forces one; deterministic=True takes sm80's here).
+    "sm80" forces one; deterministic=True takes the Hopper kernel's ordered dQ there too).
     CuPy arrays, torch tensors (no autograd: call it yourself, or use attention_varlen on tensors
     that require grad) and other DLPack arrays."""
     families.check_backend(backend)

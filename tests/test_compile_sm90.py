@@ -147,3 +147,20 @@ def test_sm90_backward_varlen_defaults_compile_without_spills(d, extra, record_p
     f = Features("bfloat16", d, varlen=True, **{e: True for e in extra})
     assert families.BWD_SM90.supports(f)
     check(families.BWD_SM90.default(d, features=f), f, record_property)
+
+
+@pytest.mark.parametrize("extra", [(), ("local",), ("softcap",), ("dropout",)], ids=lambda e: "+".join(e) or "plain")
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_deterministic_varlen_twins_compile_without_spills(d, extra, record_property):
+    """deterministic=True on a variable-length batch: the selected tile's dq_bulk 3 twin, its
+    sequence-by-sequence order (sm90/det_order.cuh det_stride) and turn counters: no spills, no
+    wgmma serialisation (dropout: within the dense twins' known bytes)."""
+    f = Features("bfloat16", d, varlen=True, **{e: True for e in extra})
+    cfg = dataclasses.replace(families.BWD_SM90.default(d, features=f), dq_bulk=3)
+    if "dropout" not in extra:
+        check(cfg, f, record_property)
+        return
+    rep = _compile.compile_report(_compile.kernel_source(cfg, f), "sm_90a")
+    assert rep["registers"] > 0, rep["log"]
+    assert rep["spill_stores"] <= KNOWN_DETERMINISTIC_DROPOUT_SPILLS.get(d, 0), rep["log"][-2000:]
+    assert "serialized" not in rep["log"].lower()

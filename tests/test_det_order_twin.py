@@ -67,10 +67,20 @@ def walk(geo, n, rotate, br=BR, bc=BC):
     return [blocks[it + start - k if it + start >= k else it + start] for it in range(k)]
 
 
-def host_rotates(geo, sm_count):
-    """det_rotation's BwdParams.det_rotate: 0 (the staircase) or the rotation's stride."""
-    p = types.SimpleNamespace(window_left=geo.left, window_right=geo.right)
-    return det_rotation(p, n_blocks(geo), m_blocks(geo), sm_count)
+def det_stride(geo, det_rotate):
+    """det_order.cuh's det_stride: the CTA's order, 0 the staircase, else the rotation's stride."""
+    if not det_rotate:
+        return 0
+    if geo.right < UNBOUNDED:
+        return 1
+    return m_blocks(geo) // n_blocks(geo)
+
+
+def host_rotates(geo, sm_count, varlen=False):
+    """The stride a dense call's CTAs take: det_rotation's BwdParams.det_rotate through det_stride
+    (0: the staircase)."""
+    p = types.SimpleNamespace(window_left=geo.left, window_right=geo.right, varlen=varlen)
+    return det_stride(geo, det_rotation(p, n_blocks(geo), m_blocks(geo), sm_count))
 
 
 def _geometries(count, seed):
@@ -141,6 +151,24 @@ def test_the_rotated_order_is_the_order_of_arrival():
                     assert (gaps >= (1 if strict else 0)).all(), (vars(geo), m, steps)
                 elif geo.right == UNBOUNDED:
                     assert (gaps == 0).all(), (vars(geo), m, steps)
+
+
+def test_varlen_sequences_take_their_own_order():
+    """Varlen: the host allows the rotation by the longest sequence's key blocks only; each CTA takes
+    its sequence's stride, the staircase where the sequence has more key blocks than query blocks
+    (unmasked): ranks stay a permutation per dQ block in every sequence, whichever order it takes."""
+    p = types.SimpleNamespace(window_left=UNBOUNDED, window_right=UNBOUNDED, varlen=True)
+    assert det_rotation(p, 32, 16, 132) == 1  # a dense call of this shape keeps the head groups (0)
+    assert det_rotation(types.SimpleNamespace(window_left=UNBOUNDED, window_right=UNBOUNDED, varlen=False),
+                        32, 16, 132) == 0
+    assert det_rotation(p, 200, 400, 132) == 0  # the longest sequence's key blocks do not fit
+    for nq, nk in ((1000, 4000), (4000, 1000), (17, 113), (113, 17), (1, 300), (640, 640)):
+        for causal in (False, True):
+            geo = Geometry.from_causal(causal, nq, nk)
+            r = det_stride(geo, 1)
+            assert r == (1 if causal else m_blocks(geo) // n_blocks(geo))
+            for m, vs in _visits(geo, r).items():
+                assert sorted(rk for _, _, rk in vs) == list(range(len(vs))), (nq, nk, causal, m)
 
 
 def test_the_host_rotates_only_where_a_heads_key_blocks_fit():

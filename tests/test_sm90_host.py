@@ -643,7 +643,7 @@ def test_sm90_backward_binds_four_maps_and_the_workspaces():
 
 
 def test_sm90_backward_is_automatic_at_d64_and_d128_and_says_why_it_cannot_run(monkeypatch):
-    from cuflash import _backward, device
+    from cuflash import _backward, _backward_sm90, device
 
     p = _problem_bwd()
     monkeypatch.setattr(device, "query", lambda *_a, **_k: H200)
@@ -658,8 +658,11 @@ def test_sm90_backward_is_automatic_at_d64_and_d128_and_says_why_it_cannot_run(m
     assert _backward._main_family(_problem_bwd(d=96), None, None) is families.BWD  # no sm90 instance
     det = dataclasses.replace(d128, deterministic=True)
     assert _backward._main_family(det, None, None) is families.BWD_SM90
-    with pytest.raises(RuntimeError, match="deterministic mode does not take variable-length"):
-        families.choose((families.BWD_SM90,), dataclasses.replace(det, varlen=True))
+    # variable-length batches too (each sequence takes its own order), block masks not
+    # (this fixture's varlen flag lacks the packed layout's strides: only the mode's own refusal is asked)
+    assert "deterministic" not in (_backward_sm90.call_problem(dataclasses.replace(det, varlen=True)) or "")
+    assert _backward_sm90.call_problem(dataclasses.replace(det, block_mask=object())) == \
+        "the sm90 backward's deterministic mode does not take block masks"
     monkeypatch.setenv(families.BACKEND_ENV, "sm80")
     assert _backward._main_family(d128, None, None) is families.BWD
     with pytest.raises(ValueError, match="backend must be"):
@@ -813,28 +816,43 @@ def test_fragment_order_dq_round_trip():
     np.testing.assert_array_equal(back, dq)
 
 
-def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(fake_backward_plan):
+def test_varlen_sm90_backward_plan_binds_the_offsets_after_dv(fake_backward_plan, monkeypatch):
     """A forced Hopper backward of a variable-length batch: its maps over the packed rows (one batch),
     the offsets after dv and before the slopes, n_blocks of the longest sequence's keys, the varlen dQ
-    convert of the tile's dq_acc layout (row-major for atomics, fragment order for dq_bulk 2 and 4)."""
+    convert of the tile's dq_acc layout (row-major for atomics, fragment order for dq_bulk 2, 4 and
+    3, the deterministic twin: with its zeroed turn counters, one per 64 x 64 block of the varlen
+    workspace, and the rotated order allowed: 3 key blocks of the longest sequence fit)."""
+    cupy = pytest.importorskip("cupy")
     from cuflash import _backward
     from cuflash.tiles import Sm90BwdConfig
+    from cuflash._backward import varlen_ws_rows_per_head
     from cuflash.varlen import resolve_backward
 
+    monkeypatch.setattr(cupy, "zeros", lambda shape, dtype=None: ("zeros", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(_backward.device, "query", lambda dev: types.SimpleNamespace(sm_count=132))
     names, rec = fake_backward_plan
     qi, ki = info((300, 4, 128)), info((500, 4, 128))
     cu = problem.ArrayInfo((4,), "int32", 4, (4,), 1 << 20, 0)
     lse = problem.ArrayInfo((4, 300), "float32", 4, (300 * 4, 4), 1 << 20, 0)
     p = resolve_backward(qi, qi, ki, ki, qi, lse, cu, cu, 200, 260, CAUSAL, None)
-    for dqb in (0, 2, 4):
+    for dqb in (0, 2, 4, 3):
         names.clear(), rec.clear()
+        if dqb == 3:
+            p = dataclasses.replace(p, deterministic=True)
         plan = _backward._plan(p, Sm90BwdConfig(128, 64, 2, 2, dqb, 1), None, np.float16)
+        if dqb == 3:
+            assert plan.params.packed["det_rotate"][0] == 1
+            ws_rows = 4 * varlen_ws_rows_per_head(p)
+        else:
+            assert plan.params.packed["det_rotate"][0] == 0
         plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(8)))
         assert names == ["bwd_prep_varlen", "bwd_dq_convert_frag_varlen" if dqb else "bwd_dq_convert_varlen"]
         grid, _, args, _ = rec[1]
         assert grid == (-(-260 // 128) * 4 * 3,)  # key blocks of the longest sequence x heads x sequences
         assert args[0] == ("map", (64, 300, 2, 4, 1), 0x2000) and args[1] == ("map", (64, 500, 2, 4, 1), 0x3000)
         assert tuple(a.data.ptr for a in args[10:12]) == (0x7000, 0x8000)  # cu_seqlens_q, _k after dk, dv, dq_sem
+        if dqb == 3:
+            assert args[9] == ("zeros", (ws_rows // 64 * 2,), "int32")  # dq_sem: blocks x the D / 64 dQ consumers
 
 
 

@@ -39,8 +39,9 @@
 //            zeroed by the plan. The consumers stage their blocks for a store warp of the producer
 //            warpgroup (as DQ_BULK 1), whose lane 0 first waits until a block's counter equals its
 //            key block's rank (sm90/det_order.cuh), issues the reduction, and once it is complete
-//            increments the counter. Two orders: rotated (params.det_rotate, where the host knows a
-//            head's key blocks fit on the GPU at once), each key block walking its query blocks from
+//            increments the counter. Two orders (sm90/det_order.cuh): rotated (params.det_rotate,
+//            where the host knows a head's key blocks fit on the GPU at once, and each CTA's
+//            sequence allows it, varlen included), each key block walking its query blocks from
 //            its own first one, every dQ block taking its key blocks as they reach it (none waits in
 //            step), the CTAs in the atomic mode's order (whole heads per wave); or the staircase,
 //            every key block walking from the last query block, each dQ block taking its key blocks
@@ -120,7 +121,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     // fragment-order blocks staged for the producer's store warp, which issues their reductions
     // (3: in key-block order; 4: as they come)
     constexpr bool kFragWarp = kDqMode >= 3;
-    static_assert(!kOrdered || (!V::kVarlen && !V::kBlockMask), "the ordered dQ takes neither varlen nor block masks");
+    static_assert(!kOrdered || !V::kBlockMask, "the ordered dQ does not take block masks");
 
     extern __shared__ unsigned char smem[];
     // [0] K and V landed; [1 + s] stage s full (Q_i and dO_i), [1 + STAGES + s] stage s free
@@ -168,15 +169,18 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         bm_counts, bm_index, V::kBlockMask ? block_list_row(params, blk.batch, blk.head, n_blocks, blk.block) : 0,
         params.bm_mb, range);
     const int n_iter = blocks.size();
+    // kOrdered: this CTA's order of dQ's reductions (sm90/det_order.cuh): 0 the staircase, else
+    // rotated with this stride (its sequence's query and key blocks decide, varlen included)
+    const int det_r = kOrdered ? det_stride<BR, BC, V::kLocal>(params, m_blocks, seqlen_k) : 0;
     // the query block of step it: the range's (or list's) order; kOrdered, from its end (the turn
-    // staircase), or rotated (params.det_rotate, never V::kLocal): under a right-bounded mask up
-    // from the key block's first query block, else from query block r n, r = params.det_rotate
-    // (the range is every query block, n_iter >= r n_blocks > r n: one wrap). (params read again
+    // staircase), or rotated (det_r, never V::kLocal): under a right-bounded mask up from the key
+    // block's first query block, else from query block det_r n (the range is every query block of
+    // the sequence, n_iter >= det_r x its key blocks > det_r n: one wrap). (params read again
     // where used: the producer has 24 registers.)
     auto block_at = [&](int it) {
-        if (!kOrdered || (!V::kLocal && params.det_rotate && params.window_right < kUnbounded)) return blocks.at(it);
-        if (V::kLocal || !params.det_rotate) return blocks.at(n_iter - 1 - it);
-        const int i = it + params.det_rotate * blk.block;
+        if (!kOrdered || (!V::kLocal && det_r && params.window_right < kUnbounded)) return blocks.at(it);
+        if (V::kLocal || !det_r) return blocks.at(n_iter - 1 - it);
+        const int i = it + det_r * blk.block;
         return blocks.at(i >= n_iter ? i - n_iter : i);
     };
 
@@ -235,8 +239,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         const int m = block_at(it);
                         // kOrdered: this key block's rank among those visiting query block m, in
                         // the order they reach it (sm90/det_order.cuh)
-                        const int rank = kOrdered ? det_rank<BR, BC, V::kLocal>(geo, params, blk.block, m) : 0;
-                        // the block's first workspace row; its turn counters (kOrdered, never varlen)
+                        const int rank = kOrdered ? det_rank<BR, BC, V::kLocal>(geo, params, det_r, blk.block, m) : 0;
+                        // the block's first workspace row; its turn counters (kOrdered; varlen: each
+                        // sequence's rows start at a multiple of 128, so no two sequences share one)
                         const long long row0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m * 64;
                         const long long blk_id0 = row0 / 64 * Tr::kDqWarpgroups;
 #pragma unroll

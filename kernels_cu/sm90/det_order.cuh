@@ -5,12 +5,13 @@
 // (tests/test_det_order_twin.py checks both, and simulates the turns), so dQ's fp32 sums are taken
 // in one order whatever the CTAs' timing.
 //
-//   staircase (params.det_rotate 0, and every V::kLocal instance): ascending key blocks, from the
+//   staircase (stride 0: det_stride; every V::kLocal instance): ascending key blocks, from the
 //            first that sees m. Every key block walks its query blocks from the last, so key
 //            block n reaches m when n - 1 has (a wave's key blocks of one head form a staircase);
 //            a CTA waits only for CTAs of lower index.
-//   rotated  (params.det_rotate r >= 1; the host sets it where every head's key blocks fit on the
-//            GPU at once, and without a right bound only where n_blocks <= the query blocks): each
+//   rotated  (stride r >= 1, det_stride; the host allows it where every head's key blocks fit on
+//            the GPU at once, and each CTA takes it where its sequence has at least as many query
+//            blocks as key blocks or a right bound): each
 //            dQ block takes its key blocks in the order they reach it, walking as sm90/bwd.cuh's
 //            block_at does:
 //            - right-bounded masks (causal; r 1): key block n walks up from its first query block,
@@ -32,13 +33,26 @@
 
 namespace cuflash {
 
+// The CTA's order: 0 the staircase, else rotated with this stride. params.det_rotate (the host,
+// cuflash/_backward.py det_rotation) says the grid is in the rotated order's CTA order and every
+// group's key blocks fit on the GPU at once; each CTA then rotates where its sequence allows:
+// right-bounded masks always (stride 1: the walk is the range's own order), unmasked where the
+// sequence has at least as many query blocks as key blocks (stride m_blocks / its key blocks).
 template <int BR, int BC, bool LOCAL>
-__device__ __forceinline__ int det_rank(const MaskGeometry& geo, const BwdParams& params, int n, int m) {
+__device__ __forceinline__ int det_stride(const BwdParams& params, int m_blocks, int seqlen_k) {
+    if (LOCAL || !params.det_rotate) return 0;
+    if (params.window_right < kUnbounded) return 1;
+    return m_blocks / ((seqlen_k + BC - 1) / BC);
+}
+
+// Key block n's rank at query block m, for the CTA's stride r (det_stride).
+template <int BR, int BC, bool LOCAL>
+__device__ __forceinline__ int det_rank(const MaskGeometry& geo, const BwdParams& params, int r, int n, int m) {
     const BlockRange keys = key_blocks<BR, BC, LOCAL>(geo, m * BR);  // the key blocks that see query block m
-    if (LOCAL || !params.det_rotate) return n - keys.begin;
+    if (LOCAL || !r) return n - keys.begin;
     if (params.window_right < kUnbounded) return keys.end - 1 - n;
-    const int nb = params.n_blocks;
-    const int a = min(m / params.det_rotate, nb - 1);  // the first key block to reach m
+    const int nb = keys.end;           // unmasked: every key block of the sequence (keys.begin 0)
+    const int a = min(m / r, nb - 1);  // the first key block to reach m
     return n <= a ? a - n : a + nb - n;
 }
 

@@ -210,19 +210,32 @@ def test_sm90_deterministic_backward_with_features(kw):
         assert float(cupy.abs(a32 - b32).max()) <= 2e-2 * scale, name
 
 
-def test_sm90_backward_refuses_what_it_cannot_run():
-    """The deterministic mode takes neither variable-length batches nor block masks (named; the sm80
-    backward runs them)."""
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_deterministic_varlen_is_bitwise_and_agrees_with_sm80(causal):
+    """The Hopper deterministic mode on variable-length batches: each sequence takes its own order
+    (rotated, or the staircase where it has more key blocks than query blocks, unmasked): bitwise
+    the same over runs, and the sm80 deterministic backward's gradients to rounding."""
     import cupy
     from cuflash import varlen
 
     why = _sm90_unavailable()
     if why:
         pytest.skip(why)
-    rng = np.random.default_rng(7)
-    q, k, v = (cupy.asarray(rng.standard_normal((100, 2, 64)), dtype=cupy.float32).astype(dtype_of("bfloat16"))
-               for _ in range(3))
-    cu = cupy.asarray([0, 40, 100], dtype=cupy.int32)
-    out, lse = varlen.attention_varlen(q, k, v, cu, cu, 60, 60, return_lse=True)
-    with pytest.raises(ValueError, match="variable-length"):
-        varlen.attention_varlen_backward(q, q, k, v, out, lse, cu, cu, 60, 60, deterministic=True, backend="sm90")
+    rng = np.random.default_rng(11 + causal)
+    lens_q, lens_k = [700, 1, 300, 0, 1200, 64], [200, 129, 900, 50, 1200, 64]
+    dt = dtype_of("bfloat16")
+    q, dout = (cupy.asarray(rng.standard_normal((sum(lens_q), 4, 64)), dtype=cupy.float32).astype(dt) for _ in range(2))
+    k, v = (cupy.asarray(rng.standard_normal((sum(lens_k), 2, 64)), dtype=cupy.float32).astype(dt) for _ in range(2))
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]), dtype=cupy.int32) for x in (lens_q, lens_k))
+    mq, mk = max(lens_q), max(lens_k)
+    out, lse = varlen.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal, return_lse=True)
+    run = lambda backend: varlen.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, causal=causal,
+                                                           deterministic=True, backend=backend)
+    first = run("sm90")
+    for a, b in zip(first, run("sm90")):
+        assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+    for name, a, b in zip(("dq", "dk", "dv"), first, run("sm80")):
+        a32, b32 = a.astype(cupy.float32), b.astype(cupy.float32)
+        assert not bool(cupy.isnan(a32).any()), name
+        scale = float(cupy.abs(b32).max()) or 1.0
+        assert float(cupy.abs(a32 - b32).max()) <= 2e-2 * scale, name
