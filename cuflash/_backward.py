@@ -10,8 +10,9 @@ Launch sequence (kernels_cu/flash_bwd.cuh):
 With deterministic=True the atomics are off and flash_bwd_dq computes dQ in registers instead
 (bitwise reproducible, three extra GEMMs); there is no dq_acc then, and the kernels that take it
 get a null pointer. The Hopper dK/dV kernel's deterministic mode keeps dq_acc instead and adds
-each 64 x 64 dQ block to it in key-block order (its tile's dq_bulk 3 twin, turn counters in a
-zeroed dq_sem buffer), then bwd_dq_convert_frag converts.
+each 64 x 64 dQ block to it in a fixed order of its key blocks (its tile's dq_bulk 3 twin, turn
+counters in a zeroed dq_sem buffer; kernels_cu/sm90/det_order.cuh), then bwd_dq_convert_frag (or
+its varlen twin) converts.
 """
 from __future__ import annotations
 
