@@ -5,13 +5,15 @@
 bf16, 16k tokens per batch, heads x head_dim = 2048 (the benchmark's shapes), d64 and d128, seqlen
 2048 and 8192, causal and not. Times the default backward (dQ's additions unordered: the Hopper
 kernel on an H100/H200, its bulk reductions), the Hopper deterministic mode (forced: backend="sm90") and the sm80 deterministic one
-(flash_bwd_dq), CUDA events, median of 20 after 200 ms of warm-up, two input sets rotated.
+(flash_bwd_dq), CUDA events, median of 20 after 200 ms of warm-up, two input sets rotated; the modes
+take turns over --rounds rounds (default 3), each figure the median of its rounds' medians.
 """
 import argparse
 import json
 
 import cupy
 import ml_dtypes
+import numpy as np
 
 from cuflash import _backward, _forward
 from cuflash._timing import flops_attention, time_cuda
@@ -21,6 +23,7 @@ ap.add_argument("--json")
 ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
 ap.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
 ap.add_argument("--no-sm80", action="store_true", help="skip the sm80 deterministic backward")
+ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per cell (the median of their medians)")
 args = ap.parse_args()
 modes = (("atomic", {}), ("det_sm90", dict(deterministic=True, backend="sm90")),
          ("det_sm80", dict(deterministic=True, backend="sm80")))[:2 if args.no_sm80 else 3]
@@ -37,9 +40,17 @@ for d in args.head_dims:
                 rot.append((dout, q, k, v, out, lse))
             fb = flops_attention(b, h, n, n, d, causal, "bwd")
             row = dict(head_dim=d, seqlen=n, batch=b, heads=h, causal=causal)
-            for name, kw in modes:
-                t = time_cuda(lambda *a: _backward.backward(*a, causal=causal, **kw), rotate=rot, reps=20, warmup_ms=200)
-                row[name] = fb / t["median_ms"] / 1e9
+            # the modes take turns, round by round (the clock drifts as the GPU warms; a median of
+            # an odd number of rounds' medians: one slow round cannot move it)
+            rounds_ms = {name: [] for name, _ in modes}
+            for _ in range(args.rounds):
+                for name, kw in modes:
+                    t = time_cuda(lambda *a, kw=kw: _backward.backward(*a, causal=causal, **kw), rotate=rot, reps=20,
+                                  warmup_ms=200)
+                    rounds_ms[name].append(t["median_ms"])
+            for name, ms in rounds_ms.items():
+                row[name] = fb / float(np.median(ms)) / 1e9
+            row["round_ms"] = rounds_ms
             rows.append(row)
             sm80 = f", sm80 {row['det_sm80']:.1f} ({row['det_sm80'] / row['atomic']:.3f}x)" if "det_sm80" in row else ""
             print(f"d{d} N{n} causal={int(causal)}: TFLOP/s atomic {row['atomic']:.1f}, deterministic sm90 "

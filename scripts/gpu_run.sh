@@ -153,7 +153,7 @@ for s in $stages; do
       # (turns, the store warp idle, completions, the consumers' staging), dense and causal, then the ratio
       for c in "" --causal; do timeout 120 python3 scripts/trace_det_waits.py --shapes ${DET_SHAPES:-64:2048,128:2048} $c \
         --json "$OUT/det-waits${c}.json" 2>&1 | grep -v Warn | tee -a "$OUT/det-waits.log"; done
-      timeout 100 python3 scripts/bench_deterministic.py --no-sm80 --json "$OUT/bench-deterministic.json" 2>&1 \
+      timeout 200 python3 scripts/bench_deterministic.py --no-sm80 --json "$OUT/bench-deterministic.json" 2>&1 \
         | grep -E "^d[0-9]" | tee -a "$OUT/det-waits.log" ;;
     bwddet)  # the Hopper deterministic backward (automatic on the H200 since the tenth session): its GPU
       # tests and the race test, the sanitizers over sanitize_features (which runs it), its speed against the atomic mode
@@ -161,7 +161,7 @@ for s in $stages; do
         -k "deterministic or refuses or race or atomic" 2>&1 \
         | tee -a "$OUT/bwddet.log" | tail -12
       sanitize_script scripts/sanitize_features.py "$OUT/bwddet.log"
-      timeout 200 python3 scripts/bench_deterministic.py --json "$OUT/bench-deterministic.json" 2>&1 | grep -v Warn \
+      timeout 300 python3 scripts/bench_deterministic.py --json "$OUT/bench-deterministic.json" 2>&1 | grep -v Warn \
         | tee -a "$OUT/bwddet.log" | tail -8 ;;
     tilesched)  # the sm90 forward's tile orders (kernels_cu/sm90/tile_feed.cuh): bitwise tests, the sanitizers, the bench
       timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_tile_feed_gpu.py tests/gpu/test_forward_gpu.py \
