@@ -11,6 +11,12 @@ so the instructions, as they were). Entries whose instances are unchanged get th
 fingerprint; the others stay stale (re-tune them). The other tiles an entry timed are instances of
 the same templates with other constants.
 
+Each side is dumped --repeats times (default 3), each time in a new process, and an entry is
+carried where the two sides share a code for each of its instances: NVRTC 13.0 gives some sources
+a different register allocation from one process to the next (bwd_sm90's d64 three-stage tile,
+2026-12-04: two codes for one source, one process each), so one dump a side made such entries look
+changed at random. (Within a process the code repeats.)
+
     python scripts/carry_tuning.py --base main tuning/nvidia-h200.json [--write]
 """
 from __future__ import annotations
@@ -97,17 +103,25 @@ def main() -> int:
     ap.add_argument("table")
     ap.add_argument("--base", required=True, help="the git revision the table was tuned on")
     ap.add_argument("--write", action="store_true", help="rewrite the carried entries' source fingerprints")
+    ap.add_argument("--repeats", type=int, default=3, help="dumps per side, each its own process (default 3)")
     a = ap.parse_args()
     table = os.path.abspath(a.table)
     with tempfile.TemporaryDirectory() as tmp:
         base_tree = os.path.join(tmp, "base")
         subprocess.run(["git", "worktree", "add", "-q", "--detach", base_tree, a.base], check=True)
         try:
-            jobs = [_dump(base_tree, table, os.path.join(tmp, "base.json")), _dump(".", table, os.path.join(tmp, "now.json"))]
-            if any(j.wait() for j in jobs):
-                print("a PTX dump failed", file=sys.stderr)
-                return 1
-            before, now = (json.load(open(os.path.join(tmp, n))) for n in ("base.json", "now.json"))
+            # each side dumped in `repeats` processes: the codes an instance got, as sets (module docstring)
+            codes = {"base": {}, "now": {}}
+            for r in range(a.repeats):
+                jobs = [_dump(base_tree, table, os.path.join(tmp, f"base{r}.json")),
+                        _dump(".", table, os.path.join(tmp, f"now{r}.json"))]
+                if any(j.wait() for j in jobs):
+                    print("a PTX dump failed", file=sys.stderr)
+                    return 1
+                for side in codes:
+                    for k, h in json.load(open(os.path.join(tmp, f"{side}{r}.json"))).items():
+                        codes[side].setdefault(k, set()).add(h)
+            before, now = codes["base"], codes["now"]
         finally:
             os.remove(os.path.join(".", "_carry_tuning_dump.py"))
             subprocess.run(["git", "worktree", "remove", "--force", base_tree], check=True)
@@ -116,7 +130,7 @@ def main() -> int:
     doc = json.load(open(table))
     carried = stale = 0
     for e in doc["entries"]:
-        same = all(before[k] == now[k] for k in _keys(e))
+        same = all(before[k] & now[k] for k in _keys(e))
         fp = _compile.kernel_fingerprint(families.REGISTRY[e["kernel"]])
         print(f'{"carried" if same else "CHANGED"}  {e["kernel"]} d{e["head_dim"]} {e["perf_class"]} '
               f'causal={e["causal"]} {e["config"]}')
