@@ -131,9 +131,7 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
     buffers = (Buffer("dq", (p.total_q, h, d), dtype), Buffer("dk", (p.total_k, hkv, d), dtype),
                Buffer("dv", (p.total_k, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if dq_cfg is not None else (ws_rows * kd,)), _dq_sem(cfg, ws_rows, kd), *expanded)
-    params = pack_bwd(p, pad, n_blocks, m_blocks)
-    if getattr(cfg, "dq_bulk", 0) == 3:
-        params["det_rotate"] = det_rotation(p, n_blocks, -(-p.seqlen_q // cfg.block_q), device.query(p.device).sm_count)
+    params = _with_det_order(pack_bwd(p, pad, n_blocks, m_blocks), p, cfg, n_blocks)
     return Plan(p.device, BWD_ARRAYS + VARLEN_SLOTS + _alibi_slot(p), buffers, tuple(launches), OUTPUTS, params)
 
 
@@ -194,9 +192,7 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, hkv, d), dtype),
                Buffer("dv", (b, nk, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if dq_cfg is not None else (ws_rows * kd,)), _dq_sem(cfg, ws_rows, kd), *expanded)
-    params = pack_bwd(p, pad, n_blocks, m_blocks)
-    if getattr(cfg, "dq_bulk", 0) == 3:
-        params["det_rotate"] = det_rotation(p, n_blocks, -(-nq // cfg.block_q), device.query(p.device).sm_count)
+    params = _with_det_order(pack_bwd(p, pad, n_blocks, m_blocks), p, cfg, n_blocks)
     if p.block_mask is not None:  # entries per list row: the dQ tile's key blocks, the dK/dV tile's query blocks
         params["bm_nb"] = -(-nk // dq_cfg.block_k) if dq_cfg is not None else 0
         params["bm_mb"] = -(-nq // cfg.block_q)
@@ -221,6 +217,14 @@ def det_rotation(p, n_blocks: int, m_blocks: int, sm_count: int) -> int:
     if p.window_right == UNBOUNDED and not getattr(p, "varlen", False) and n_blocks > m_blocks:
         return 0
     return 1
+
+
+def _with_det_order(params, p, cfg, n_blocks: int):
+    """`params` with det_rotate set for the sm90 deterministic twin (dq_bulk 3; seqlen_q: the longest
+    sequence's, varlen); unchanged otherwise."""
+    if getattr(cfg, "dq_bulk", 0) == 3:
+        params["det_rotate"] = det_rotation(p, n_blocks, -(-p.seqlen_q // cfg.block_q), device.query(p.device).sm_count)
+    return params
 
 
 def _dq_sem(cfg, ws_rows: int, kd: int) -> Buffer:
@@ -267,13 +271,18 @@ def _build_plan(arrays, mask, softmax_scale, deterministic, dropout, config, dq_
         dtype = arrays[1].dtype
         return FilledPlan(p.device, BWD_ARRAYS, tuple((Buffer(n, x.shape, dtype), 0)
                                                        for n, x in zip(OUTPUTS, infos[1:4]))), None, None
-    cfg = _tile(_main_family(p, config, backend), config, p)
-    if p.deterministic and families.of(cfg) is families.BWD_SM90:
-        # its deterministic twin: the same tile, dQ's block reductions in key-block order
-        cfg, dq_cfg = dataclasses.replace(cfg, dq_bulk=3), None
-    else:
-        dq_cfg = _tile(families.BWD_DQ, dq_config, p) if p.deterministic else None
+    cfg, dq_cfg = with_dq_tile(p, _tile(_main_family(p, config, backend), config, p),
+                               lambda: _tile(families.BWD_DQ, dq_config, p))
     return _plan(p, cfg, dq_cfg, arrays[1].dtype), cfg, dq_cfg
+
+
+def with_dq_tile(p, cfg, dq_tile) -> tuple:
+    """(dK/dV tile, dQ tile or None) of a call whose dK/dV tile is `cfg`: deterministic on the Hopper
+    kernel, its dq_bulk 3 twin (the same tile, dQ's block reductions in a fixed order) and no dQ
+    kernel; otherwise `cfg`, and dq_tile() where deterministic (the dQ kernel's tile)."""
+    if p.deterministic and families.of(cfg) is families.BWD_SM90:
+        return dataclasses.replace(cfg, dq_bulk=3), None
+    return cfg, (dq_tile() if p.deterministic else None)
 
 
 def _tile(family, config, p):

@@ -199,12 +199,8 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
         if p.empty:  # no launch: zero gradients of q, k, v's shapes
             return FilledPlan(p.device, (), tuple((Buffer(n, x.shape, q.dtype), 0)
                                                   for n, x in zip(_backward.OUTPUTS, (q, k, v))))
-        cfg = families.select(_backward._main_family(p, None, backend), p)
-        if p.deterministic and families.of(cfg) is families.BWD_SM90:
-            # its deterministic twin, as for dense calls (_backward._build_plan)
-            cfg, dq_cfg = dataclasses.replace(cfg, dq_bulk=3), None
-        else:
-            dq_cfg = families.select(families.BWD_DQ, p) if p.deterministic else None
+        cfg, dq_cfg = _backward.with_dq_tile(p, families.select(_backward._main_family(p, None, backend), p),
+                                             lambda: families.select(families.BWD_DQ, p))
         return _backward._plan(p, cfg, dq_cfg, q.dtype)
 
     key = lambda: (*plan_cache.array_key((*arrays, *slopes)), p.batch, p.seqlen_q, p.seqlen_k, mask.key, softmax_scale,
