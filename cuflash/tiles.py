@@ -347,11 +347,15 @@ class Sm90BwdConfig(Tile):
         # K and V, stages x (Q + dO), two dS^T images (Sm90BwdTraits::kSmemBytes counts the first KiB
         # of slack, for the 1024-B alignment of the base) + a KiB for the static barriers
         d = self.head_dim
-        # Sm90BwdTraits::kDqStageBytes: padded rows (1) or fragment order (2, 3, 4)
-        dq_stage = (d // 64) * 64 * ((64 * 4 + 16) if self.dq_bulk == 1 else 64 * 4) if self.dq_bulk else 0
+        # Sm90BwdTraits::kDqSetBytes: padded rows (1) or fragment order (2, 3, 4)
+        dq_set = (d // 64) * 64 * ((64 * 4 + 16) if self.dq_bulk == 1 else 64 * 4) if self.dq_bulk else 0
         stats = 2 * self.stages * self.block_q * 4  # lse2 and delta per stage (kStatBytes)
-        return (2 * 2 * self.block_k * d + 2 * self.stages * 2 * self.block_q * d + 2 * 2 * self.block_k * self.block_q
-                + dq_stage + stats + SM90_SMEM_SLACK)
+        rest = (2 * 2 * self.block_k * d + 2 * self.stages * 2 * self.block_q * d + 2 * 2 * self.block_k * self.block_q
+                + stats + SM90_SMEM_SLACK)
+        # kDqSets: the deterministic mode (3) takes a second staging set where it fits in 227 KiB
+        # with a KiB to spare beyond this request (the static barriers)
+        sets = 2 if self.dq_bulk == 3 and rest + 2 * dq_set + 1024 <= 227 * 1024 else 1
+        return rest + sets * dq_set
 
     def structural_problem(self) -> str | None:
         if self.head_dim not in SM90_BWD_HEAD_DIMS:

@@ -34,7 +34,8 @@ def main():
             fns = {"plain": lambda: cuflash.attention(q, k, v, causal=a.causal),
                    "softcap": lambda: cuflash.attention(q, k, v, causal=a.causal, softcap=30.0),
                    "snippet cap": lambda: cuflash.attention(q, k, v, causal=a.causal, score_mod=cap)}
-            for t in fam.defaults[d]:
+            for t in fam.defaults[d]:  # fixed tiles: an A/B of kernel sources compares like with like
+                fns[f"plain {t}"] = (lambda t=t: _forward.forward(q, k, v, causal=a.causal, config=t))
                 fns[f"softcap {t}"] = (lambda t=t: _forward.forward(q, k, v, causal=a.causal, softcap=30.0, config=t))
             for fn in fns.values():
                 fn()

@@ -4,7 +4,7 @@ snippets (score with its grad, mask) and block masks (the cells and lists passes
 walking the lists), with GQA, Nq != Nk (neither a tile multiple), both forward backends and the
 backward (the Hopper one at d64 and d128 where it runs), and, forced, the Hopper forward's
 column-masking instances, the Hopper backward's fragment-order dQ tiles and its variable-length
-instances. No memory pool."""
+instances (deterministic too). No memory pool."""
 import numpy as np
 import cupy
 
@@ -79,5 +79,7 @@ if cupy.cuda.Device().compute_capability == "90":
             out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, **kw)
             varlen.attention_varlen_backward(arr(*out.shape), q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
                                              backend="sm90", **kw)
+            varlen.attention_varlen_backward(arr(*out.shape), q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                             backend="sm90", deterministic=True, **kw)
 cupy.cuda.Device().synchronize()
 print("sanitize feature cases done")

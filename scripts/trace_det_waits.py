@@ -12,6 +12,7 @@ Per CTA (slots of the trace buffer, each a sum over the CTA's steps unless said)
   0 start (thread 0)            1 end: the last consumer's epilogue or the store warp's last completion (max)
   2 turn waits (store warp lane 0: from the first acquire load until it saw the turn; one round trip when the turn was there)
   3 DqFull waits (the store warp idle until a consumer's block is staged)
+  (2-4 summed over the deterministic mode's store warps: one per dQ consumer and staging set)
   4 completion waits (bulk_wait0 before passing the turns; deterministic only)
   5 DqEmpty waits (the dQ consumers, each warpgroup's first thread: until the store warp has read the last block)
   6 turn waits that spun (the turn was not there at the first load)   7 the SM id
@@ -53,23 +54,34 @@ _PATCHES = [
     ("    const int tid = threadIdx.x;\n",
      "    const int tid = threadIdx.x;\n"
      "    if (tid == 0) { TRACE_AT(0) = ::trace_now(); TRACE_AT(7) = ::trace_smid(); }\n"),
-    # the store warp, fragment order: the DqFull wait, then the turn wait
+    # the atomic mode's store warp (fragment order): the DqFull wait
     ("                            named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);\n"
      "                            if (lane == 0) {\n"
-     "                                if constexpr (kOrdered) {\n"
-     "                                    while (ld_acquire_gpu(dq_sem + blk_id0 + c) != rank) __nanosleep(32);\n",
+     "                                bulk_reduce_add_f32(",
      "                            { const unsigned long long tf = ::trace_now();\n"
      "                              named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);\n"
      "                              if (lane == 0) TRACE_ADD(3, ::trace_now() - tf); }\n"
      "                            if (lane == 0) {\n"
-     "                                if constexpr (kOrdered) {\n"
-     "                                    const unsigned long long tt = ::trace_now(); bool spun = false;\n"
-     "                                    while (ld_acquire_gpu(dq_sem + blk_id0 + c) != rank) { spun = true; __nanosleep(32); }\n"
-     "                                    TRACE_ADD(2, ::trace_now() - tt); if (spun) TRACE_ADD(6, 1);\n"),
-    ("                            bulk_wait0();                // the reductions are done in global memory, not only read\n",
-     "                            { const unsigned long long tc = ::trace_now(); bulk_wait0();\n"
-     "                              const unsigned long long te = ::trace_now(); TRACE_ADD(4, te - tc); TRACE_MAX(1, te); }\n"),
-    # the dQ consumers (fragment order): the DqEmpty wait
+     "                                bulk_reduce_add_f32("),
+    # the deterministic mode's store warps: the DqFull wait, then the turn wait
+    ("                    named_bar_sync(Tr::bar_dq_full(set, c), Tr::kDqBarThreads);\n"
+     "                    if (lane == 0) {\n"
+     "                        while (ld_acquire_gpu(sem) != rank) __nanosleep(32);\n",
+     "                    { const unsigned long long tf = ::trace_now();\n"
+     "                      named_bar_sync(Tr::bar_dq_full(set, c), Tr::kDqBarThreads);\n"
+     "                      if (lane == 0) TRACE_ADD(3, ::trace_now() - tf); }\n"
+     "                    if (lane == 0) {\n"
+     "                        const unsigned long long tt = ::trace_now(); bool spun = false;\n"
+     "                        while (ld_acquire_gpu(sem) != rank) { spun = true; __nanosleep(32); }\n"
+     "                        TRACE_ADD(2, ::trace_now() - tt); if (spun) TRACE_ADD(6, 1);\n"),
+    ("                        bulk_wait0();                // the reduction is done in global memory, not only read\n",
+     "                        { const unsigned long long tc = ::trace_now(); bulk_wait0();\n"
+     "                          const unsigned long long te = ::trace_now(); TRACE_ADD(4, te - tc); TRACE_MAX(1, te); }\n"),
+    # the dQ consumers (fragment order): the DqEmpty wait, either mode
+    ("                        named_bar_sync(Tr::bar_dq_empty(set, cw), Tr::kDqBarThreads);  // its store warp has read the set's last block\n",
+     "                        { const unsigned long long te = ::trace_now();\n"
+     "                          named_bar_sync(Tr::bar_dq_empty(set, cw), Tr::kDqBarThreads);\n"
+     "                          if (ctid == 0) TRACE_ADD(5, ::trace_now() - te); }\n"),
     ("                        named_bar_sync(Tr::kBarDqEmpty + cw, Tr::kDqBarThreads);  // the store warp has read the last block\n",
      "                        { const unsigned long long te = ::trace_now();\n"
      "                          named_bar_sync(Tr::kBarDqEmpty + cw, Tr::kDqBarThreads);\n"

@@ -36,10 +36,11 @@
 //            1 / (1 - p) at the end
 //   DQ_BULK 3  the deterministic mode: DQ_BULK 2 with each dQ block's reductions in a fixed order
 //            of its key blocks. dq_sem holds one turn counter per dQ block (bh, m, dQ consumer),
-//            zeroed by the plan. The consumers stage their blocks for a store warp of the producer
-//            warpgroup (as DQ_BULK 1), whose lane 0 first waits until a block's counter equals its
-//            key block's rank (sm90/det_order.cuh), issues the reduction, and once it is complete
-//            increments the counter. Two orders (sm90/det_order.cuh): rotated (params.det_rotate,
+//            zeroed by the plan. The consumers stage their blocks for store warps of the producer
+//            warpgroup (one per dQ consumer and staging set; two sets, alternate query blocks, where
+//            shared memory allows: Sm90BwdTraits::kDqSets), whose lane 0 first waits until a block's
+//            counter equals its key block's rank (sm90/det_order.cuh), issues the reduction, and
+//            once it is complete increments the counter. Two orders (sm90/det_order.cuh): rotated (params.det_rotate,
 //            where the host knows a head's key blocks fit on the GPU at once, and each CTA's
 //            sequence allows it, varlen included), each key block walking its query blocks from
 //            its own first one, every dQ block taking its key blocks as they reach it (none waits in
@@ -221,15 +222,55 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 bulk_load_1d(sDelta + s * Tr::kStatBytes, delta + row, Tr::kStatBytes, bar_full(s));
             }
         }
-        if constexpr (kDqMode == 1 || kFragWarp) {
+        if constexpr (kOrdered) {
+            // the deterministic mode's dQ store warps (Sm90BwdTraits::kDqStoreWarps): warp 1 + w
+            // takes staging set w / kDqWarpgroups (the query blocks it = set, set + kDqSets, ...) and
+            // of each the block of dQ consumer w % kDqWarpgroups. Per block: at this key block's
+            // turn (its rank among the key blocks that reach the query block, sm90/det_order.cuh),
+            // one bulk reduction; the staging freed once it is read; the turn passed on once the
+            // reduction is done in global memory. A warp passes a block's turn before it waits for
+            // its next one, and waits only for its own CTA's consumers in between, so the turns
+            // chain as with one store warp. Here, not in the consumers: the turn's wait and the
+            // round trip stalled a consumer warpgroup every block (0.65-0.7x the atomic mode on the
+            // H200 when the consumers did it)
+            const int w = tid / 32 - 1;
+            if (w >= 0 && w < Tr::kDqStoreWarps && n_iter > 0) {
+                const int set = w / Tr::kDqWarpgroups, c = w % Tr::kDqWarpgroups;
+                const int lane = tid % 32;
+                const long long pad = params.seqlen_q_pad;
+                const u32 stage = sDQ + set * Tr::kDqSetBytes + c * Tr::kDqFragBytes;
+                if (set < n_iter) named_bar_arrive(Tr::bar_dq_empty(set, c), Tr::kDqBarThreads);
+                for (int it = set; it < n_iter; it += Tr::kDqSets) {
+                    const int m = block_at(it);
+                    const int rank = det_rank<BR, BC, V::kLocal>(geo, params, det_r, blk.block, m);
+                    // the block's turn counter (varlen: each sequence's rows start at a multiple of
+                    // 128, so no two sequences share one)
+                    const long long row0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m * 64;
+                    int* sem = dq_sem + row0 / 64 * Tr::kDqWarpgroups + c;
+                    named_bar_sync(Tr::bar_dq_full(set, c), Tr::kDqBarThreads);
+                    if (lane == 0) {
+                        while (ld_acquire_gpu(sem) != rank) __nanosleep(32);
+                        fence_proxy_async_global();  // the reduction below after what the acquire saw
+                        bulk_reduce_add_f32(dq_frag_block(row0, c), stage, Tr::kDqFragBytes);
+                        bulk_commit();
+                        bulk_wait_read0();
+                    }
+                    __syncwarp();
+                    // the consumer's last block of this set has no next staging to wait for
+                    if (it + Tr::kDqSets < n_iter) named_bar_arrive(Tr::bar_dq_empty(set, c), Tr::kDqBarThreads);
+                    if (lane == 0) {
+                        bulk_wait0();                // the reduction is done in global memory, not only read
+                        fence_proxy_async_global();  // ... and ordered before the release
+                        red_release_gpu_add(sem, 1);
+                    }
+                }
+            }
+        } else if constexpr (kDqMode == 1 || kFragWarp) {
             if (tid / 32 == 1 && n_iter > 0) {
                 // the dQ store warp: per query block, each dQ consumer's staged block goes to
                 // dq_acc by bulk reductions, and its staging is freed once they have read it.
                 // DQ_BULK 1: one 256-byte reduction per row (two rows per lane). Fragment order
-                // (3, 4): one reduction per block (kOrdered: at this key block's turn, and the
-                // turns passed on once the reductions are done in global memory). Here, not in the
-                // consumers: the turn's wait and the reduction's round trip stalled a consumer
-                // warpgroup every block (0.65-0.7x the atomic mode on the H200 when the consumers did it)
+                // (4): one reduction per block
                 const int lane = tid % 32;
                 const long long pad = params.seqlen_q_pad;
 #pragma unroll
@@ -237,21 +278,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 for (int it = 0; it < n_iter; ++it) {
                     if constexpr (kFragWarp) {
                         const int m = block_at(it);
-                        // kOrdered: this key block's rank among those visiting query block m, in
-                        // the order they reach it (sm90/det_order.cuh)
-                        const int rank = kOrdered ? det_rank<BR, BC, V::kLocal>(geo, params, det_r, blk.block, m) : 0;
-                        // the block's first workspace row; its turn counters (kOrdered; varlen: each
-                        // sequence's rows start at a multiple of 128, so no two sequences share one)
+                        // the block's first workspace row
                         const long long row0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m * 64;
-                        const long long blk_id0 = row0 / 64 * Tr::kDqWarpgroups;
 #pragma unroll
                         for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
                             named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
                             if (lane == 0) {
-                                if constexpr (kOrdered) {
-                                    while (ld_acquire_gpu(dq_sem + blk_id0 + c) != rank) __nanosleep(32);
-                                    fence_proxy_async_global();  // the reduction below after what the acquire saw
-                                }
                                 bulk_reduce_add_f32(dq_frag_block(row0, c), sDQ + c * Tr::kDqFragBytes, Tr::kDqFragBytes);
                                 bulk_commit();
                             }
@@ -262,12 +294,6 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         if (it + 1 < n_iter) {
 #pragma unroll
                             for (int c = 0; c < Tr::kDqWarpgroups; ++c) named_bar_arrive(Tr::kBarDqEmpty + c, Tr::kDqBarThreads);
-                        }
-                        if (kOrdered && lane == 0) {
-                            bulk_wait0();                // the reductions are done in global memory, not only read
-                            fence_proxy_async_global();  // ... and ordered before the release
-#pragma unroll
-                            for (int c = 0; c < Tr::kDqWarpgroups; ++c) red_release_gpu_add(dq_sem + blk_id0 + c, 1);
                         }
                     } else {
                         const int m0 = block_at(it) * BR;
@@ -552,8 +578,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 if constexpr (kDqMode >= 2) {
                     // the block in fragment order (Sm90BwdTraits::kDqStageBytes), then one bulk
                     // reduction of all of it into dq_acc's block (bh, m, cw), stored in that order
-                    const u32 stage = sDQ + cw * Tr::kDqFragBytes;
-                    if constexpr (kFragWarp) {
+                    // (DQ_BULK 3: staging set it % kDqSets, with its own barrier pair and store warp)
+                    const int set = kOrdered ? it % Tr::kDqSets : 0;
+                    const u32 stage = sDQ + set * Tr::kDqSetBytes + cw * Tr::kDqFragBytes;
+                    if constexpr (kOrdered) {
+                        named_bar_sync(Tr::bar_dq_empty(set, cw), Tr::kDqBarThreads);  // its store warp has read the set's last block
+                    } else if constexpr (kFragWarp) {
                         named_bar_sync(Tr::kBarDqEmpty + cw, Tr::kDqBarThreads);  // the store warp has read the last block
                     } else {
                         if (ctid == 0) bulk_wait_read0();  // the last block's reduction has read the staging
@@ -566,7 +596,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                                      "f"(acc_dq[nt][0]), "f"(acc_dq[nt][1]), "f"(acc_dq[nt][2]), "f"(acc_dq[nt][3]) : "memory");
                     fence_proxy_async();  // generic-proxy stores, read next by the bulk reduction
                     if constexpr (kFragWarp) {
-                        named_bar_arrive(Tr::kBarDqFull + cw, Tr::kDqBarThreads);  // to the store warp
+                        named_bar_arrive(Tr::bar_dq_full(set, cw), Tr::kDqBarThreads);  // to the store warp
                     } else {
                         named_bar_sync(Tr::kBarDqFull + cw, 128);
                         if (ctid == 0) {

@@ -45,18 +45,32 @@ struct Sm90BwdTraits {
     static_assert(DQ_BULK >= 0 && DQ_BULK <= 4, "dq_bulk 0 to 4");
     static constexpr int kDqRowBytes = 64 * 4 + 16;
     static constexpr int kDqFragBytes = 64 * 64 * 4;
-    static constexpr int kDqStageBytes = DQ_BULK == 1 ? (D / 64) * 64 * kDqRowBytes
-                                         : DQ_BULK >= 2 ? (D / 64) * kDqFragBytes : 0;
+    // one staging set: a block per dQ consumer
+    static constexpr int kDqSetBytes = DQ_BULK == 1 ? (D / 64) * 64 * kDqRowBytes
+                                       : DQ_BULK >= 2 ? (D / 64) * kDqFragBytes : 0;
     // per stage, the query block's lse2 and delta (BR floats each): bulk-copied with Q_i and dO_i
     // (read from global memory per block, they were a third of the stalls under ncu)
     static constexpr int kStatBytes = BR * 4;
-    static constexpr int kSmemBytes = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBuffers * kDSBytes + kDqStageBytes
-                                      + 2 * STAGES * kStatBytes + 1024;  // + alignment slack
+    static constexpr int kSmemWithoutDq = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBuffers * kDSBytes
+                                          + 2 * STAGES * kStatBytes + 1024;  // + alignment slack
+    // DQ_BULK 3 (the deterministic mode): two staging sets where they fit (the launch asks for
+    // kSmemBytes + 1 KiB, cuflash/tiles.py, and static barriers take some of the 227 KiB), used by
+    // alternate query blocks, so a consumer stages block i + 1 while block i waits for its turn
+    // and its reduction's round trip (with one set the dQ consumers waited for free staging 30-41%
+    // of a CTA's time on the H200, scripts/trace_det_waits.py, against 2-3% in the atomic mode)
+    static constexpr int kDqSets = DQ_BULK == 3 && kSmemWithoutDq + 2 * kDqSetBytes + 2048 <= 227 * 1024 ? 2 : 1;
+    static constexpr int kDqStageBytes = kDqSets * kDqSetBytes;
+    static constexpr int kSmemBytes = kSmemWithoutDq + kDqStageBytes;
 
     static constexpr int kHeadSteps = D / 16;        // S^T, dP^T contract over D
     static constexpr int kQuerySteps = BR / 16;      // dV, dK contract over the BR queries
     static constexpr int kKeySteps = kBlockK / 16;   // dQ contracts over the BC keys
     static constexpr int kDqWarpgroups = D / 64;     // consumers that run the dQ product, 64 columns of D each
+    // DQ_BULK 3: the producer warpgroup's store warps (warps 1..), one per (staging set, dQ consumer),
+    // each taking its set's query blocks and its consumer's block of each: the turn waits and round
+    // trips of different blocks then run side by side, not one after another in a single warp
+    static constexpr int kDqStoreWarps = DQ_BULK == 3 ? kDqSets * kDqWarpgroups : 1;
+    static_assert(kDqStoreWarps <= 3, "warp 0 of the producer warpgroup issues the loads");
     // S^T and dP^T issued back to back (the tensor cores run dP^T under the exp of S^T) where the
     // registers allow: at D = 128 both next to dK and dV spilled ~480 B (ptxas, sm_90a) while acc_dq
     // was live around the loop (see dq_wg in sm90/bwd.cuh); since, 0 B, and OVERLAP takes it
@@ -75,9 +89,15 @@ struct Sm90BwdTraits {
     static constexpr int kBarDqFull = 2;   // + consumer
     static constexpr int kBarDqEmpty = 4;  // + consumer
     static constexpr int kDqBarThreads = 128 + 32;
+    // DQ_BULK 3: staging set 1's pair after the epilogue's barriers (9 + consumer, 11 + consumer)
+    static constexpr int kBarDqSet1 = 7;
+    __device__ static constexpr int bar_dq_full(int set, int c) { return kBarDqFull + c + set * kBarDqSet1; }
+    __device__ static constexpr int bar_dq_empty(int set, int c) { return kBarDqEmpty + c + set * kBarDqSet1; }
     // the epilogue: both consumers' last GEMMs done (the dK, dV staging overwrites their operands);
     // + 1 + consumer: that consumer's rows staged
     static constexpr int kBarEpilogue = 6;
+    static_assert(kBarEpilogue + CONSUMERS < kBarDqFull + kBarDqSet1 && kBarDqEmpty + kBarDqSet1 + 1 < 16,
+                  "named barrier ids: 16 per CTA, none shared");
 };
 
 }  // namespace cuflash
