@@ -401,8 +401,9 @@ def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50
                  warmup_ms: float = 0.0, rounds: int = 1) -> dict:
     """Time every backend for every pass of one case; a backend that raises is recorded as None.
 
-    With rounds > 1 the backends take turns, round after round (each round: warm-up, then `reps`
-    timed runs per backend), and each gets the median of its rounds' medians: the GPU's clock drifts
+    An untimed round first warms every backend up (calls, then warmup_ms of load). With rounds > 1
+    the backends take turns, round after round (each round: warmup_ms of load, then `reps` timed
+    runs per backend), and each gets the median of its rounds' medians: the GPU's clock drifts
     within a run by a few per cent (more on short kernels), and timing one backend after the other
     charged that drift to whichever came later, which moved a short cell's ratio 5-8% between runs."""
     import cupy
@@ -414,7 +415,12 @@ def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50
         benches = PASS_BENCHES[pass_](case, sets, torch)
         per_round: dict[str, list] = {name: [] for name in benches}
         failed: dict[str, str] = {}
-        for r in range(max(1, int(rounds))):
+        # round -1, untimed: every backend's warm-up (first calls, compiles, warmup_ms of load), so
+        # that the timed rounds all run at the power state of sustained load. The H200 draws ~130 W
+        # after a case's setup and reaches its 700 W cap about a second into the load; its clock then
+        # dips (1485 MHz against 1700-1725 settled, NVML SW power cap, scripts/bench_round_clocks.py)
+        # and whichever backend ran then (ours: first in round 2) measured up to 1.28x slower.
+        for r in range(-1, max(1, int(rounds))):
             for name, b in benches.items():
                 if name in failed:
                     continue
@@ -422,8 +428,10 @@ def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50
                     # SDPA warns at length when a forced backend cannot run; the exception says why.
                     with warnings.catch_warnings(), b.context():
                         warnings.simplefilter("ignore")
-                        per_round[name].append(time_cuda(b.fn, warmup=warmup if r == 0 else 0, reps=reps,
-                                                         rotate=b.rotate, events=b.events, warmup_ms=warmup_ms))
+                        st = time_cuda(b.fn, warmup=warmup if r < 0 else 0, reps=reps if r >= 0 else 1,
+                                       rotate=b.rotate, events=b.events, warmup_ms=warmup_ms)
+                    if r >= 0:
+                        per_round[name].append(st)
                 except Exception as e:
                     failed[name] = _short_error(e)
         for name in benches:

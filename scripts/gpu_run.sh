@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [exp2fma]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -149,20 +149,6 @@ for s in $stages; do
           --section WarpStateStats python3 scripts/profile_bwd_pair.py $which --n 2048 --d 128 > "$OUT/ncu-bwd-$which.txt" 2>&1
         grep -E "Duration|DRAM Throughput|L2 Hit|Memory Throughput|Warp Cycles Per Issued|==ERR" "$OUT/ncu-bwd-$which.txt" | head -8
       done ;;
-    exp2fma)  # the perf-notes lead: a share of the sm90 forward's exp2s on the FMA pipe (sm90/traits.cuh
-      # kExp2FmaPlain / kExp2FmaSoftcap, of 16), A/B against MUFU only in one call, then the variant's tests
-      read -r fma_plain fma_softcap <<< "${EXP2FMA:-4 10}"
-      cp kernels_cu/sm90/traits.cuh /tmp/traits_mufu.cuh
-      sed -e "s/kExp2FmaPlain = 0;/kExp2FmaPlain = $fma_plain;/" -e "s/kExp2FmaSoftcap = 0;/kExp2FmaSoftcap = $fma_softcap;/" \
-        kernels_cu/sm90/traits.cuh > /tmp/traits_fma.cuh
-      grep -q "kExp2FmaSoftcap = $fma_softcap;" /tmp/traits_fma.cuh || echo "exp2fma: the edit did not apply (traits.cuh changed?)"
-      bash scripts/ab_sources.sh kernels_cu/sm90/traits.cuh=/tmp/traits_fma.cuh -- bash -c \
-        'timeout 200 python3 scripts/bench_softcap.py --head-dims 128 64 --seqlens 2048 8192 2>&1 | grep -v Warn' \
-        | tee "$OUT/exp2fma.log"
-      cp /tmp/traits_fma.cuh kernels_cu/sm90/traits.cuh
-      [ "${EXP2FMA_TESTS:-1}" = 1 ] && timeout 240 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_softcap_gpu.py tests/gpu/test_forward_gpu.py \
-        2>&1 | tail -4 | tee -a "$OUT/exp2fma.log"
-      cp /tmp/traits_mufu.cuh kernels_cu/sm90/traits.cuh ;;
     detwaits)  # issue 11's last bar: where the deterministic backward waits against the atomic one, per CTA
       # (turns, the store warp idle, completions, the consumers' staging), dense and causal, then the ratio
       for c in "" --causal; do timeout 120 python3 scripts/trace_det_waits.py --shapes ${DET_SHAPES:-64:2048,128:2048} $c \

@@ -202,10 +202,11 @@ def test_main_with_fake_measurements(monkeypatch, tmp_path, capsys):
 
 
 def test_measure_case_alternates_backends_over_rounds(monkeypatch):
-    """--rounds: the backends take turns round after round; each gets its rounds' medians' median,
-    the rounds kept; a backend that raises is tried once and recorded with its reason."""
+    """--rounds: an untimed warm-up round, then the backends take turns round after round; each gets
+    its rounds' medians' median, the rounds kept; a backend that raises is tried once (in the warm-up
+    round) and recorded with its reason."""
     calls = []
-    times = iter([3.0, 1.0, 5.0, 2.0, 4.0, 9.0])  # a, b per round over three rounds
+    times = iter([99.0, 99.0, 3.0, 1.0, 5.0, 2.0, 4.0, 9.0])  # a, b: the warm-up round, then three timed
 
     def fake_time_cuda(fn, *, warmup, reps, rotate, events, warmup_ms):
         calls.append((fn(), warmup))
@@ -236,9 +237,9 @@ def test_measure_case_alternates_backends_over_rounds(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(get_default_memory_pool=FakePool))
     case = bench.Case(64, 512, 32, 32, True)
     rec = bench.measure_case(case, dtype="bf16", reps=7, warmup=10, rounds=3)
-    # the failing backend raised inside fake_time_cuda's fn() call: tried once, in round one
-    assert [c[0] for c in calls] == ["a", "b", "a", "b", "a", "b"]
-    assert [c[1] for c in calls] == [10, 10, 0, 0, 0, 0]  # the counted warm-up only in the first round
+    # the failing backend raised inside fake_time_cuda's fn() call: tried once, in the warm-up round
+    assert [c[0] for c in calls] == ["a", "b"] * 4
+    assert [c[1] for c in calls] == [10, 10] + [0] * 6  # the counted warm-up only in the untimed round
     a, b = rec["timings"]["fwd"]["a"], rec["timings"]["fwd"]["b"]
     assert (a["median_ms"], a["round_ms"], a["n"]) == (4.0, [3.0, 5.0, 4.0], 21)
     assert (b["median_ms"], b["round_ms"]) == (2.0, [1.0, 2.0, 9.0])

@@ -64,19 +64,14 @@ struct OnlineSoftmax {
     }
 
     // P = exp2(S c - m_scaled) in place for row (mt, half); returns the thread-partial sum.
-    // FMA16: of every 16 of the thread's elements of the row (2 nt + e), that many take exp2_fma
-    // (the FMA pipe) instead of MUFU.EX2 (core/convert.cuh): 0, every instance's default, is the
-    // plain loop.
-    template <int FMA16 = 0, int NT>
+    template <int NT>
     __device__ __forceinline__ static float exp_and_sum(float (&s)[NT][4], int half, float scale_log2, float m_scaled) {
-        static_assert(FMA16 >= 0 && FMA16 <= 16, "FMA16: 0 to 16 of every 16 elements");
         float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-                const float a = fmaf(s[nt][2 * half + e], scale_log2, -m_scaled);
-                float p = (2 * nt + e) % 16 < FMA16 ? exp2_fma(a) : fast_exp2(a);
+                float p = fast_exp2(fmaf(s[nt][2 * half + e], scale_log2, -m_scaled));
                 s[nt][2 * half + e] = p;
                 sum += p;
             }

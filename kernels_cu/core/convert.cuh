@@ -38,26 +38,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return y;
 }
 
-// 2^x on the FMA pipe instead of MUFU (FlashAttention-4's trick on Blackwell; here a share of a
-// MUFU-bound softmax's exps, attn/softmax.cuh exp_and_sum): 2^x = 2^j 2^f, j = round(x) by adding
-// and subtracting 1.5 x 2^23, f = x - j in [-0.5, 0.5], 2^f by a degree-4 polynomial (least squares
-// at Chebyshev nodes), j added into the exponent bits (the magic's low 9 bits are 0, so t's bits
-// shifted by 23 are j's). Max relative error 2.7e-6 for x in [-126, 0] (tests/test_exp2_fma_twin.py,
-// the same float32 sequence in NumPy), against a 16-bit P's half ulp of 2^-9 / 2^-11; 0 below -126,
-// as ex2.approx.ftz gives for masked scores (-inf). The _rn intrinsics keep the rounding trick from
-// being folded away.
-__device__ __forceinline__ float exp2_fma(float x) {
-    const float xc = fmaxf(x, -127.f);
-    const float t = __fadd_rn(xc, 12582912.f);
-    const float f = __fsub_rn(xc, __fsub_rn(t, 12582912.f));
-    float p = __fmaf_rn(f, 0.00956051f, 0.05591704f);
-    p = __fmaf_rn(p, f, 0.24024981f);
-    p = __fmaf_rn(p, f, 0.69312197f);
-    p = __fmaf_rn(p, f, 0.99999917f);
-    const float y = __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-    return xc < -126.f ? 0.f : y;
-}
-
 __device__ __forceinline__ float warp_max4(float x) {
     // Reduce over the 4 lanes of a quad, which together hold one row of an MMA C fragment.
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));

@@ -402,8 +402,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     } else {
                         m_scaled = softmax.max_get_scale(acc_s[0], 0, half, scale_log2, corr[half]);
                     }
-                    constexpr int kFma16 = V::kSoftcap ? Tr::kExp2FmaSoftcap : Tr::kExp2FmaPlain;
-                    const float sum = OnlineSoftmax<1>::exp_and_sum<kFma16>(acc_s[0], half, scale_log2, m_scaled);
+                    const float sum = OnlineSoftmax<1>::exp_and_sum(acc_s[0], half, scale_log2, m_scaled);
                     softmax.row_sum[0][half] = softmax.row_sum[0][half] * corr[half] + sum;
                 }
             };

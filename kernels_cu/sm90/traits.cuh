@@ -35,12 +35,6 @@ struct Sm90FwdTraits {
     static constexpr int kKVChunkBytes = BC * 128;
     static constexpr int kSmemBytes = QSTAGES * kQBytes + 2 * STAGES * kKVBytes + 1024;  // + alignment slack
 
-    // Of every 16 exp2s of the softmax, how many run on the FMA pipe (core/convert.cuh exp2_fma)
-    // instead of MUFU, which softcap's tanh shares and which bounds d64: plain instances, softcap
-    // ones. 0 (all MUFU) until measured: gpu_run.sh exp2fma A/Bs other values (docs/perf-notes.md).
-    static constexpr int kExp2FmaPlain = 0;
-    static constexpr int kExp2FmaSoftcap = 0;
-
     // wgmma k-steps: S = Q K^T contracts over D, O += P V over BC.
     static constexpr int kHeadSteps = D / 16;
     static constexpr int kKeySteps = BC / 16;
