@@ -402,8 +402,9 @@ def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50
     """Time every backend for every pass of one case; a backend that raises is recorded as None.
 
     An untimed round first warms every backend up (calls, then warmup_ms of load). With rounds > 1
-    the backends take turns, round after round (each round: warmup_ms of load, then `reps` timed
-    runs per backend), and each gets the median of its rounds' medians: the GPU's clock drifts
+    the backends take turns, round after round, round r starting from backend r (each round:
+    warmup_ms of load, then `reps` timed runs per backend), and each gets the median of its rounds'
+    medians: the GPU's clock drifts
     within a run by a few per cent (more on short kernels), and timing one backend after the other
     charged that drift to whichever came later, which moved a short cell's ratio 5-8% between runs."""
     import cupy
@@ -420,8 +421,13 @@ def measure_case(case: Case, *, dtype: str, torch=None, passes=("fwd",), reps=50
         # after a case's setup and reaches its 700 W cap about a second into the load; its clock then
         # dips (1485 MHz against 1700-1725 settled, NVML SW power cap, scripts/bench_round_clocks.py)
         # and whichever backend ran then (ours: first in round 2) measured up to 1.28x slower.
+        # The timed rounds rotate who goes first (round r from backend r), so a transient that is
+        # still settling as the timed rounds begin does not always fall on the same backend.
+        names = list(benches)
         for r in range(-1, max(1, int(rounds))):
-            for name, b in benches.items():
+            shift = max(r, 0) % len(names)
+            for name in names[shift:] + names[:shift]:
+                b = benches[name]
                 if name in failed:
                     continue
                 try:

@@ -202,11 +202,13 @@ def test_main_with_fake_measurements(monkeypatch, tmp_path, capsys):
 
 
 def test_measure_case_alternates_backends_over_rounds(monkeypatch):
-    """--rounds: an untimed warm-up round, then the backends take turns round after round; each gets
+    """--rounds: an untimed warm-up round, then the backends take turns round after round (round r
+    starting from backend r, the failed one skipped); each gets
     its rounds' medians' median, the rounds kept; a backend that raises is tried once (in the warm-up
     round) and recorded with its reason."""
     calls = []
-    times = iter([99.0, 99.0, 3.0, 1.0, 5.0, 2.0, 4.0, 9.0])  # a, b: the warm-up round, then three timed
+    # the warm-up round (a, b), then three timed rounds, each starting one backend later: a b, b a, b a
+    times = iter([99.0, 99.0, 3.0, 1.0, 2.0, 5.0, 9.0, 4.0])
 
     def fake_time_cuda(fn, *, warmup, reps, rotate, events, warmup_ms):
         calls.append((fn(), warmup))
@@ -238,7 +240,7 @@ def test_measure_case_alternates_backends_over_rounds(monkeypatch):
     case = bench.Case(64, 512, 32, 32, True)
     rec = bench.measure_case(case, dtype="bf16", reps=7, warmup=10, rounds=3)
     # the failing backend raised inside fake_time_cuda's fn() call: tried once, in the warm-up round
-    assert [c[0] for c in calls] == ["a", "b"] * 4
+    assert [c[0] for c in calls] == ["a", "b", "a", "b", "b", "a", "b", "a"]
     assert [c[1] for c in calls] == [10, 10] + [0] * 6  # the counted warm-up only in the untimed round
     a, b = rec["timings"]["fwd"]["a"], rec["timings"]["fwd"]["b"]
     assert (a["median_ms"], a["round_ms"], a["n"]) == (4.0, [3.0, 5.0, 4.0], 21)
