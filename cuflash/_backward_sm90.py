@@ -23,6 +23,8 @@ def call_problem(p) -> str | None:
     """Why the Hopper backward cannot take this call (an AttnProblem), or None."""
     if p.deterministic and p.block_mask is not None:
         return "the sm90 backward's deterministic mode does not take block masks"
+    if p.deterministic and p.head_dim > 128:
+        return "the sm90 backward's deterministic mode stops at head_dim 128 (the split-head-dim tile adds dQ by atomics)"
     return tma.tensors_problem(p, ("q", "k", "v", "dout")) or tma.bindings_problem()
 
 

@@ -18,7 +18,7 @@ import dataclasses
 # instantiated head dim (kernel_head_dim), which masks the columns past the call's (Features.partial_d).
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 SM90_HEAD_DIMS = (64, 128, 192, 256)  # the Hopper forward
-SM90_BWD_HEAD_DIMS = (64, 128)  # the Hopper backward
+SM90_BWD_HEAD_DIMS = (64, 128, 256)  # the Hopper backward (256: the split-head-dim tile, Sm90BwdConfig)
 HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
 
 
@@ -329,8 +329,13 @@ class Sm90BwdConfig(Tile):
                                "dS^T barrier, dQ's store under dK); 0: each GEMM waited on before the work after it")
 
     @property
+    def split_d(self) -> bool:
+        """Sm90BwdTraits::kSplitD: above head_dim 128 both consumers share 64 keys and split the head dim."""
+        return self.head_dim > 128
+
+    @property
     def block_k(self) -> int:
-        return SM90_CONSUMER_ROWS * self.consumers
+        return SM90_CONSUMER_ROWS * (1 if self.split_d else self.consumers)
 
     @property
     def threads(self) -> int:
@@ -350,8 +355,9 @@ class Sm90BwdConfig(Tile):
         # Sm90BwdTraits::kDqSetBytes: padded rows (1) or fragment order (2, 3, 4)
         dq_set = (d // 64) * 64 * ((64 * 4 + 16) if self.dq_bulk == 1 else 64 * 4) if self.dq_bulk else 0
         stats = 2 * self.stages * self.block_q * 4  # lse2 and delta per stage (kStatBytes)
+        p_image = 2 * self.block_k * self.block_q if self.split_d else 0  # kPBytes: the P^T image
         rest = (2 * 2 * self.block_k * d + 2 * self.stages * 2 * self.block_q * d + 2 * 2 * self.block_k * self.block_q
-                + stats + SM90_SMEM_SLACK)
+                + p_image + stats + SM90_SMEM_SLACK)
         # kDqSets: the deterministic mode (3) takes a second staging set where it fits in 227 KiB
         # with a KiB to spare beyond this request (the static barriers)
         sets = 2 if self.dq_bulk == 3 and rest + 2 * dq_set + 1024 <= 227 * 1024 else 1
@@ -370,6 +376,9 @@ class Sm90BwdConfig(Tile):
             return f"dq_bulk must be 0 to 4, got {self.dq_bulk}"
         if self.overlap not in (0, 1):
             return f"overlap must be 0 or 1, got {self.overlap}"
+        if self.split_d and (self.dq_bulk, self.overlap, self.stages) != (0, 0, 2):
+            return (f"head_dim {self.head_dim} (the split-head-dim tile) takes dq_bulk 0, overlap 0 and 2 stages, got "
+                    f"dq_bulk {self.dq_bulk}, overlap {self.overlap}, stages {self.stages}")
         return None
 
 

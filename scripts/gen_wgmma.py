@@ -17,6 +17,8 @@ import pathlib
 import sys
 
 N_VALUES = tuple(range(64, 257, 16))  # every block_k / head_dim a tile may use (multiples of 16 from 64)
+# the backward's: also N = 32 (the split-head-dim tile's S^T and dP^T, a consumer's 32 of 64 queries)
+N_VALUES_MN = (32,) + N_VALUES
 OUT = pathlib.Path(__file__).resolve().parent.parent / "kernels_cu" / "core" / "wgmma_sm90.cuh"
 OUT_MN = OUT.with_name("wgmma_sm90_mn.cuh")
 
@@ -27,6 +29,8 @@ HEAD_MN = """\
 //   ss_mn(d, desc_a, desc_b, scale_d)   A and B MN-major (imm-trans-a = 1, imm-trans-b = 1):
 //                                       dQ = dS K from the dS^T image and K
 //   ss_bmn(d, desc_a, desc_b, scale_d)  A K-major, B MN-major (imm-trans-b = 1): dK = dS^T Q
+//   ss(d, desc_a, desc_b, scale_d)      both K-major, as core/wgmma_sm90.cuh's (here for the N
+//                                       that file lacks: 32, S^T of the split-head-dim tile)
 // Accumulator layout and the caller's duties as in core/wgmma_sm90.cuh.
 #pragma once
 #include "core/types.cuh"
@@ -91,11 +95,11 @@ def _spec_mn(n: int, bf16: bool) -> str:
     both = body.replace("p, 1, 1, 0, 0;", "p, 1, 1, 1, 1;")
     b_only = body.replace("p, 1, 1, 0, 0;", "p, 1, 1, 0, 1;")
     return (f"template <>\nstruct WgmmaMN<{n}, {'true' if bf16 else 'false'}> {{\n"
-            f"{sig('ss_mn')}{both}    }}\n{sig('ss_bmn')}{b_only}    }}\n}};\n")
+            f"{sig('ss_mn')}{both}    }}\n{sig('ss_bmn')}{b_only}    }}\n{sig('ss')}{body}    }}\n}};\n")
 
 
 def render_mn() -> str:
-    body = "\n".join(_spec_mn(n, bf16) for n in N_VALUES for bf16 in (True, False))
+    body = "\n".join(_spec_mn(n, bf16) for n in N_VALUES_MN for bf16 in (True, False))
     return f"{HEAD_MN}\n{body}\n}}  // namespace cuflash\n"
 
 

@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -117,6 +117,13 @@ for s in $stages; do
                          --json "$OUT/bench-gqa$g.json" 2>&1 | tee -a "$OUT/bench-shapes.log" | tail -5; done
       python3 -m cuflash.bench --head-dims 256 --seqlens 2048 8192 --reps 20 --json "$OUT/bench-d256.json" 2>&1 \
         | tee -a "$OUT/bench-shapes.log" | tail -8 ;;
+    splitd)  # issue 12: the split-head-dim Hopper backward (head_dim 256, forced until it has run): its GPU
+      # tests, the sanitizers over sanitize_features (which runs it), its speed beside the sm80 kernel's and SDPA's
+      timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py \
+        -k "256 or split_head_dim" 2>&1 | tee -a "$OUT/splitd.log" | tail -12
+      sanitize_script scripts/sanitize_features.py "$OUT/splitd.log"
+      for be in sm90 sm80; do CUFLASH_BACKEND=$be timeout 200 python3 -m cuflash.bench --head-dims 256 --seqlens 2048 8192 \
+        --passes bwd --json "$OUT/bench-d256-$be.json" 2>&1 | grep -v Warn | tee -a "$OUT/splitd.log" | tail -6; done ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
     benchcells)  # some cells of the benchmark (BENCH_ARGS: its flags, e.g. --seqlens 512 1024 --passes fwd)
       python3 -m cuflash.bench ${BENCH_ARGS:-} --json "$OUT/bench-cells${BENCH_TAG:-}.json" 2>&1 | tee "$OUT/bench-cells${BENCH_TAG:-}.log" ;;

@@ -4,7 +4,7 @@ snippets (score with its grad, mask) and block masks (the cells and lists passes
 walking the lists), with GQA, Nq != Nk (neither a tile multiple), both forward backends and the
 backward (the Hopper one at d64 and d128 where it runs), and, forced, the Hopper forward's
 column-masking instances, the Hopper backward's fragment-order dQ tiles and its variable-length
-instances (deterministic too). No memory pool."""
+instances (deterministic too), and the split-head-dim tile (head_dim 256). No memory pool."""
 import numpy as np
 import cupy
 
@@ -81,5 +81,17 @@ if cupy.cuda.Device().compute_capability == "90":
                                              backend="sm90", **kw)
             varlen.attention_varlen_backward(arr(*out.shape), q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
                                              backend="sm90", deterministic=True, **kw)
+    # the split-head-dim tile (head_dim 256, forced): dense with each score path, dropout, GQA, varlen
+    q, k, v = arr(b, 150, h, 256), arr(b, 37, hk, 256), arr(b, 37, hk, 256)
+    for kw in (dict(causal=True), dict(window_size=(16, 8), softcap=30.0), dict(dropout_p=0.2, seed=5),
+               dict(alibi_slopes=cupy.asarray(2.0 ** -np.arange(1, h + 1), dtype=cupy.float32))):
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **kw)
+        backward_with(arr(*out.shape), q, k, v, out, lse, backend="sm90", **kw)
+    lens_q, lens_k = [17, 0, 113, 1, 200], [17, 5, 150, 1, 0]
+    cu_q, cu_k = (cupy.asarray(np.concatenate([[0], np.cumsum(x)]), dtype=cupy.int32) for x in (lens_q, lens_k))
+    q, k, v = arr(sum(lens_q), h, 256), arr(sum(lens_k), hk, 256), arr(sum(lens_k), hk, 256)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, causal=True)
+    varlen.attention_varlen_backward(arr(*out.shape), q, k, v, out, lse, cu_q, cu_k, max(lens_q), max(lens_k),
+                                     backend="sm90", causal=True)
 cupy.cuda.Device().synchronize()
 print("sanitize feature cases done")

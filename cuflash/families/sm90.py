@@ -126,8 +126,9 @@ def _bwd_main_args(problem, tile):
 
 
 def _bwd_acc(t) -> int:
-    """A consumer thread's resident accumulators: dK and dV (64 keys x head_dim fp32 each) over 128 threads."""
-    return 2 * t.head_dim // 2
+    """A consumer thread's resident accumulators: dK and dV (64 keys x head_dim fp32 each; the
+    split-head-dim tile: x head_dim / 2) over 128 threads."""
+    return t.head_dim // 2 if t.split_d else t.head_dim
 
 
 def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
@@ -155,7 +156,8 @@ BWD_SM90 = KernelFamily(
     params="BwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
     arch_specific=True, backend="sm90", takes_partial_d=False,
-    domain=lambda d: [Sm90BwdConfig(d, 64, 2, s, b, o) for s in (2, 3) for b in (0, 1, 2, 4) for o in (0, 1)],
+    domain=lambda d: ([Sm90BwdConfig(d, 64, 2, 2, 0, 0)] if d > 128 else
+                      [Sm90BwdConfig(d, 64, 2, s, b, o) for s in (2, 3) for b in (0, 1, 2, 4) for o in (0, 1)]),
     # The overlapped fragment-order tile first, then the same with atomics. Every tile of the
     # domain compiles without spills (NVRTC 13.0 and 13.5, sm_90a), dense and with a window,
     # softcap or ALiBi, since acc_dq no longer lives around the consumers' loop (dq_wg in sm90/bwd.cuh: it cost 32 registers, and the store-warp
@@ -164,7 +166,10 @@ BWD_SM90 = KernelFamily(
     # softcap, when it stored from the fragments).
     defaults={64: (Sm90BwdConfig(64, 64, 2, 2, 4, 1), Sm90BwdConfig(64, 64, 2, 2, 2, 1), Sm90BwdConfig(64, 64, 2, 2, 0, 1)),
               128: (Sm90BwdConfig(128, 64, 2, 2, 4, 1), Sm90BwdConfig(128, 64, 2, 2, 2, 1),
-                    Sm90BwdConfig(128, 64, 2, 2, 0, 1))},
+                    Sm90BwdConfig(128, 64, 2, 2, 0, 1)),
+              # the split-head-dim tile (docs/sm90-backward-plan.md): compiled spill-free, not yet
+              # run on a GPU, so only backend="sm90" or config= reaches it (not auto_head_dims)
+              256: (Sm90BwdConfig(256, 64, 2, 2, 0, 0),)},
     auto_head_dims=frozenset({64, 128}),
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, run=_run_bwd, deterministic_outputs=(1, 2),

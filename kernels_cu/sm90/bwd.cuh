@@ -135,7 +135,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     const u32 sQ = sV + Tr::kKVBytes;
     const u32 sdO = sQ + STAGES * Tr::kQBytes;
     const u32 sDS = sdO + STAGES * Tr::kQBytes;
-    const u32 sDQ = sDS + Tr::kDSBuffers * Tr::kDSBytes;  // DQ_BULK: the dQ consumers' staging
+    const u32 sP = sDS + Tr::kDSBuffers * Tr::kDSBytes;   // kSplitD: the P^T image
+    const u32 sDQ = sP + Tr::kPBytes;                      // DQ_BULK: the dQ consumers' staging
     // per stage: the query block's lse2 and delta rows (BR floats each), loaded with Q_i and dO_i
     const u32 sLse = sDQ + Tr::kDqStageBytes;
     const u32 sDelta = sLse + STAGES * Tr::kStatBytes;
@@ -321,7 +322,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         setmaxnreg_inc<Tr::kConsumerRegs>();
         const int cw = tid / 128 - 1, ctid = tid % 128, warp = ctid / 32, lane = tid % 32;
         const int g = lane / 4, t = lane % 4;
-        const int key_w = n0 + 64 * cw + 16 * warp;  // this warp's first key
+        const int key_w = n0 + (Tr::kSplitD ? 0 : 64 * cw) + 16 * warp;  // this warp's first key (kSplitD: both consumers' rows)
         const float scale_log2 = params.scale_log2;
         const Mask<V::kLocal> mask{geo};
         const ScoreMod<V> score_mod = ScoreMod<V>::of(params);
@@ -362,8 +363,196 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         auto slot_off = [](int slot) { return (u64)((slot * Tr::kQBytes) >> 4); };
         constexpr u64 kRowStep = 2048 >> 4;  // 16 rows of a 128-byte-row image
 
-        float acc_dk[D / 8][4], acc_dv[D / 8][4];
+        float acc_dk[Tr::kColsWg / 8][4], acc_dv[Tr::kColsWg / 8][4];
         if (n_iter > 0) mbar_wait(bar_kv, 0);
+        if constexpr (Tr::kSplitD) {
+            // ---- the split-head-dim tile (D > 128, Sm90BwdTraits::kSplitD). Both consumers take all
+            // BC = 64 keys as their wgmma rows; consumer cw computes S^T and dP^T for the block's
+            // queries QN cw .. QN cw + QN - 1 (N = QN = 32), and dK, dV for head-dim columns
+            // cw D/2 .. (cw + 1) D/2 - 1 over all 64 queries, from the P^T and dS^T images both
+            // consumers fill (one 256-thread barrier), and dQ's 64-column chunks 2 cw, 2 cw + 1 of
+            // its half (per-element atomics, DQ_BULK 0). Per block: S^T, dP^T issued together;
+            // P^T (16-bit, o the keep bits with dropout) to its image once both consumers' dV of the
+            // last block is done (kBarPFree: the image is single-buffered); dS^T to its image
+            // (double-buffered as in the other tile); the barrier; dV, dK, dQ chunk 0; dQ chunk 1.
+            constexpr int QN = Tr::kQN;
+            constexpr int kQSteps = QN / 16;  // k16 steps of a consumer's queries (its p_frag)
+            const u32 oP = oDS + Tr::kDSBuffers * Tr::kDSBytes;
+            // this consumer's column half of the Q / dO images (B of dK, dV), in 16-byte units
+            const u64 colh = (u64)((cw * (Tr::kColsWg / 64) * Tr::kQChunkBytes) >> 4);
+            for (int it = 0; it < n_iter; ++it) {
+                const int s = it % STAGES, m = block_at(it), m0 = m * BR, q0 = m0 + QN * cw;
+                const int db = it & 1;  // this block's dS^T buffer
+                const u64 ds_off = (u64)((db * Tr::kDSBytes) >> 4);
+                mbar_wait(bar_full(s), (it / STAGES) & 1);
+
+                float acc_s[QN / 8][4], acc_dp[QN / 8][4];
+                u32 p_frag[kQSteps][4];
+                u32 keep = 0;  // V::kDropout: this thread's keep bits of its queries, bit 4 nt + 2 half + e
+                fence_regs(acc_s);
+                fence_regs(acc_dp);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
+                    WgmmaMN<QN, BF16>::ss(acc_s, desc(0, kDescKMajorSw128) + kmajor_step(kk, Tr::kKVChunkBytes),
+                                          desc(oQ + cw * QN * 128, kDescKMajorSw128) + slot_off(s)
+                                              + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
+                wgmma_commit();
+#pragma unroll
+                for (int kk = 0; kk < Tr::kHeadSteps; ++kk)
+                    WgmmaMN<QN, BF16>::ss(acc_dp, desc(oV, kDescKMajorSw128) + kmajor_step(kk, Tr::kKVChunkBytes),
+                                          desc(odO + cw * QN * 128, kDescKMajorSw128) + slot_off(s)
+                                              + kmajor_step(kk, Tr::kQChunkBytes), kk > 0);
+                wgmma_commit();
+                if constexpr (V::kDropout) {
+#pragma unroll
+                    for (int kb = 0; kb < QN / 16; ++kb)
+                        keep |= drop.bits8_transposed(q0 / 16 + kb, key_w / 16, g, t) << (8 * kb);
+                }
+                wgmma_wait<1>();  // S^T
+                fence_regs(acc_s);
+                score_mod.apply_tile(acc_s);
+                if constexpr (!UserMod<V>::kScore) user_mod.apply_transposed(acc_s, q0, key_w, lane);
+                if constexpr (kGrad) {
+                    if (range.masked_head(m) || (V::kLocal && range.masked_tail(m)))
+                        mask.template apply_transposed<true, true>(acc_s, q0, key_w, lane, neg_inf());
+                }
+                // rows of both images: key 16 warp + g (+8); this consumer's 16-byte chunks 4 cw + nt
+                // of the 128-byte rows (its QN queries), swizzled by the row (row % 8 = g)
+                const u32 lrow = opaque(sLse + s * Tr::kStatBytes) + 4 * QN * cw + 8 * t;
+                const u32 ds_rows = opaque(sDS + db * Tr::kDSBytes) + (16 * warp + g) * 128;
+                auto chunk = [&](int nt) { return (u32)((((QN / 8) * cw + nt) ^ g) << 4) + 4 * t; };
+#pragma unroll
+                for (int nt = 0; nt < QN / 8; ++nt) {
+                    float2 L;
+                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(L.x), "=f"(L.y) : "r"(lrow + 32 * nt));
+                    if constexpr (kGrad) {
+#pragma unroll
+                        for (int e = 0; e < 4; e += 2) {
+                            const int qc = q0 + 8 * nt + 2 * t, kr = key_w + g + 8 * (e / 2);
+                            float g0, g1;
+                            if constexpr (UserMod<V>::kScore) {
+                                acc_s[nt][e] = user_mod.value_grad(acc_s[nt][e], qc, kr, g0);
+                                acc_s[nt][e + 1] = user_mod.value_grad(acc_s[nt][e + 1], qc + 1, kr, g1);
+                            } else {
+                                g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
+                            }
+                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, alibi.shift(-L.x, qc, kr)));
+                            acc_s[nt][e + 1] = fast_exp2(fmaf(acc_s[nt][e + 1], scale_log2, alibi.shift(-L.y, qc + 1, kr)));
+                            // P o grad, parked in this thread's dS^T slot (free: see the dS^T stores)
+                            st_shared_u32(ds_rows + 8 * (e / 2) * 128 + chunk(nt),
+                                          pack2<BF16>(acc_s[nt][e] * g0, acc_s[nt][e + 1] * g1));
+                        }
+                    } else {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2,
+                                                          alibi.shift(-((e & 1) ? L.y : L.x), q0 + 8 * nt + 2 * t + (e & 1),
+                                                                      key_w + g + 8 * (e >> 1))));
+                    }
+                }
+                if (!kGrad && (range.masked_head(m) || (V::kLocal && range.masked_tail(m))))
+                    mask.template apply_transposed<true, true>(acc_s, q0, key_w, lane, 0.f);
+                c_to_a_frags<BF16, kQSteps>(p_frag, acc_s);
+
+                // P^T (o Z with dropout: what dV reads) into the image, once both consumers' dV of
+                // the last block, its last reader, is done (each waited for its own before this)
+                if (it > 0) named_bar_sync(Tr::kBarPFree, 128 * CONSUMERS);
+                {
+                    const u32 p_rows = opaque(sP) + (16 * warp + g) * 128;
+#pragma unroll
+                    for (int kk = 0; kk < kQSteps; ++kk)
+#pragma unroll
+                        for (int r = 0; r < 4; ++r) {
+                            // register r of k16 step kk: half r % 2 of n8 tile 2 kk + r / 2
+                            u32 pw = p_frag[kk][r];
+                            if constexpr (V::kDropout) {
+                                const u32 b = keep >> (8 * kk + 2 * r);
+                                pw &= ((b & 1u) ? 0x0000ffffu : 0u) | ((b & 2u) ? 0xffff0000u : 0u);
+                            }
+                            st_shared_u32(p_rows + 8 * (r % 2) * 128 + chunk(2 * kk + r / 2), pw);
+                        }
+                }
+
+                wgmma_wait<0>();  // dP^T
+                fence_regs(acc_dp);
+                // ---- dS^T = P^T o (dP^T - delta) into this block's image (rows 16 warp + g (+8),
+                // this consumer's query chunks), from the undropped 16-bit P^T ----
+                {
+                    const u32 drow = opaque(sDelta + s * Tr::kStatBytes) + 4 * QN * cw + 8 * t;
+#pragma unroll
+                    for (int nt = 0; nt < QN / 8; ++nt) {
+                        float2 Dl;
+                        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(Dl.x), "=f"(Dl.y) : "r"(drow + 32 * nt));
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            float dp0 = acc_dp[nt][2 * half], dp1 = acc_dp[nt][2 * half + 1];
+                            if constexpr (V::kDropout) {
+                                dp0 = (keep >> (4 * nt + 2 * half)) & 1u ? dp0 * params.drop_scale : 0.f;
+                                dp1 = (keep >> (4 * nt + 2 * half + 1)) & 1u ? dp1 * params.drop_scale : 0.f;
+                            }
+                            const u32 slot = ds_rows + 8 * half * 128 + chunk(nt);
+                            if constexpr (kGrad) {
+                                u32 pw;
+                                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(pw) : "r"(slot) : "memory");
+                                float p0, p1;
+                                unpack2<BF16>(pw, p0, p1);
+                                st_shared_u32(slot, pack2<BF16>(p0 * (dp0 - Dl.x), p1 * (dp1 - Dl.y)));
+                            } else {
+                                const float d0 = a_frag_elem<BF16, kQSteps>(p_frag, nt, 2 * half) * (dp0 - Dl.x);
+                                const float d1 = a_frag_elem<BF16, kQSteps>(p_frag, nt, 2 * half + 1) * (dp1 - Dl.y);
+                                st_shared_u32(slot, pack2<BF16>(d0, d1));
+                            }
+                        }
+                    }
+                }
+                fence_proxy_async();  // generic-proxy stores, read next by wgmma (async proxy)
+                named_bar_sync(Tr::kBarDsFull, 128 * CONSUMERS);  // both consumers' P^T and dS^T are in
+
+                // ---- dV += P^T dO[:, half], dK += dS^T Q[:, half] (A: the images, all 64 keys,
+                // K-major over the 64 queries; B: the column half, MN-major), dQ chunk 2 cw ----
+                fence_regs(acc_dv);
+                fence_regs(acc_dk);
+                wgmma_fence();
+#pragma unroll
+                for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
+                    WgmmaMN<Tr::kColsWg, BF16>::ss_bmn(acc_dv, desc(oP, kDescKMajorSw128) + kmajor_step(kk, Tr::kDSBytes),
+                                                     ddo_mn() + slot_off(s) + colh + kRowStep * kk, it > 0 || kk > 0);
+                wgmma_commit();
+#pragma unroll
+                for (int kk = 0; kk < Tr::kQuerySteps; ++kk)
+                    WgmmaMN<Tr::kColsWg, BF16>::ss_bmn(acc_dk, desc(oDS, kDescKMajorSw128) + ds_off + kmajor_step(kk, Tr::kDSBytes),
+                                                     dq_mn() + slot_off(s) + colh + kRowStep * kk, it > 0 || kk > 0);
+                wgmma_commit();
+#pragma unroll 1
+                for (int jj = 0; jj < Tr::kColsWg / 64; ++jj) {
+                    const int j = (Tr::kColsWg / 64) * cw + jj;  // dQ's 64-column chunk
+                    float acc_dq[8][4];
+                    fence_regs(acc_dq);
+                    wgmma_fence();
+#pragma unroll
+                    for (int kk = 0; kk < Tr::kKeySteps; ++kk)
+                        WgmmaMN<64, BF16>::ss_mn(acc_dq, dds_mn() + ds_off + kRowStep * kk,
+                                                 desc(j * Tr::kKVChunkBytes, desc_mn_major_sw128(BC)) + kRowStep * kk, kk > 0);
+                    wgmma_commit();
+                    wgmma_wait<0>();
+                    fence_regs(acc_dq);
+                    if (jj == 0) {
+                        fence_regs(acc_dv);
+                        fence_regs(acc_dk);
+                        mbar_arrive(bar_free(s));  // Q_i, dO_i, lse2 and delta are read (this thread's part)
+                    }
+                    // rows = queries m0 + 16 warp + g (+8), columns 64 j + 8 nt + 2 t (+1)
+                    float* dq_rows = reinterpret_cast<float*>(
+                        opaque((u64)(dq_acc + (ws_row0() + m0 + 16 * warp + g) * D + 64 * j + 2 * t)));
+#pragma unroll
+                    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                        for (int half = 0; half < 2; ++half)
+                            red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+                }
+            }
+        } else {
         for (int it = 0; it < n_iter; ++it) {
             const int s = it % STAGES, m = block_at(it), m0 = m * BR;
             const int db = it & 1;  // this block's dS^T buffer
@@ -636,6 +825,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 mbar_arrive(bar_free(s));  // Q_i, dO_i, lse2 and delta are read (this thread's part)
             }
         }
+        }  // !kSplitD
 
         // DQ_BULK 2: the last reduction's source is this CTA's shared memory (3, 4: the store warp's)
         if constexpr (kDqMode == 2) {
@@ -659,11 +849,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         const bool live = n_iter > 0;  // a key block no query sees: dK = dV = 0
         const u32 stage_k = sK, stage_v = sK + Tr::kBlockK * kPitch;
         {
-            const u32 srow = opaque(stage_k) + (64 * cw + 16 * warp + g) * kPitch + 4 * t;
+            // kSplitD: every consumer's rows are all BC keys, its columns its head-dim half
+            const u32 srow = opaque(stage_k) + (Tr::kSplitD ? (16 * warp + g) * kPitch + cw * Tr::kColsWg * 2
+                                                            : (64 * cw + 16 * warp + g) * kPitch) + 4 * t;
 #pragma unroll
             for (int half = 0; half < 2; ++half)
 #pragma unroll
-                for (int nt = 0; nt < D / 8; ++nt) {
+                for (int nt = 0; nt < Tr::kColsWg / 8; ++nt) {
                     const u32 off = 8 * half * kPitch + 16 * nt;
                     st_shared_u32(srow + off, pack2<BF16>(live ? acc_dk[nt][2 * half] * scale : 0.f,
                                                           live ? acc_dk[nt][2 * half + 1] * scale : 0.f));
@@ -672,9 +864,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                                               live ? acc_dv[nt][2 * half + 1] * dv_scale : 0.f));
                 }
         }
-        named_bar_sync(Tr::kBarEpilogue + 1 + cw, 128);  // this consumer's rows are staged
-        // 16 bytes a thread: CH chunks a row, 128 / CH rows a pass, 64 rows (dK, then dV)
-        constexpr int CH = D / 8, kRowsPerPass = 128 / CH;
+        if constexpr (Tr::kSplitD) {
+            named_bar_sync(Tr::kBarEpilogue, 128 * CONSUMERS);  // both column halves of every row are staged
+        } else {
+            named_bar_sync(Tr::kBarEpilogue + 1 + cw, 128);  // this consumer's rows are staged
+        }
+        // 16 bytes a thread: CH chunks a row, 128 / CH rows a pass, kRowsPerWg rows a consumer
+        // (its own 64, or kSplitD half of the 64 shared ones)
+        constexpr int CH = D / 8, kRowsPerPass = 128 / CH, kRowsPerWg = Tr::kSplitD ? Tr::kBlockK / 2 : 64;
         const int chunk = ctid % CH;
         elem_t* dkg = dk + (long long)blk.batch * params.dk_sb + (long long)span.k_start * params.dk_sn
                       + (long long)blk.head * params.dk_sh + 8 * chunk;
@@ -683,8 +880,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         // the call's head dims (V::kPartialD: less than D; dv's may differ from dk's)
         const bool k_col = 8 * chunk < params.head_dim, v_col = 8 * chunk < params.head_dim_v;
 #pragma unroll
-        for (int pass = 0; pass < 64 / kRowsPerPass; ++pass) {
-            const int r = 64 * cw + pass * kRowsPerPass + ctid / CH;  // row of the key block
+        for (int pass = 0; pass < kRowsPerWg / kRowsPerPass; ++pass) {
+            const int r = kRowsPerWg * cw + pass * kRowsPerPass + ctid / CH;  // row of the key block
             const int row = n0 + r;
             const u32 src = stage_k + r * kPitch + 16 * chunk;
             uint4 a, b;

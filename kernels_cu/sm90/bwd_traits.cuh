@@ -9,16 +9,26 @@ namespace cuflash {
 
 // The sm90 dK/dV (+ atomic dQ) kernel: one CTA per key block of BC = 64 * CONSUMERS keys, K and V
 // loaded once, Q and dO streamed per query block of BR rows through a STAGES-deep TMA ring.
+// D > 128 (kSplitD): BC = 64 keys shared by both consumers, which split the head dim instead
+// (docs/sm90-backward-plan.md, "Head dims 192 and 256").
 template <int D, int BR, int CONSUMERS, int STAGES, int DQ_BULK = 0, int OVERLAP = 0>
 struct Sm90BwdTraits {
-    static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+    static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
+    // the split-head-dim tile: each consumer holds dK and dV for all BC keys and half the head dim
+    // (dK + dV: D / 2 registers a thread, 128 at d256, where whole rows would take 256 of 240), and
+    // computes S^T and dP^T for half the block's queries; P^T goes through a shared-memory image
+    static constexpr bool kSplitD = D > 128;
+    static_assert(!kSplitD || (DQ_BULK == 0 && OVERLAP == 0 && STAGES == 2),
+                  "the split-head-dim tile: dQ by atomics, two stages, its own order (shared memory: 218 KB)");
     static_assert(BR == 64, "block_q 64: the dS^T image is one 64-query chunk (the dQ product's A)");
     static_assert(CONSUMERS == 2, "two consumer warpgroups (128 keys)");
     static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 Q/dO stages");
 
     static constexpr int kWarpgroups = CONSUMERS + 1;
     static constexpr int kThreads = 128 * kWarpgroups;
-    static constexpr int kBlockK = 64 * CONSUMERS;  // keys per CTA (BC)
+    static constexpr int kBlockK = kSplitD ? 64 : 64 * CONSUMERS;  // keys per CTA (BC)
+    static constexpr int kQN = kSplitD ? BR / 2 : BR;         // queries of a block in a consumer's S^T, dP^T (N)
+    static constexpr int kColsWg = kSplitD ? D / 2 : D;       // head-dim columns of a consumer's dK, dV (N)
     // setmaxnreg moves registers within the CTA's allocation: kThreads x the per-thread count the
     // launch bounds allow, rounded down to a multiple of 8 (168 at 384 threads: 64512, not 65536).
     // A consumer's setmaxnreg.inc waits until the producer's .dec has freed enough, forever if the
@@ -51,7 +61,9 @@ struct Sm90BwdTraits {
     // per stage, the query block's lse2 and delta (BR floats each): bulk-copied with Q_i and dO_i
     // (read from global memory per block, they were a third of the stalls under ncu)
     static constexpr int kStatBytes = BR * 4;
-    static constexpr int kSmemWithoutDq = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBuffers * kDSBytes
+    // kSplitD: the P^T image (dV's A operand), one buffer: a barrier per block frees it (sm90/bwd.cuh)
+    static constexpr int kPBytes = kSplitD ? kBlockK * BR * 2 : 0;
+    static constexpr int kSmemWithoutDq = 2 * kKVBytes + 2 * STAGES * kQBytes + kDSBuffers * kDSBytes + kPBytes
                                           + 2 * STAGES * kStatBytes + 1024;  // + alignment slack
     // DQ_BULK 3 (the deterministic mode): two staging sets where they fit (the launch asks for
     // kSmemBytes + 1 KiB, cuflash/tiles.py, and static barriers take some of the 227 KiB), used by
@@ -96,6 +108,8 @@ struct Sm90BwdTraits {
     // the epilogue: both consumers' last GEMMs done (the dK, dV staging overwrites their operands);
     // + 1 + consumer: that consumer's rows staged
     static constexpr int kBarEpilogue = 6;
+    // kSplitD: both consumers' dV of the last block done (it read the P^T image), before P^T's stores
+    static constexpr int kBarPFree = 13;
     static_assert(kBarEpilogue + CONSUMERS < kBarDqFull + kBarDqSet1 && kBarDqEmpty + kBarDqSet1 + 1 < 16,
                   "named barrier ids: 16 per CTA, none shared");
 };

@@ -127,7 +127,7 @@ def _sm90_case(nq, nk, causal, d, dtype, tag):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", SEQLEN_PAIRS)
 def test_sm90_backward_matches_reference(nq, nk, causal, d, dtype):
@@ -175,6 +175,38 @@ def test_sm90_deterministic_backward_matches_reference_and_repeats_bitwise(nq, n
     for _ in range(2):
         for a, b in zip(first, run(True)):
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
+
+
+@pytest.mark.parametrize("kw", [dict(window_size=(100, 20)), dict(causal=True, window_size=(300, 0)),
+                                dict(causal=True, softcap=5.0), dict(alibi=True), dict(dropout_p=0.2, seed=9),
+                                dict(gqa=True, causal=True), dict(causal=True, softcap=5.0, dropout_p=0.1, seed=3,
+                                                                  window_size=(200, 0))], ids=str)
+def test_split_head_dim_sm90_backward_with_features(kw):
+    """The split-head-dim tile (head_dim 256, forced: not yet the automatic choice) with windows,
+    softcap, ALiBi, dropout and GQA against the sm80 backward of the same call (dropout: the same
+    Philox keep mask in both), and its plain case by the 2x rule in test_sm90_backward_matches_reference."""
+    import cupy
+    from cuflash import _backward, _forward
+
+    why = _sm90_unavailable()
+    if why:
+        pytest.skip(why)
+    kw = dict(kw)
+    rng = np.random.default_rng(13)
+    hkv = 1 if kw.pop("gqa", False) else 4
+    q, _, _ = random_qkv(rng, 2, 700, 1, 4, 256, dtype_of("bfloat16"))
+    _, k, v = random_qkv(rng, 2, 1, 555, hkv, 256, dtype_of("bfloat16"))
+    dout, _, _ = random_qkv(rng, 2, 700, 1, 4, 256, dtype_of("bfloat16"))
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, 4), dtype=cupy.float32)
+    out, lse = _forward.forward(q, k, v, **kw)
+    ours = _backward.backward(dout, q, k, v, out, lse, backend="sm90", **kw)
+    ref = _backward.backward(dout, q, k, v, out, lse, backend="sm80", **kw)
+    for name, a, b in zip(("dq", "dk", "dv"), ours, ref):
+        a32, b32 = a.astype(cupy.float32), b.astype(cupy.float32)
+        assert not bool(cupy.isnan(a32).any()), name
+        scale = float(cupy.abs(b32).max()) or 1.0
+        assert float(cupy.abs(a32 - b32).max()) <= 2e-2 * scale, name
 
 
 @pytest.mark.parametrize("kw", [dict(window_size=(100, 20)), dict(causal=True, window_size=(300, 0)),
