@@ -29,8 +29,8 @@ HEAD_MN = """\
 //   ss_mn(d, desc_a, desc_b, scale_d)   A and B MN-major (imm-trans-a = 1, imm-trans-b = 1):
 //                                       dQ = dS K from the dS^T image and K
 //   ss_bmn(d, desc_a, desc_b, scale_d)  A K-major, B MN-major (imm-trans-b = 1): dK = dS^T Q
-//   ss(d, desc_a, desc_b, scale_d)      both K-major, as core/wgmma_sm90.cuh's (here for the N
-//                                       that file lacks: 32, S^T of the split-head-dim tile)
+//   ss(d, desc_a, desc_b, scale_d)      both K-major, as core/wgmma_sm90.cuh's, only for the N
+//                                       that file lacks (32: S^T of the split-head-dim tile)
 // Accumulator layout and the caller's duties as in core/wgmma_sm90.cuh.
 #pragma once
 #include "core/types.cuh"
@@ -94,8 +94,10 @@ def _spec_mn(n: int, bf16: bool) -> str:
                         f"                                                 unsigned long long desc_b, int scale_d) {{\n")
     both = body.replace("p, 1, 1, 0, 0;", "p, 1, 1, 1, 1;")
     b_only = body.replace("p, 1, 1, 0, 0;", "p, 1, 1, 0, 1;")
+    # ss (both K-major) only where core/wgmma_sm90.cuh has no Wgmma<n> to call instead
+    plain = "" if n in N_VALUES else f"{sig('ss')}{body}    }}\n"
     return (f"template <>\nstruct WgmmaMN<{n}, {'true' if bf16 else 'false'}> {{\n"
-            f"{sig('ss_mn')}{both}    }}\n{sig('ss_bmn')}{b_only}    }}\n{sig('ss')}{body}    }}\n}};\n")
+            f"{sig('ss_mn')}{both}    }}\n{sig('ss_bmn')}{b_only}    }}\n{plain}}};\n")
 
 
 def render_mn() -> str:

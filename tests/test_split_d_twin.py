@@ -22,7 +22,7 @@ def threads():
         yield cw, w, lane // 4, lane % 4
 
 
-def chunk(cw: int, g: int, t: int, nt: int) -> int:  # the kernel's chunk(nt)
+def chunk(cw: int, g: int, t: int, nt: int) -> int:  # the kernel's slot_at(rows, nt) - rows
     return ((((QN // 8) * cw + nt) ^ g) << 4) + 4 * t
 
 

@@ -363,6 +363,78 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         auto slot_off = [](int slot) { return (u64)((slot * Tr::kQBytes) >> 4); };
         constexpr u64 kRowStep = 2048 >> 4;  // 16 rows of a 128-byte-row image
 
+        // The dS^T image slot of this thread's n8 tile nt at image rows `rows` (128-byte rows, row %
+        // 8 = g): 16-byte chunk nt, or kSplitD this consumer's 4 cw + nt, swizzled by the row
+        constexpr int NT = Tr::kQN / 8;  // n8 tiles of queries in a consumer's S^T
+        auto slot_at = [&](u32 rows, int nt) {
+            return rows + ((((Tr::kSplitD ? NT * cw : 0) + nt) ^ g) << 4) + 4 * t;
+        };
+        // P^T = exp2(S^T c + bias - lse2) in place over this thread's n8 tiles of queries from qb
+        // (element e: query qb + 8 nt + 2 t + e % 2, key key_w + g + 8 (e / 2); lrow: their lse2 in
+        // smem, padded rows +inf so that P = 0 there). kGrad: P o grad parked at the dS^T slot of
+        // image rows park_rows (+8 rows for e / 2), where this thread's dS^T goes (both tiles' loops)
+        auto exp_scores = [&](float (&acc)[NT][4], int qb, u32 lrow, u32 park_rows) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float2 L;
+                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(L.x), "=f"(L.y) : "r"(lrow + 32 * nt));
+                if constexpr (kGrad) {
+#pragma unroll
+                    for (int e = 0; e < 4; e += 2) {
+                        const int qc = qb + 8 * nt + 2 * t, kr = key_w + g + 8 * (e / 2);  // (query, key) of e
+                        float g0, g1;
+                        if constexpr (UserMod<V>::kScore) {
+                            acc[nt][e] = user_mod.value_grad(acc[nt][e], qc, kr, g0);
+                            acc[nt][e + 1] = user_mod.value_grad(acc[nt][e + 1], qc + 1, kr, g1);
+                        } else {
+                            g0 = ScoreMod<V>::grad(acc[nt][e]), g1 = ScoreMod<V>::grad(acc[nt][e + 1]);
+                        }
+                        acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2, alibi.shift(-L.x, qc, kr)));
+                        acc[nt][e + 1] = fast_exp2(fmaf(acc[nt][e + 1], scale_log2, alibi.shift(-L.y, qc + 1, kr)));
+                        st_shared_u32(slot_at(park_rows, nt) + 8 * (e / 2) * 128,
+                                      pack2<BF16>(acc[nt][e] * g0, acc[nt][e + 1] * g1));
+                    }
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        acc[nt][e] = fast_exp2(fmaf(acc[nt][e], scale_log2,
+                                                    alibi.shift(-((e & 1) ? L.y : L.x), qb + 8 * nt + 2 * t + (e & 1),
+                                                                key_w + g + 8 * (e >> 1))));
+                }
+            }
+        };
+        // dS^T = P^T o (dP^T - delta) into the image rows `rows` (+8 for half), P^T from its
+        // undropped 16-bit copy p_frag (the rounding dV used), or kGrad from the P o grad parked
+        // there; dropout: dP^T o Z / (1 - p), Z the keep bit (bit 4 nt + 2 half + e; dropped: 0);
+        // drow: the queries' delta in smem (both tiles' loops)
+        auto store_ds = [&](const float (&acc_dp)[NT][4], const u32 (&p_frag)[NT / 2][4], u32 keep, u32 drow, u32 rows) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float2 Dl;
+                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(Dl.x), "=f"(Dl.y) : "r"(drow + 32 * nt));
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float dp0 = acc_dp[nt][2 * half], dp1 = acc_dp[nt][2 * half + 1];
+                    if constexpr (V::kDropout) {
+                        dp0 = (keep >> (4 * nt + 2 * half)) & 1u ? dp0 * params.drop_scale : 0.f;
+                        dp1 = (keep >> (4 * nt + 2 * half + 1)) & 1u ? dp1 * params.drop_scale : 0.f;
+                    }
+                    const u32 at = slot_at(rows, nt) + 8 * half * 128;
+                    if constexpr (kGrad) {
+                        u32 pw;
+                        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(pw) : "r"(at) : "memory");
+                        float p0, p1;
+                        unpack2<BF16>(pw, p0, p1);
+                        st_shared_u32(at, pack2<BF16>(p0 * (dp0 - Dl.x), p1 * (dp1 - Dl.y)));
+                    } else {
+                        const float d0 = a_frag_elem<BF16, NT / 2>(p_frag, nt, 2 * half) * (dp0 - Dl.x);
+                        const float d1 = a_frag_elem<BF16, NT / 2>(p_frag, nt, 2 * half + 1) * (dp1 - Dl.y);
+                        st_shared_u32(at, pack2<BF16>(d0, d1));
+                    }
+                }
+            }
+        };
+
         float acc_dk[Tr::kColsWg / 8][4], acc_dv[Tr::kColsWg / 8][4];
         if (n_iter > 0) mbar_wait(bar_kv, 0);
         if constexpr (Tr::kSplitD) {
@@ -421,36 +493,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 // of the 128-byte rows (its QN queries), swizzled by the row (row % 8 = g)
                 const u32 lrow = opaque(sLse + s * Tr::kStatBytes) + 4 * QN * cw + 8 * t;
                 const u32 ds_rows = opaque(sDS + db * Tr::kDSBytes) + (16 * warp + g) * 128;
-                auto chunk = [&](int nt) { return (u32)((((QN / 8) * cw + nt) ^ g) << 4) + 4 * t; };
-#pragma unroll
-                for (int nt = 0; nt < QN / 8; ++nt) {
-                    float2 L;
-                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(L.x), "=f"(L.y) : "r"(lrow + 32 * nt));
-                    if constexpr (kGrad) {
-#pragma unroll
-                        for (int e = 0; e < 4; e += 2) {
-                            const int qc = q0 + 8 * nt + 2 * t, kr = key_w + g + 8 * (e / 2);
-                            float g0, g1;
-                            if constexpr (UserMod<V>::kScore) {
-                                acc_s[nt][e] = user_mod.value_grad(acc_s[nt][e], qc, kr, g0);
-                                acc_s[nt][e + 1] = user_mod.value_grad(acc_s[nt][e + 1], qc + 1, kr, g1);
-                            } else {
-                                g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
-                            }
-                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, alibi.shift(-L.x, qc, kr)));
-                            acc_s[nt][e + 1] = fast_exp2(fmaf(acc_s[nt][e + 1], scale_log2, alibi.shift(-L.y, qc + 1, kr)));
-                            // P o grad, parked in this thread's dS^T slot (free: see the dS^T stores)
-                            st_shared_u32(ds_rows + 8 * (e / 2) * 128 + chunk(nt),
-                                          pack2<BF16>(acc_s[nt][e] * g0, acc_s[nt][e + 1] * g1));
-                        }
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2,
-                                                          alibi.shift(-((e & 1) ? L.y : L.x), q0 + 8 * nt + 2 * t + (e & 1),
-                                                                      key_w + g + 8 * (e >> 1))));
-                    }
-                }
+                exp_scores(acc_s, q0, lrow, ds_rows);
                 if (!kGrad && (range.masked_head(m) || (V::kLocal && range.masked_tail(m))))
                     mask.template apply_transposed<true, true>(acc_s, q0, key_w, lane, 0.f);
                 c_to_a_frags<BF16, kQSteps>(p_frag, acc_s);
@@ -470,7 +513,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                                 const u32 b = keep >> (8 * kk + 2 * r);
                                 pw &= ((b & 1u) ? 0x0000ffffu : 0u) | ((b & 2u) ? 0xffff0000u : 0u);
                             }
-                            st_shared_u32(p_rows + 8 * (r % 2) * 128 + chunk(2 * kk + r / 2), pw);
+                            st_shared_u32(slot_at(p_rows, 2 * kk + r / 2) + 8 * (r % 2) * 128, pw);
                         }
                 }
 
@@ -478,34 +521,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 fence_regs(acc_dp);
                 // ---- dS^T = P^T o (dP^T - delta) into this block's image (rows 16 warp + g (+8),
                 // this consumer's query chunks), from the undropped 16-bit P^T ----
-                {
-                    const u32 drow = opaque(sDelta + s * Tr::kStatBytes) + 4 * QN * cw + 8 * t;
-#pragma unroll
-                    for (int nt = 0; nt < QN / 8; ++nt) {
-                        float2 Dl;
-                        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(Dl.x), "=f"(Dl.y) : "r"(drow + 32 * nt));
-#pragma unroll
-                        for (int half = 0; half < 2; ++half) {
-                            float dp0 = acc_dp[nt][2 * half], dp1 = acc_dp[nt][2 * half + 1];
-                            if constexpr (V::kDropout) {
-                                dp0 = (keep >> (4 * nt + 2 * half)) & 1u ? dp0 * params.drop_scale : 0.f;
-                                dp1 = (keep >> (4 * nt + 2 * half + 1)) & 1u ? dp1 * params.drop_scale : 0.f;
-                            }
-                            const u32 slot = ds_rows + 8 * half * 128 + chunk(nt);
-                            if constexpr (kGrad) {
-                                u32 pw;
-                                asm volatile("ld.shared.u32 %0, [%1];" : "=r"(pw) : "r"(slot) : "memory");
-                                float p0, p1;
-                                unpack2<BF16>(pw, p0, p1);
-                                st_shared_u32(slot, pack2<BF16>(p0 * (dp0 - Dl.x), p1 * (dp1 - Dl.y)));
-                            } else {
-                                const float d0 = a_frag_elem<BF16, kQSteps>(p_frag, nt, 2 * half) * (dp0 - Dl.x);
-                                const float d1 = a_frag_elem<BF16, kQSteps>(p_frag, nt, 2 * half + 1) * (dp1 - Dl.y);
-                                st_shared_u32(slot, pack2<BF16>(d0, d1));
-                            }
-                        }
-                    }
-                }
+                store_ds(acc_dp, p_frag, keep, opaque(sDelta + s * Tr::kStatBytes) + 4 * QN * cw + 8 * t, ds_rows);
                 fence_proxy_async();  // generic-proxy stores, read next by wgmma (async proxy)
                 named_bar_sync(Tr::kBarDsFull, 128 * CONSUMERS);  // both consumers' P^T and dS^T are in
 
@@ -617,34 +633,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 // registers (16 more per thread) the d128 consumers spilled. The buffer is free here
                 // (see the dS^T stores) and only this thread touches these slots until then.
                 const u32 pg_rows = kGrad ? opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128 : 0u;
-#pragma unroll
-                for (int nt = 0; nt < BR / 8; ++nt) {
-                    float2 L;
-                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(L.x), "=f"(L.y) : "r"(lrow + 32 * nt));
-                    if constexpr (kGrad) {
-#pragma unroll
-                        for (int e = 0; e < 4; e += 2) {
-                            const int qc = m0 + 8 * nt + 2 * t, kr = key_w + g + 8 * (e / 2);  // (query, key) of e
-                            float g0, g1;
-                            if constexpr (UserMod<V>::kScore) {
-                                acc_s[nt][e] = user_mod.value_grad(acc_s[nt][e], qc, kr, g0);
-                                acc_s[nt][e + 1] = user_mod.value_grad(acc_s[nt][e + 1], qc + 1, kr, g1);
-                            } else {
-                                g0 = ScoreMod<V>::grad(acc_s[nt][e]), g1 = ScoreMod<V>::grad(acc_s[nt][e + 1]);
-                            }
-                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2, alibi.shift(-L.x, qc, kr)));
-                            acc_s[nt][e + 1] = fast_exp2(fmaf(acc_s[nt][e + 1], scale_log2, alibi.shift(-L.y, qc + 1, kr)));
-                            st_shared_u32(pg_rows + 8 * (e / 2) * 128 + ((nt ^ g) << 4) + 4 * t,
-                                          pack2<BF16>(acc_s[nt][e] * g0, acc_s[nt][e + 1] * g1));
-                        }
-                    } else {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)  // element e: query m0 + 8 nt + 2 t + e % 2, key key_w + g + 8 (e / 2)
-                            acc_s[nt][e] = fast_exp2(fmaf(acc_s[nt][e], scale_log2,
-                                                          alibi.shift(-((e & 1) ? L.y : L.x), m0 + 8 * nt + 2 * t + (e & 1),
-                                                                      key_w + g + 8 * (e >> 1))));
-                    }
-                }
+                exp_scores(acc_s, m0, lrow, pg_rows);
                 // in query order the masked head is the right edge + seqlen_k tail, the tail the
                 // left edge (local instances only; the softcap ones masked t above)
                 if (!kGrad && (range.masked_head(m) || (V::kLocal && range.masked_tail(m))))
@@ -677,33 +666,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 // swizzled addresses, loop invariants, are hoisted and held in registers.)
                 const u32 ds_rows = opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128;
                 const u32 drow = opaque(sDelta + s * Tr::kStatBytes) + 8 * t;  // this block's delta, in smem
-#pragma unroll
-                for (int nt = 0; nt < BR / 8; ++nt) {
-                    float2 Dl;
-                    asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(Dl.x), "=f"(Dl.y) : "r"(drow + 32 * nt));
-#pragma unroll
-                    for (int half = 0; half < 2; ++half) {
-                        // key row 64 cw + 16 warp + g + 8 half (row % 8 = g), query column 8 nt + 2 t
-                        // dropout: dP^T o Z / (1 - p), Z the keep bit (dropped: 0)
-                        float dp0 = acc_dp[nt][2 * half], dp1 = acc_dp[nt][2 * half + 1];
-                        if constexpr (V::kDropout) {
-                            dp0 = (keep >> (4 * nt + 2 * half)) & 1u ? dp0 * params.drop_scale : 0.f;
-                            dp1 = (keep >> (4 * nt + 2 * half + 1)) & 1u ? dp1 * params.drop_scale : 0.f;
-                        }
-                        if constexpr (kGrad) {  // P^T o grad, parked in this slot by the S^T phase
-                            const u32 slot = ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t;
-                            u32 pw;
-                            asm volatile("ld.shared.u32 %0, [%1];" : "=r"(pw) : "r"(slot) : "memory");
-                            float p0, p1;
-                            unpack2<BF16>(pw, p0, p1);
-                            st_shared_u32(slot, pack2<BF16>(p0 * (dp0 - Dl.x), p1 * (dp1 - Dl.y)));
-                        } else {
-                            const float d0 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half) * (dp0 - Dl.x);
-                            const float d1 = a_frag_elem<BF16, Tr::kQuerySteps>(p_frag, nt, 2 * half + 1) * (dp1 - Dl.y);
-                            st_shared_u32(ds_rows + 8 * half * 128 + ((nt ^ g) << 4) + 4 * t, pack2<BF16>(d0, d1));
-                        }
-                    }
-                }
+                store_ds(acc_dp, p_frag, keep, drow, ds_rows);
             }
             if constexpr (V::kDropout) {
                 // P^T o Z for dV: register r of k16 step kk holds elements (lo, hi) = e 0, 1 of

@@ -177,6 +177,38 @@ def test_sm90_deterministic_backward_matches_reference_and_repeats_bitwise(nq, n
             assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
 
 
+def _feature_case(kw, seed, nq, nk, d):
+    """(q, k, v, dout, out, lse, kw) of a bf16 case with 4 query heads for a feature test (skipped
+    off cc 9.0): kw's "gqa" (one k/v head) and "alibi" (random slopes) turned into the call's own."""
+    import cupy
+    from cuflash import _forward
+
+    why = _sm90_unavailable()
+    if why:
+        pytest.skip(why)
+    kw = dict(kw)
+    rng = np.random.default_rng(seed)
+    hkv = 1 if kw.pop("gqa", False) else 4
+    q, _, _ = random_qkv(rng, 2, nq, 1, 4, d, dtype_of("bfloat16"))
+    _, k, v = random_qkv(rng, 2, 1, nk, hkv, d, dtype_of("bfloat16"))
+    dout, _, _ = random_qkv(rng, 2, nq, 1, 4, d, dtype_of("bfloat16"))
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, 4), dtype=cupy.float32)
+    return (q, k, v, dout, *_forward.forward(q, k, v, **kw), kw)
+
+
+def _assert_close_to(grads, ref, check_nan=False):
+    """dq, dk, dv within 2% of the reference gradients' largest magnitude."""
+    import cupy
+
+    for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
+        a32, b32 = a.astype(cupy.float32), b.astype(cupy.float32)
+        if check_nan:
+            assert not bool(cupy.isnan(a32).any()), name
+        scale = float(cupy.abs(b32).max()) or 1.0
+        assert float(cupy.abs(a32 - b32).max()) <= 2e-2 * scale, name
+
+
 @pytest.mark.parametrize("kw", [dict(window_size=(100, 20)), dict(causal=True, window_size=(300, 0)),
                                 dict(causal=True, softcap=5.0), dict(alibi=True), dict(dropout_p=0.2, seed=9),
                                 dict(gqa=True, causal=True), dict(causal=True, softcap=5.0, dropout_p=0.1, seed=3,
@@ -185,28 +217,12 @@ def test_split_head_dim_sm90_backward_with_features(kw):
     """The split-head-dim tile (head_dim 256, forced: not yet the automatic choice) with windows,
     softcap, ALiBi, dropout and GQA against the sm80 backward of the same call (dropout: the same
     Philox keep mask in both), and its plain case by the 2x rule in test_sm90_backward_matches_reference."""
-    import cupy
-    from cuflash import _backward, _forward
+    from cuflash import _backward
 
-    why = _sm90_unavailable()
-    if why:
-        pytest.skip(why)
-    kw = dict(kw)
-    rng = np.random.default_rng(13)
-    hkv = 1 if kw.pop("gqa", False) else 4
-    q, _, _ = random_qkv(rng, 2, 700, 1, 4, 256, dtype_of("bfloat16"))
-    _, k, v = random_qkv(rng, 2, 1, 555, hkv, 256, dtype_of("bfloat16"))
-    dout, _, _ = random_qkv(rng, 2, 700, 1, 4, 256, dtype_of("bfloat16"))
-    if kw.pop("alibi", False):
-        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, 4), dtype=cupy.float32)
-    out, lse = _forward.forward(q, k, v, **kw)
+    q, k, v, dout, out, lse, kw = _feature_case(kw, 13, 700, 555, 256)
     ours = _backward.backward(dout, q, k, v, out, lse, backend="sm90", **kw)
     ref = _backward.backward(dout, q, k, v, out, lse, backend="sm80", **kw)
-    for name, a, b in zip(("dq", "dk", "dv"), ours, ref):
-        a32, b32 = a.astype(cupy.float32), b.astype(cupy.float32)
-        assert not bool(cupy.isnan(a32).any()), name
-        scale = float(cupy.abs(b32).max()) or 1.0
-        assert float(cupy.abs(a32 - b32).max()) <= 2e-2 * scale, name
+    _assert_close_to(ours, ref, check_nan=True)
 
 
 @pytest.mark.parametrize("kw", [dict(window_size=(100, 20)), dict(causal=True, window_size=(300, 0)),
@@ -217,29 +233,14 @@ def test_sm90_deterministic_backward_with_features(kw):
     ALiBi, dropout and GQA in the deterministic mode: repeatable bitwise and within the sm80
     deterministic backward's reach (both by the 2x rule where the reference has the feature)."""
     import cupy
-    from cuflash import _backward, _forward
+    from cuflash import _backward
 
-    why = _sm90_unavailable()
-    if why:
-        pytest.skip(why)
-    kw = dict(kw)
-    rng = np.random.default_rng(11)
-    hkv = 1 if kw.pop("gqa", False) else 4
-    q, _, _ = random_qkv(rng, 2, 1500, 1, 4, 128, dtype_of("bfloat16"))
-    _, k, v = random_qkv(rng, 2, 1, 1300, hkv, 128, dtype_of("bfloat16"))
-    dout, _, _ = random_qkv(rng, 2, 1500, 1, 4, 128, dtype_of("bfloat16"))
-    if kw.pop("alibi", False):
-        kw["alibi_slopes"] = cupy.asarray(rng.uniform(0.01, 0.5, 4), dtype=cupy.float32)
-    out, lse = _forward.forward(q, k, v, **kw)
+    q, k, v, dout, out, lse, kw = _feature_case(kw, 11, 1500, 1300, 128)
     run = lambda backend: _backward.backward(dout, q, k, v, out, lse, deterministic=True, backend=backend, **kw)
     first = run("sm90")
     for a, b in zip(first, run("sm90")):
         assert bool((a.view(cupy.uint16) == b.view(cupy.uint16)).all())
-    ref = run("sm80")
-    for name, a, b in zip(("dq", "dk", "dv"), first, ref):
-        a32, b32 = a.astype(cupy.float32), b.astype(cupy.float32)
-        scale = float(cupy.abs(b32).max()) or 1.0
-        assert float(cupy.abs(a32 - b32).max()) <= 2e-2 * scale, name
+    _assert_close_to(first, run("sm80"))
 
 
 @pytest.mark.parametrize("causal", [False, True])
