@@ -41,7 +41,7 @@ for s in $stages; do
         --head-dims ${TUNE_HEAD_DIMS:-64 128} --perf-classes ${TUNE_CLASSES:-dense dropout softcap} ${TUNE_ARGS:-} \
         --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/nvidia-h200${TUNE_TAG:-}.json" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45
       rm -f "$OUT/nvidia-h200${TUNE_TAG:-}.json.lock" ;;
-    tests) python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 -m gpu tests --ignore=tests/gpu/test_tune_gpu.py 2>&1 \
+    tests) python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 -m gpu tests --ignore=tests/gpu/test_tune_gpu.py ${TESTS_ARGS:-} 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40
            # serially: its re-measurement of tuned against default is skipped while other workers share the GPU
            python3 -m pytest -q -p no:cacheprovider -rfE -m gpu tests/gpu/test_tune_gpu.py 2>&1 | tee -a "$OUT/gpu-tests.log" | tail -5

@@ -152,8 +152,8 @@ def test_sm90_backward_varlen_defaults_compile_without_spills(d, extra, record_p
 @pytest.mark.parametrize("extra", [("local",), ("softcap",), ("dropout",), ("alibi",), ("varlen",), ("local", "softcap"),
                                    ("dropout", "softcap", "local")], ids="+".join)
 def test_split_head_dim_sm90_backward_compiles_without_spills(extra, record_property):
-    """The split-head-dim tile (head_dim 256, Sm90BwdTraits::kSplitD; not yet run on a GPU, so not
-    the automatic choice) with each feature its score path has: no spills, no wgmma serialisation.
+    """The split-head-dim tile (head_dim 256, Sm90BwdTraits::kSplitD; the automatic choice at d256
+    on Hopper since it ran on the H200) with each feature its score path has: no spills, no wgmma serialisation.
     (Plain bf16 and fp16: the selectable-configs test.)"""
     f = Features("bfloat16", 256, **{e: True for e in extra})
     assert families.BWD_SM90.supports(f)

@@ -642,7 +642,7 @@ def test_sm90_backward_binds_four_maps_and_the_workspaces():
     assert bind(arrays) == (100, 101, 102, 103, "lse2", "delta", "dq_acc", "dk", "dv", "dq_sem")
 
 
-def test_sm90_backward_is_automatic_at_d64_and_d128_and_says_why_it_cannot_run(monkeypatch):
+def test_sm90_backward_is_automatic_at_d64_d128_d256_and_says_why_it_cannot_run(monkeypatch):
     from cuflash import _backward, _backward_sm90, device
 
     p = _problem_bwd()
@@ -658,6 +658,11 @@ def test_sm90_backward_is_automatic_at_d64_and_d128_and_says_why_it_cannot_run(m
     assert _backward._main_family(_problem_bwd(d=96), None, None) is families.BWD  # no sm90 instance
     det = dataclasses.replace(d128, deterministic=True)
     assert _backward._main_family(det, None, None) is families.BWD_SM90
+    # d256: the split-head-dim tile (1.7x the sm80 kernel on the H200), whose dQ goes by atomics, so
+    # its deterministic calls fall to the sm80 backward
+    d256 = _problem_bwd(d=256)
+    assert _backward._main_family(d256, None, None) is families.BWD_SM90
+    assert _backward._main_family(dataclasses.replace(d256, deterministic=True), None, None) is families.BWD
     # variable-length batches too (each sequence takes its own order), block masks not
     # (this fixture's varlen flag lacks the packed layout's strides: only the mode's own refusal is asked)
     assert "deterministic" not in (_backward_sm90.call_problem(dataclasses.replace(det, varlen=True)) or "")

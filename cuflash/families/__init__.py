@@ -26,8 +26,8 @@ _BY_TILE = {f.tile_cls: f for f in REGISTRY.values()}
 # The v2 forward's families, in order of preference: the first that can run a call does.
 FORWARDS = (FWD_SM90, FWD)
 # The backward's dK/dV families, in order of preference. The automatic choice takes the Hopper one
-# at head_dim 64 and 128 (BWD_SM90.auto_head_dims: 1.4-1.6x the sm80 kernel on the H200 there;
-# docs/perf-notes.md); it takes neither dropout nor the deterministic mode, which fall to sm80.
+# at head_dim 64, 128 and 256 (BWD_SM90.auto_head_dims: 1.4-1.7x the sm80 kernel on the H200 there;
+# docs/perf-notes.md); the deterministic mode with block masks or above head_dim 128 falls to sm80.
 BACKWARDS = (BWD_SM90, BWD)
 BACKENDS = ("sm80", "sm90")  # values of attention(backend=...) and of CUFLASH_BACKEND
 BACKEND_ENV = "CUFLASH_BACKEND"

@@ -214,7 +214,7 @@ def _assert_close_to(grads, ref, check_nan=False):
                                 dict(gqa=True, causal=True), dict(causal=True, softcap=5.0, dropout_p=0.1, seed=3,
                                                                   window_size=(200, 0))], ids=str)
 def test_split_head_dim_sm90_backward_with_features(kw):
-    """The split-head-dim tile (head_dim 256, forced: not yet the automatic choice) with windows,
+    """The split-head-dim tile (head_dim 256, forced here so the test keeps it whatever the automatic choice) with windows,
     softcap, ALiBi, dropout and GQA against the sm80 backward of the same call (dropout: the same
     Philox keep mask in both), and its plain case by the 2x rule in test_sm90_backward_matches_reference."""
     from cuflash import _backward

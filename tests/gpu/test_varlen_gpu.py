@@ -108,14 +108,14 @@ def test_empty_batches_give_empty_or_filled_outputs():
 @pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
 def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, mode):
     """mode: the automatic kernels (sm80's for varlen), the deterministic dQ, or the Hopper dK/dV
-    kernel forced (backend="sm90": H100/H200, head_dim 64 and 128)."""
+    kernel forced (backend="sm90": H100/H200, head_dim 64, 128 and 256)."""
     import cupy
 
     from cuflash import device
 
     deterministic, backend = mode == "deterministic", ("sm90" if mode == "sm90" else None)
-    if backend and (tuple(device.query(0).cc) != (9, 0) or d not in (64, 128)):
-        pytest.skip("the Hopper backward: compute capability 9.0, head_dim 64 or 128")
+    if backend and (tuple(device.query(0).cc) != (9, 0) or d not in (64, 128, 256)):
+        pytest.skip("the Hopper backward: compute capability 9.0, head_dim 64, 128 or 256")
     lens_q, lens_k = RAGGED[case]
     rng = np.random.default_rng(hash((h, hk, case, str(mask_kw), d, dtype, mode, "bwd")) % 2**32)
     dt = dtype_of(dtype)
@@ -148,6 +148,13 @@ def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, m
                                                  deterministic=True, **mask_kw)
         for g, g2 in zip((dq, dk, dv), again):
             assert bool((g.view(cupy.uint16) == g2.view(cupy.uint16)).all())
+
+
+@pytest.mark.parametrize("mask_kw", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()) or "none")
+@pytest.mark.parametrize("case", ["ragged", "q_longer", "prefill"])
+def test_varlen_backward_split_head_dim(case, mask_kw):
+    """The Hopper backward's split-head-dim tile (head_dim 256) on packed batches, GQA 8/2, bf16."""
+    test_varlen_backward_matches_each_sequence(8, 2, case, mask_kw, 256, "bfloat16", "sm90")
 
 
 def test_torch_autograd_matches_dense_per_sequence():
