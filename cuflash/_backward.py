@@ -27,7 +27,7 @@ from .mask import UNBOUNDED, MaskOptions
 from .params import pack_bwd
 from .problem import AttnProblem
 from .signature import BWD_ARRAYS
-from .tiles import BwdConfig, DqConfig, Sm90BwdConfig
+from .tiles import BwdConfig, DqConfig
 
 # lse2 / delta / dq_acc rows are padded to this multiple (>= every block_q) so the kernels copy
 # them with unguarded 16-byte loads.
@@ -219,21 +219,11 @@ def det_rotation(p, n_blocks: int, m_blocks: int, sm_count: int) -> int:
     return 1
 
 
-def q_rotation() -> int:
-    """BwdParams.q_rotate of the sm90 backward's atomic tiles (kernels_cu/sm90/bwd.cuh: where the mask
-    has no right bound, key block n walks its query blocks from step r n; the kernel decides per
-    sequence)."""
-    import os
-    return int(os.environ.get("CUFLASH_BWD_Q_ROTATE", "1"))  # A/B switch while it is measured
-
-
 def _with_det_order(params, p, cfg, n_blocks: int):
     """`params` with det_rotate set for the sm90 deterministic twin (dq_bulk 3; seqlen_q: the longest
-    sequence's, varlen), q_rotate for the sm90 atomic tiles; unchanged otherwise."""
+    sequence's, varlen); unchanged otherwise."""
     if getattr(cfg, "dq_bulk", 0) == 3:
         params["det_rotate"] = det_rotation(p, n_blocks, -(-p.seqlen_q // cfg.block_q), device.query(p.device).sm_count)
-    elif isinstance(cfg, Sm90BwdConfig):
-        params["q_rotate"] = q_rotation()
     return params
 
 

@@ -90,10 +90,7 @@ BWD_FIELDS = [
     # head's key blocks fit on the GPU at once), 0 keeps the turn staircase's order and grid
     # (cuflash/_backward.py, det_rotation)
     ("det_rotate", _I32),
-    # the sm90 backward's atomic mode (kernels_cu/sm90/bwd.cuh): 1 rotates each key block's walk over its
-    # query blocks where the mask has no right bound, so a head's CTAs reduce into different dQ blocks
-    # at once; 0 walks from the first (cuflash/_backward.py, q_rotation). In the struct's former tail.
-    ("q_rotate", _I32),
+    ("reserved0", _I32),  # the struct's tail to 8 bytes, named (every byte is a field); unused
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)

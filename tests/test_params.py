@@ -112,14 +112,13 @@ def test_layout_has_no_implicit_padding():
     # FwdParams' tail padding and joined BwdParams' end with a new one (appended: every earlier
     # field's kernel parameter keeps its offset); that padding became the batch (issue 14: the
     # varlen row-wise kernels stride over sequences past the grid's z); the sm90 deterministic
-    # backward's order flag after it (issue 11), and the atomic mode's rotation in the
-    # struct's former tail padding
+    # backward's order flag after it (issue 11)
     assert params.FWD.names[-16:] == ("tiles", "heads_kv", "group", "softcap_scale", "head_dim", "align_end", "n_splits",
                                      "split_blocks", "page_size", "table_stride", "alibi_scale", "alibi_sb",
                                      "bm_sb", "bm_sh", "bm_nb", "head_dim_v")
     assert params.BWD.names[-15:] == ("heads_kv", "group", "softcap_scale", "head_dim", "align_end", "alibi_scale",
                                      "alibi_sb", "bm_sb", "bm_sh", "bm_nb", "bm_mb", "head_dim_v", "batch", "det_rotate",
-                                     "q_rotate")
+                                     "reserved0")
     assert params.BWD.names[params.BWD.names.index("q_rows") + 1] == "kv_rows"
 
 

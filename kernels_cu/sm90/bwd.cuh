@@ -179,20 +179,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     // block's first query block, else from query block det_r n (the range is every query block of
     // the sequence, n_iter >= det_r x its key blocks > det_r n: one wrap). (params read again
     // where used: the producer has 24 registers.)
-    // The atomic mode's walk (params.q_rotate, set by the host; a right-unbounded mask, where every
-    // key block of a head walks the same query blocks): key block n starts r n steps in, r = the
-    // steps per key block of its sequence, and wraps. Walking from the first, a head's CTAs (one
-    // wave's worth) reduce into the same dQ block at the same moment and their bulk reductions queue
-    // at the same L2 lines; rotated, they spread over the head's dQ blocks. Any order of the range is
-    // the same sum (dQ by unordered reductions).
-    const int rot0 = !kOrdered && params.q_rotate && params.window_right >= kUnbounded && n_iter > 0
-                         ? (max(1, n_iter / ((seqlen_k + BC - 1) / BC)) * blk.block) % n_iter : 0;
     auto block_at = [&](int it) {
-        if (!kOrdered) {
-            const int i = it + rot0;
-            return blocks.at(i >= n_iter ? i - n_iter : i);
-        }
-        if (!V::kLocal && det_r && params.window_right < kUnbounded) return blocks.at(it);
+        if (!kOrdered || (!V::kLocal && det_r && params.window_right < kUnbounded)) return blocks.at(it);
         if (V::kLocal || !det_r) return blocks.at(n_iter - 1 - it);
         const int i = it + det_r * blk.block;
         return blocks.at(i >= n_iter ? i - n_iter : i);
