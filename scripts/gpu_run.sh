@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -143,6 +143,14 @@ for s in $stages; do
         | grep -vE "Warn|load_index" | tee -a "$OUT/bwdprofile.log" | grep -E "tiles|epilogue share"
       timeout 120 python3 scripts/bench_deterministic.py --no-sm80 --json "$OUT/bench-deterministic.json" 2>&1 | grep -v Warn \
         | tee -a "$OUT/bwdprofile.log" | tail -8 ;;
+    bwdncu)  # issue 11's last cell: ncu's full set on our d128 main kernel and cuDNN's, unmasked, at N2048
+      # (0.94x) and N8192 (0.98x main kernel against main kernel), one steady-state launch each
+      for n in ${NCU_SEQLENS:-2048 8192}; do for who in ours cudnn; do
+        timeout 150 ncu -k regex:"bwd_sm90|bprop" --launch-skip 3 -c 1 --set full python3 scripts/profile_bwd_pair.py $who --n $n \
+          > "$OUT/ncu-bwd-d128-n$n-$who.txt" 2>&1
+        grep -E "Duration|Executed Ipc Active|Issue Slots Busy|L2 Hit Rate|DRAM Throughput|No Eligible|Warp Cycles Per Issued" \
+          "$OUT/ncu-bwd-d128-n$n-$who.txt" | sed "s/^/n$n $who /"
+      done; done ;;
     detab)  # the deterministic backward's loss (issue 11): its CTA order by head groups (main) against key
       # blocks fastest (the atomic mode's order, a one-line variant) in one call, then ncu of the ordered
       # kernel beside the atomic one at d128 N2048 (DRAM and L2 traffic, stalls)
