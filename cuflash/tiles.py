@@ -353,7 +353,8 @@ class Sm90BwdConfig(Tile):
         # of slack, for the 1024-B alignment of the base) + a KiB for the static barriers
         d = self.head_dim
         # Sm90BwdTraits::kDqSetBytes: padded rows (1) or fragment order (2, 3, 4)
-        dq_set = (d // 64) * 64 * ((64 * 4 + 16) if self.dq_bulk == 1 else 64 * 4) if self.dq_bulk else 0
+        # (none in the split tile: its dq_bulk 4 stages dQ over the block's own Q and dO images, kDqInStage)
+        dq_set = (d // 64) * 64 * ((64 * 4 + 16) if self.dq_bulk == 1 else 64 * 4) if self.dq_bulk and not self.split_d else 0
         stats = 2 * self.stages * self.block_q * 4  # lse2 and delta per stage (kStatBytes)
         p_image = 2 * self.block_k * self.block_q if self.split_d else 0  # kPBytes: the P^T image
         rest = (2 * 2 * self.block_k * d + 2 * self.stages * 2 * self.block_q * d + 2 * 2 * self.block_k * self.block_q
@@ -376,9 +377,9 @@ class Sm90BwdConfig(Tile):
             return f"dq_bulk must be 0 to 4, got {self.dq_bulk}"
         if self.overlap not in (0, 1):
             return f"overlap must be 0 or 1, got {self.overlap}"
-        if self.split_d and (self.dq_bulk, self.overlap, self.stages) != (0, 0, 2):
-            return (f"head_dim {self.head_dim} (the split-head-dim tile) takes dq_bulk 0, overlap 0 and 2 stages, got "
-                    f"dq_bulk {self.dq_bulk}, overlap {self.overlap}, stages {self.stages}")
+        if self.split_d and (self.dq_bulk not in (0, 4) or (self.overlap, self.stages) != (0, 2)):
+            return (f"head_dim {self.head_dim} (the split-head-dim tile) takes dq_bulk 0 or 4, overlap 0 and 2 stages, "
+                    f"got dq_bulk {self.dq_bulk}, overlap {self.overlap}, stages {self.stages}")
         return None
 
 

@@ -117,13 +117,14 @@ for s in $stages; do
                          --json "$OUT/bench-gqa$g.json" 2>&1 | tee -a "$OUT/bench-shapes.log" | tail -5; done
       python3 -m cuflash.bench --head-dims 256 --seqlens 2048 8192 --reps 20 --json "$OUT/bench-d256.json" 2>&1 \
         | tee -a "$OUT/bench-shapes.log" | tail -8 ;;
-    splitd)  # issue 12: the split-head-dim Hopper backward (head_dim 256, forced until it has run): its GPU
-      # tests, the sanitizers over sanitize_features (which runs it), its speed beside the sm80 kernel's and SDPA's
-      timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py \
+    splitd)  # issue 12: the split-head-dim Hopper backward (head_dim 256; automatic since 2026-12-04) and its
+      # dq_bulk 4 twin (dQ staged over the block's Q / dO images, not yet run): their GPU tests, the
+      # sanitizers over sanitize_features (which runs both), then both tiles timed in one process beside cuDNN
+      timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_gpu.py \
         -k "256 or split_head_dim" 2>&1 | tee -a "$OUT/splitd.log" | tail -12
       sanitize_script scripts/sanitize_features.py "$OUT/splitd.log"
-      for be in sm90 sm80; do CUFLASH_BACKEND=$be timeout 200 python3 -m cuflash.bench --head-dims 256 --seqlens 2048 8192 \
-        --passes bwd --json "$OUT/bench-d256-$be.json" 2>&1 | grep -v Warn | tee -a "$OUT/splitd.log" | tail -6; done ;;
+      SM90_BWD_CFG="256,64,2,2,0,0;256,64,2,2,4,0" timeout 240 python3 scripts/sm90_bringup.py benchbwd 2>&1 \
+        | grep -v Warn | tee -a "$OUT/splitd.log" | tail -6 ;;
     benchfull) python3 -m cuflash.bench --json "$OUT/bench-full.json" 2>&1 | tee "$OUT/bench-full.log" ;;
     benchcells)  # some cells of the benchmark (BENCH_ARGS: its flags, e.g. --seqlens 512 1024 --passes fwd)
       python3 -m cuflash.bench ${BENCH_ARGS:-} --json "$OUT/bench-cells${BENCH_TAG:-}.json" 2>&1 | tee "$OUT/bench-cells${BENCH_TAG:-}.log" ;;

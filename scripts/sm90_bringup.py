@@ -205,10 +205,11 @@ def run_bwd(cfg, dout, q, k, v, out, lse, causal):
 BWD_CFGS = {d: [(d, 64, 2, 2, b, o) for o in (0, 1) for b in (0, 1, 2, 4)] for d in (128, 64)}
 # SM90_BWD_CFG="128,64,2,2,1,0" runs one tile alone (scripts/gpu_run.sh runs each under its own
 # timeout: on 2026-11-30 the run printed nothing for 180 s after the first tile, which looked like
-# a hang of the dq_bulk tile, never seen alone)
+# a hang of the dq_bulk tile, never seen alone); several tiles of one head dim separated by ";" run
+# in one process (an A/B: "256,64,2,2,0,0;256,64,2,2,4,0")
 if os.environ.get("SM90_BWD_CFG"):
-    _one = tuple(int(x) for x in os.environ["SM90_BWD_CFG"].split(","))
-    BWD_CFGS = {_one[0]: [_one]}
+    _tiles = [tuple(int(x) for x in c.split(",")) for c in os.environ["SM90_BWD_CFG"].split(";")]
+    BWD_CFGS = {_tiles[0][0]: _tiles}
 
 
 def check_bwd():

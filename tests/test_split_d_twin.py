@@ -92,3 +92,30 @@ def test_smem_mirror_matches_the_traits():
     assert cfg.smem_bytes == k_v + q_do + p + ds + stats + 2048 <= 227 * 1024
     assert cfg.structural_problem() is None
     assert "dq_bulk 0" in Sm90BwdConfig(256, 64, 2, 2, 4, 1).structural_problem()
+
+
+def test_dq_staging_over_the_stage_touches_only_its_consumers_column_half():
+    """Sm90BwdTraits::kDqInStage (dq_bulk 4): consumer cw stages dQ chunk jj (64 x 64 fp32, fragment
+    order: float4 nt of thread ctid at (nt 128 + ctid) 16) at (jj ? dO : Q) image + cw x 16 KB. That
+    must be exactly the bytes of its own column half of the image (chunks 2 cw, 2 cw + 1 of the
+    [D / 64 chunk][BR rows][64] layout), which only its dK / dV read after the dS^T barrier, never the
+    other consumer's half; and the epilogue's dK / dV staging reaches into stage 0's Q image (why
+    the consumers wait for the store warp's frees before it)."""
+    q_chunk, frag = BR * 128, 64 * 64 * 4
+    for cw in range(2):
+        staged = {16 * ctid + nt * 128 * 16 + b for ctid in range(128) for nt in range(8) for b in range(16)}
+        assert staged == set(range(frag))  # the fragment order fills its 16 KB once
+        own_half = set(range(cw * 2 * q_chunk, (cw + 1) * 2 * q_chunk))
+        assert {cw * frag + b for b in staged} == own_half
+        other = 1 - cw  # dK's B (Q) and dV's B (dO) of the other consumer: its column half (colh)
+        assert own_half.isdisjoint(range(other * 2 * q_chunk, (other + 1) * 2 * q_chunk))
+    k_v = 2 * BC * D * 2
+    assert 2 * BC * (D * 2 + 16) > k_v  # the epilogue's staging overruns K and V into stage 0's Q
+
+
+def test_dq_bulk_4_split_tile_keeps_the_shared_memory_of_the_atomic_one():
+    from cuflash.tiles import Sm90BwdConfig
+
+    atomic, staged = Sm90BwdConfig(256, 64, 2, 2, 0, 0), Sm90BwdConfig(256, 64, 2, 2, 4, 0)
+    assert staged.structural_problem() is None and staged.smem_bytes == atomic.smem_bytes
+    assert "dq_bulk 0 or 4" in Sm90BwdConfig(256, 64, 2, 2, 2, 0).structural_problem()

@@ -156,7 +156,7 @@ BWD_SM90 = KernelFamily(
     params="BwdParams", min_cc=(9, 0), min_cc_why="needs TMA, wgmma and setmaxnreg (sm_90a)",
     max_cc=(9, 0), max_cc_why="wgmma and setmaxnreg are sm_90a-only: sm_90a code runs on 9.0 alone",
     arch_specific=True, backend="sm90", takes_partial_d=False,
-    domain=lambda d: ([Sm90BwdConfig(d, 64, 2, 2, 0, 0)] if d > 128 else
+    domain=lambda d: ([Sm90BwdConfig(d, 64, 2, 2, b, 0) for b in (0, 4)] if d > 128 else
                       [Sm90BwdConfig(d, 64, 2, s, b, o) for s in (2, 3) for b in (0, 1, 2, 4) for o in (0, 1)]),
     # The overlapped fragment-order tile first, then the same with atomics. Every tile of the
     # domain compiles without spills (NVRTC 13.0 and 13.5, sm_90a), dense and with a window,
@@ -170,6 +170,8 @@ BWD_SM90 = KernelFamily(
               # the split-head-dim tile (docs/sm90-backward-plan.md; Sm90BwdTraits::kSplitD): on the
               # H200 (2026-12-04, bf16, N2048 / 8192) 244-292 TFLOP/s against the sm80 kernel's
               # 144-171 (1.66-1.71x; cuDNN 282-360), its GPU tests and sanitizers clean
+              # Its dq_bulk 4 twin (dQ staged over the block's Q / dO images for the store warp's
+              # bulk reductions, not atomics) is written, compiled spill-free, not yet run: config= only
               256: (Sm90BwdConfig(256, 64, 2, 2, 0, 0),)},
     auto_head_dims=frozenset({64, 128, 256}),
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,

@@ -125,11 +125,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     static_assert(!kOrdered || !V::kBlockMask, "the ordered dQ does not take block masks");
 
     extern __shared__ unsigned char smem[];
-    // [0] K and V landed; [1 + s] stage s full (Q_i and dO_i), [1 + STAGES + s] stage s free
-    __shared__ __align__(8) u64 bar_storage[1 + 2 * STAGES];
+    // [0] K and V landed; [1 + s] stage s full (Q_i and dO_i), [1 + STAGES + s] stage s free;
+    // Tr::kDqInStage: [1 + 2 STAGES + CONSUMERS s + c] consumer c's dQ blocks staged in stage s
+    constexpr int kDqStagedBars = Tr::kDqInStage ? STAGES * CONSUMERS : 0;
+    __shared__ __align__(8) u64 bar_storage[1 + 2 * STAGES + kDqStagedBars];
     const u32 bar_kv = smem_u32(bar_storage);
     auto bar_full = [&](int s) { return bar_kv + 8 * (1 + s); };
     auto bar_free = [&](int s) { return bar_kv + 8 * (1 + STAGES + s); };
+    auto bar_dq_staged = [&](int s, int c) { return bar_kv + 8 * (1 + 2 * STAGES + CONSUMERS * s + c); };
     const u32 sK = (smem_u32(smem) + 1023u) & ~1023u;  // TMA 128B-swizzle images need 1024-B alignment
     const u32 sV = sK + Tr::kKVBytes;
     const u32 sQ = sV + Tr::kKVBytes;
@@ -192,7 +195,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(bar_full(s), 1);
-            mbar_init(bar_free(s), 128 * CONSUMERS);  // every consumer thread, after its own reads
+            // every consumer thread, after its own reads; Tr::kDqInStage: the store warp, once its
+            // reductions have read the dQ blocks staged over the stage's images
+            mbar_init(bar_free(s), Tr::kDqInStage ? 1 : 128 * CONSUMERS);
+            if constexpr (Tr::kDqInStage) {
+#pragma unroll
+                for (int c = 0; c < CONSUMERS; ++c) mbar_init(bar_dq_staged(s, c), 128);
+            }
         }
         fence_barrier_init();
     }
@@ -264,6 +273,36 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         fence_proxy_async_global();  // ... and ordered before the release
                         red_release_gpu_add(sem, 1);
                     }
+                }
+            }
+        } else if constexpr (Tr::kDqInStage) {
+            if (tid / 32 == 1 && n_iter > 0) {
+                // the split tile's dQ store warp: per query block, each consumer's two blocks, staged
+                // over its column half of the block's Q and dO images (Sm90BwdTraits::kDqInStage), go
+                // to dq_acc by one bulk reduction each; once they are read, the stage is free. The
+                // per-stage mbarriers keep this provable: consumer c arrives for block it + STAGES
+                // only after the stage is loaded again, which waits for this warp's free of block it
+                const int lane = tid % 32;
+                const long long pad = params.seqlen_q_pad;
+                for (int it = 0; it < n_iter; ++it) {
+                    const int s = it % STAGES;
+                    const long long row0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + block_at(it) * 64;
+#pragma unroll
+                    for (int c = 0; c < CONSUMERS; ++c) {
+                        mbar_wait(bar_dq_staged(s, c), (it / STAGES) & 1);
+                        if (lane == 0) {
+                            bulk_reduce_add_f32(dq_frag_block(row0, 2 * c), sQ + s * Tr::kQBytes + c * Tr::kDqFragBytes,
+                                                Tr::kDqFragBytes);
+                            bulk_reduce_add_f32(dq_frag_block(row0, 2 * c + 1), sdO + s * Tr::kQBytes + c * Tr::kDqFragBytes,
+                                                Tr::kDqFragBytes);
+                            bulk_commit();
+                        }
+                    }
+                    if (lane == 0) {
+                        bulk_wait_read0();
+                        mbar_arrive(bar_free(s));
+                    }
+                    __syncwarp();
                 }
             }
         } else if constexpr (kDqMode == 1 || kFragWarp) {
@@ -443,7 +482,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             // queries QN cw .. QN cw + QN - 1 (N = QN = 32), and dK, dV for head-dim columns
             // cw D/2 .. (cw + 1) D/2 - 1 over all 64 queries, from the P^T and dS^T images both
             // consumers fill (one 256-thread barrier), and dQ's 64-column chunks 2 cw, 2 cw + 1 of
-            // its half (per-element atomics, DQ_BULK 0). Per block: S^T, dP^T issued together;
+            // its half (per-element atomics, DQ_BULK 0; or DQ_BULK 4, staged over its column half of
+            // the block's Q and dO images for the store warp, Sm90BwdTraits::kDqInStage). Per block: S^T, dP^T issued together;
             // P^T (16-bit, o the keep bits with dropout) to its image once both consumers' dV of the
             // last block is done (kBarPFree: the image is single-buffered); dS^T to its image
             // (double-buffered as in the other tile); the barrier; dV, dK, dQ chunk 0; dQ chunk 1.
@@ -556,16 +596,33 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     if (jj == 0) {
                         fence_regs(acc_dv);
                         fence_regs(acc_dk);
-                        mbar_arrive(bar_free(s));  // Q_i, dO_i, lse2 and delta are read (this thread's part)
+                        // Q_i, dO_i, lse2 and delta are read (this thread's part); kDqInStage: the
+                        // store warp frees the stage once the dQ blocks staged over it are read
+                        if constexpr (!Tr::kDqInStage) mbar_arrive(bar_free(s));
                     }
-                    // rows = queries m0 + 16 warp + g (+8), columns 64 j + 8 nt + 2 t (+1)
-                    float* dq_rows = reinterpret_cast<float*>(
-                        opaque((u64)(dq_acc + (ws_row0() + m0 + 16 * warp + g) * D + 64 * j + 2 * t)));
+                    if constexpr (Tr::kDqInStage) {
+                        // chunk jj over this consumer's column half of the block's Q (jj 0) or dO (1)
+                        // image, which its dK / dV, their last readers, have finished with (the wait
+                        // above), in fragment order: float4 nt of thread ctid at (nt 128 + ctid) 16
+                        const u32 sthr = opaque((jj == 0 ? sQ : sdO) + s * Tr::kQBytes + cw * Tr::kDqFragBytes) + 16 * ctid;
 #pragma unroll
-                    for (int nt = 0; nt < 8; ++nt)
+                        for (int nt = 0; nt < 8; ++nt)
+                            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(sthr + nt * 128 * 16),
+                                         "f"(acc_dq[nt][0]), "f"(acc_dq[nt][1]), "f"(acc_dq[nt][2]), "f"(acc_dq[nt][3]) : "memory");
+                        if (jj == Tr::kColsWg / 64 - 1) {
+                            fence_proxy_async();  // generic-proxy stores, read next by the bulk reductions
+                            mbar_arrive(bar_dq_staged(s, cw));
+                        }
+                    } else {
+                        // rows = queries m0 + 16 warp + g (+8), columns 64 j + 8 nt + 2 t (+1)
+                        float* dq_rows = reinterpret_cast<float*>(
+                            opaque((u64)(dq_acc + (ws_row0() + m0 + 16 * warp + g) * D + 64 * j + 2 * t)));
 #pragma unroll
-                        for (int half = 0; half < 2; ++half)
-                            red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+                        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                            for (int half = 0; half < 2; ++half)
+                                red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+                    }
                 }
             }
         } else {
@@ -806,6 +863,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         constexpr int kPitch = D * 2 + 16;
         static_assert(2 * Tr::kBlockK * kPitch <= 2 * Tr::kKVBytes + 2 * STAGES * Tr::kQBytes + Tr::kDSBuffers * Tr::kDSBytes,
                       "the dK, dV staging fits over the K, V, Q, dO and dS^T images");
+        if constexpr (Tr::kDqInStage) {
+            // the staging below reaches into stage 0's Q image, where dQ blocks may still wait for the
+            // store warp's reductions: until it has freed the last blocks' stages
+            for (int j = n_iter > STAGES ? n_iter - STAGES : 0; j < n_iter; ++j)
+                mbar_wait(bar_free(j % STAGES), (j / STAGES) & 1);
+        }
         named_bar_sync(Tr::kBarEpilogue, 128 * CONSUMERS);
         const float scale = params.scale;
         const float dv_scale = V::kDropout ? params.drop_scale : 1.f;

@@ -18,8 +18,14 @@ struct Sm90BwdTraits {
     // (dK + dV: D / 2 registers a thread, 128 at d256, where whole rows would take 256 of 240), and
     // computes S^T and dP^T for half the block's queries; P^T goes through a shared-memory image
     static constexpr bool kSplitD = D > 128;
-    static_assert(!kSplitD || (DQ_BULK == 0 && OVERLAP == 0 && STAGES == 2),
-                  "the split-head-dim tile: dQ by atomics, two stages, its own order (shared memory: 218 KB)");
+    static_assert(!kSplitD || ((DQ_BULK == 0 || DQ_BULK == 4) && OVERLAP == 0 && STAGES == 2),
+                  "the split-head-dim tile: dQ by atomics or the store warp, two stages, its own order (shared memory: 218 KB)");
+    // kSplitD, DQ_BULK 4: no staging of its own (no room: 1 KiB short of one 64 KB set). Each consumer
+    // stages its two 64 x 64 fp32 dQ blocks (fragment order, 16 KB each) over its column half of the
+    // block's own Q and dO images (2 x 8 KB chunks each), which nothing reads once the consumer's dK
+    // and dV are done (both consumers' S^T and dP^T, the images' other readers, precede the dS^T
+    // barrier); the store warp's bulk reductions read them, and then it frees the stage
+    static constexpr bool kDqInStage = kSplitD && DQ_BULK == 4;
     static_assert(BR == 64, "block_q 64: the dS^T image is one 64-query chunk (the dQ product's A)");
     static_assert(CONSUMERS == 2, "two consumer warpgroups (128 keys)");
     static_assert(STAGES >= 2 && STAGES <= 4, "2 to 4 Q/dO stages");
@@ -56,7 +62,8 @@ struct Sm90BwdTraits {
     static constexpr int kDqRowBytes = 64 * 4 + 16;
     static constexpr int kDqFragBytes = 64 * 64 * 4;
     // one staging set: a block per dQ consumer
-    static constexpr int kDqSetBytes = DQ_BULK == 1 ? (D / 64) * 64 * kDqRowBytes
+    static constexpr int kDqSetBytes = kDqInStage ? 0
+                                       : DQ_BULK == 1 ? (D / 64) * 64 * kDqRowBytes
                                        : DQ_BULK >= 2 ? (D / 64) * kDqFragBytes : 0;
     // per stage, the query block's lse2 and delta (BR floats each): bulk-copied with Q_i and dO_i
     // (read from global memory per block, they were a third of the stalls under ncu)
@@ -73,6 +80,9 @@ struct Sm90BwdTraits {
     static constexpr int kDqSets = DQ_BULK == 3 && kSmemWithoutDq + 2 * kDqSetBytes + 2048 <= 227 * 1024 ? 2 : 1;
     static constexpr int kDqStageBytes = kDqSets * kDqSetBytes;
     static constexpr int kSmemBytes = kSmemWithoutDq + kDqStageBytes;
+
+    static_assert(!kDqInStage || (kColsWg == 128 && 2 * kQChunkBytes == kDqFragBytes),
+                  "kDqInStage: a consumer's two dQ blocks fill its column half of Q and of dO");
 
     static constexpr int kHeadSteps = D / 16;        // S^T, dP^T contract over D
     static constexpr int kQuerySteps = BR / 16;      // dV, dK contract over the BR queries

@@ -157,6 +157,23 @@ def test_each_sm90_dq_path_matches_reference(d, dq_bulk):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (113, 203), (203, 113), (256, 256), (1000, 1000), (1031, 517)])
+@pytest.mark.parametrize("dq_bulk", [0, 4])
+def test_split_head_dim_dq_paths_match_reference(dq_bulk, nq, nk, causal, dtype):
+    """The split-head-dim tile's two ways of adding dQ (head_dim 256): per-element atomics, and its
+    blocks staged over the query block's own Q / dO images for the store warp's bulk reductions
+    (Sm90BwdTraits::kDqInStage), forced as the tile, by the 2x rule."""
+    from cuflash import _backward
+    from cuflash.tiles import Sm90BwdConfig
+
+    q, k, v, dout, out, lse = _sm90_case(nq, nk, causal, 256, dtype, f"splitd{dq_bulk}")
+    grads = _backward.backward(dout, q, k, v, out, lse, causal=causal, config=Sm90BwdConfig(256, 64, 2, 2, dq_bulk, 0),
+                               backend="sm90")
+    _check(grads, q, k, v, dout, causal, f" (sm90 d256 dq_bulk {dq_bulk})")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", [(1, 1), (113, 203), (203, 113), (256, 256), (1000, 1000), (1031, 517)])
@@ -213,14 +230,17 @@ def _assert_close_to(grads, ref, check_nan=False):
                                 dict(causal=True, softcap=5.0), dict(alibi=True), dict(dropout_p=0.2, seed=9),
                                 dict(gqa=True, causal=True), dict(causal=True, softcap=5.0, dropout_p=0.1, seed=3,
                                                                   window_size=(200, 0))], ids=str)
-def test_split_head_dim_sm90_backward_with_features(kw):
-    """The split-head-dim tile (head_dim 256, forced here so the test keeps it whatever the automatic choice) with windows,
+@pytest.mark.parametrize("dq_bulk", [0, 4])
+def test_split_head_dim_sm90_backward_with_features(kw, dq_bulk):
+    """The split-head-dim tile (head_dim 256, forced here with each dq path, whatever the automatic choice) with windows,
     softcap, ALiBi, dropout and GQA against the sm80 backward of the same call (dropout: the same
     Philox keep mask in both), and its plain case by the 2x rule in test_sm90_backward_matches_reference."""
     from cuflash import _backward
 
+    from cuflash.tiles import Sm90BwdConfig
+
     q, k, v, dout, out, lse, kw = _feature_case(kw, 13, 700, 555, 256)
-    ours = _backward.backward(dout, q, k, v, out, lse, backend="sm90", **kw)
+    ours = _backward.backward(dout, q, k, v, out, lse, backend="sm90", config=Sm90BwdConfig(256, 64, 2, 2, dq_bulk, 0), **kw)
     ref = _backward.backward(dout, q, k, v, out, lse, backend="sm80", **kw)
     _assert_close_to(ours, ref, check_nan=True)
 
