@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -144,6 +144,7 @@ for s in $stages; do
         | grep -vE "Warn|load_index" | tee -a "$OUT/bwdprofile.log" | grep -E "tiles|epilogue share"
       timeout 120 python3 scripts/bench_deterministic.py --no-sm80 --json "$OUT/bench-deterministic.json" 2>&1 | grep -v Warn \
         | tee -a "$OUT/bwdprofile.log" | tail -8 ;;
+    mufu) timeout 60 python3 scripts/mufu_rate.py 2>&1 | tee "$OUT/mufu-rate.log" ;;  # issue 13: packed MUFU forms' rate
     bwdncu)  # issue 11's last cell: ncu's full set on our d128 main kernel and cuDNN's, unmasked, at N2048
       # (0.94x) and N8192 (0.98x main kernel against main kernel), one steady-state launch each
       for n in ${NCU_SEQLENS:-2048 8192}; do for who in ours cudnn; do
