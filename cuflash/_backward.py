@@ -309,7 +309,7 @@ def backward(dout, q, k, v, out, lse, *, mask: MaskOptions | None = None, softma
     dropout_p and seed (the dropout mask is regenerated from the seed, never stored). The mask:
     the record `mask` or the mask keywords (`causal=True`, ...), as the forward (cuflash/_forward.py).
     `config` / `dq_config` override the selected kernel configs (tuner, tests).
-    `backend`: None (automatic: the Hopper dK/dV kernel on a cc 9.0 GPU at head_dim 64 and 128
+    `backend`: None (automatic: the Hopper dK/dV kernel on a cc 9.0 GPU at head_dim 64, 128 and 256
     where it can run, else the mma.sync one; cuflash/families/__init__.py), "sm80" or "sm90" (cc 9.0)
     to force one. `alibi_slopes`: the forward's (cuflash/_forward.py).
     `score_mod`: the forward's cuflash.ScoreMod; a score snippet needs its `grad` snippet here.
