@@ -85,7 +85,7 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         generator when none is given). p is quantised to 1/65536; kept values are scaled by
         1/(1 - p). lse is that of the undropped scores.
     backend: which forward kernel runs (the backward picks its own: on a cc 9.0 GPU the Hopper
-        dK/dV kernel at head_dim 64 and 128 where it can run, else mma.sync; CUFLASH_BACKEND applies to
+        dK/dV kernel at head_dim 64, 128 and 256 where it can run, else mma.sync; CUFLASH_BACKEND applies to
         both). None (the
         default): on a compute capability 9.0 GPU (H100, H200) the Hopper kernel ("sm90": TMA,
         wgmma, warp-specialised) whenever it can take the call (fp16/bf16, head_dim 64/128/192/256, q, k, v
