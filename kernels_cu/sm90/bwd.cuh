@@ -474,6 +474,28 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             }
         };
 
+        // A 64 x 64 dQ block of this thread's fragments (rows 16 warp + g (+8), columns 8 nt + 2 t (+1))
+        // to shared memory in fragment order (float4 nt of thread ctid at (nt 128 + ctid) 16 from
+        // `stage`: conflict-free, the layout dq_acc keeps for the bulk reductions), or added to dq_acc
+        // at the block's first row m0 and column col0 by per-element atomics (dq_acc has seqlen_q_pad
+        // rows per (batch, head), so the block's rows need no guard); both tiles' loops
+        auto stage_dq_frag = [&](const float (&acc_dq)[8][4], u32 stage) {
+            const u32 sthr = opaque(stage) + 16 * ctid;
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+                asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(sthr + nt * 128 * 16),
+                             "f"(acc_dq[nt][0]), "f"(acc_dq[nt][1]), "f"(acc_dq[nt][2]), "f"(acc_dq[nt][3]) : "memory");
+        };
+        auto add_dq_atomic = [&](const float (&acc_dq)[8][4], int m0, int col0) {
+            float* dq_rows = reinterpret_cast<float*>(
+                opaque((u64)(dq_acc + (ws_row0() + m0 + 16 * warp + g) * D + col0 + 2 * t)));
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+        };
+
         float acc_dk[Tr::kColsWg / 8][4], acc_dv[Tr::kColsWg / 8][4];
         if (n_iter > 0) mbar_wait(bar_kv, 0);
         if constexpr (Tr::kSplitD) {
@@ -602,26 +624,14 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     }
                     if constexpr (Tr::kDqInStage) {
                         // chunk jj over this consumer's column half of the block's Q (jj 0) or dO (1)
-                        // image, which its dK / dV, their last readers, have finished with (the wait
-                        // above), in fragment order: float4 nt of thread ctid at (nt 128 + ctid) 16
-                        const u32 sthr = opaque((jj == 0 ? sQ : sdO) + s * Tr::kQBytes + cw * Tr::kDqFragBytes) + 16 * ctid;
-#pragma unroll
-                        for (int nt = 0; nt < 8; ++nt)
-                            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(sthr + nt * 128 * 16),
-                                         "f"(acc_dq[nt][0]), "f"(acc_dq[nt][1]), "f"(acc_dq[nt][2]), "f"(acc_dq[nt][3]) : "memory");
+                        // image, which its dK / dV, their last readers, have finished with (the wait above)
+                        stage_dq_frag(acc_dq, (jj == 0 ? sQ : sdO) + s * Tr::kQBytes + cw * Tr::kDqFragBytes);
                         if (jj == Tr::kColsWg / 64 - 1) {
                             fence_proxy_async();  // generic-proxy stores, read next by the bulk reductions
                             mbar_arrive(bar_dq_staged(s, cw));
                         }
                     } else {
-                        // rows = queries m0 + 16 warp + g (+8), columns 64 j + 8 nt + 2 t (+1)
-                        float* dq_rows = reinterpret_cast<float*>(
-                            opaque((u64)(dq_acc + (ws_row0() + m0 + 16 * warp + g) * D + 64 * j + 2 * t)));
-#pragma unroll
-                        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                            for (int half = 0; half < 2; ++half)
-                                red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+                        add_dq_atomic(acc_dq, m0, 64 * j);
                     }
                 }
             }
@@ -798,11 +808,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         if (ctid == 0) bulk_wait_read0();  // the last block's reduction has read the staging
                         named_bar_sync(Tr::kBarDqFull + cw, 128);
                     }
-                    const u32 sthr = opaque(stage) + 16 * ctid;
-#pragma unroll
-                    for (int nt = 0; nt < 8; ++nt)
-                        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(sthr + nt * 128 * 16),
-                                     "f"(acc_dq[nt][0]), "f"(acc_dq[nt][1]), "f"(acc_dq[nt][2]), "f"(acc_dq[nt][3]) : "memory");
+                    stage_dq_frag(acc_dq, stage);
                     fence_proxy_async();  // generic-proxy stores, read next by the bulk reduction
                     if constexpr (kFragWarp) {
                         named_bar_arrive(Tr::bar_dq_full(set, cw), Tr::kDqBarThreads);  // to the store warp
@@ -826,15 +832,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     fence_proxy_async();  // generic-proxy stores, read next by the bulk reductions
                     named_bar_arrive(Tr::kBarDqFull + cw, Tr::kDqBarThreads);
                 } else {
-                    // rows = queries m0 + 16 warp + g (+8), columns = D columns 64 cw + 8 nt + 2 t (+1);
-                    // dq_acc has seqlen_q_pad rows per (batch, head), so the block's rows need no guard
-                    float* dq_rows = reinterpret_cast<float*>(
-                        opaque((u64)(dq_acc + (ws_row0() + m0 + 16 * warp + g) * D + 64 * cw + 2 * t)));
-#pragma unroll
-                    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                        for (int half = 0; half < 2; ++half)
-                            red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+                    add_dq_atomic(acc_dq, m0, 64 * cw);  // columns: D columns 64 cw ..
                 }
             }
             if constexpr (Tr::kDqFirst) {
