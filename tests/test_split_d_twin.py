@@ -105,10 +105,11 @@ def test_dq_staging_over_the_stage_touches_only_its_consumers_column_half():
     for cw in range(2):
         staged = {16 * ctid + nt * 128 * 16 + b for ctid in range(128) for nt in range(8) for b in range(16)}
         assert staged == set(range(frag))  # the fragment order fills its 16 KB once
-        own_half = set(range(cw * 2 * q_chunk, (cw + 1) * 2 * q_chunk))
-        assert {cw * frag + b for b in staged} == own_half
-        other = 1 - cw  # dK's B (Q) and dV's B (dO) of the other consumer: its column half (colh)
-        assert own_half.isdisjoint(range(other * 2 * q_chunk, (other + 1) * 2 * q_chunk))
+        # what this consumer's dK (B: Q) and dV (B: dO) read: the kernel's colh (cw x kColsWg / 64
+        # chunks, in bytes) and kColsWg / 64 chunks from there
+        chunks = (D // 2) // 64
+        colh = cw * chunks * q_chunk
+        assert {cw * frag + b for b in staged} == set(range(colh, colh + chunks * q_chunk))
     k_v = 2 * BC * D * 2
     assert 2 * BC * (D * 2 + 16) > k_v  # the epilogue's staging overruns K and V into stage 0's Q
 
