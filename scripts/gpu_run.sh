@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -118,7 +118,7 @@ for s in $stages; do
       python3 -m cuflash.bench --head-dims 256 --seqlens 2048 8192 --reps 20 --json "$OUT/bench-d256.json" 2>&1 \
         | tee -a "$OUT/bench-shapes.log" | tail -8 ;;
     splitd)  # issue 12: the split-head-dim Hopper backward (head_dim 256; automatic since 2026-12-04) and its
-      # dq_bulk 4 twin (dQ staged over the block's Q / dO images, not yet run): their GPU tests, the
+      # dq_bulk 4 twin (dQ staged over the block's Q / dO images; the default since 2026-12-04): their GPU tests, the
       # sanitizers over sanitize_features (which runs both), then both tiles timed in one process beside cuDNN
       timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_backward_gpu.py tests/gpu/test_varlen_gpu.py \
         -k "256 or split_head_dim" 2>&1 | tee -a "$OUT/splitd.log" | tail -12
@@ -153,6 +153,16 @@ for s in $stages; do
         grep -E "Duration|Executed Ipc Active|Issue Slots Busy|L2 Hit Rate|DRAM Throughput|No Eligible|Warp Cycles Per Issued" \
           "$OUT/ncu-bwd-d128-n$n-$who.txt" | sed "s/^/n$n $who /"
       done; done ;;
+    bwdstall)  # issue 11's last cell: where the warps of ours and of cuDNN's main backward kernel stall (ncu's
+      # PC sampling: totals per reason, and ours per SASS instruction), d128 unmasked, NCU_N (2048) keys
+      for who in ours cudnn; do
+        timeout 150 ncu -k regex:"bwd_sm90|bprop" --launch-skip 3 -c 1 --set full -f -o "$OUT/stall-$who" \
+          python3 scripts/profile_bwd_pair.py $who --n ${NCU_N:-2048} > "$OUT/stall-$who.log" 2>&1
+        ncu --import "$OUT/stall-$who.ncu-rep" --page raw --csv 2>/dev/null | python3 scripts/ncu_raw_pick.py pcsamp_warps_issue_stalled inst_executed_pipe \
+          | sed "s/^/$who /" | tee -a "$OUT/stall-totals.txt" | sort -t' ' -k3 -g -r | head -14
+      done
+      ncu --import "$OUT/stall-ours.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/stall-ours-sass.csv.gz"
+      rm -f "$OUT"/stall-*.ncu-rep ;;
     detab)  # the deterministic backward's loss (issue 11): its CTA order by head groups (main) against key
       # blocks fastest (the atomic mode's order, a one-line variant) in one call, then ncu of the ordered
       # kernel beside the atomic one at d128 N2048 (DRAM and L2 traffic, stalls)

@@ -169,10 +169,13 @@ BWD_SM90 = KernelFamily(
                     Sm90BwdConfig(128, 64, 2, 2, 0, 1)),
               # the split-head-dim tile (docs/sm90-backward-plan.md; Sm90BwdTraits::kSplitD): on the
               # H200 (2026-12-04, bf16, N2048 / 8192) 244-292 TFLOP/s against the sm80 kernel's
-              # 144-171 (1.66-1.71x; cuDNN 282-360), its GPU tests and sanitizers clean
+              # 144-171 (1.66-1.71x; cuDNN 282-360), its GPU tests and sanitizers clean.
               # Its dq_bulk 4 twin (dQ staged over the block's Q / dO images for the store warp's
-              # bulk reductions, not atomics) is written, compiled spill-free, not yet run: config= only
-              256: (Sm90BwdConfig(256, 64, 2, 2, 0, 0),)},
+              # bulk reductions, not per-element atomics; Sm90BwdTraits::kDqInStage), first run
+              # 2026-12-04 (twenty-second session, one process, bf16): 328-399 TFLOP/s against the
+              # atomic tile's 244-293 and cuDNN's 301-376 (1.05-1.12x cuDNN), GPU tests and
+              # sanitizers clean. So it comes first; the atomic tile stays as the fallback.
+              256: (Sm90BwdConfig(256, 64, 2, 2, 4, 0), Sm90BwdConfig(256, 64, 2, 2, 0, 0))},
     auto_head_dims=frozenset({64, 128, 256}),
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, run=_run_bwd, deterministic_outputs=(1, 2),
