@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -163,6 +163,19 @@ for s in $stages; do
       done
       ncu --import "$OUT/stall-ours.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/stall-ours-sass.csv.gz"
       rm -f "$OUT"/stall-*.ncu-rep ;;
+    bwdab)  # issue 11: the non-split Hopper backward's two scheduling constants (kernels_cu/sm90/bwd.cuh:
+      # kBwdRowStatsAhead, kBwdDqHandoffLate), each A/B against the working tree, d128 unmasked beside cuDNN
+      for alt in off ahead late; do
+        case $alt in
+          off) sed 's/kBwdRowStatsAhead = true;/kBwdRowStatsAhead = false;/; s/kBwdDqHandoffLate = true;/kBwdDqHandoffLate = false;/' ;;
+          ahead) sed 's/kBwdDqHandoffLate = true;/kBwdDqHandoffLate = false;/' ;;
+          late) sed 's/kBwdRowStatsAhead = true;/kBwdRowStatsAhead = false;/' ;;
+        esac < kernels_cu/sm90/bwd.cuh > /tmp/bwd_$alt.cuh
+        cmp -s kernels_cu/sm90/bwd.cuh /tmp/bwd_$alt.cuh && echo "bwdab: the $alt variant's edit did not apply"
+        bash scripts/ab_sources.sh kernels_cu/sm90/bwd.cuh=/tmp/bwd_$alt.cuh -- env SM90_BWD_CFG=${BWDAB_CFG:-128,64,2,2,4,1} \
+          SM90_BWD_SEQLENS=${BWDAB_SEQLENS:-2048,8192} SM90_BWD_CAUSAL=${BWDAB_CAUSAL:-0} SM90_BWD_NO_SM80=1 \
+          timeout 120 python3 scripts/sm90_bringup.py benchbwd 2>&1 | grep -E "=====|^[{]" | sed "s/^/[$alt] /" | tee -a "$OUT/bwdab.log"
+      done ;;
     detab)  # the deterministic backward's loss (issue 11): its CTA order by head groups (main) against key
       # blocks fastest (the atomic mode's order, a one-line variant) in one call, then ncu of the ordered
       # kernel beside the atomic one at d128 N2048 (DRAM and L2 traffic, stalls)

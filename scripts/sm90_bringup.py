@@ -254,16 +254,19 @@ def bench_bwd():
 
     for d in BWD_CFGS:
         h = 2048 // d
-        for n in (2048, 8192):
+        # SM90_BWD_SEQLENS / SM90_BWD_CAUSAL ("0", "1" or "0,1") narrow the cells; SM90_BWD_NO_SM80=1 skips
+        # the sm80 kernel (an A/B of sm90 sources needs only the tile and cuDNN)
+        for n in [int(x) for x in os.environ.get("SM90_BWD_SEQLENS", "2048,8192").split(",")]:
             b = max(1, 16384 // n)
-            for causal in (False, True):
+            for causal in [x == "1" for x in os.environ.get("SM90_BWD_CAUSAL", "0,1").split(",")]:
                 rng = np.random.default_rng(1)
                 q, k, v = testing.random_qkv(rng, b, n, n, h, d, testing.bf16())
                 dout = testing.random_qkv(rng, b, n, n, h, d, testing.bf16())[0]
                 out, lse = fwd_sm80(q, k, v, causal=causal)
                 flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
                 res = {"d": d, "n": n, "causal": causal}
-                res["sm80"] = flops / timeit(lambda: bwd_sm80(dout, q, k, v, out, lse, causal=causal)) / 1e9
+                if os.environ.get("SM90_BWD_NO_SM80") != "1":
+                    res["sm80"] = flops / timeit(lambda: bwd_sm80(dout, q, k, v, out, lse, causal=causal)) / 1e9
                 for cfg in BWD_CFGS[d]:
                     res[str(cfg)] = flops / timeit(lambda: run_bwd(cfg, dout, q, k, v, out, lse, causal)) / 1e9
                 tq, tk, tv = (torch.from_dlpack(x.view(cupy.int16)).view(torch.bfloat16).transpose(1, 2).detach().requires_grad_()

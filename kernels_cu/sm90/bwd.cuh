@@ -80,6 +80,46 @@ __device__ __forceinline__ u32 opaque(u32 x) {
     return x;
 }
 
+// A query block's per-row statistic (lse2 or delta) as this thread's float2 pairs nt = 0 .. NT-1
+// (its queries 8 nt + 2 t, +1; pair nt at row + 32 nt): read from shared memory where used
+// (RowStatSmem: no registers held), or all read ahead into registers (RowStatRegs), before the wait
+// for the wgmma whose result they meet. Read after the wait, the loads' latency was exposed there:
+// on the H200 (ncu, d128 N2048) the first use of lse2 stalled on them for ~7% of the consumers'
+// samples.
+struct RowStatSmem {
+    u32 row;
+    __device__ __forceinline__ explicit RowStatSmem(u32 r) : row(r) {}
+    __device__ __forceinline__ float2 at(int nt) const {
+        float2 v;
+        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(row + 32 * nt));
+        return v;
+    }
+};
+template <int NT>
+struct RowStatRegs {
+    float2 v[NT];
+    __device__ __forceinline__ explicit RowStatRegs(u32 row) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) v[nt] = RowStatSmem{row}.at(nt);
+    }
+    __device__ __forceinline__ float2 at(int nt) const { return v[nt]; }
+};
+template <bool AHEAD, int NT>
+struct RowStatsOf {
+    using type = RowStatSmem;
+};
+template <int NT>
+struct RowStatsOf<true, NT> {
+    using type = RowStatRegs<NT>;
+};
+// The non-split tile's two scheduling choices (constants, so that an A/B can flip one with sed:
+// scripts/gpu_run.sh bwdab): lse2 and delta read ahead of their wgmma waits (RowStatRegs), and each
+// dQ block handed to the store warp (its proxy fence and barrier arrival) only once the next block's
+// S^T / dP^T are issued, so that the fence's wait for the 16 KB of staging stores to drain runs
+// under the tensor cores instead of stalling the consumer between its GEMMs.
+constexpr bool kBwdRowStatsAhead = true;
+constexpr bool kBwdDqHandoffLate = true;
+
 // 1-D bulk reduction shared -> global (sm_90): dst[i] += src[i] for `bytes` bytes (a multiple of 16,
 // both ends 16-byte aligned), in the bulk-async group of the issuing thread.
 __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
@@ -408,15 +448,18 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         auto slot_at = [&](u32 rows, int nt) {
             return rows + ((((Tr::kSplitD ? NT * cw : 0) + nt) ^ g) << 4) + 4 * t;
         };
+        // lse2 / delta of a block: read where used, or ahead of their wgmma waits (kBwdRowStatsAhead)
+        // (not with dropout: its keep bits leave no room, 4-12 B of spills at d128 under NVRTC 13.5)
+        // nor in the split tile, whose loop reads them where used)
+        using RowStats = typename RowStatsOf<kBwdRowStatsAhead && !V::kDropout && !Tr::kSplitD, NT>::type;
         // P^T = exp2(S^T c + bias - lse2) in place over this thread's n8 tiles of queries from qb
         // (element e: query qb + 8 nt + 2 t + e % 2, key key_w + g + 8 (e / 2); lrow: their lse2 in
         // smem, padded rows +inf so that P = 0 there). kGrad: P o grad parked at the dS^T slot of
         // image rows park_rows (+8 rows for e / 2), where this thread's dS^T goes (both tiles' loops)
-        auto exp_scores = [&](float (&acc)[NT][4], int qb, u32 lrow, u32 park_rows) {
+        auto exp_scores = [&](float (&acc)[NT][4], int qb, const RowStats& lse, u32 park_rows) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                float2 L;
-                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(L.x), "=f"(L.y) : "r"(lrow + 32 * nt));
+                const float2 L = lse.at(nt);
                 if constexpr (kGrad) {
 #pragma unroll
                     for (int e = 0; e < 4; e += 2) {
@@ -446,11 +489,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         // undropped 16-bit copy p_frag (the rounding dV used), or kGrad from the P o grad parked
         // there; dropout: dP^T o Z / (1 - p), Z the keep bit (bit 4 nt + 2 half + e; dropped: 0);
         // drow: the queries' delta in smem (both tiles' loops)
-        auto store_ds = [&](const float (&acc_dp)[NT][4], const u32 (&p_frag)[NT / 2][4], u32 keep, u32 drow, u32 rows) {
+        auto store_ds = [&](const float (&acc_dp)[NT][4], const u32 (&p_frag)[NT / 2][4], u32 keep, const RowStats& delta_rows, u32 rows) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                float2 Dl;
-                asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(Dl.x), "=f"(Dl.y) : "r"(drow + 32 * nt));
+                const float2 Dl = delta_rows.at(nt);
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     float dp0 = acc_dp[nt][2 * half], dp1 = acc_dp[nt][2 * half + 1];
@@ -494,6 +536,16 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
                     red_add2(dq_rows + 8 * half * D + 8 * nt, acc_dq[nt][2 * half], acc_dq[nt][2 * half + 1]);
+        };
+
+        // the store-warp modes' dQ hand-off: block `it`'s staging (in generic-proxy stores) to the
+        // store warp's bulk reduction (async proxy); kLateHandoff: one block later, under its GEMMs
+        // (not with dropout: 8-44 B of spills at d128, its keep bits live across the hand-off)
+        constexpr bool kLateHandoff = kBwdDqHandoffLate && kFragWarp && !V::kDropout;
+        const bool dq_consumer = Tr::kDqWarpgroups >= CONSUMERS || cw < Tr::kDqWarpgroups;
+        auto hand_off_dq = [&](int it) {
+            fence_proxy_async();
+            named_bar_arrive(Tr::bar_dq_full(kOrdered ? it % Tr::kDqSets : 0, cw), Tr::kDqBarThreads);
         };
 
         float acc_dk[Tr::kColsWg / 8][4], acc_dv[Tr::kColsWg / 8][4];
@@ -555,7 +607,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 // of the 128-byte rows (its QN queries), swizzled by the row (row % 8 = g)
                 const u32 lrow = opaque(sLse + s * Tr::kStatBytes) + 4 * QN * cw + 8 * t;
                 const u32 ds_rows = opaque(sDS + db * Tr::kDSBytes) + (16 * warp + g) * 128;
-                exp_scores(acc_s, q0, lrow, ds_rows);
+                exp_scores(acc_s, q0, RowStats(lrow), ds_rows);
                 if (!kGrad && (range.masked_head(m) || (V::kLocal && range.masked_tail(m))))
                     mask.template apply_transposed<true, true>(acc_s, q0, key_w, lane, 0.f);
                 c_to_a_frags<BF16, kQSteps>(p_frag, acc_s);
@@ -583,7 +635,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 fence_regs(acc_dp);
                 // ---- dS^T = P^T o (dP^T - delta) into this block's image (rows 16 warp + g (+8),
                 // this consumer's query chunks), from the undropped 16-bit P^T ----
-                store_ds(acc_dp, p_frag, keep, opaque(sDelta + s * Tr::kStatBytes) + 4 * QN * cw + 8 * t, ds_rows);
+                store_ds(acc_dp, p_frag, keep, RowStats(opaque(sDelta + s * Tr::kStatBytes) + 4 * QN * cw + 8 * t), ds_rows);
                 fence_proxy_async();  // generic-proxy stores, read next by wgmma (async proxy)
                 named_bar_sync(Tr::kBarDsFull, 128 * CONSUMERS);  // both consumers' P^T and dS^T are in
 
@@ -675,6 +727,17 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     for (int kb = 0; kb < BR / 16; ++kb)
                         keep |= drop.bits8_transposed(m0 / 16 + kb, key_w / 16, g, t) << (8 * kb);
                 }
+                // the last block's dQ to the store warp (kBwdDqHandoffLate), under this block's GEMMs
+                if constexpr (kLateHandoff) {
+                    if (dq_consumer && it > 0) hand_off_dq(it - 1);
+                }
+                // this thread's queries are columns 8 nt + 2 t (+1): their lse2 (padded rows have
+                // +inf, so P = 0 there), read ahead of the wait (kBwdRowStatsAhead) or where used.
+                // One opaque row pointer per block: its 8 nt offsets become immediates of the loads
+                // (else the per-nt pointers, loop invariants, are hoisted: 16 registers each for
+                // lse2 and delta)
+                const u32 lrow = opaque(sLse + s * Tr::kStatBytes) + 8 * t;  // this block's lse2, in smem
+                const RowStats lse(lrow);
                 if constexpr (Tr::kSdpTogether) {
                     wgmma_wait<1>();
                 } else {
@@ -689,18 +752,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     if (range.masked_head(m) || (V::kLocal && range.masked_tail(m)))
                         mask.template apply_transposed<true, true>(acc_s, m0, key_w, lane, neg_inf());
                 }
-                // this thread's queries are columns 8 nt + 2 t (+1): their lse2 (padded rows have
-                // +inf, so P = 0 there), read where used (L1-resident; an array of them costs registers)
-                // one opaque row pointer per block: its 8 nt offsets become immediates of the loads
-                // (else the per-nt pointers, loop invariants, are hoisted: 16 registers each for
-                // lse2 and delta)
-                const u32 lrow = opaque(sLse + s * Tr::kStatBytes) + 8 * t;  // this block's lse2, in smem
                 // softcap: P o (1 - t^2), which is what dS^T needs of P, waits for dS^T (after dV) in
                 // this block's dS^T image, in the very slots this thread writes dS^T to below: in
                 // registers (16 more per thread) the d128 consumers spilled. The buffer is free here
                 // (see the dS^T stores) and only this thread touches these slots until then.
                 const u32 pg_rows = kGrad ? opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128 : 0u;
-                exp_scores(acc_s, m0, lrow, pg_rows);
+                exp_scores(acc_s, m0, lse, pg_rows);
                 // in query order the masked head is the right edge + seqlen_k tail, the tail the
                 // left edge (local instances only; the softcap ones masked t above)
                 if (!kGrad && (range.masked_head(m) || (V::kLocal && range.masked_tail(m))))
@@ -720,6 +777,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 if constexpr (!Tr::kSdpTogether) fence_regs(acc_dp);
                 if constexpr (!kDvLate) issue_dv();
                 if constexpr (!Tr::kSdpTogether) issue_dp();
+                // this block's delta, in smem: read ahead of the wait (kBwdRowStatsAhead) or where used
+                const RowStats delta_rows(opaque(sDelta + s * Tr::kStatBytes) + 8 * t);
                 wgmma_wait<0>();  // dP^T and dV (p_frag, read below, is dV's A operand until then)
                 if constexpr (!kDvLate) fence_regs(acc_dv);
                 fence_regs(p_frag);
@@ -732,8 +791,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 // consumer passed. (The image's base is made opaque per block: otherwise the 16
                 // swizzled addresses, loop invariants, are hoisted and held in registers.)
                 const u32 ds_rows = opaque(sDS + db * Tr::kDSBytes) + (64 * cw + 16 * warp + g) * 128;
-                const u32 drow = opaque(sDelta + s * Tr::kStatBytes) + 8 * t;  // this block's delta, in smem
-                store_ds(acc_dp, p_frag, keep, drow, ds_rows);
+                store_ds(acc_dp, p_frag, keep, delta_rows, ds_rows);
             }
             if constexpr (V::kDropout) {
                 // P^T o Z for dV: register r of k16 step kk holds elements (lo, hi) = e 0, 1 of
@@ -809,10 +867,11 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         named_bar_sync(Tr::kBarDqFull + cw, 128);
                     }
                     stage_dq_frag(acc_dq, stage);
-                    fence_proxy_async();  // generic-proxy stores, read next by the bulk reduction
                     if constexpr (kFragWarp) {
-                        named_bar_arrive(Tr::bar_dq_full(set, cw), Tr::kDqBarThreads);  // to the store warp
+                        // to the store warp, here or (kLateHandoff) under the next block's GEMMs
+                        if constexpr (!kLateHandoff) hand_off_dq(it);
                     } else {
+                        fence_proxy_async();  // generic-proxy stores, read next by the bulk reduction
                         named_bar_sync(Tr::kBarDqFull + cw, 128);
                         if (ctid == 0) {
                             bulk_reduce_add_f32(dq_frag_block(ws_row0() + m * 64, cw), stage, Tr::kDqFragBytes);
@@ -842,6 +901,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 fence_regs(p_frag);
                 mbar_arrive(bar_free(s));  // Q_i, dO_i, lse2 and delta are read (this thread's part)
             }
+        }
+        // the last block's dQ, which no next block hands off
+        if constexpr (kLateHandoff) {
+            if (dq_consumer && n_iter > 0) hand_off_dq(n_iter - 1);
         }
         }  // !kSplitD
 
