@@ -148,6 +148,9 @@ def _run_bwd(tile, d, causal, features, props, out=None, lse=None):
 # by the producer warpgroup's store warp instead (dq_bulk 4: the consumers go straight on to the next
 # query block) 1-4% faster in all eight cells: d128 N8192 508.1 vs 497.3 (causal 473.3 vs 460.6),
 # N2048 445.2 vs 435.4; d64 N8192 431.8 vs 414.6 (causal 410.9 vs 394.2; cuDNN 437.0 / 400.3).
+# The twenty-second session (2026-12-04) read lse2 / delta ahead of their wgmma waits and handed each
+# dQ block to the store warp under the next block's GEMMs (kernels_cu/sm90/bwd.cuh): +3.5%, every
+# cell of the benchmark 0.97-1.18x cuDNN, d128 N8192 547.5 TFLOP/s (1.02x).
 BWD_SM90 = KernelFamily(
     name="bwd_sm90", description="backward dK/dV on Hopper: TMA + wgmma (dQ by bulk reductions)", what="sm90 backward",
     pass_="backward", tile_cls=Sm90BwdConfig, header="flash_bwd_sm90.cuh", template="cuflash::flash_bwd_sm90",
