@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -163,6 +163,24 @@ for s in $stages; do
       done
       ncu --import "$OUT/stall-ours.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/stall-ours-sass.csv.gz"
       rm -f "$OUT"/stall-*.ncu-rep ;;
+    fwdstall)  # the forward's gaps (issue 12's d256 causal N2048, issue 13's softcap, d64 causal N512): ncu's PC
+      # sampling, ours and cuDNN's stall totals per reason, and ours per SASS instruction
+      # (scripts/ncu_stall_summary.py reads the csv); FWDSTALL_CASES: profile_fwd.py flag sets separated by ';'
+      IFS=';' read -ra fcases <<< "${FWDSTALL_CASES:---d 256 --n 2048 --causal;--d 128 --softcap;--d 64 --n 512 --causal}"
+      for c in "${fcases[@]}"; do
+        tag=$(echo "$c" | tr -d ' -'); [ -n "$tag" ] || tag=plain
+        for who in ours cudnn; do
+          [ $who = ours ] && { k=fwd_sm90; extra=; } || { k=fprop; extra=--cudnn; }
+          timeout 150 ncu -k regex:$k --launch-skip 3 -c 1 --set full -f -o "$OUT/fstall-$tag-$who" \
+            python3 scripts/profile_fwd.py $c $extra > "$OUT/fstall-$tag-$who.log" 2>&1
+          ncu --import "$OUT/fstall-$tag-$who.ncu-rep" --page raw --csv 2>/dev/null \
+            | python3 scripts/ncu_raw_pick.py pcsamp_warps_issue_stalled gpu__time_duration.sum inst_executed.sum \
+            | grep -v not_issued | sed "s/^/$tag $who /" | tee -a "$OUT/fstall-totals.txt" | sort -k4 -g -r | head -8
+          [ $who = ours ] && ncu --import "$OUT/fstall-$tag-ours.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
+            | gzip > "$OUT/fstall-$tag-ours-sass.csv.gz"
+          rm -f "$OUT/fstall-$tag-$who.ncu-rep"
+        done
+      done ;;
     bwdab)  # issue 11: the non-split Hopper backward's two scheduling constants (kernels_cu/sm90/bwd.cuh:
       # kBwdRowStatsAhead, kBwdDqHandoffLate), each A/B against the working tree, d128 unmasked beside cuDNN
       for alt in off ahead late; do
