@@ -449,9 +449,10 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             return rows + ((((Tr::kSplitD ? NT * cw : 0) + nt) ^ g) << 4) + 4 * t;
         };
         // lse2 / delta of a block: read where used, or ahead of their wgmma waits (kBwdRowStatsAhead)
-        // (not with dropout: its keep bits leave no room, 4-12 B of spills at d128 under NVRTC 13.5)
-        // nor in the split tile, whose loop reads them where used)
-        using RowStats = typename RowStatsOf<kBwdRowStatsAhead && !V::kDropout && !Tr::kSplitD, NT>::type;
+        // (not with dropout: its keep bits leave no room, 4-12 B of spills at d128 under NVRTC 13.5;
+        // nor with a score modifier's gradient, kGrad: ALiBi + window + softcap spilled 4 B at d128
+        // under 13.5; nor in the split tile, whose loop reads them where used)
+        using RowStats = typename RowStatsOf<kBwdRowStatsAhead && !V::kDropout && !kGrad && !Tr::kSplitD, NT>::type;
         // P^T = exp2(S^T c + bias - lse2) in place over this thread's n8 tiles of queries from qb
         // (element e: query qb + 8 nt + 2 t + e % 2, key key_w + g + 8 (e / 2); lrow: their lse2 in
         // smem, padded rows +inf so that P = 0 there). kGrad: P o grad parked at the dS^T slot of
