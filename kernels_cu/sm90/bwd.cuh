@@ -454,8 +454,8 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         // under 13.5; nor in the split tile, whose loop reads them where used)
         using RowStats = typename RowStatsOf<kBwdRowStatsAhead && !V::kDropout && !kGrad && !Tr::kSplitD, NT>::type;
         // P^T = exp2(S^T c + bias - lse2) in place over this thread's n8 tiles of queries from qb
-        // (element e: query qb + 8 nt + 2 t + e % 2, key key_w + g + 8 (e / 2); lrow: their lse2 in
-        // smem, padded rows +inf so that P = 0 there). kGrad: P o grad parked at the dS^T slot of
+        // (element e: query qb + 8 nt + 2 t + e % 2, key key_w + g + 8 (e / 2); lse: their lse2,
+        // padded rows +inf so that P = 0 there). kGrad: P o grad parked at the dS^T slot of
         // image rows park_rows (+8 rows for e / 2), where this thread's dS^T goes (both tiles' loops)
         auto exp_scores = [&](float (&acc)[NT][4], int qb, const RowStats& lse, u32 park_rows) {
 #pragma unroll
@@ -489,7 +489,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         // dS^T = P^T o (dP^T - delta) into the image rows `rows` (+8 for half), P^T from its
         // undropped 16-bit copy p_frag (the rounding dV used), or kGrad from the P o grad parked
         // there; dropout: dP^T o Z / (1 - p), Z the keep bit (bit 4 nt + 2 half + e; dropped: 0);
-        // drow: the queries' delta in smem (both tiles' loops)
+        // delta_rows: the queries' delta (both tiles' loops)
         auto store_ds = [&](const float (&acc_dp)[NT][4], const u32 (&p_frag)[NT / 2][4], u32 keep, const RowStats& delta_rows, u32 rows) {
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
