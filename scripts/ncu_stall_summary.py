@@ -21,7 +21,8 @@ a = ap.parse_args()
 if a.path == "-":
     text = sys.stdin.read()
 else:
-    raw = open(a.path, "rb").read()
+    with open(a.path, "rb") as fh:
+        raw = fh.read()
     text = (gzip.decompress(raw) if a.path.endswith(".gz") else raw).decode()
 rows = list(csv.reader(io.StringIO(text)))
 hdr_at = next(i for i, r in enumerate(rows) if "Source" in r and "Address" in r)
