@@ -154,11 +154,11 @@ def test_sm90_backward_varlen_defaults_compile_without_spills(d, extra, record_p
 @pytest.mark.parametrize("dq_bulk", [0, 4])
 def test_split_head_dim_sm90_backward_compiles_without_spills(dq_bulk, extra, record_property):
     """The split-head-dim tile (head_dim 256, Sm90BwdTraits::kSplitD; the automatic choice at d256
-    on Hopper since it ran on the H200), and its dq_bulk 4 twin, with each feature its score path has: no spills, no wgmma serialisation.
+    on Hopper since it ran on the H200), with each of its dQ paths (dq_bulk 4, the default, and 0), with each feature its score path has: no spills, no wgmma serialisation.
     (Plain bf16 and fp16: the selectable-configs test.)"""
     f = Features("bfloat16", 256, **{e: True for e in extra})
     assert families.BWD_SM90.supports(f)
-    # dq_bulk 0: the default (atomics); 4: dQ staged over the block's own Q / dO images (kDqInStage)
+    # dq_bulk 4: the default (dQ staged over the block's own Q / dO images, kDqInStage); 0: atomics
     tile = dataclasses.replace(families.BWD_SM90.default(256, features=f), dq_bulk=dq_bulk)
     assert tile in families.BWD_SM90.domain(256)
     check(tile, f, record_property)

@@ -236,7 +236,6 @@ def test_split_head_dim_sm90_backward_with_features(kw, dq_bulk):
     softcap, ALiBi, dropout and GQA against the sm80 backward of the same call (dropout: the same
     Philox keep mask in both), and its plain case by the 2x rule in test_sm90_backward_matches_reference."""
     from cuflash import _backward
-
     from cuflash.tiles import Sm90BwdConfig
 
     q, k, v, dout, out, lse, kw = _feature_case(kw, 13, 700, 555, 256)
