@@ -66,6 +66,18 @@ def test_column_masking_sm90_instances_compile_for_sm90a(cfg, record_property):
     check(cfg, features, record_property)
 
 
+@pytest.mark.parametrize("dropout", [False, True], ids=["plain", "dropout"])
+@pytest.mark.parametrize("cfg", sorted({FAMILY.causal_tile(t) for t in FAMILY.selectable()} - set(FAMILY.selectable())),
+                         ids=str)
+def test_drawn_variants_of_the_defaults_compile_for_sm90a(cfg, dropout, record_property):
+    """What an untuned causal call (FWD_SM90.causal_tile) or a ragged batch (varlen_tile) runs: the
+    defaults with the drawn tile order, whose instances are not in `selectable()`."""
+    features = Features("bfloat16", cfg.head_dim, dropout)
+    if FAMILY.avoids(dataclasses.replace(cfg, persistent=1), features):
+        return  # its static-stride twin spills with this class: the default never picks it
+    check(cfg, features, record_property)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("d", [64, 128])
 def test_whole_sm90_space_compiles(d, record_property):

@@ -408,6 +408,24 @@ def test_varlen_calls_draw_their_tiles(monkeypatch):
     assert families.select(families.FWD, call(varlen=True)) == families.select(families.FWD, call())
 
 
+def test_untuned_causal_calls_draw_their_tiles(monkeypatch):
+    """Where no tuned tile applies, a causal call runs the default with the drawn order
+    (FWD_SM90.causal_tile, what every tuned causal entry of the H200 table chose); a tuned tile and
+    a call without the causal mask keep the tile as chosen."""
+    from cuflash import _tuned, device
+
+    monkeypatch.setattr(device, "supported", lambda i=0: H200)
+    call = lambda causal, **kw: types.SimpleNamespace(device=0, causal=causal, features=Features("bfloat16", 128, **kw))  # noqa: E731
+    monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: None)
+    default = families.FWD_SM90.default(128, H200.smem_optin, Features("bfloat16", 128))
+    assert default.persistent != 2
+    assert families.select(families.FWD_SM90, call(True)) == dataclasses.replace(default, persistent=2)
+    assert families.select(families.FWD_SM90, call(False)) == default
+    tuned = Sm90FwdConfig(128, 176, 2, 2, 0, 1, 1, 1)
+    monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: tuned)
+    assert families.select(families.FWD_SM90, call(True)) == tuned
+
+
 def test_plan_boxes_follow_the_tile():
     p = fwd_problem(d=64)
     gq, gk, gv = _forward_sm90.geometries(p, Sm90FwdConfig(64, 176, 3, 2, 1, 1, 1, 0))

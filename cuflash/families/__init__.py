@@ -70,6 +70,8 @@ def select(family: KernelFamily, problem):
             tile = family.default(problem.features.head_dim, props.smem_optin, problem.features)
         except RuntimeError as e:  # no tile fits the device's shared memory: say which GPU
             raise RuntimeError(f"{e} per block on {props.name} (cc {props.cc_str})") from None
+        if family.causal_tile is not None and problem.causal:
+            tile = family.causal_tile(tile)
     if problem.features.varlen and family.varlen_tile is not None:
         tile = family.varlen_tile(tile)
     return tile

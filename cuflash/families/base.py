@@ -91,6 +91,9 @@ class KernelFamily:
     # tile unless it spills with varlen): a rule measured on ragged batches, e.g. the sm90 forward's
     # drawn order; None: that tile
     varlen_tile: Callable | None = None
+    # tile -> the tile a causal call runs when nothing tuned applies (the heuristic default's
+    # variant measured to suit a causal mask's uneven tiles); None: the default as it is
+    causal_tile: Callable | None = None
     # tiles of `defaults` that only a device where no other default fits may pick (the 2-warp d192 /
     # d256 backward of ~99 KB GPUs: slow, and spilling a little, they must not win elsewhere)
     last_resort: frozenset = frozenset()
