@@ -165,11 +165,12 @@ for s in $stages; do
       rm -f "$OUT"/stall-*.ncu-rep ;;
     fwdstall)  # the forward's gaps (issue 12's d256 causal N2048, issue 13's softcap, d64 causal N512): ncu's PC
       # sampling, ours and cuDNN's stall totals per reason, and ours per SASS instruction
-      # (scripts/ncu_stall_summary.py reads the csv); FWDSTALL_CASES: profile_fwd.py flag sets separated by ';'
+      # (scripts/ncu_stall_summary.py reads the csv); FWDSTALL_CASES: profile_fwd.py flag sets separated by ';';
+      # FWDSTALL_WHO: "ours" alone skips cuDNN (which has no varlen case)
       IFS=';' read -ra fcases <<< "${FWDSTALL_CASES:---d 256 --n 2048 --causal;--d 128 --softcap;--d 64 --n 512 --causal}"
       for c in "${fcases[@]}"; do
         tag=$(echo "$c" | tr -d ' -'); [ -n "$tag" ] || tag=plain
-        for who in ours cudnn; do
+        for who in ${FWDSTALL_WHO:-ours cudnn}; do
           [ $who = ours ] && { k=fwd_sm90; extra=; } || { k=fprop; extra=--cudnn; }
           timeout 150 ncu -k regex:$k --launch-skip 3 -c 1 --set full -f -o "$OUT/fstall-$tag-$who" \
             python3 scripts/profile_fwd.py $c $extra > "$OUT/fstall-$tag-$who.log" 2>&1

@@ -1,7 +1,9 @@
 """One bf16 forward (the automatic kernel: the sm90 one on an H200), 16k tokens (batch 16384 // N, N 8192
 unless --n), 2048 / head_dim heads, for
-`ncu -k regex:fwd_sm90 --launch-skip 3 -c 1 --section ... python scripts/profile_fwd.py [--alibi] [--softcap] [--causal] [--d 64] [--n 512]`
+`ncu -k regex:fwd_sm90 --launch-skip 3 -c 1 --section ... python scripts/profile_fwd.py [--alibi] [--softcap] [--causal] [--d 64] [--n 512] [--varlen]`
 (issue 13's ALiBi and softcap costs: the same launch with and without them). Warm-up runs come first.
+--varlen: scripts/bench_varlen.py's ragged batch instead (its ten lengths, 16,384 tokens) through
+cuflash.attention_varlen (issue 12's varlen forward against dense batch x 2048).
 --cudnn: SDPA's cuDNN backend on the same shape instead (its kernel: `-k regex:fprop`), to set its
 pipes beside ours."""
 import sys
@@ -20,7 +22,14 @@ rng = np.random.default_rng(0)
 q, k, v = testing.random_qkv(rng, max(1, 16384 // n), n, n, h, d, testing.bf16())
 slopes = cupy.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)) if "--alibi" in sys.argv else None
 softcap = 30.0 if "--softcap" in sys.argv else 0.0
-if "--cudnn" in sys.argv:
+if "--varlen" in sys.argv:  # bench_varlen.py's lengths (seed 0, drawn from 256..4096, 16,384 tokens)
+    lens = [3523, 2702, 2219, 1292, 1438, 413, 544, 319, 929, 3005]
+    q, k, v = (x.reshape(1, 16384, h, d)[0] for x in testing.random_qkv(rng, 1, 16384, 16384, h, d, testing.bf16()))
+    cu = cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
+    for _ in range(4):
+        cuflash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=causal)
+    cupy.cuda.Device().synchronize()
+elif "--cudnn" in sys.argv:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
