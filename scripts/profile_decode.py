@@ -2,7 +2,7 @@
 one query), the host time per call (perf_counter over back-to-back calls, no sync), the stream's
 time per call over the same loop (events around it: the larger of host and GPU when they overlap),
 the kernels' own durations (torch.profiler / CUPTI, which sees CuPy's launches too), and cProfile's
-top functions of the host path."""
+top functions of the host path. --device-lens: the lengths as a device array."""
 import argparse
 import cProfile
 import gc
@@ -24,13 +24,16 @@ def main():
     ap.add_argument("--cells", nargs="+", default=["1x131072", "8x8192", "64x2048"])
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--splits", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--device-lens", action="store_true",
+                    help="cache_seqlens as a device int32 array (a serving loop's) instead of an int")
     a = ap.parse_args()
     for cell in a.cells:
         b, n = map(int, cell.split("x"))
         kc, vc = (cupy.random.standard_normal((b, n, 8, 128), dtype=cupy.float32).astype(cupy.float16) for _ in "kv")
         q = cupy.random.standard_normal((b, 1, 32, 128), dtype=cupy.float32).astype(cupy.float16)
+        lens = cupy.full(b, n, dtype=cupy.int32) if a.device_lens else n
         for s in a.splits:
-            fn = lambda: cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=n, num_splits=s)  # noqa: E731
+            fn = lambda: cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=s)  # noqa: E731
             for _ in range(10):
                 fn()
             cupy.cuda.Device().synchronize()
