@@ -23,7 +23,9 @@ q, k, v = testing.random_qkv(rng, max(1, 16384 // n), n, n, h, d, testing.bf16()
 slopes = cupy.asarray((2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)) if "--alibi" in sys.argv else None
 softcap = 30.0 if "--softcap" in sys.argv else 0.0
 if "--varlen" in sys.argv:  # bench_varlen.py's lengths (seed 0, drawn from 256..4096, 16,384 tokens)
-    lens = [3523, 2702, 2219, 1292, 1438, 413, 544, 319, 929, 3005]
+    import bench_varlen  # beside this script
+
+    lens = bench_varlen._lengths(16384, np.random.default_rng(0))
     q, k, v = (x.reshape(1, 16384, h, d)[0] for x in testing.random_qkv(rng, 1, 16384, 16384, h, d, testing.bf16()))
     cu = cupy.asarray(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
     for _ in range(4):

@@ -59,6 +59,11 @@ def _product(d, block_k, consumers, stages, pingpong=(0, 1), overlap=(1,), q_sta
             for c in itertools.product(block_k, consumers, stages, pingpong, overlap, q_stages, persistent)]
 
 
+def _drawn(tile):
+    """The tile with the drawn tile order (persistent 2: sm90/tile_feed.cuh)."""
+    return dataclasses.replace(tile, persistent=2)
+
+
 FWD_SM90 = KernelFamily(
     name="fwd_sm90", description="forward on Hopper: TMA + wgmma, warp-specialised (out, lse)",
     what="sm90 forward", pass_="forward", tile_cls=Sm90FwdConfig,
@@ -107,11 +112,11 @@ FWD_SM90 = KernelFamily(
     # causal 374.7 / 372.1 / 428.7 (scripts/bench_tile_sched.py). On the dense table's tile: against a
     # dense batch of equal FLOPs on its tuned tile, in one run, varlen on that tile drawn ran 0.83x
     # (causal 0.99x), on the default tile drawn 0.73x (causal 0.77x) in another (scripts/bench_varlen.py)
-    varlen_tile=lambda t: dataclasses.replace(t, persistent=2),
+    varlen_tile=_drawn,
     # a causal mask's tiles differ in length too: every tuned causal entry of the H200 table (bf16,
     # dense and softcap, d64 / d128 / d192 / d256, N 512-8192) drew its tiles, 1.06-1.27x the
     # default's static stride (tuning/nvidia-h200.json), so an untuned causal call draws them as well
-    causal_tile=lambda t: dataclasses.replace(t, persistent=2),
+    causal_tile=_drawn,
     plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True, takes_user_mod=True,
     takes_block_mask=True, nullable_pointers=True,
 )
