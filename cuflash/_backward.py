@@ -6,7 +6,9 @@ Launch sequence (kernels_cu/flash_bwd.cuh):
     bwd_dq_convert  dq = softmax_scale * dq_acc, to the input dtype
     bwd_dkdv_reduce GQA/MQA only (heads_kv < heads): the dK/dV kernel wrote dK, dV per query head
                     into expanded (batch, seqlen_k, heads, head_dim) buffers of the input dtype
-                    (dk_exp, dv_exp); this sums each k/v head's group of them in fp32 into dk, dv
+                    (dk_exp, dv_exp); this sums each k/v head's group of them in fp32 into dk, dv.
+                    Not after the Hopper dK/dV kernel's group loop (group_loop: a CTA per K/V head
+                    runs its group's query heads, dK / dV summed in registers and written to dk, dv)
 With deterministic=True the atomics are off and flash_bwd_dq computes dQ in registers instead
 (bitwise reproducible, three extra GEMMs); there is no dq_acc then, and the kernels that take it
 get a null pointer. The Hopper dK/dV kernel's deterministic mode keeps dq_acc instead and adds
@@ -77,6 +79,22 @@ def _block_mask_inputs(p: AttnProblem) -> tuple:
     return BM_DKDV_SLOTS + (BM_DQ_SLOTS if p.deterministic else ())
 
 
+def group_loop(p: AttnProblem, cfg, dq_cfg) -> bool:
+    """Whether the dK/dV kernel takes a GQA/MQA group per CTA (kernels_cu/sm90/bwd.cuh kGroupLoop):
+    its family has the instances, the call has a group, and none of the features whose per-query-head
+    state lives through the kernel's loop (dropout, ALiBi, a user modification), nor block masks or a
+    deterministic dQ. Then dK / dV are summed over the group in registers and written to dk / dv
+    directly; otherwise per query head into the expanded buffers that bwd_dkdv_reduce sums."""
+    f = p.features
+    return (p.group > 1 and families.of(cfg).takes_group_loop and dq_cfg is None and getattr(cfg, "dq_bulk", 0) != 3
+            and not (f.dropout or f.alibi or f.user_mod or f.block_mask))
+
+
+def _main_kernel(p: AttnProblem, cfg, fused: bool):
+    """The dK/dV kernel of this plan: its group-loop instance when `fused`."""
+    return _compile.get_kernel(cfg, dataclasses.replace(p.features, group_loop=True) if fused else p.features, p.device)
+
+
 def varlen_ws_rows_per_head(p: AttnProblem) -> int:
     """Workspace rows per head of a varlen backward: every sequence starts at (its first row +
     _ROW_PAD x its index) rounded down to _ROW_PAD (kernels_cu/attn/mask.cuh, SeqSpan::ws_row0)."""
@@ -99,15 +117,17 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
     launches = [Launch(prep, (-(-rows_grid * prep_threads_per_row(kd) // _AUX_THREADS), h, bz), (_AUX_THREADS,), 0,
                        pointers=_aux_pointers("bwd_prep_varlen"))]
     n_blocks = -(-p.seqlen_k // cfg.block_k) * getattr(cfg, "column_splits", 1)
-    check_grid(n_blocks * h * b)
+    fused = group_loop(p, cfg, dq_cfg)
+    grid_heads = hkv if fused else h  # the group loop: a CTA per K/V head
+    check_grid(n_blocks * grid_heads * b)
     fam = families.of(cfg)
-    main = _compile.get_kernel(cfg, p.features, p.device)
+    main = _main_kernel(p, cfg, fused)
     # sm90: its slots (the offsets after dv) and the per-call bind of its TMA maps
     slots, bind = fam.main_args(p, cfg) if fam.main_args is not None else (
         _pointers(families.BWD) + VARLEN_SLOTS + _alibi_slot(p), None)
-    if gqa:
+    if gqa and not fused:
         slots = tuple(_EXPANDED.get(n, n) for n in slots)
-    launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
+    launches.append(Launch(main, (n_blocks * grid_heads * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
     m_blocks = 0
     if dq_cfg is not None:  # deterministic: the dQ kernel
         m_blocks = -(-p.seqlen_q // dq_cfg.block_q)
@@ -123,7 +143,7 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
         launches.append(Launch(convert, (-(-p.seqlen_q * chunks // _AUX_THREADS), h, bz), (_AUX_THREADS,), 0,
                                pointers=_aux_pointers(name)))
     expanded = ()
-    if gqa:
+    if gqa and not fused:
         reduce = _compile.get_aux_kernel("bwd_dkdv_reduce", p.features, p.device)
         launches.append(Launch(reduce, (-(-p.total_k * hkv * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,
                                pointers=_aux_pointers("bwd_dkdv_reduce")))
@@ -152,16 +172,18 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     # key tiles x head-dim column splits (an sm80 tile past d=128: BwdConfig.column_splits), the
     # kernel's BwdParams.n_blocks
     n_blocks = -(-nk // cfg.block_k) * getattr(cfg, "column_splits", 1)
-    check_grid(n_blocks * h * b)
+    fused = group_loop(p, cfg, dq_cfg)
+    grid_heads = hkv if fused else h  # the group loop: a CTA per K/V head
+    check_grid(n_blocks * grid_heads * b)
     fam = families.of(cfg)
-    main = _compile.get_kernel(cfg, p.features, p.device)
+    main = _main_kernel(p, cfg, fused)
     # the dK/dV kernel: its pointer slots, or (sm90) the slots a per-call bind turns into TMA maps
     slots, bind = fam.main_args(p, cfg) if fam.main_args is not None else (_pointers(fam) + _alibi_slot(p), None)
     if p.block_mask is not None:
         slots = slots + BM_DKDV_SLOTS
-    if gqa:  # dK, dV per query head, into the expanded buffers bwd_dkdv_reduce sums
+    if gqa and not fused:  # dK, dV per query head, into the expanded buffers bwd_dkdv_reduce sums
         slots = tuple(_EXPANDED.get(n, n) for n in slots)
-    launches.append(Launch(main, (n_blocks * h * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
+    launches.append(Launch(main, (n_blocks * grid_heads * b,), (cfg.threads,), cfg.smem_bytes, pointers=slots, bind=bind))
 
     m_blocks = 0  # BwdParams.m_blocks: the dQ kernel's, when it runs
     if dq_cfg is not None:
@@ -182,7 +204,7 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
                                pointers=_aux_pointers("bwd_dq_convert")))
 
     expanded = ()
-    if gqa:
+    if gqa and not fused:
         kv_rows = b * nk * hkv
         reduce = _compile.get_aux_kernel("bwd_dkdv_reduce", p.features, p.device)
         launches.append(Launch(reduce, (-(-kv_rows * chunks // _AUX_THREADS),), (_AUX_THREADS,), 0,

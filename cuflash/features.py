@@ -8,7 +8,7 @@ and keys the tuned tables (tuning every feature combination is impossible, tunin
 
 The boolean variant fields (declared with `_variant`) are the kernels' compile-time feature set:
 the generated shell passes them, in field order, as ONE template argument,
-`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged, alibi, user_mod, block_mask>` (kernels_cu/attn/features.cuh), and asserts that each C++
+`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged, alibi, user_mod, block_mask, group_loop>` (kernels_cu/attn/features.cuh), and asserts that each C++
 member holds the value of its field (`cxx_asserts`), so the two lists cannot drift apart. Adding a
 feature is: one `_variant` field here, one parameter and member there, and the policy header that
 reads it; the shells, kernel names and fingerprints follow.
@@ -73,6 +73,10 @@ class Features:
     # leaves non-empty; the kernel takes the lists after mod_aux and visits only those
     # (kernels_cu/attn/block_mask.cuh); every v2 kernel (forwards, dK/dV, dQ)
     block_mask: bool = _variant("_bm", "kBlockMask")
+    # GQA/MQA in the Hopper dK/dV kernel: a CTA per (key block, K/V head) loops over the group's query
+    # heads and sums dK, dV over them in registers (kernels_cu/sm90/bwd.cuh kGroupLoop) instead of
+    # writing them per query head for bwd_dkdv_reduce; only the sm90 backward has it
+    group_loop: bool = _variant("_grp", "kGroupLoop")
 
     @classmethod
     @functools.cache

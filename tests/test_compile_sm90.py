@@ -112,6 +112,16 @@ def test_selectable_sm90_backward_configs_compile_for_sm90a(cfg, dtype, record_p
     check(cfg, drop, record_property)
 
 
+@pytest.mark.parametrize("variant", [{}, {"local": True, "softcap": True, "varlen": True}], ids=["plain", "local+softcap+varlen"])
+@pytest.mark.parametrize("cfg", families.BWD_SM90.selectable(), ids=str)
+def test_group_loop_sm90_backward_instances_compile(cfg, variant, record_property):
+    """GQA's group-loop instances (kGroupLoop: a CTA per K/V head runs the group's query heads),
+    every selectable tile, with the features the loop takes: no spills (NVRTC 13.0 and 13.5)."""
+    features = Features("bfloat16", cfg.head_dim, group_loop=True, **variant)
+    assert families.BWD_SM90.supports(features) and not families.FWD_SM90.supports(features)
+    check(cfg, features, record_property)
+
+
 # The deterministic twins (dq_bulk 3) of the selectable tiles: bytes of spill stores known with
 # dropout (NVRTC 13.5; none under 13.0); plain, windowed and softcapped ones spill nothing.
 KNOWN_DETERMINISTIC_DROPOUT_SPILLS = {128: 4}

@@ -66,7 +66,7 @@ def test_reference_rejects_lengths_out_of_range():
 def test_only_the_sm80_forward_has_seqused_k_instances():
     f = Features("bfloat16", 64, seqused_k=True)
     assert f.tag() == "_kvlen" and f.perf_class() == "dense"
-    assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false, false, false, false, false, false>"
+    assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false, false, false, false, false, false, false>"
     assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["fwd", "decode"]
     for fam in families.FORWARDS:
         if fam is not families.FWD:

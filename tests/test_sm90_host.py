@@ -307,7 +307,7 @@ def test_kernel_source_declares_the_maps_by_value_and_launch_bounds_for_setmaxnr
     assert (f'extern "C" __global__ void __launch_bounds__(384, 1) {name}(const __grid_constant__ cuflash::TmaMap tq, '
             "const __grid_constant__ cuflash::TmaMap tk, const __grid_constant__ cuflash::TmaMap tv, "
             "cuflash::elem_t* __restrict__ out, float* __restrict__ lse, int* tile_counter, long long q_sb_, ") in src
-    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, 1, cuflash::Variant<true, false, false, false, false, false, false, false, false, false, false>>(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in src
+    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, 1, cuflash::Variant<true, false, false, false, false, false, false, false, false, false, false, false>>(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in src
     decl = ", ".join(f"{ctype} {f}_" for f, ctype in params.fields("FwdParams"))
     assert decl + ") {" in src
     # the sm80 shells keep their single-argument launch bounds
@@ -641,7 +641,7 @@ def test_sm90_backward_family():
     assert Sm90BwdConfig(128, 64, 2, 2, 3, 1) not in f.domain(128) and "dq_bulk" in Sm90BwdConfig(128, 64, 2, 2, 5, 1).structural_problem()
     src = _compile.kernel_source(t, Features("float16", 128))
     assert ("const __grid_constant__ cuflash::TmaMap tdo, const float* __restrict__ lse2" in src
-            and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, 0, 0, cuflash::Variant<false, false, false, false, false, false, false, false, false, false, false>>" in src)
+            and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, 0, 0, cuflash::Variant<false, false, false, false, false, false, false, false, false, false, false, false>>" in src)
 
 
 def test_sm90_backward_binds_four_maps_and_the_workspaces():
@@ -714,25 +714,52 @@ def test_gqa_forward_maps_have_the_kv_heads(calls, hkv):
     assert int(f["tiles"]) == 1 * 4 * 2  # work tiles over the query heads
 
 
-def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
-    """The Hopper dK/dV kernel in a GQA plan: k, v maps of heads_kv heads, dK/dV slots renamed to the
-    expanded buffers, and bwd_dkdv_reduce after the dQ convert."""
+def _gqa_sm90_backward_plan(monkeypatch, fused: bool):
+    """(plan outputs, launches, the main kernel's features) of a GQA plan (4 query heads, 1 K/V head)
+    of the Hopper dK/dV kernel, with the group loop (`fused`) or, forced off, the expanded buffers."""
     cupy = pytest.importorskip("cupy")
     from cuflash import _backward
     from cuflash.tiles import Sm90BwdConfig
 
-    rec = []
-    monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
+    rec, feats = [], []
+
+    def kernel(cfg, f, dev):
+        feats.append(f)
+        return Recorder(rec)
+
+    monkeypatch.setattr(_compile, "get_kernel", kernel)
     monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: Recorder(rec))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
+    if not fused:
+        monkeypatch.setattr(_backward, "group_loop", lambda p, cfg, dq_cfg: False)
     q, kv = info((2, 100, 4, 64)), info((2, 300, 1, 64))
     lse = problem.ArrayInfo((2, 4, 100), "float32", 4, (4 * 100 * 4, 100 * 4, 4), 1 << 20, 0)
     p = problem.resolve_backward(q, q, kv, kv, q, lse, CAUSAL, None)
+    assert _backward.group_loop(p, Sm90BwdConfig(64, 64, 2, 2, 0, 0), None) == fused
     plan = _backward._plan(p, Sm90BwdConfig(64, 64, 2, 2, 0, 0), None, np.float16)
-    dq, dk, dv = plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(6)))
+    return plan.run(tuple(arr(0x1000 * (i + 1)) for i in range(6))), rec, feats
+
+
+def test_gqa_sm90_backward_sums_the_group_in_the_kernel(monkeypatch):
+    """GQA on the Hopper dK/dV kernel (no dropout, ALiBi, user mod, block mask, deterministic dQ):
+    its group-loop instance on a grid of K/V heads writes dk, dv directly; no bwd_dkdv_reduce."""
+    (dq, dk, dv), rec, feats = _gqa_sm90_backward_plan(monkeypatch, True)
     assert dk == dv == ("alloc", (2, 300, 1, 64), "float16") and dq == ("alloc", (2, 100, 4, 64), "float16")
+    assert len(rec) == 3  # prep, the main kernel, the dQ convert
+    grid, _, main, _ = rec[1]
+    assert feats[0].group_loop and grid == (-(-300 // 128) * 1 * 2,)
+    assert main[1] == ("map", (64, 300, 1, 1, 2), 0x3000) and main[0] == ("map", (64, 100, 1, 4, 2), 0x2000)
+    assert main[7:9] == (dk, dv)
+
+
+def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
+    """Without the group loop (dropout, ALiBi, ...): k, v maps of heads_kv heads, dK/dV slots renamed
+    to the expanded buffers, and bwd_dkdv_reduce after the dQ convert."""
+    (dq, dk, dv), rec, feats = _gqa_sm90_backward_plan(monkeypatch, False)
+    assert dk == dv == ("alloc", (2, 300, 1, 64), "float16") and dq == ("alloc", (2, 100, 4, 64), "float16")
+    assert not feats[0].group_loop and rec[1][0] == (-(-300 // 128) * 4 * 2,)
     main, reduce = rec[1][2], rec[3][2]
     assert main[1] == ("map", (64, 300, 1, 1, 2), 0x3000) and main[0] == ("map", (64, 100, 1, 4, 2), 0x2000)
     expanded = ("alloc", (2, 300, 4, 64), "float16")

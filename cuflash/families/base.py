@@ -120,6 +120,7 @@ class KernelFamily:
     takes_user_mod: bool = False  # True: user score/mask modification instances (cuflash.ScoreMod)
     mod_pointer: tuple = (AUX_TABLE, "mod_aux")  # the ScoreMod's aux pointer table, after alibi_slopes
     takes_block_mask: bool = False  # True: block-mask instances (cuflash.BlockMask's key-block lists)
+    takes_group_loop: bool = False  # True: GQA instances that sum dK / dV over a group in the kernel (sm90 backward)
     block_mask_pointers: tuple = ((I32_IN, "bm_counts"), (I32_IN, "bm_index"))  # after mod_aux
     # True: the device template takes every optional pointer the family has (seqused_k, block_table,
     # cu_seqlens_q / _k, alibi_slopes, mod_aux, bm_counts / bm_index, in that order), and the shell passes nullptr for those the
@@ -150,7 +151,8 @@ class KernelFamily:
                 and (self.takes_paged or not features.paged)
                 and (self.takes_alibi or not features.alibi)
                 and (self.takes_user_mod or not features.user_mod)
-                and (self.takes_block_mask or not features.block_mask))
+                and (self.takes_block_mask or not features.block_mask)
+                and (self.takes_group_loop or not features.group_loop))
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
         """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order

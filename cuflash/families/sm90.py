@@ -192,6 +192,9 @@ BWD_SM90 = KernelFamily(
     accumulator_registers=_bwd_acc, register_limit=_consumer_cap, call_problem=_bwd_call_problem,
     main_args=_bwd_main_args, run=_run_bwd, deterministic_outputs=(1, 2),
     takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
+    # GQA / MQA: a CTA per (key block, K/V head) runs the group's query heads, dK / dV summed in its
+    # registers (kGroupLoop, cuflash/_backward.py group_loop): no per-query-head scratch, no reduce pass
+    takes_group_loop=True,
     # variable-length batches, dQ in the same fragment order (each sequence's workspace rows start at
     # a multiple of 128): varlen / dense of equal useful FLOPs 0.93, causal 0.98 on the H200 (with
     # per-element atomics: 0.80 / 0.73; scripts/bench_varlen.py, 2026-12-02)

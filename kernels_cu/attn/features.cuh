@@ -10,7 +10,7 @@
 namespace cuflash {
 
 template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN, bool SPLIT_KV, bool PAGED,
-          bool ALIBI, bool USER_MOD, bool BLOCK_MASK>
+          bool ALIBI, bool USER_MOD, bool BLOCK_MASK, bool GROUP_LOOP>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -68,6 +68,10 @@ struct Variant {
     // listed blocks of each range (BlockList). Every v2 kernel: the forwards (sm80, sm90), the
     // dK/dV kernels (sm80, sm90: from the transposed lists) and the dQ kernel.
     static constexpr bool kBlockMask = BLOCK_MASK;
+    // GQA/MQA in the Hopper dK/dV kernel (sm90/bwd.cuh): a CTA per (key block, K/V head, batch) runs
+    // the group's query heads one after another, dK and dV summed over the group in its registers
+    // and written to dk / dv (heads_kv heads) directly. Only that kernel has these instances.
+    static constexpr bool kGroupLoop = GROUP_LOOP;
 };
 
 }  // namespace cuflash

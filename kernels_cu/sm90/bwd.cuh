@@ -163,6 +163,15 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     // (3: in key-block order; 4: as they come)
     constexpr bool kFragWarp = kDqMode >= 3;
     static_assert(!kOrdered || !V::kBlockMask, "the ordered dQ does not take block masks");
+    // V::kGroupLoop (GQA/MQA): one CTA per (key block, K/V head, batch), whose steps run over the
+    // group's query heads and each one's query blocks (step it: query head it / n_iter_head of the
+    // group, its block it % n_iter_head), so dK and dV sum the group in registers (no per-query-head
+    // scratch, no bwd_dkdv_reduce pass) and K / V are loaded once for it. Not with the features whose
+    // per-head state lives through the loop (dropout's stream, ALiBi's slope, a user modification's
+    // head), the ordered dQ or block masks: those keep a CTA per query head (cuflash/_backward.py)
+    constexpr bool kGroup = V::kGroupLoop;
+    static_assert(!kGroup || (!kOrdered && !V::kBlockMask && !V::kDropout && !V::kAlibi && !V::kUserMod),
+                  "the group loop keeps no per-query-head state through the loop");
 
     extern __shared__ unsigned char smem[];
     // [0] K and V landed; [1 + s] stage s full (Q_i and dO_i), [1 + STAGES + s] stage s free;
@@ -184,7 +193,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     const u32 sLse = sDQ + Tr::kDqStageBytes;
     const u32 sDelta = sLse + STAGES * Tr::kStatBytes;
 
-    const int n_heads = params.heads;
+    const int n_heads = kGroup ? params.heads_kv : params.heads;  // the grid's heads (kGroup: K/V heads)
     const int n_blocks = params.n_blocks;
     // key blocks fastest, in natural order: under a causal mask the early key blocks see the most
     // query blocks, so the heaviest CTAs start first. kOrdered: heads fastest within groups
@@ -213,7 +222,12 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     const BlockList<V::kBlockMask> blocks = BlockList<V::kBlockMask>::of(
         bm_counts, bm_index, V::kBlockMask ? block_list_row(params, blk.batch, blk.head, n_blocks, blk.block) : 0,
         params.bm_mb, range);
-    const int n_iter = blocks.size();
+    // steps: the query blocks of each query head the CTA takes (kGroup: the group's; else its one)
+    const int n_iter_head = blocks.size();
+    const int n_iter = kGroup ? n_iter_head * params.group : n_iter_head;
+    // the query head of step it, and its (batch, head) index (the workspace rows' and dq_acc's)
+    auto head_at = [&](int it) { return kGroup ? blk.head * params.group + it / n_iter_head : blk.head; };
+    auto bh_at = [&](int it) { return kGroup ? blk.batch * params.heads + head_at(it) : blk.bh; };
     // kOrdered: this CTA's order of dQ's reductions (sm90/det_order.cuh): 0 the staircase, else
     // rotated with this stride (its sequence's query and key blocks decide, varlen included)
     const int det_r = kOrdered ? det_stride<BR, BC, V::kLocal>(params, m_blocks, seqlen_k) : 0;
@@ -223,6 +237,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     // the sequence, n_iter >= det_r x its key blocks > det_r n: one wrap). (params read again
     // where used: the producer has 24 registers.)
     auto block_at = [&](int it) {
+        if (kGroup) return blocks.at(it % n_iter_head);
         if (!kOrdered || (!V::kLocal && det_r && params.window_right < kUnbounded)) return blocks.at(it);
         if (V::kLocal || !det_r) return blocks.at(n_iter - 1 - it);
         const int i = it + det_r * blk.block;
@@ -254,20 +269,22 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
             mbar_arrive_expect_tx(bar_kv, 2 * Tr::kKVBytes);
             // GQA/MQA: k/v head h / group (MHA: group 1); dK/dV are written per query head into the
             // expanded buffers that bwd_dkdv_reduce sums over the group
-            const int h_kv = blk.head / params.group;
+            // (kGroup: the CTA's head is the K/V head, its steps the group's query heads)
+            const int h_kv = kGroup ? blk.head : blk.head / params.group;
             tma_load_5d(sK, tk, bar_kv, 0, span.k_start + n0, 0, h_kv, tb);
             tma_load_5d(sV, tv, bar_kv, 0, span.k_start + n0, 0, h_kv, tb);
-            const long long ws0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, params.seqlen_q_pad);
+            const long long ws0 = kGroup ? 0 : span.template ws_row0<V>(blk.batch, blk.head, blk.bh, params.seqlen_q_pad);
             for (int it = 0; it < n_iter; ++it) {
                 const int s = it % STAGES;
                 const int m0 = block_at(it) * BR;
+                const int hq = head_at(it);
                 mbar_wait(bar_free(s), ((it / STAGES) & 1) ^ 1);  // a fresh barrier counts as released
                 mbar_arrive_expect_tx(bar_full(s), 2 * Tr::kQBytes + 2 * Tr::kStatBytes);
-                tma_load_5d(sQ + s * Tr::kQBytes, tq, bar_full(s), 0, span.q_start + m0, 0, blk.head, tb);
-                tma_load_5d(sdO + s * Tr::kQBytes, tdo, bar_full(s), 0, span.q_start + m0, 0, blk.head, tb);
+                tma_load_5d(sQ + s * Tr::kQBytes, tq, bar_full(s), 0, span.q_start + m0, 0, hq, tb);
+                tma_load_5d(sdO + s * Tr::kQBytes, tdo, bar_full(s), 0, span.q_start + m0, 0, hq, tb);
                 // lse2 / delta have seqlen_q_pad rows per (batch, head), a multiple of 128 (varlen:
                 // each sequence's rows padded to 128 in its head's, SeqSpan::ws_row0): in bounds
-                const long long row = ws0 + m0;
+                const long long row = (kGroup ? span.template ws_row0<V>(blk.batch, hq, bh_at(it), params.seqlen_q_pad) : ws0) + m0;
                 bulk_load_1d(sLse + s * Tr::kStatBytes, lse2 + row, Tr::kStatBytes, bar_full(s));
                 bulk_load_1d(sDelta + s * Tr::kStatBytes, delta + row, Tr::kStatBytes, bar_full(s));
             }
@@ -326,7 +343,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 const long long pad = params.seqlen_q_pad;
                 for (int it = 0; it < n_iter; ++it) {
                     const int s = it % STAGES;
-                    const long long row0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + block_at(it) * 64;
+                    const long long row0 = span.template ws_row0<V>(blk.batch, head_at(it), bh_at(it), pad) + block_at(it) * 64;
 #pragma unroll
                     for (int c = 0; c < CONSUMERS; ++c) {
                         mbar_wait(bar_dq_staged(s, c), (it / STAGES) & 1);
@@ -359,7 +376,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     if constexpr (kFragWarp) {
                         const int m = block_at(it);
                         // the block's first workspace row
-                        const long long row0 = span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m * 64;
+                        const long long row0 = span.template ws_row0<V>(blk.batch, head_at(it), bh_at(it), pad) + m * 64;
 #pragma unroll
                         for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
                             named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
@@ -380,7 +397,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                         for (int c = 0; c < Tr::kDqWarpgroups; ++c) {
                             named_bar_sync(Tr::kBarDqFull + c, Tr::kDqBarThreads);
-                            float* rows = dq_acc + (span.template ws_row0<V>(blk.batch, blk.head, blk.bh, pad) + m0) * D + 64 * c;
+                            float* rows = dq_acc + (span.template ws_row0<V>(blk.batch, head_at(it), bh_at(it), pad) + m0) * D + 64 * c;
                             const u32 stage = sDQ + c * 64 * Tr::kDqRowBytes;
 #pragma unroll
                             for (int r = lane; r < 64; r += 32)
@@ -412,13 +429,13 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
         constexpr bool kGrad = V::kSoftcap || UserMod<V>::kScore;
         const Dropout drop{params.drop_seed, params.drop_threshold, blk.bh};
         const long long pad = params.seqlen_q_pad;
-        // this (batch, head)'s first workspace row (lse2, delta, dq_acc), recomputed where used
-        // (V::kVarlen: from a reloaded offset, so that no register holds it through the loop)
-        auto ws_row0 = [&]() -> long long {
+        // step it's (batch, query head)'s first workspace row (lse2, delta, dq_acc), recomputed where
+        // used (V::kVarlen: from a reloaded offset, so that no register holds it through the loop)
+        auto ws_row0 = [&](int it) -> long long {
             if constexpr (V::kVarlen)
-                return SeqSpan::varlen_ws_row0(SeqSpan::reload<V>(cu_seqlens_q, blk.batch), blk.batch, blk.head, (int)pad);
+                return SeqSpan::varlen_ws_row0(SeqSpan::reload<V>(cu_seqlens_q, blk.batch), blk.batch, head_at(it), (int)pad);
             else
-                return (long long)blk.bh * pad;
+                return (long long)bh_at(it) * pad;
         };
 
         // Descriptors. K-major (contraction over D): this consumer's 64 K / V rows (A of S^T, dP^T),
@@ -529,9 +546,9 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                 asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" :: "r"(sthr + nt * 128 * 16),
                              "f"(acc_dq[nt][0]), "f"(acc_dq[nt][1]), "f"(acc_dq[nt][2]), "f"(acc_dq[nt][3]) : "memory");
         };
-        auto add_dq_atomic = [&](const float (&acc_dq)[8][4], int m0, int col0) {
+        auto add_dq_atomic = [&](const float (&acc_dq)[8][4], int it, int m0, int col0) {
             float* dq_rows = reinterpret_cast<float*>(
-                opaque((u64)(dq_acc + (ws_row0() + m0 + 16 * warp + g) * D + col0 + 2 * t)));
+                opaque((u64)(dq_acc + (ws_row0(it) + m0 + 16 * warp + g) * D + col0 + 2 * t)));
 #pragma unroll
             for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
@@ -684,7 +701,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                             mbar_arrive(bar_dq_staged(s, cw));
                         }
                     } else {
-                        add_dq_atomic(acc_dq, m0, 64 * j);
+                        add_dq_atomic(acc_dq, it, m0, 64 * j);
                     }
                 }
             }
@@ -875,7 +892,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                         fence_proxy_async();  // generic-proxy stores, read next by the bulk reduction
                         named_bar_sync(Tr::kBarDqFull + cw, 128);
                         if (ctid == 0) {
-                            bulk_reduce_add_f32(dq_frag_block(ws_row0() + m * 64, cw), stage, Tr::kDqFragBytes);
+                            bulk_reduce_add_f32(dq_frag_block(ws_row0(it) + m * 64, cw), stage, Tr::kDqFragBytes);
                             bulk_commit();
                         }
                     }
@@ -892,7 +909,7 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
                     fence_proxy_async();  // generic-proxy stores, read next by the bulk reductions
                     named_bar_arrive(Tr::kBarDqFull + cw, Tr::kDqBarThreads);
                 } else {
-                    add_dq_atomic(acc_dq, m0, 64 * cw);  // columns: D columns 64 cw ..
+                    add_dq_atomic(acc_dq, it, m0, 64 * cw);  // columns: D columns 64 cw ..
                 }
             }
             if constexpr (Tr::kDqFirst) {

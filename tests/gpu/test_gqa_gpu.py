@@ -158,18 +158,29 @@ def _sm90_unavailable() -> str | None:
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("nq,nk", SEQLENS)
-def test_gqa_backward_sm90(nq, nk, causal, d, dtype, hkv):
-    """The Hopper dK/dV kernel (cuflash._backward.backward(..., backend="sm90")): dK, dV per query
-    head are deterministic there (dQ is by atomics), so dk/dv also match MHA's summed bitwise."""
+def test_gqa_backward_sm90(nq, nk, causal, d, dtype, hkv, monkeypatch):
+    """The Hopper dK/dV kernel (cuflash._backward.backward(..., backend="sm90")). By default GQA runs
+    its group loop (dK, dV summed over the group in registers, rounded once): the 2x rule. With the
+    loop off (as for dropout or ALiBi) dK, dV per query head are deterministic (dQ is by atomics),
+    so dk/dv match MHA's summed by bwd_dkdv_reduce bitwise."""
+    from cuflash import _backward
+
     why = _sm90_unavailable()
     if why:
         pytest.skip(why)
     q, k, v, dout = _inputs(hash((nq, nk, causal, d, dtype, hkv, "gqa-bwd90")) % 2**32, 2, nq, nk, hkv, d, dtype)
     grads = _run_bwd(q, k, v, dout, causal, backend="sm90")
-    _check_grads(grads, q, k, v, dout, causal, " (sm90)")
+    _check_grads(grads, q, k, v, dout, causal, " (sm90, group loop)" if hkv < H else " (sm90)")
+    _backward._plans.clear()
+    monkeypatch.setattr(_backward, "group_loop", lambda p, cfg, dq_cfg: False)
+    expanded = _run_bwd(q, k, v, dout, causal, backend="sm90")
+    _backward._plans.clear()
+    _check_grads(expanded, q, k, v, dout, causal, " (sm90, expanded)")
     mha = _run_bwd(q, repeat_kv(k, H), repeat_kv(v, H), dout, causal, backend="sm90")
-    assert _same_bits(grads[1], _sequential_group_sum(mha[1], hkv))
-    assert _same_bits(grads[2], _sequential_group_sum(mha[2], hkv))
+    assert _same_bits(expanded[1], _sequential_group_sum(mha[1], hkv))
+    assert _same_bits(expanded[2], _sequential_group_sum(mha[2], hkv))
+    if hkv == H:  # MHA: the same kernel either way
+        assert _same_bits(grads[1], expanded[1]) and _same_bits(grads[2], expanded[2])
 
 
 def test_gqa_public_backward_and_dropout():
