@@ -18,7 +18,7 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loada
 
 
 def test_variant_fields_tags_and_perf_class():
-    assert [f.name for f in Features.variant_fields()] == ["dropout", "local", "softcap", "partial_d", "seqused_k", "varlen", "split_kv", "paged", "alibi", "user_mod", "block_mask"]
+    assert [f.name for f in Features.variant_fields()] == ["dropout", "local", "softcap", "partial_d", "seqused_k", "varlen", "split_kv", "paged", "alibi", "user_mod", "block_mask", "group_loop"]
     cases = {(False, False): ("", "dense"), (True, False): ("_drop", "dropout"),
              (False, True): ("_local", "dense"), (True, True): ("_drop_local", "dropout")}
     for (drop, local), (tag, pc) in cases.items():

@@ -329,7 +329,7 @@ def test_split_combine_kernel_compiles():
 
 def test_only_the_decode_kernel_has_paged_instances():
     f = Features("bfloat16", 128, seqused_k=True, paged=True)
-    assert f.tag() == "_kvlen_paged" and f.cxx().endswith("true, false, false, true, false, false, false>")
+    assert f.tag() == "_kvlen_paged" and f.cxx().endswith("true, false, false, true, false, false, false, false>")
     assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["decode"]
 
 
