@@ -151,7 +151,7 @@ def _plan_varlen(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype)
     buffers = (Buffer("dq", (p.total_q, h, d), dtype), Buffer("dk", (p.total_k, hkv, d), dtype),
                Buffer("dv", (p.total_k, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if dq_cfg is not None else (ws_rows * kd,)), _dq_sem(cfg, ws_rows, kd), *expanded)
-    params = _with_det_order(pack_bwd(p, pad, n_blocks, m_blocks), p, cfg, n_blocks)
+    params = _with_det_order(pack_bwd(p, pad, n_blocks, m_blocks, group_loop=fused), p, cfg, n_blocks)
     return Plan(p.device, BWD_ARRAYS + VARLEN_SLOTS + _alibi_slot(p), buffers, tuple(launches), OUTPUTS, params)
 
 
@@ -214,7 +214,7 @@ def _plan(p: AttnProblem, cfg: BwdConfig, dq_cfg: DqConfig | None, dtype) -> Pla
     buffers = (Buffer("dq", (b, nq, h, d), dtype), Buffer("dk", (b, nk, hkv, d), dtype),
                Buffer("dv", (b, nk, hkv, p.dv), dtype), Buffer("delta", (ws_rows,)), Buffer("lse2", (ws_rows,)),
                Buffer("dq_acc", None if dq_cfg is not None else (ws_rows * kd,)), _dq_sem(cfg, ws_rows, kd), *expanded)
-    params = _with_det_order(pack_bwd(p, pad, n_blocks, m_blocks), p, cfg, n_blocks)
+    params = _with_det_order(pack_bwd(p, pad, n_blocks, m_blocks, group_loop=fused), p, cfg, n_blocks)
     if p.block_mask is not None:  # entries per list row: the dQ tile's key blocks, the dK/dV tile's query blocks
         params["bm_nb"] = -(-nk // dq_cfg.block_k) if dq_cfg is not None else 0
         params["bm_mb"] = -(-nq // cfg.block_q)

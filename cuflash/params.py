@@ -166,23 +166,27 @@ def pack_fwd(p: AttnProblem, m_blocks: int) -> np.ndarray:
     return a
 
 
-def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0) -> np.ndarray:
+def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0, group_loop: bool = False) -> np.ndarray:
     """BwdParams of a backward plan: q, k, v, out, dout strides from the problem, dq, dk, dv's of
     fresh (C-contiguous) gradients; lse2 / delta / dq_acc rows padded to seqlen_q_pad; n_blocks
     key blocks of the dK/dV tile, m_blocks query blocks of the dQ tile (0: no dQ kernel).
 
     GQA/MQA (p.group > 1): dk_s*/dv_s* are those of the expanded (batch, seqlen_k, heads,
     head_dim) buffers the dK/dV kernels write per query head, and kv_rows = batch * seqlen_k *
-    heads_kv the rows bwd_dkdv_reduce sums them into (0 with group 1: no reduction)."""
+    heads_kv the rows bwd_dkdv_reduce sums them into (0 with group 1: no reduction). `group_loop`
+    (the Hopper dK/dV kernel's kGroupLoop, cuflash/_backward.py group_loop): the kernel writes dk, dv
+    themselves, (batch, seqlen_k, heads_kv, head_dim), and nothing is reduced (kv_rows 0)."""
     a = np.zeros(1, BWD)
     for t, name in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"), ("do", "dout")):
         _set_strides(a, t, p.strides[name])
     _set_strides(a, "dq", contiguous_strides(p.seqlen_q, p.heads, p.head_dim))
-    _set_strides(a, "dk", contiguous_strides(p.seqlen_k, p.heads, p.head_dim))
-    _set_strides(a, "dv", contiguous_strides(p.seqlen_k, p.heads, p.dv))  # v's head dim
+    kv_heads = p.heads_kv if group_loop else p.heads  # dk / dv's heads as the dK/dV kernel writes them
+    reduced = p.group > 1 and not group_loop
+    _set_strides(a, "dk", contiguous_strides(p.seqlen_k, kv_heads, p.head_dim))
+    _set_strides(a, "dv", contiguous_strides(p.seqlen_k, kv_heads, p.dv))  # v's head dim
     rows = p.batch * p.heads
     a["ws_rows"], a["q_rows"] = rows * seqlen_q_pad, rows * p.seqlen_q
-    a["kv_rows"] = p.batch * p.seqlen_k * p.heads_kv if p.group > 1 else 0
+    a["kv_rows"] = p.batch * p.seqlen_k * p.heads_kv if reduced else 0
     _set_common(a, p)
     a["seqlen_q_pad"], a["n_blocks"], a["m_blocks"] = seqlen_q_pad, n_blocks, m_blocks
     a["batch"] = p.batch
@@ -191,10 +195,10 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     _set_block_mask(a, p)
     if p.varlen:  # packed rows (cuflash/_backward.py _plan_varlen; kernels_cu/attn/mask.cuh SeqSpan)
         _set_strides(a, "dq", (0, p.heads * p.head_dim, p.head_dim))
-        _set_strides(a, "dk", (0, p.heads * p.head_dim, p.head_dim))
-        _set_strides(a, "dv", (0, p.heads * p.dv, p.dv))
+        _set_strides(a, "dk", (0, kv_heads * p.head_dim, p.head_dim))
+        _set_strides(a, "dv", (0, kv_heads * p.dv, p.dv))
         a["ws_rows"], a["q_rows"] = p.heads * seqlen_q_pad, 0
-        a["kv_rows"] = p.total_k * p.heads_kv if p.group > 1 else 0
+        a["kv_rows"] = p.total_k * p.heads_kv if reduced else 0
         a["seqlen_q"], a["seqlen_k"], a["align_end"] = p.total_q, p.total_k, int(p.align_end)
     return a
 

@@ -752,6 +752,8 @@ def test_gqa_sm90_backward_sums_the_group_in_the_kernel(monkeypatch):
     assert feats[0].group_loop and grid == (-(-300 // 128) * 1 * 2,)
     assert main[1] == ("map", (64, 300, 1, 1, 2), 0x3000) and main[0] == ("map", (64, 100, 1, 4, 2), 0x2000)
     assert main[7:9] == (dk, dv)
+    f = params.unpack(main[10:], "BwdParams")  # dk, dv's own layout (1 K/V head), nothing to reduce
+    assert (int(f["dk_sn"]), int(f["dk_sh"]), int(f["dv_sn"]), int(f["kv_rows"])) == (64, 64, 64, 0)
 
 
 def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
@@ -765,7 +767,7 @@ def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
     expanded = ("alloc", (2, 300, 4, 64), "float16")
     assert main[7:9] == (expanded, expanded) and reduce[:4] == (main[7], main[8], dk, dv)
     f = params.unpack(main[10:], "BwdParams")  # (after dq_sem, null)
-    assert (int(f["group"]), int(f["heads_kv"]), int(f["kv_rows"])) == (4, 1, 2 * 300)
+    assert (int(f["group"]), int(f["heads_kv"]), int(f["kv_rows"]), int(f["dk_sn"])) == (4, 1, 2 * 300, 4 * 64)
 
 
 @pytest.fixture
