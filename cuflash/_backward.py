@@ -79,15 +79,25 @@ def _block_mask_inputs(p: AttnProblem) -> tuple:
     return BM_DKDV_SLOTS + (BM_DQ_SLOTS if p.deterministic else ())
 
 
+# The group loop's grid has `group` times fewer CTAs, each `group` times longer: it needs this many
+# CTAs per SM (the kernel runs one per SM) so that the last wave's tail stays short. (MQA at batch 2,
+# seqlen 8192 would be 128 CTAs of 32 heads each on 132 SMs.) A first guess, not yet measured.
+GROUP_LOOP_MIN_WAVES = 4
+
+
 def group_loop(p: AttnProblem, cfg, dq_cfg) -> bool:
     """Whether the dK/dV kernel takes a GQA/MQA group per CTA (kernels_cu/sm90/bwd.cuh kGroupLoop):
-    its family has the instances, the call has a group, and none of the features whose per-query-head
+    its family has the instances, the call has a group, none of the features whose per-query-head
     state lives through the kernel's loop (dropout, ALiBi, a user modification), nor block masks or a
-    deterministic dQ. Then dK / dV are summed over the group in registers and written to dk / dv
-    directly; otherwise per query head into the expanded buffers that bwd_dkdv_reduce sums."""
+    deterministic dQ, and its grid of (key block, K/V head, batch) CTAs fills GROUP_LOOP_MIN_WAVES
+    waves. Then dK / dV are summed over the group in registers and written to dk / dv directly;
+    otherwise per query head into the expanded buffers that bwd_dkdv_reduce sums."""
     f = p.features
-    return (p.group > 1 and families.of(cfg).takes_group_loop and dq_cfg is None and getattr(cfg, "dq_bulk", 0) != 3
-            and not (f.dropout or f.alibi or f.user_mod or f.block_mask))
+    if not (p.group > 1 and families.of(cfg).takes_group_loop and dq_cfg is None and getattr(cfg, "dq_bulk", 0) != 3
+            and not (f.dropout or f.alibi or f.user_mod or f.block_mask)):
+        return False
+    ctas = -(-p.seqlen_k // cfg.block_k) * p.heads_kv * p.batch
+    return ctas >= GROUP_LOOP_MIN_WAVES * device.query(p.device).sm_count
 
 
 def _main_kernel(p: AttnProblem, cfg, fused: bool):

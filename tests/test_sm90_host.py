@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from cuflash import _compile, _forward, _forward_sm90, families, launch, params, problem, tma
+from cuflash import _compile, _forward, _forward_sm90, device, families, launch, params, problem, tma
 from cuflash.device import DeviceProps
 from cuflash.features import Features
 from cuflash.mask import CAUSAL
@@ -732,6 +732,8 @@ def _gqa_sm90_backward_plan(monkeypatch, fused: bool):
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
+    # 3 key blocks x 1 K/V head x 2 batches = 6 CTAs: 4 waves on a GPU of one SM
+    monkeypatch.setattr(device, "query", lambda i=0: dataclasses.replace(H200, sm_count=1))
     if not fused:
         monkeypatch.setattr(_backward, "group_loop", lambda p, cfg, dq_cfg: False)
     q, kv = info((2, 100, 4, 64)), info((2, 300, 1, 64))
@@ -754,6 +756,21 @@ def test_gqa_sm90_backward_sums_the_group_in_the_kernel(monkeypatch):
     assert main[7:9] == (dk, dv)
     f = params.unpack(main[10:], "BwdParams")  # dk, dv's own layout (1 K/V head), nothing to reduce
     assert (int(f["dk_sn"]), int(f["dk_sh"]), int(f["dv_sn"]), int(f["kv_rows"])) == (64, 64, 64, 0)
+
+
+def test_gqa_group_loop_needs_enough_ctas(monkeypatch):
+    """The group loop's grid is `group` times smaller: below GROUP_LOOP_MIN_WAVES waves of CTAs
+    (here 6 CTAs on 132 SMs) the expanded buffers and the reduce pass stay."""
+    from cuflash import _backward
+    from cuflash.tiles import Sm90BwdConfig
+
+    monkeypatch.setattr(device, "query", lambda i=0: H200)
+    q, kv = info((2, 100, 4, 64)), info((2, 300, 1, 64))
+    lse = problem.ArrayInfo((2, 4, 100), "float32", 4, (4 * 100 * 4, 100 * 4, 4), 1 << 20, 0)
+    p = problem.resolve_backward(q, q, kv, kv, q, lse, CAUSAL, None)
+    assert not _backward.group_loop(p, Sm90BwdConfig(64, 64, 2, 2, 0, 0), None)
+    monkeypatch.setattr(device, "query", lambda i=0: dataclasses.replace(H200, sm_count=1))
+    assert _backward.group_loop(p, Sm90BwdConfig(64, 64, 2, 2, 0, 0), None)
 
 
 def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
