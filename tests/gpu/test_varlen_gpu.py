@@ -100,22 +100,28 @@ def test_empty_batches_give_empty_or_filled_outputs():
     assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
 
 
-@pytest.mark.parametrize("mode", ["auto", "deterministic", "sm90"])
+@pytest.mark.parametrize("mode", ["auto", "deterministic", "sm90", "sm90group"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("d", [64, 128, 80])
 @pytest.mark.parametrize("mask_kw", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()) or "none")
 @pytest.mark.parametrize("case", ["ragged", "q_longer", "prefill"])
 @pytest.mark.parametrize("h,hk", [(4, 4), (8, 2)])
-def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, mode):
+def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, mode, monkeypatch):
     """mode: the automatic kernels (sm80's for varlen), the deterministic dQ, or the Hopper dK/dV
-    kernel forced (backend="sm90": H100/H200, head_dim 64, 128 and 256)."""
+    kernel forced (backend="sm90": H100/H200, head_dim 64, 128 and 256); sm90group: that kernel's
+    GQA group loop (cuflash._backward.group_loop) on these small grids too."""
     import cupy
 
-    from cuflash import device
+    from cuflash import _backward, device
 
-    deterministic, backend = mode == "deterministic", ("sm90" if mode == "sm90" else None)
+    deterministic, backend = mode == "deterministic", ("sm90" if mode.startswith("sm90") else None)
     if backend and (tuple(device.query(0).cc) != (9, 0) or d not in (64, 128, 256)):
         pytest.skip("the Hopper backward: compute capability 9.0, head_dim 64, 128 or 256")
+    if mode == "sm90group":
+        if h == hk:
+            pytest.skip("MHA: no group to loop over")
+        monkeypatch.setattr(_backward, "GROUP_LOOP_MIN_WAVES", 0)
+        _backward._plans.clear()
     lens_q, lens_k = RAGGED[case]
     rng = np.random.default_rng(hash((h, hk, case, str(mask_kw), d, dtype, mode, "bwd")) % 2**32)
     dt = dtype_of(dtype)
