@@ -121,7 +121,7 @@ def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, m
         if h == hk:
             pytest.skip("MHA: no group to loop over")
         monkeypatch.setattr(_backward, "GROUP_LOOP_MIN_WAVES", 0)
-        _backward._plans.clear()
+        varlen._bwd_plans.clear()
     lens_q, lens_k = RAGGED[case]
     rng = np.random.default_rng(hash((h, hk, case, str(mask_kw), d, dtype, mode, "bwd")) % 2**32)
     dt = dtype_of(dtype)
