@@ -52,6 +52,15 @@ MIN_DECODE_SPLIT_BLOCKS = 4  # key blocks per split at least (the heuristic; an 
 
 _plans = plan_cache.PlanCache()
 
+# One int for every batch's length: its staged (lens, seqused) arrays by (stream, device, batch, length,
+# n_new), so that a loop calling with the same length (a benchmark, a fixed-size cache) uploads them
+# once, not per call; the per-call upload and its pinned ring were a fifth of the 8 x 8k decode step's
+# host time on the H200 (docs/perf-notes.md, 2026-12-04). Per stream: a stream only reads arrays it
+# staged itself, so CuPy's stream-ordered pool keeps them as it keeps any per-call array. Kernels
+# only read them. A loop whose length changes every step stages each once, as before.
+_UNIFORM_LENGTHS: dict = {}
+_UNIFORM_LENGTHS_MAX = 64
+
 # Per element of k_new/v_new (b, t, h, c) in logical C order: row cache_seqlens[b] + t of the cache,
 # dropped when it falls outside [0, capacity). Logical indexing of the raw caches follows their
 # strides, so any layout the attention accepts is written correctly.
@@ -526,8 +535,7 @@ def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
         n = int(cache_seqlens)
         if not 0 <= n <= cap - n_new:
             _lengths_do_not_fit(0, n, n_new, cap)
-        both = np.full(2 * batch, n, dtype=np.int32)
-        both[batch:] += n_new
+        return _uniform_lengths(batch, n, n_new, device)
     else:
         host = _host_lengths(cache_seqlens, batch)
         bad = np.flatnonzero((host < 0) | (host + n_new > cap))
@@ -535,6 +543,27 @@ def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
             _lengths_do_not_fit(int(bad[0]), int(host[bad[0]]), n_new, cap)
         both = np.concatenate([host, host + n_new]).astype(np.int32)
     both = staging.upload(both)
+    return both[:batch], both[batch:]
+
+
+def _uniform_lengths(batch: int, n: int, n_new: int, device: int):
+    """(lens, seqused) int32 device arrays of one length n for every batch (+ n_new), staged once per
+    (stream, ...) (_UNIFORM_LENGTHS); during a CUDA graph capture staged per call (the capture holds
+    the call's own copy)."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    capturing = stream.is_capturing()
+    key = (stream.ptr, device, batch, n, n_new)
+    both = None if capturing else _UNIFORM_LENGTHS.get(key)
+    if both is None:
+        host = np.full(2 * batch, n, dtype=np.int32)
+        host[batch:] += n_new
+        both = staging.upload(host)
+        if not capturing:
+            if len(_UNIFORM_LENGTHS) >= _UNIFORM_LENGTHS_MAX:
+                _UNIFORM_LENGTHS.pop(next(iter(_UNIFORM_LENGTHS)))  # the oldest
+            _UNIFORM_LENGTHS[key] = both
     return both[:batch], both[batch:]
 
 
