@@ -39,7 +39,7 @@ import dataclasses
 
 import numpy as np
 
-from . import _compile, _forward, _interop, families, problem, staging
+from . import _compile, _forward, _interop, families, problem, staging, stream_scratch
 from . import _plans as plan_cache
 from ._forward import empty_plan
 from .launch import Buffer, Launch, Plan, check_grid
@@ -363,7 +363,8 @@ def _plan_split(p, cfg, dtype) -> Plan:
     return _split_plan(p, dtype, n_splits, launch, alibi, params)
 
 
-def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params, dense: bool = False) -> Plan:
+def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params, dense: bool = False,
+                extra_buffers: tuple = ()) -> Plan:
     """A split-KV plan: `attend` writes the fp32 partial results o_acc (n_splits, batch, seqlen_q,
     heads, head_dim) and lse_acc (n_splits, batch, heads, seqlen_q), the combine merges them into out
     and lse (the plan's outputs, as the unsplit plans'). One plan, so one driver launch each: the
@@ -372,7 +373,7 @@ def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params, d
     d = p.head_dim
     buffers = (*_forward.output_buffers(p, dtype),
                Buffer("o_acc", (n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
-               Buffer("lse_acc", (n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
+               Buffer("lse_acc", (n_splits, p.batch, p.heads, p.seqlen_q), np.float32), *extra_buffers)
     inputs, null = _lengths_slot((*_forward.INPUTS_SEQUSED_K, *extra), dense)
     return Plan(p.device, inputs, (*buffers, *null), (attend, _combine_launch(p, dtype, n_splits)), _forward.OUTPUTS,
                 params)
@@ -410,8 +411,9 @@ def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int,
 
 def plan_decode(p, cfg, dtype, dense: bool = False) -> Plan:
     """The decode kernel's plan (families.DECODE.plan): one block per (split, K/V head, batch).
-    p.n_splits 1: out and lse directly; more: fp32 partial results merged by the plan's combine
-    launch (_split_plan). `dense`: seqused_k is not an input but a null pointer (every batch at
+    p.n_splits 1: out and lse directly; more: fp32 partial results that the last split block of each
+    (K/V head, batch) merges into out and lse (one launch; its counters per stream), or, past a
+    stream's scratch words, the plan's combine launch (_split_plan). `dense`: seqused_k is not an input but a null pointer (every batch at
     seqlen_k: plan_dense_decode)."""
     grid = p.n_splits * p.heads_kv * p.batch
     check_grid(grid)
@@ -430,8 +432,22 @@ def plan_decode(p, cfg, dtype, dense: bool = False) -> Plan:
     d = p.head_dim
     params["o_sb"], params["o_sn"], params["o_sh"] = p.seqlen_q * p.heads * d, p.heads * d, d  # fp32 elements
     slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k", *paged)
-    launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
-    return _split_plan(p, dtype, p.n_splits, launch, paged, params, dense)
+    tiles = p.heads_kv * p.batch
+    if tiles > stream_scratch.POOL_WORDS:  # more counters than a stream's scratch: the combine launch merges
+        launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=(*slots, *("no_merge",) * 3))
+        plan = _split_plan(p, dtype, p.n_splits, launch, paged, params, dense, extra_buffers=(Buffer("no_merge", None),))
+        return plan
+    # the in-kernel merge (sm80/decode.cuh merge_splits): one zeroed counter per (K/V head, batch) on
+    # each stream, which the tile's last split block sets back to 0; no combine launch. (The counters'
+    # scratch name carries their count: a stream's words are handed out once per name.)
+    counters = f"split_counters_{tiles}"
+    launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=(*slots, "out", "lse", counters))
+    buffers = (*_forward.output_buffers(p, dtype),
+               Buffer("o_acc", (p.n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
+               Buffer("lse_acc", (p.n_splits, p.batch, p.heads, p.seqlen_q), np.float32),
+               Buffer(counters, (tiles,), np.int32, per_stream=True))
+    inputs, null = _lengths_slot((*_forward.INPUTS_SEQUSED_K, *paged), dense)
+    return Plan(p.device, inputs, (*buffers, *null), (launch,), _forward.OUTPUTS, params)
 
 
 def _lengths_slot(inputs: tuple, dense: bool) -> tuple:
