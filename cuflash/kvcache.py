@@ -31,7 +31,10 @@ cuflash.attention sends dense calls of decoding's shape to the decode kernel too
 (dense_decode_problem, plan_dense_decode: seqused_k a null pointer, every batch at seqlen_k).
 
 Split-KV decoding (num_splits) spreads a decode step's keys over several blocks per work tile,
-whose fp32 partial results one fused kernel merges (_COMBINE_SRC, the split plans' last launch); rotary embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first.
+whose fp32 partial results the decode kernel's last split block of each tile merges in the same
+launch (sm80/decode.cuh merge_splits, its counters per stream), or, for the prefill kernel's splits and
+past a stream's scratch words, one fused kernel (_COMBINE_SRC, the split plans' last launch); rotary
+embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first.
 """
 from __future__ import annotations
 
