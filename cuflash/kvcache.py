@@ -31,7 +31,10 @@ cuflash.attention sends dense calls of decoding's shape to the decode kernel too
 (dense_decode_problem, plan_dense_decode: seqused_k a null pointer, every batch at seqlen_k).
 
 Split-KV decoding (num_splits) spreads a decode step's keys over several blocks per work tile,
-whose fp32 partial results one fused kernel merges (_COMBINE_SRC, the split plans' last launch); rotary embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first.
+whose fp32 partial results the decode kernel's last split block of each tile merges in the same
+launch (sm80/decode.cuh merge_splits, its counters per stream), or, for the prefill kernel's splits and
+past a stream's scratch words, one fused kernel (_COMBINE_SRC, the split plans' last launch); rotary
+embedding (rotary_cos / rotary_sin, cuflash/rotary.py) rotates q and k_new first.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ import dataclasses
 
 import numpy as np
 
-from . import _compile, _forward, _interop, families, problem, staging
+from . import _compile, _forward, _interop, families, problem, staging, stream_scratch
 from . import _plans as plan_cache
 from ._forward import empty_plan
 from .launch import Buffer, Launch, Plan, check_grid
@@ -51,6 +54,15 @@ DECODE_ROWS = 16  # the decode kernel's packed rows per block (tiles.DecodeConfi
 MIN_DECODE_SPLIT_BLOCKS = 4  # key blocks per split at least (the heuristic; an explicit num_splits may give fewer)
 
 _plans = plan_cache.PlanCache()
+
+# One int for every batch's length: its staged (lens, seqused) arrays by (stream, device, batch, length,
+# n_new), so that a loop calling with the same length (a benchmark, a fixed-size cache) uploads them
+# once, not per call; the per-call upload and its pinned ring were a fifth of the 8 x 8k decode step's
+# host time on the H200 (docs/perf-notes.md, 2026-12-04). Per stream: a stream only reads arrays it
+# staged itself, so CuPy's stream-ordered pool keeps them as it keeps any per-call array. Kernels
+# only read them. A loop whose length changes every step stages each once, as before.
+_UNIFORM_LENGTHS: dict = {}
+_UNIFORM_LENGTHS_MAX = 64
 
 # Per element of k_new/v_new (b, t, h, c) in logical C order: row cache_seqlens[b] + t of the cache,
 # dropped when it falls outside [0, capacity). Logical indexing of the raw caches follows their
@@ -354,7 +366,8 @@ def _plan_split(p, cfg, dtype) -> Plan:
     return _split_plan(p, dtype, n_splits, launch, alibi, params)
 
 
-def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params, dense: bool = False) -> Plan:
+def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params, dense: bool = False,
+                extra_buffers: tuple = ()) -> Plan:
     """A split-KV plan: `attend` writes the fp32 partial results o_acc (n_splits, batch, seqlen_q,
     heads, head_dim) and lse_acc (n_splits, batch, heads, seqlen_q), the combine merges them into out
     and lse (the plan's outputs, as the unsplit plans'). One plan, so one driver launch each: the
@@ -363,7 +376,7 @@ def _split_plan(p, dtype, n_splits: int, attend: Launch, extra: tuple, params, d
     d = p.head_dim
     buffers = (*_forward.output_buffers(p, dtype),
                Buffer("o_acc", (n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
-               Buffer("lse_acc", (n_splits, p.batch, p.heads, p.seqlen_q), np.float32))
+               Buffer("lse_acc", (n_splits, p.batch, p.heads, p.seqlen_q), np.float32), *extra_buffers)
     inputs, null = _lengths_slot((*_forward.INPUTS_SEQUSED_K, *extra), dense)
     return Plan(p.device, inputs, (*buffers, *null), (attend, _combine_launch(p, dtype, n_splits)), _forward.OUTPUTS,
                 params)
@@ -401,8 +414,9 @@ def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int,
 
 def plan_decode(p, cfg, dtype, dense: bool = False) -> Plan:
     """The decode kernel's plan (families.DECODE.plan): one block per (split, K/V head, batch).
-    p.n_splits 1: out and lse directly; more: fp32 partial results merged by the plan's combine
-    launch (_split_plan). `dense`: seqused_k is not an input but a null pointer (every batch at
+    p.n_splits 1: out and lse directly; more: fp32 partial results that the last split block of each
+    (K/V head, batch) merges into out and lse (one launch; its counters per stream), or, past a
+    stream's scratch words, the plan's combine launch (_split_plan). `dense`: seqused_k is not an input but a null pointer (every batch at
     seqlen_k: plan_dense_decode)."""
     grid = p.n_splits * p.heads_kv * p.batch
     check_grid(grid)
@@ -421,8 +435,22 @@ def plan_decode(p, cfg, dtype, dense: bool = False) -> Plan:
     d = p.head_dim
     params["o_sb"], params["o_sn"], params["o_sh"] = p.seqlen_q * p.heads * d, p.heads * d, d  # fp32 elements
     slots = ("q", "k", "v", "o_acc", "lse_acc", "seqused_k", *paged)
-    launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=slots)
-    return _split_plan(p, dtype, p.n_splits, launch, paged, params, dense)
+    tiles = p.heads_kv * p.batch
+    if tiles > stream_scratch.POOL_WORDS:  # more counters than a stream's scratch: the combine launch merges
+        launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=(*slots, *("no_merge",) * 3))
+        plan = _split_plan(p, dtype, p.n_splits, launch, paged, params, dense, extra_buffers=(Buffer("no_merge", None),))
+        return plan
+    # the in-kernel merge (sm80/decode.cuh merge_splits): one zeroed counter per (K/V head, batch) on
+    # each stream, which the tile's last split block sets back to 0; no combine launch. (The counters'
+    # scratch name carries their count: a stream's words are handed out once per name.)
+    counters = f"split_counters_{tiles}"
+    launch = Launch(kernel, (grid,), (cfg.threads,), cfg.smem_bytes, pointers=(*slots, "out", "lse", counters))
+    buffers = (*_forward.output_buffers(p, dtype),
+               Buffer("o_acc", (p.n_splits, p.batch, p.seqlen_q, p.heads, d), np.float32),
+               Buffer("lse_acc", (p.n_splits, p.batch, p.heads, p.seqlen_q), np.float32),
+               Buffer(counters, (tiles,), np.int32, per_stream=True))
+    inputs, null = _lengths_slot((*_forward.INPUTS_SEQUSED_K, *paged), dense)
+    return Plan(p.device, inputs, (*buffers, *null), (launch,), _forward.OUTPUTS, params)
 
 
 def _lengths_slot(inputs: tuple, dense: bool) -> tuple:
@@ -526,8 +554,7 @@ def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
         n = int(cache_seqlens)
         if not 0 <= n <= cap - n_new:
             _lengths_do_not_fit(0, n, n_new, cap)
-        both = np.full(2 * batch, n, dtype=np.int32)
-        both[batch:] += n_new
+        return _uniform_lengths(batch, n, n_new, device)
     else:
         host = _host_lengths(cache_seqlens, batch)
         bad = np.flatnonzero((host < 0) | (host + n_new > cap))
@@ -535,6 +562,27 @@ def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
             _lengths_do_not_fit(int(bad[0]), int(host[bad[0]]), n_new, cap)
         both = np.concatenate([host, host + n_new]).astype(np.int32)
     both = staging.upload(both)
+    return both[:batch], both[batch:]
+
+
+def _uniform_lengths(batch: int, n: int, n_new: int, device: int):
+    """(lens, seqused) int32 device arrays of one length n for every batch (+ n_new), staged once per
+    (stream, ...) (_UNIFORM_LENGTHS); during a CUDA graph capture staged per call (the capture holds
+    the call's own copy)."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    capturing = stream.is_capturing()
+    key = (stream.ptr, device, batch, n, n_new)
+    both = None if capturing else _UNIFORM_LENGTHS.get(key)
+    if both is None:
+        host = np.full(2 * batch, n, dtype=np.int32)
+        host[batch:] += n_new
+        both = staging.upload(host)
+        if not capturing:
+            if len(_UNIFORM_LENGTHS) >= _UNIFORM_LENGTHS_MAX:
+                _UNIFORM_LENGTHS.pop(next(iter(_UNIFORM_LENGTHS)))  # the oldest
+            _UNIFORM_LENGTHS[key] = both
     return both[:batch], both[batch:]
 
 

@@ -4,6 +4,7 @@ sm_90a without spills; the families that have them), argument checks that need n
 from __future__ import annotations
 
 import re
+import types
 
 import numpy as np
 import pytest
@@ -235,8 +236,11 @@ def test_rotary_without_cache_seqlens_is_refused():
 # (2026-12-02) only d192 with a window and no split does; under NVRTC 13.0 (the H200's) also its
 # sm_80 instance, with softcap or without (4 B of spills, an 8-byte frame). (bytes of spill stores
 # and of stack frame, each at most; keyed (arch, head_dim, local, split_kv, softcap), paged only)
+# (arch, head_dim, local, split, softcap) of a paged instance -> its known spill bytes. The split
+# d192 softcap entry came with the in-kernel merge (sm80/decode.cuh merge_splits: its loop's code
+# moved ptxas' allocation of the 8-warp tile, at its 128-register cap, by 16 B; NVRTC 13.0 and 13.5)
 KNOWN_DECODE_SPILLS = {("sm_90a", 192, True, False, True): 8, ("sm_80", 192, True, False, True): 8,
-                       ("sm_80", 192, True, False, False): 8}
+                       ("sm_80", 192, True, False, False): 8, ("sm_90a", 192, False, True, True): 16}
 
 
 @needs_nvrtc
@@ -337,7 +341,11 @@ def test_shell_takes_block_table_after_seqused_k():
     tile = families.DECODE.default(128)
     src = _compile.kernel_source(tile, Features("bfloat16", 128, seqused_k=True, paged=True))
     assert "const int* __restrict__ seqused_k, const int* __restrict__ block_table," in src
-    assert "(q, k, v, out, lse, seqused_k, block_table, nullptr, p);" in src
+    assert "(q, k, v, out, lse, seqused_k, block_table, nullptr, nullptr, nullptr, nullptr, p);" in src
+    # split instances take the in-kernel merge's targets and counters last (sm80/decode.cuh merge_splits)
+    src = _compile.kernel_source(tile, Features("bfloat16", 128, seqused_k=True, paged=True, split_kv=True))
+    assert "(q, k, v, out, lse, seqused_k, block_table, nullptr, merged_out, merged_lse, split_counters, p);" in src
+    assert "cuflash::elem_t* __restrict__ merged_out, float* __restrict__ merged_lse, int* split_counters," in src
 
 
 @pytest.mark.parametrize("table,why", [([[0, 4]], r"block_table\[0, 1\] = 4 is not a page"),
@@ -390,7 +398,7 @@ def test_the_decode_kernel_takes_alibi_slopes_after_the_block_table():
         assert families.DECODE.supports(f)
         src = _compile.kernel_source(families.DECODE.default(128), f)
         table = "block_table" if paged else "nullptr"
-        assert f"(q, k, v, out, lse, seqused_k, {table}, alibi_slopes, p);" in src
+        assert f"(q, k, v, out, lse, seqused_k, {table}, alibi_slopes, nullptr, nullptr, nullptr, p);" in src
     if not _nvrtc_available():
         return
     for d in sorted(families.DECODE.defaults):
@@ -466,19 +474,26 @@ def test_a_dense_decode_plan_passes_null_lengths(monkeypatch):
     monkeypatch.setattr(kvcache, "_combine_kernel", lambda name: Rec("combine"))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape)))
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
+    from cuflash import stream_scratch
+
+    words = [0] * 16
+    monkeypatch.setattr(stream_scratch, "reserve", lambda dev: None)
+    monkeypatch.setattr(stream_scratch, "words", lambda dev, stream, name, n: words if n == 16 else None)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=0))
     p = _dense(1, 8192, 32, 8, 128)
     plan = kvcache.plan_dense_decode(p, np.float16)
     out, lse = plan.run(("q", "k", "v", None, None))
     assert out == ("alloc", (2, 1, 32, 128)) and lse == ("alloc", (2, 32, 1))
-    (name, grid, args), (cname, _, cargs) = calls
-    assert name == "DecodeConfig" and cname == "combine"
+    ((name, grid, args),) = calls  # one launch: the last split block of each tile merges (no combine)
+    assert name == "DecodeConfig"
     assert args[:3] == ("q", "k", "v") and int(args[5]) == 0  # seqused_k null: every batch at seqlen_k
     n_splits = grid[0] // (8 * 2)
     assert n_splits == kvcache.decode_splits(16, 2, 132, 8192 // 64) > 1  # 16 work tiles: split over the GPU
-    assert args[3] == ("alloc", (n_splits, 2, 1, 32, 128)) and cargs[2:4] == (out, lse)
+    assert args[3] == ("alloc", (n_splits, 2, 1, 32, 128)) and args[6:8] == (out, lse)
+    assert args[8] is words and len(words) == 16  # one counter per (K/V head, batch), the stream's scratch
     calls.clear()
     plan.run(("q2", "k2", "v2", "o", "l"))  # the caller's out / lse, the same lengths
-    assert int(calls[0][2][5]) == 0 and calls[1][2][2:4] == ("o", "l")
+    assert int(calls[0][2][5]) == 0 and calls[0][2][6:8] == ("o", "l")
 
 
 def _walk(row0, page_size, step, n):

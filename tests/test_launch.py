@@ -360,13 +360,16 @@ def test_cupy_raw_kernels_take_the_driver_launch():
 
 
 def test_split_decode_plan_ends_with_its_combine(calls, monkeypatch):
-    """A split-KV decode plan is one plan: the decode kernel writes fp32 partial results into the plan's
-    o_acc / lse_acc, its second launch (the combine, with its own five int32 sizes instead of the
+    """A split-KV decode plan with more (K/V head, batch) tiles than a stream's scratch words is one
+    plan of two launches: the decode kernel writes fp32 partial results into the plan's o_acc /
+    lse_acc (its merge pointers null), the combine (with its own five int32 sizes instead of the
     parameter struct) merges them into out and lse, which the plan returns."""
     import dataclasses
 
-    from cuflash import kvcache
+    from cuflash import kvcache, stream_scratch
+    from cuflash.launch import NULL
 
+    monkeypatch.setattr(stream_scratch, "POOL_WORDS", 3)  # 4 tiles: no room for the in-kernel merge's counters
     monkeypatch.setattr(kvcache, "_combine_kernel", lambda name: Recorder(f"combine_{name}", calls))
     qs, kvs = (2, 1, 8, 128), (2, 4096, 2, 128)
     p = problem.resolve_forward(info(qs, "bfloat16"), info(kvs, "bfloat16"), info(kvs, "bfloat16"), MaskOptions.of(),
@@ -376,12 +379,39 @@ def test_split_decode_plan_ends_with_its_combine(calls, monkeypatch):
     out, lse = plan.run(("q", "k", "v", None, None, "lens"))
     assert [c[0] for c in calls] == ["DecodeConfig", "combine_float16"]
     o_acc, lse_acc = ("alloc", (4, 2, 1, 8, 128), "float32"), ("alloc", (4, 2, 8, 1), "float32")
-    assert calls[0][3][:6] == ("q", "k", "v", o_acc, lse_acc, "lens")
+    assert calls[0][3][:6] == ("q", "k", "v", o_acc, lse_acc, "lens") and calls[0][3][6:9] == (NULL,) * 3
     _, grid, block, args, smem = calls[1]
     assert args[:4] == (o_acc, lse_acc, out, lse) and smem == 0
     assert out == ("alloc", qs, "float16") and lse == ("alloc", (2, 8, 1), "float32")
     assert args[4:] == (4, 2, 1, 8, 128) and all(type(a) is np.int32 for a in args[4:])
     assert grid == (-(-2 * 8 * 32 // block[0]),)
+
+
+def test_split_decode_plan_merges_in_its_one_launch(calls, monkeypatch):
+    """Otherwise the decode kernel merges (sm80/decode.cuh merge_splits): one launch, which takes
+    out, lse and one counter per (K/V head, batch) of the current stream's scratch words."""
+    import dataclasses
+
+    import types
+
+    import cupy
+
+    from cuflash import kvcache, stream_scratch
+
+    got = []
+    monkeypatch.setattr(stream_scratch, "reserve", lambda dev: None)
+    monkeypatch.setattr(stream_scratch, "words", lambda dev, stream, name, n: got.append((name, n)) or ("words", n))
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda: types.SimpleNamespace(ptr=7))
+    qs, kvs = (2, 1, 8, 128), (2, 4096, 2, 128)
+    p = problem.resolve_forward(info(qs, "bfloat16"), info(kvs, "bfloat16"), info(kvs, "bfloat16"), MaskOptions.of(),
+                                None)
+    p = dataclasses.replace(p, seqused_k=True, n_splits=4)
+    out, lse = kvcache.plan_decode(p, families.DECODE.default(128), np.float16).run(("q", "k", "v", None, None, "lens"))
+    assert [c[0] for c in calls] == ["DecodeConfig"]
+    o_acc, lse_acc = ("alloc", (4, 2, 1, 8, 128), "float32"), ("alloc", (4, 2, 8, 1), "float32")
+    assert calls[0][3][:9] == ("q", "k", "v", o_acc, lse_acc, "lens", out, lse, ("words", 4))
+    assert got == [("split_counters_4", 4)]
+    assert out == ("alloc", qs, "float16") and lse == ("alloc", (2, 8, 1), "float32")
 
 
 def test_own_scalars_are_packed_at_their_c_offsets():

@@ -122,6 +122,10 @@ class KernelFamily:
     takes_block_mask: bool = False  # True: block-mask instances (cuflash.BlockMask's key-block lists)
     takes_group_loop: bool = False  # True: GQA instances that sum dK / dV over a group in the kernel (sm90 backward)
     block_mask_pointers: tuple = ((I32_IN, "bm_counts"), (I32_IN, "bm_index"))  # after mod_aux
+    # the split-KV instances' in-kernel merge (the decode kernel: the last split block of a tile merges
+    # the tile's partial results into merged_out / merged_lse; split_counters: zeroed per-stream words,
+    # null for the host's combine launch instead), after every other pointer; () for no such merge
+    split_merge_pointers: tuple = ()
     # True: the device template takes every optional pointer the family has (seqused_k, block_table,
     # cu_seqlens_q / _k, alibi_slopes, mod_aux, bm_counts / bm_index, in that order), and the shell passes nullptr for those the
     # instance's features do not take; False: the template has one overload per pointer set

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from ..tiles import BwdConfig, DecodeConfig, DqConfig, FwdConfig, V1Config
-from .base import F32, F32_IN, F32_WS, IN, OUT, KernelFamily
+from .base import F32, F32_IN, F32_WS, I32_WS, IN, OUT, KernelFamily
 
 _MIN_CC, _MIN_CC_WHY = (8, 0), "needs mma.sync bf16 and cp.async"
 
@@ -259,4 +259,5 @@ DECODE = KernelFamily(
     accumulator_registers=_decode_acc, plan=_plan_decode, takes_dropout=False, takes_partial_d=False,
     takes_seqused_k=True, needs_seqused_k=True, takes_split_kv=True, takes_paged=True, tuned_by_default=False,
     takes_alibi=True, nullable_pointers=True,
+    split_merge_pointers=((OUT, "merged_out"), (F32, "merged_lse"), (I32_WS, "split_counters")),
 )

@@ -20,6 +20,11 @@
 //   grid : blockIdx.x = split + n_splits * (h_kv + heads_kv * batch); batch b's key blocks are
 //          divided among the n_splits blocks from its own length (seqused_k[b]), so a short
 //          sequence does not leave its later splits with work and its earlier ones without
+//   merge: V::kSplitKV with split_counters (one zeroed int per (K/V head, batch), per stream:
+//          cuflash/stream_scratch.py): each split block, once its partial results are written,
+//          counts itself in; the last of a tile's splits merges them all into merged_o (16-bit) and
+//          merged_lse (cuflash.merge_attention's arithmetic) and sets the count back to 0, so no
+//          combine launch follows. Without split_counters the host's combine kernel merges.
 // Masks (causal, windows) bottom-right aligned to each batch's length, per packed row's query;
 // softcap through attn/score_mod.cuh. No dropout (inference).
 // V::kPaged: k and v are pages (num_pages, page_size, heads_kv, D); key row r of batch b is row
@@ -162,6 +167,62 @@ __device__ __forceinline__ void combined_row(const float (&s_max)[W][ROWS], cons
     l = 0.f;
 #pragma unroll
     for (int w = 0; w < W; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
+}
+
+// The last split block of a (K/V head h_kv, batch b) tile: its live rows' partial results of every
+// split (o_acc: (n_splits, batch, n_q, heads, D) fp32 at params.o_s* strides; lse_acc: (n_splits,
+// batch, heads, n_q), natural log, -inf where a split saw no key) merged into merged_o (batch, n_q,
+// heads, D) of the input dtype and merged_lse (batch, heads, n_q): out = sum_s exp(lse_s - m) O_s /
+// sum_s exp(lse_s - m), lse = m + log of that sum; a row no split saw gives 0 and -inf, a NaN lse a
+// NaN row (the combine kernel's rules, cuflash/kvcache.py _COMBINE_SRC). The partial results are
+// read with ld.global.cg: other blocks wrote them, past this SM's L1.
+// x, opaque to the compiler: the merge's values computed where they are used, after the mainloop
+// (hoisted above it, they took registers the mainloop needed: 8-16 B of spills at d64 / d192)
+__device__ __forceinline__ int late(int x) {
+    asm volatile("mov.b32 %0, %0;" : "+r"(x));
+    return x;
+}
+
+template <bool BF16, int D, int THREADS>
+__device__ __forceinline__ void merge_splits(const float* o_acc, const float* lse_acc, elem_t* __restrict__ merged_o,
+                                             float* __restrict__ merged_lse, int n_splits, int b, int h_kv, int group,
+                                             int live_rows, const FwdParams& params) {
+    const int heads = late(params.heads), n_q = late(params.seqlen_q), batch = late(params.tiles) / params.heads_kv;
+    const long long o_split = (long long)batch * params.o_sb, l_split = (long long)batch * heads * n_q;
+    for (int idx = threadIdx.x; idx < live_rows * (D / 2); idx += THREADS) {
+        // two columns a thread (a float4 accumulator spilled the d192 instances)
+        const int r = idx / (D / 2), col = 2 * (idx % (D / 2));
+        const int qi = r / group, h = h_kv * group + r % group;
+        const long long lrow = ((long long)b * heads + h) * n_q + qi;
+        const float* orow = o_acc + (long long)b * params.o_sb + (long long)qi * params.o_sn + (long long)h * params.o_sh + col;
+        float m = neg_inf();
+        bool nan = false;
+        // (loops not unrolled, pointers walked: the kernel's register cap is set for the mainloop)
+        const float* lp = lse_acc + lrow;
+#pragma unroll 1
+        for (int s = 0; s < n_splits; ++s, lp += l_split) {
+            const float l = __ldcg(lp);
+            nan |= l != l;
+            m = fmaxf(m, l);
+        }
+        float2 acc = make_float2(0.f, 0.f);
+        float sum = 0.f;
+        if (m != neg_inf()) {
+            lp = lse_acc + lrow;
+#pragma unroll 1
+            for (int s = 0; s < n_splits; ++s, lp += l_split, orow += o_split) {
+                const float w = __expf(__ldcg(lp) - m);
+                const float2 x = __ldcg(reinterpret_cast<const float2*>(orow));
+                sum += w;
+                acc.x += w * x.x, acc.y += w * x.y;
+            }
+        }
+        const float inv = nan ? __int_as_float(0x7fffffff) : (sum > 0.f ? 1.f / sum : 0.f);
+        *reinterpret_cast<u32*>(merged_o + ((long long)b * n_q + qi) * heads * D + (long long)h * D + col) =
+            pack2<BF16>(acc.x * inv, acc.y * inv);
+        if (col == 0)
+            merged_lse[lrow] = nan ? __int_as_float(0x7fffffff) : (m == neg_inf() ? neg_inf() : m + __logf(sum));
+    }
 }
 
 template <bool BF16, int D, int WARPS, int STAGES, class V>
@@ -405,14 +466,36 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
 }
 
 // The shells' entry point: every optional pointer (the block table of V::kPaged caches, ALiBi's
-// slopes), nullptr where the instance does not take it (the family's nullable_pointers).
+// slopes, V::kSplitKV's merge targets and counters), nullptr where the instance does not take it
+// (the family's nullable_pointers).
 template <bool BF16, int D, int WARPS, int STAGES, class V>
 __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                              const elem_t* __restrict__ v, elem_t* __restrict__ o,
                                              float* __restrict__ lse, const int* __restrict__ seqused_k,
                                              const int* __restrict__ block_table, const float* __restrict__ alibi_slopes,
-                                             const FwdParams& params) {
+                                             elem_t* __restrict__ merged_o, float* __restrict__ merged_lse,
+                                             int* split_counters, const FwdParams& params) {
     flash_decode_impl<BF16, D, WARPS, STAGES, V>(q, k, v, o, lse, seqused_k, block_table, alibi_slopes, params);
+    if constexpr (V::kSplitKV) {
+        // the in-kernel merge: the last of the tile's split blocks to finish merges them all (here,
+        // after the mainloop's function: its values are dead, the merge's registers its own)
+        if (split_counters != nullptr) {
+            const int n_splits = params.n_splits, hb = (int)(blockIdx.x / n_splits);
+            __shared__ int s_last;
+            __threadfence();  // this thread's partial results, visible device-wide before the count
+            __syncthreads();
+            if (threadIdx.x == 0) s_last = atomicAdd(split_counters + hb, 1) == n_splits - 1;
+            __syncthreads();
+            if (s_last) {
+                __threadfence();  // the other splits' counts seen: their results are visible
+                const int group = params.group;
+                merge_splits<BF16, D, WARPS * 32>(reinterpret_cast<const float*>(o), lse, merged_o, merged_lse, n_splits,
+                                                  hb / params.heads_kv, hb % params.heads_kv, group,
+                                                  group * params.seqlen_q, params);
+                if (threadIdx.x == 0) split_counters[hb] = 0;  // for the stream's next split launch
+            }
+        }
+    }
 }
 
 }  // namespace cuflash

@@ -290,3 +290,28 @@ def test_repeated_calls_take_the_prepared_call_and_still_check_lengths(num_split
         with pytest.raises(ValueError, match=r"cache_seqlens\[\d\] = 299"):
             kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=bad, k_new=kn, v_new=vn)
     assert bool((kc.view(cupy.uint16) == before.view(cupy.uint16)).all())
+
+
+def test_one_int_length_is_staged_once_per_stream():
+    """cache_seqlens as one int (kvcache._uniform_lengths): the second call on a stream reads the
+    first call's staged arrays (no upload per call); another stream or another length stages its
+    own; the results follow the lengths (against the reference on each batch's keys)."""
+    import cupy
+
+    rng = np.random.default_rng(12)
+    q, kc, vc, _, _ = _case(rng, 2, 1, 8, 2, 64, dtype_of("float16"), np.array([CAP] * 2), 0)
+    kvcache._UNIFORM_LENGTHS.clear()
+    a = kvcache._uniform_lengths(2, 100, 0, 0)
+    assert kvcache._uniform_lengths(2, 100, 0, 0)[0].data.ptr == a[0].data.ptr
+    assert kvcache._uniform_lengths(2, 101, 0, 0)[0].data.ptr != a[0].data.ptr
+    lens, seqused = kvcache._uniform_lengths(2, 100, 3, 0)
+    assert cupy.asnumpy(lens).tolist() == [100, 100] and cupy.asnumpy(seqused).tolist() == [103, 103]
+    with cupy.cuda.Stream(non_blocking=True):
+        assert kvcache._uniform_lengths(2, 100, 0, 0)[0].data.ptr != a[0].data.ptr
+    for n in (100, 37, 100, CAP):
+        out = kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=n)
+        for b in range(2):
+            err, pt, allowed = fa_rule(out[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], False,
+                                       1 / math.sqrt(64))
+            assert err <= allowed, (n, b, err, allowed)
+    assert len(kvcache._UNIFORM_LENGTHS) <= kvcache._UNIFORM_LENGTHS_MAX
