@@ -44,7 +44,7 @@ def lookup(family, problem, props):
     bucket = tuning_store.seqlen_bucket(problem.seqlen_q, problem.seqlen_k)
     # the instantiated head dim: a call of a smaller one runs (and is served by) its tiles
     shape = tuning_store.shape_key(family.name, problem.dtype, problem.features.head_dim, problem.features.perf_class(),
-                                   problem.causal)
+                                   problem.causal and family.causal_matters)
     key = (problem.device, shape, bucket)
     try:
         return _memo[key]

@@ -10,7 +10,9 @@ to that per-batch length: query i of n_q sits at key position len_b - n_q + i (F
 convention for the cache).
 
 Two kernels, both reading one int32 length per batch from the device and moving the mask
-geometry with it (kernels_cu/attn/mask.cuh MaskGeometry::for_batch), on every GPU:
+geometry with it (kernels_cu/attn/mask.cuh MaskGeometry::for_batch), on every GPU; the decode
+kernel reads the cache's lengths as given and adds n_new and clips them itself (FwdParams'
+seqused_add), so a device cache_seqlens costs no launch of its own there:
   * decoding (group x n_q <= 16 rows per K/V head, head_dim 32/64/96/128/192/256): the decode kernel
     (families.DECODE, kernels_cu/sm80/decode.cuh), a GQA group's query heads packed into one tile
     so each K/V element is read once, keys split over warps and, by decode_splits, over blocks;
@@ -48,10 +50,13 @@ from ._forward import empty_plan
 from .launch import Buffer, Launch, Plan, check_grid
 from .mask import MaskOptions
 from .params import pack_fwd
+from .tiles import DECODE_MIN_SPLIT_BLOCKS
 
 MAX_SPLITS = 128
 DECODE_ROWS = 16  # the decode kernel's packed rows per block (tiles.DecodeConfig.ROWS)
-MIN_DECODE_SPLIT_BLOCKS = 4  # key blocks per split at least (the heuristic; an explicit num_splits may give fewer)
+# key blocks per split at least (the heuristic's default, DecodeConfig.min_split_blocks; an explicit
+# num_splits may give fewer)
+MIN_DECODE_SPLIT_BLOCKS = DECODE_MIN_SPLIT_BLOCKS
 
 _plans = plan_cache.PlanCache()
 
@@ -403,17 +408,26 @@ def decode_problem(p) -> str | None:
     return None
 
 
-def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int, max_splits: int = MAX_SPLITS,
+                  min_split_blocks: int = MIN_DECODE_SPLIT_BLOCKS) -> int:
     """Splits of each (K/V head, batch)'s keys for the decode kernel: num_splits_heuristic's
     wave-efficiency rule over the GPU's block slots (`blocks_per_sm` resident per SM), with at least
-    MIN_DECODE_SPLIT_BLOCKS key blocks per split. (Filling the slots once, not just exceeding them:
-    5 splits of 64 work tiles on the H200's 264 slots ran 1.2 waves at 0.54x the copy bandwidth,
-    4 splits one wave at 0.95x.)"""
-    return num_splits_heuristic(work, blocks_per_sm * sm_count, key_blocks // MIN_DECODE_SPLIT_BLOCKS, max_splits)
+    `min_split_blocks` key blocks per split (the tile's: the tuner searches it per cache length).
+    (Filling the slots once, not just exceeding them: 5 splits of 64 work tiles on the H200's 264
+    slots ran 1.2 waves at 0.54x the copy bandwidth, 4 splits one wave at 0.95x.)"""
+    return num_splits_heuristic(work, blocks_per_sm * sm_count, key_blocks // min_split_blocks, max_splits)
 
 
-def plan_decode(p, cfg, dtype, dense: bool = False) -> Plan:
+def decode_resident(cfg, props) -> int:
+    """Blocks of decode tile `cfg` one SM holds at once (its shared memory with the driver's KiB
+    per block, and 2,048 threads)."""
+    return max(1, min(props.smem_per_sm // (cfg.smem_bytes + 1024), 2048 // cfg.threads))
+
+
+def plan_decode(p, cfg, dtype, dense: bool = False, seqused_add: int = 0) -> Plan:
     """The decode kernel's plan (families.DECODE.plan): one block per (split, K/V head, batch).
+    `seqused_add`: what the kernel adds to seqused_k[b] before it clips the length into [0,
+    seqlen_k] (n_new when the plan's seqused_k input is the cache's lengths before the append).
     p.n_splits 1: out and lse directly; more: fp32 partial results that the last split block of each
     (K/V head, batch) merges into out and lse (one launch; its counters per stream), or, past a
     stream's scratch words, the plan's combine launch (_split_plan). `dense`: seqused_k is not an input but a null pointer (every batch at
@@ -425,6 +439,7 @@ def plan_decode(p, cfg, dtype, dense: bool = False) -> Plan:
     # the decode kernel's work tiles are (K/V head, batch) pairs; each split divides its own batch's
     # key blocks (kernels_cu/sm80/decode.cuh), so split_blocks is not used
     params["tiles"], params["n_splits"], params["split_blocks"] = p.heads_kv * p.batch, p.n_splits, 0
+    params["seqused_add"] = seqused_add
     paged = ("block_table",) if p.paged else ()  # the kernel's pointer after seqused_k
     paged += ("alibi_slopes",) if p.alibi else ()  # and ALiBi's slopes after that (sm80/decode.cuh)
     if p.n_splits == 1:
@@ -482,18 +497,27 @@ def plan_dense_decode(p, dtype) -> Plan:
     return plan
 
 
-def _build_decode(p, splits: int, dtype, dense: bool = False):
+def _build_decode(p, splits: int, dtype, dense: bool = False, n_new: int = 0, config=None):
     """(plan, split) of the decode kernel for this call: `splits` blocks per (K/V head, batch), or
-    decode_splits' choice for 0; `dense`: plan_decode's."""
+    decode_splits' choice for 0 (with the tile's min_split_blocks); `dense`: plan_decode's; `n_new`:
+    the rows appended before it attends (the plan's seqused_k input is the cache's lengths before
+    the append); `config`: the tile (the tuner's; checked), else the selected one."""
     from . import device
 
-    cfg = families.select(families.DECODE, p)
+    if config is None:
+        cfg = families.select(families.DECODE, p)
+    else:
+        cfg = config
+        families.DECODE.check_explicit(cfg, p.features)
+        why = families.DECODE.can_implement(cfg, device.supported(p.device))
+        if why:
+            raise ValueError(f"config {cfg} cannot run here: {why}")
     if splits == 0:
         props = device.query(p.device)
-        resident = max(1, min(props.smem_per_sm // (cfg.smem_bytes + 1024), 2048 // cfg.threads))
-        splits = decode_splits(p.heads_kv * p.batch, resident, props.sm_count, -(-p.seqlen_k // cfg.block_k))
+        splits = decode_splits(p.heads_kv * p.batch, decode_resident(cfg, props), props.sm_count,
+                               -(-p.seqlen_k // cfg.block_k), min_split_blocks=cfg.min_split_blocks)
     ps = dataclasses.replace(p, n_splits=splits)
-    return plan_decode(ps, cfg, dtype, dense), splits > 1
+    return plan_decode(ps, cfg, dtype, dense, seqused_add=n_new), splits > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,6 +530,10 @@ class _Prepared:
     plan: object
     split: bool
     n_new: int
+    # the decode kernel's plan: its seqused_k input is the cache's lengths as given, before the
+    # append (the kernel adds n_new and clips); otherwise the attended lengths, n_new added and
+    # clipped before the launch
+    raw_lengths: bool = False
 
 
 def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mask: MaskOptions, softmax_scale,
@@ -538,7 +566,8 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mas
 
 def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
     """(lens, seqused) int32 device arrays of the cache lengths and the attended lengths (+ n_new);
-    seqused None for device lengths (the lengths kernel derives it, clipped, on the device). Host
+    seqused None for device lengths (the decode kernel reads lens and clips them itself; for the
+    other plans the lengths kernel derives seqused, clipped, on the device). Host
     lengths are checked to fit the appended rows and staged in one asynchronous copy
     (cuflash/staging.py: cupy.asarray's pageable copy waited for the previous step's kernels)."""
     import cupy
@@ -593,13 +622,14 @@ def _lengths_do_not_fit(b: int, n: int, n_new: int, cap: int):
 
 def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale, out=None,
                   lse=None, num_splits: int = 0, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True,
-                  block_table=None, alibi_slopes=None):
+                  block_table=None, alibi_slopes=None, config=None):
     """The CuPy body: (out, lse). Checks everything it can before the first launch. `out`, `lse`:
     given buffers (internal: the GPU tests poison them), checked as the forward's. A call whose
     signature was seen before (_call_key) takes the prepared plan (_Prepared). `alibi_slopes`:
-    ALiBi's (problem.check_alibi_slopes), aligned as the mask (to each batch's length)."""
+    ALiBi's (problem.check_alibi_slopes), aligned as the mask (to each batch's length). `config`: a
+    DecodeConfig for a call the decode kernel takes (the tuner's trials; ValueError for another)."""
     key = None
-    if rotary_cos is None and rotary_sin is None:
+    if rotary_cos is None and rotary_sin is None and config is None:
         key = _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mask, softmax_scale,
                         num_splits, alibi_slopes)
         prep = _plans.lookup(key)
@@ -652,6 +682,8 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         p = problem.with_alibi(dataclasses.replace(problem.resolve_forward(*infos, mask, softmax_scale), seqused_k=True),
                                slopes_info)
 
+    if config is not None and not p.empty and decode_problem(p) is not None:
+        raise ValueError(f"config {config}: this call does not run the decode kernel ({decode_problem(p)})")
     if table is not None and not p.empty and decode_problem(p) is not None:
         # more rows per K/V head than the decode kernel's tile (chunked prefill): append into the
         # pages, gather each batch's pages into a contiguous cache (entries clipped into range: past
@@ -664,11 +696,11 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         return _forward_cupy(q, kg, vg, seqused, None, None, mask, softmax_scale, out=out, lse=lse,
                              num_splits=num_splits, alibi_slopes=alibi_slopes)
 
-    def build():
+    def build():  # (plan, whether it splits the keys, whether it reads the lengths before the append)
         if p.empty:
-            return empty_plan(p, q.dtype), False
+            return empty_plan(p, q.dtype), False, False
         if decode_problem(p) is None:  # few rows per K/V head: the decode kernel, on every GPU
-            return _build_decode(p, splits, q.dtype)
+            return (*_build_decode(p, splits, q.dtype, n_new=n_new, config=config), True)
         family = families.choose(families.FORWARDS, p, None)  # the Hopper family refuses seqused_k: sm80
         s = splits
         if s == 0:  # the heuristic, on the plain tile's work
@@ -677,18 +709,20 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
             cfg = families.select(family, p)
             tiles = -(-p.seqlen_q // cfg.block_q) * p.heads * p.batch
             s = num_splits_heuristic(tiles, device.query(p.device).sm_count, -(-p.seqlen_k // cfg.block_k))
-        if s > 1:  # (plan, whether it splits the keys)
+        if s > 1:
             ps = dataclasses.replace(p, n_splits=s)
-            return _plan_split(ps, families.select(families.FWD, ps), q.dtype), True
-        return family.plan(p, families.select(family, p), q.dtype), False
+            return _plan_split(ps, families.select(families.FWD, ps), q.dtype), True, False
+        return family.plan(p, families.select(family, p), q.dtype), False, False
 
     # every check (the plan's family and tile, the buffers) before the cache is written
     # the plan's key holds everything the plan depends on: ALiBi's slopes decide the kernel (kAlibi)
-    # and their batch stride a parameter, so a call with other (or no) slopes must not take it
-    plan, split = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale, splits,
-                                        None if table is None else (table.shape, table.strides),
-                                        None if alibi_slopes is None else alibi_slopes.shape), build)
-    prep = _Prepared(p, plan, split, n_new)
+    # and their batch stride a parameter, so a call with other (or no) slopes must not take it; n_new
+    # is the decode kernel's seqused_add
+    plan, split, raw = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale,
+                                             splits, None if table is None else (table.shape, table.strides),
+                                             None if alibi_slopes is None else alibi_slopes.shape, n_new, config),
+                                  build)
+    prep = _Prepared(p, plan, split, n_new, raw)
     if key is not None and table is block_table and not p.empty:  # the table as given (not a contiguous copy)
         _plans.put(key, prep)
     return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse, alibi_slopes)
@@ -702,7 +736,9 @@ def _execute(prep: _Prepared, q, k_cache, v_cache, lens, seqused, k_new, v_new, 
     if lse is not None:
         lse = _forward._checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
     _append(k_new, v_new, lens, prep.n_new, p, k_cache, v_cache, table)
-    if seqused is None:
+    if prep.raw_lengths:  # the decode kernel adds n_new and clips (FwdParams.seqused_add)
+        seqused = lens
+    elif seqused is None:
         seqused = _lengths_kernel()(lens, prep.n_new, p.seqlen_k)
     paged = () if table is None else (table,)
     if prep.p.alibi:  # the slopes after the table (the plans' input order)

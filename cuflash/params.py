@@ -64,6 +64,10 @@ FWD_FIELDS = [
     # in rows of m_blocks lists (0 where the mask broadcasts), and the entries per list
     ("bm_sb", _I32), ("bm_sh", _I32), ("bm_nb", _I32),
     ("head_dim_v", _I32),  # v's and out's head dim (other than head_dim only in partial_d instances)
+    # the decode kernel: added to seqused_k[b] before it clips the length into [0, seqlen_k] (n_new
+    # where seqused_k holds the cache's lengths before the append; kernels_cu/sm80/decode.cuh)
+    ("seqused_add", _I32),
+    ("reserved0", _I32),  # pads the struct to its 8-byte alignment (no implicit padding)
 ]
 
 BWD_FIELDS = [

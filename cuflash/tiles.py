@@ -20,6 +20,9 @@ SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 SM90_HEAD_DIMS = (64, 128, 192, 256)  # the Hopper forward
 SM90_BWD_HEAD_DIMS = (64, 128, 256)  # the Hopper backward (256: the split-head-dim tile, Sm90BwdConfig)
 HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
+# The decode kernel's split heuristic (cuflash/kvcache.py decode_splits): key blocks per split at
+# least, by default and at most (a DecodeConfig's host-only min_split_blocks, which the tuner searches)
+DECODE_MIN_SPLIT_BLOCKS, DECODE_MAX_MIN_SPLIT_BLOCKS = 4, 64
 
 
 def head_dim_problem(head_dim: int) -> str | None:
@@ -48,6 +51,13 @@ def _axis(tag: str, doc: str):
     return dataclasses.field(metadata={"tag": tag, "doc": doc})
 
 
+def _host_axis(tag: str, doc: str, default: int):
+    """A searched tile field the host alone reads (how a call is launched, not what is compiled): not a
+    template argument and not in the kernel's name, so the tiles that differ only in it share one
+    compiled instance. Last in its class, with a default (the heuristic's value)."""
+    return dataclasses.field(default=default, metadata={"tag": tag, "doc": doc, "host": True})
+
+
 class Tile:
     """What every tile class shares. A subclass is a frozen dataclass whose fields, in order, are its
     template's integer arguments (head_dim first) and says what they mean for its kernel: threads,
@@ -59,12 +69,13 @@ class Tile:
         return tuple(f.name for f in dataclasses.fields(cls) if f.name != "head_dim")
 
     def tag(self) -> str:
-        """The tile's part of a kernel name: d128_br128_bc128_w8_s3."""
-        return "_".join(f"{f.metadata['tag']}{getattr(self, f.name)}" for f in dataclasses.fields(self))
+        """The tile's part of a kernel name: d128_br128_bc128_w8_s3 (its compiled fields)."""
+        return "_".join(f"{f.metadata['tag']}{getattr(self, f.name)}" for f in dataclasses.fields(self)
+                        if not f.metadata.get("host"))
 
     def template_args(self) -> tuple:
-        """The template's integer arguments, in field order."""
-        return dataclasses.astuple(self)
+        """The template's integer arguments, in field order (host-only fields left out)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("host"))
 
     def launch_bounds(self) -> str:
         """The generated kernel's launch bounds (cuflash/_compile.py)."""
@@ -396,6 +407,9 @@ class DecodeConfig(Tile):
     head_dim: int = _axis("d", "head dimension (not searched: it is the problem's)")
     warps: int = _axis("w", "warps per block, 16 keys of each K/V tile each")
     stages: int = _axis("s", "depth of the cp.async K/V ring")
+    # host-only: how far num_splits=0 splits a (K/V head, batch)'s keys (cuflash/kvcache.py decode_splits)
+    min_split_blocks: int = _host_axis("mb", "key blocks per split at least, when the call leaves the split count "
+                                             "to cuflash (num_splits=0)", DECODE_MIN_SPLIT_BLOCKS)
 
     ROWS = 16  # packed query rows per block (group * seqlen_q at most this)
 
@@ -413,7 +427,7 @@ class DecodeConfig(Tile):
         return 32 * self.warps
 
     def label(self) -> str:
-        return f"{self.block_k} keys w{self.warps} s{self.stages}"
+        return f"{self.block_k} keys w{self.warps} s{self.stages} mb{self.min_split_blocks}"
 
     @property
     def smem_bytes(self) -> int:
@@ -429,4 +443,6 @@ class DecodeConfig(Tile):
             return f"warps must be 1 to 8{' and even above head_dim 128' if self.col_splits > 1 else ''}, got {self.warps}"
         if self.stages < 2:
             return "stages must be >= 2 (the single-barrier pipeline)"
+        if not 1 <= self.min_split_blocks <= DECODE_MAX_MIN_SPLIT_BLOCKS:
+            return f"min_split_blocks must be 1 to {DECODE_MAX_MIN_SPLIT_BLOCKS}, got {self.min_split_blocks}"
         return None

@@ -496,6 +496,31 @@ def test_a_dense_decode_plan_passes_null_lengths(monkeypatch):
     assert int(calls[0][2][5]) == 0 and calls[0][2][6:8] == ("o", "l")
 
 
+def test_the_decode_kernel_reads_the_lengths_as_given(monkeypatch):
+    """The decode kernel's plans take the cache's lengths before the append and add n_new and clip
+    them themselves (FwdParams.seqused_add, sm80/decode.cuh): a call with device lengths launches
+    no lengths kernel there. The prefill kernel's plans still get the attended lengths from it."""
+    import dataclasses
+
+    monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: None)
+    p = dataclasses.replace(_dense(1, 4096, 32, 8, 128), seqused_k=True)
+    tile = families.DECODE.default(128)
+    assert int(kvcache.plan_decode(p, tile, np.float16, seqused_add=3).params.packed[0]["seqused_add"]) == 3
+    assert int(kvcache.plan_decode(p, tile, np.float16).params.packed[0]["seqused_add"]) == 0
+    ran = []
+    plan = types.SimpleNamespace(run=lambda arrays: ran.append(arrays) or ("out", "lse"))
+    monkeypatch.setattr(kvcache, "_lengths_kernel", lambda: lambda lens, n_new, cap: ("clipped", lens, n_new, cap))
+    monkeypatch.setattr(kvcache, "_append", lambda *a: None)
+    for raw, want in ((True, "lens"), (False, ("clipped", "lens", 2, 4096))):
+        prep = kvcache._Prepared(p, plan, False, 2, raw)
+        assert kvcache._execute(prep, "q", "k", "v", "lens", None, "kn", "vn", None, None, None) == ("out", "lse")
+        assert ran.pop()[5] == want  # the plans' seqused_k slot
+    # host lengths arrive staged with n_new added; the decode plan still takes the cache's own
+    kvcache._execute(kvcache._Prepared(p, plan, False, 2, True), "q", "k", "v", "lens", "used", "kn", "vn", None,
+                     None, None)
+    assert ran.pop()[5] == "lens"
+
+
 def _walk(row0, page_size, step, n):
     """kernels_cu/sm80/decode.cuh PagedTileRows::PageWalk, transcribed: (entry, in) of n rows step apart."""
     entry, inn = row0 // page_size, row0 - (row0 // page_size) * page_size

@@ -106,16 +106,17 @@ def test_layout_has_no_implicit_padding():
         # 8-byte fields first
         sizes = [dt.fields[n][0].itemsize for n in dt.names]
         assert sizes == sorted(sizes, reverse=True), name
-    assert (params.FWD.itemsize, params.BWD.itemsize) == (208, 336)
+    assert (params.FWD.itemsize, params.BWD.itemsize) == (216, 336)
     # GQA/MQA (issue 12): new 4-byte fields at the end; BwdParams' kv_rows with the other 8-byte
     # fields; softcap's scale (issue 13) and the call's head dim (issue 12); v's head dim took
     # FwdParams' tail padding and joined BwdParams' end with a new one (appended: every earlier
     # field's kernel parameter keeps its offset); that padding became the batch (issue 14: the
     # varlen row-wise kernels stride over sequences past the grid's z); the sm90 deterministic
-    # backward's order flag after it (issue 11)
-    assert params.FWD.names[-16:] == ("tiles", "heads_kv", "group", "softcap_scale", "head_dim", "align_end", "n_splits",
+    # backward's order flag after it (issue 11); the decode kernel's length addend and its padding
+    # word at FwdParams' end (issue 17)
+    assert params.FWD.names[-18:] == ("tiles", "heads_kv", "group", "softcap_scale", "head_dim", "align_end", "n_splits",
                                      "split_blocks", "page_size", "table_stride", "alibi_scale", "alibi_sb",
-                                     "bm_sb", "bm_sh", "bm_nb", "head_dim_v")
+                                     "bm_sb", "bm_sh", "bm_nb", "head_dim_v", "seqused_add", "reserved0")
     assert params.BWD.names[-15:] == ("heads_kv", "group", "softcap_scale", "head_dim", "align_end", "alibi_scale",
                                      "alibi_sb", "bm_sb", "bm_sh", "bm_nb", "bm_mb", "head_dim_v", "batch", "det_rotate",
                                      "reserved0")

@@ -148,11 +148,74 @@ def test_crashed_setup_is_reported_not_raised(env):
 
 
 def test_main_refuses_kernels_it_cannot_time(env, monkeypatch, capsys):
-    """The decode kernel has no tuner run yet: a clear refusal, not a traceback."""
+    """A family without a tuner run (KernelFamily.run None): a clear refusal, not a traceback."""
     monkeypatch.setattr(cli, "_gpu_props", lambda device: (H200, ""))
     monkeypatch.setattr(runner, "Worker", FakeWorker)
+    monkeypatch.setitem(families.REGISTRY, "decode", dataclasses.replace(families.DECODE, run=None))
     assert cli.main(["--kernels", "fwd", "decode", "--head-dims", "128", "--seqlens", "8192"]) == 2
     assert "decode cannot be tuned yet" in capsys.readouterr().err
+
+
+def _decode_cost(shape, c):
+    """A decode landscape: 4 warps, 3 stages and 8 key blocks per split at least are best."""
+    return shape.seqlen / 1e4 * (1 + 0.1 * (c.warps != 4) + 0.05 * (c.stages != 3)
+                                 + 0.02 * abs(math.log2(c.min_split_blocks / 8)))
+
+
+class DecodeWorker(FakeWorker):
+    def check(self, cfg, features, allow_local_bytes=0):
+        assert features.seqused_k, "the decode kernel has per-batch length instances only"
+        self.checked.append(cfg)
+
+    def trial(self, cfg, warmup=5, reps=20, verify=True, warmup_ms=0.0):
+        self.timed.append((self.shape, cfg, verify))
+        return search.Outcome("ok", _decode_cost(self.shape, cfg), "", {"p20_ms": 0, "p80_ms": 0})
+
+
+def test_the_decode_kernel_is_tuned_over_its_tiles_and_split_depth(env, monkeypatch):
+    """`--kernels decode` searches the decode tiles with their host-only min_split_blocks (how far
+    num_splits=0 splits the keys); once per cache length (a causal mask does not change a decoding
+    step's cost, KernelFamily.causal_matters), and causal calls take the entry too. The split depth
+    reaches the split count a call gets (kvcache._build_decode)."""
+    from cuflash import kvcache, problem
+    from cuflash.mask import MaskOptions
+
+    o = tuner.Options(kernels=("decode",), head_dims=(128,), dtypes=("bfloat16",), seqlens=(8192,), causal=(False, True),
+                      mode="exhaustive")
+    w = DecodeWorker()
+    (r,) = tuner.tune(o, w, H200)
+    assert r.error is None and r.shape.causal is False and r.shape.features.seqused_k
+    assert r.shape.heads_kv == r.shape.heads // runner.DECODE_TUNE_GROUP
+    assert r.winner == tiles.DecodeConfig(128, 4, 3, 8)
+    assert {c.min_split_blocks for c in w.checked} == {1, 2, 4, 8, 16}
+    # one compiled instance per (warps, stages): the split depth is not in the kernel's name
+    names = {_compile.kernel_name(c, r.shape.features) for c in w.checked}
+    assert len(names) == len({(c.warps, c.stages) for c in w.checked})
+
+    def info(shape):
+        strides, acc = [], 2
+        for n in reversed(shape):
+            strides.insert(0, acc)
+            acc *= n
+        return problem.ArrayInfo(tuple(shape), "bfloat16", 2, tuple(strides), 1 << 20, 0)
+
+    for causal in (False, True):
+        p = problem.resolve_forward(info((2, 1, 32, 128)), info((2, 8192, 8, 128)), info((2, 8192, 8, 128)),
+                                    MaskOptions.of(causal=causal), None)
+        p = dataclasses.replace(p, seqused_k=True)
+        assert _tuned.lookup(families.DECODE, p, H200) == r.winner
+    # the tile's split depth is the heuristic's: 16 (K/V head, batch) tiles of 8192 / 64 key blocks
+    planned = []
+    monkeypatch.setattr(kvcache, "plan_decode", lambda ps, cfg, dtype, dense, seqused_add=0: planned.append(
+        (ps.n_splits, cfg)) or "plan")
+    monkeypatch.setattr(families, "select", lambda fam, p: r.winner)
+    import cuflash.device
+
+    monkeypatch.setattr(cuflash.device, "query", lambda device_id=0: H200)
+    kvcache._build_decode(p, 0, "bfloat16")
+    resident = kvcache.decode_resident(r.winner, H200)
+    assert planned[-1] == (kvcache.decode_splits(16, resident, H200.sm_count, 8192 // 64, min_split_blocks=8), r.winner)
+    assert planned[-1][0] != kvcache.decode_splits(16, resident, H200.sm_count, 8192 // 64, min_split_blocks=1)
 
 
 def test_main_tunes_exports_and_writes_json(env, monkeypatch, capsys):

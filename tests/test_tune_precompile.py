@@ -21,6 +21,10 @@ def test_one_job_or_one_tile_does_nothing():
     tiles = families.FWD.space(64)[:3]
     assert precompile.precompile(tiles, Features("bfloat16", 64), 0, 1) == 0
     assert precompile.precompile(tiles[:1] * 2, Features("bfloat16", 64), 0, 8) == 0  # one distinct tile
+    # decode tiles that differ only in the host-only split depth are one instance
+    decode = [t for t in families.DECODE.space(128) if (t.warps, t.stages) == (4, 3)]
+    assert len(decode) == 5
+    assert precompile.precompile(decode, Features("bfloat16", 128, seqused_k=True), 0, 8) == 0
 
 
 def test_a_failed_compile_does_not_raise():

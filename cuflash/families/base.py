@@ -8,8 +8,8 @@ selection  supports(features), space(head_dim), default(head_dim, smem, features
            can_implement(tile, props, features), accumulator_registers(tile), register_cap(tile,
            props), cannot_run(problem, props) (whether it can serve a call at all);
 execution  plan(problem, tile, dtype): the launch plan of a call (cuflash/launch.py);
-           run(tile, inputs, causal, features) for the tuner, and which outputs must be bitwise
-           deterministic.
+           run(tile, inputs, causal, features) for the tuner, which outputs must be bitwise
+           deterministic, and whether a causal mask changes what is tuned.
 
 The library (selection, compiler), the tuner and the tests iterate the registry
 (cuflash/families/__init__.py); nobody branches on a family's name.
@@ -48,7 +48,7 @@ class KernelFamily:
     name: str  # in kernel names and tuned-table keys: cuflash_<name>_...
     description: str
     what: str  # in messages: "no <what> config for head_dim ..."
-    pass_: str  # "forward" | "backward": which inputs the tuner prepares
+    pass_: str  # "forward" | "backward" | "decode" (one token against a KV cache): which inputs the tuner prepares
     tile_cls: type
     header: str  # under kernels_cu/
     template: str  # device template, <BF16, *tile.template_args(), Variant> (Features.cxx())
@@ -134,6 +134,9 @@ class KernelFamily:
     run: Callable | None = None  # (tile, inputs: dict, causal, features, props) -> tuple of outputs
     deterministic_outputs: tuple = ()  # indices of run()'s outputs that must be bitwise reproducible
     tuned_by_default: bool = True  # tuned by `python -m cuflash.tune` unless --kernels says otherwise
+    # False: a causal mask does not change the kernel's cost (the decode kernel's one query row per
+    # head): tuned without it, and causal calls take those entries (tuning_store's key has causal False)
+    causal_matters: bool = True
 
     def __repr__(self) -> str:
         return f"<KernelFamily {self.name}>"

@@ -239,14 +239,27 @@ def _plan_decode(p, tile, dtype):
     return plan_decode(p, tile, dtype)
 
 
+def _run_decode(tile, d, causal, features, props, out=None, lse=None):
+    from ..kvcache import _forward_cupy
+    from ..mask import MaskOptions
+
+    # one decoding step as attention_with_kvcache runs it (device lengths; the split count by the
+    # tile's min_split_blocks)
+    return tuple(_forward_cupy(d["q"], d["k"], d["v"], d["lens"], None, None, MaskOptions.of(causal=causal), None,
+                               out=out, lse=lse, config=tile))
+
+
 # Decoding against a KV cache (cuflash/kvcache.py): a GQA group's query heads packed in one tile,
-# chosen by attention_with_kvcache when group * seqlen_q <= 16 (never by the prefill forward). Not
-# tuned yet: the defaults keep two blocks of 4 warps per H200 SM at d128 (100 KB each).
+# chosen by attention_with_kvcache when group * seqlen_q <= 16 (never by the prefill forward). The
+# defaults keep two blocks of 4 warps per H200 SM at d128 (100 KB each). The tuner times one
+# decoding step (runner.py: one query token, DECODE_TUNE_GROUP query heads per K/V head, the cache
+# full) over the tiles and their host-only min_split_blocks (how far num_splits=0 splits the keys),
+# per cache length.
 DECODE = KernelFamily(
     name="decode", description="decode against a KV cache (GQA group packed)", what="decode",
-    pass_="forward", tile_cls=DecodeConfig, header="flash_decode.cuh", template="cuflash::flash_decode",
+    pass_="decode", tile_cls=DecodeConfig, header="flash_decode.cuh", template="cuflash::flash_decode",
     pointers=_FWD_POINTERS, params="FwdParams", min_cc=_MIN_CC, min_cc_why=_MIN_CC_WHY, arch_specific=False,
-    domain=lambda d: _product(lambda w, s: DecodeConfig(d, w, s), (2, 4, 8), (2, 3, 4)),
+    domain=lambda d: _product(lambda w, s, mb: DecodeConfig(d, w, s, mb), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8, 16)),
     defaults={
         32: (DecodeConfig(32, 4, 4), DecodeConfig(32, 4, 2)),
         64: (DecodeConfig(64, 4, 4), DecodeConfig(64, 4, 2)),
@@ -260,4 +273,5 @@ DECODE = KernelFamily(
     takes_seqused_k=True, needs_seqused_k=True, takes_split_kv=True, takes_paged=True, tuned_by_default=False,
     takes_alibi=True, nullable_pointers=True,
     split_merge_pointers=((OUT, "merged_out"), (F32, "merged_lse"), (I32_WS, "split_counters")),
+    run=_run_decode, deterministic_outputs=(0, 1), causal_matters=False,
 )

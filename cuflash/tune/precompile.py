@@ -36,8 +36,9 @@ def _compile_one(args) -> str | None:  # runs in a pool process
 
 def precompile(tiles, features, device_id: int, jobs: int) -> int:
     """Compile each (tile, features) instance for device `device_id` in `jobs` processes; returns
-    how many compiled. jobs <= 1, or fewer than two tiles, does nothing (the checks compile)."""
-    tiles = list(dict.fromkeys(tiles))
+    how many compiled. jobs <= 1, or fewer than two tiles, does nothing (the checks compile). Tiles
+    that differ only in host-only fields (tiles.py _host_axis) are one instance: compiled once."""
+    tiles = list({(type(t), t.template_args()): t for t in tiles}.values())
     if jobs <= 1 or len(tiles) < 2:
         return 0
     ctx = multiprocessing.get_context("spawn")  # no CUDA state inherited from the tuner

@@ -28,6 +28,9 @@ RTOL = {"bfloat16": 2.0**-6, "float16": 2.0**-9, "float32": 1e-4}
 # Each perf class's call options while tuning: dropout at this rate and seed (the mask's cost depends
 # on neither), softcap at Gemma 2's cap (every cap costs the same).
 CLASS_OPTIONS = {"dense": {}, "dropout": {"dropout_p": 0.1, "seed": 20261130}, "softcap": {"softcap": 30.0}}
+# A decode kernel's shape (KernelFamily.pass_ "decode"): one query token of `heads` query heads, a
+# GQA group of this many per K/V head (Llama 3's 32 / 8), a full cache of `seqlen` rows per batch
+DECODE_TUNE_GROUP = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +52,18 @@ class Shape:
 
     @property
     def features(self) -> Features:
-        return Features.of_class(self.dtype, self.head_dim, self.perf_class)
+        f = Features.of_class(self.dtype, self.head_dim, self.perf_class)
+        if families.get(self.kernel).needs_seqused_k:  # the decode kernel: per-batch key lengths only
+            f = dataclasses.replace(f, seqused_k=True)
+        return f
+
+    @property
+    def heads_kv(self) -> int:
+        """The K/V heads of the workload: `heads` for the prefill passes, a GQA group's fewer for a
+        decoding step."""
+        if families.get(self.kernel).pass_ == "decode":
+            return max(1, self.heads // DECODE_TUNE_GROUP)
+        return self.heads
 
     @property
     def label(self) -> str:
@@ -142,7 +156,10 @@ class Bench:
         s = self.shape
         dt = np.dtype(ml_dtypes.bfloat16) if s.dtype == "bfloat16" else np.dtype(np.float16)
         rs = cupy.random.RandomState(seed)
-        mk = lambda: rs.standard_normal((s.batch, s.seqlen, s.heads, s.head_dim), dtype=cupy.float32).astype(dt)
+        mk = lambda n=s.seqlen, h=s.heads: rs.standard_normal((s.batch, n, h, s.head_dim), dtype=cupy.float32).astype(dt)
+        if self.family.pass_ == "decode":  # one token against a full cache (device lengths, as serving keeps them)
+            return {"q": mk(1), "k": mk(h=s.heads_kv), "v": mk(h=s.heads_kv),
+                    "lens": cupy.full(s.batch, s.seqlen, dtype=cupy.int32), "options": CLASS_OPTIONS[s.perf_class]}
         q, k, v = mk(), mk(), mk()
         d = {"q": q, "k": k, "v": v, "options": CLASS_OPTIONS[s.perf_class]}
         if self.family.pass_ == "backward":
@@ -155,11 +172,11 @@ class Bench:
     def _run(self, cfg, d, poison=False):
         s = self.shape
         out = lse = None
-        if poison and self.family.pass_ == "forward":  # outputs given, pre-filled with NaN
+        if poison and self.family.pass_ in ("forward", "decode"):  # outputs given, pre-filled with NaN
             import cupy
 
             out = cupy.full(d["q"].shape, cupy.nan, dtype=cupy.float32).astype(d["q"].dtype)
-            lse = cupy.full((s.batch, s.heads, s.seqlen), cupy.nan, dtype=cupy.float32)
+            lse = cupy.full((s.batch, s.heads, d["q"].shape[1]), cupy.nan, dtype=cupy.float32)
         elif poison:  # the backward allocates its outputs: make the pool hand out NaN-filled memory
             self._poison_pool()
         return self.family.run(cfg, d, s.causal, s.features, self.props, out=out, lse=lse)

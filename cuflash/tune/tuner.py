@@ -61,7 +61,13 @@ def plan_shapes(o: Options) -> list:
     """Shapes grouped by (kernel, perf class, dtype, head_dim), so each group's compile check runs once."""
     return [make_shape(k, dt, d, c, n, o.tokens, o.hidden, pc)
             for k in o.kernels for pc in o.perf_classes for dt in o.dtypes for d in o.head_dims
-            for c in o.causal for n in o.seqlens]
+            for c in _causal_values(k, o.causal) for n in o.seqlens]
+
+
+def _causal_values(kernel: str, causal: tuple) -> tuple:
+    """The causal settings to tune `kernel` at: the options', or False alone for a family whose cost a
+    causal mask does not change (KernelFamily.causal_matters: its causal calls take those entries)."""
+    return causal if families.get(kernel).causal_matters else (False,)
 
 
 @dataclasses.dataclass

@@ -117,12 +117,16 @@ struct MaskGeometry {
     // and the d192 paged decode one 8 B of spills.)
     template <class V, bool NULLABLE = false>
     __device__ __forceinline__ MaskGeometry for_batch(const int* __restrict__ seqused_k, int b) const {
+        if constexpr (V::kSeqUsedK) return with_length((NULLABLE && seqused_k == nullptr) ? seqlen_k : seqused_k[b]);
+        return *this;
+    }
+
+    // The geometry with `len` keys instead of seqlen_k, the offset moved with it (for_batch's step;
+    // the decode kernel clips its length first).
+    __device__ __forceinline__ MaskGeometry with_length(int len) const {
         MaskGeometry m = *this;
-        if constexpr (V::kSeqUsedK) {
-            const int len = (NULLABLE && seqused_k == nullptr) ? seqlen_k : seqused_k[b];
-            m.offset = offset + (len - seqlen_k);
-            m.seqlen_k = len;
-        }
+        m.offset = offset + (len - seqlen_k);
+        m.seqlen_k = len;
         return m;
     }
 

@@ -58,6 +58,8 @@ struct FwdParams {
     int bm_sb, bm_sh;  // V::kBlockMask: the batch and head strides of a key-block list row, in query blocks' rows (0: broadcast)
     int bm_nb;         // V::kBlockMask: entries per list (the key blocks of the lists' tile)
     int head_dim_v;    // v's and out's head dim (<= D; other than head_dim only in V::kPartialD instances)
+    int seqused_add;   // the decode kernel: added to seqused_k[b] before the clip into [0, seqlen_k] (sm80/decode.cuh)
+    int reserved0;     // the tail to 8 bytes, named as cuflash/params.py names every byte; unused
 };
 
 // The backward pass, one struct for its four kernels; each reads what it needs:
@@ -106,7 +108,7 @@ struct BwdParams {
     int reserved0;            // the tail to 8 bytes, named as cuflash/params.py names every byte; unused
 };
 
-static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 208, "FwdParams layout changed: update cuflash/params.py");
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 216, "FwdParams layout changed: update cuflash/params.py");
 static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 336, "BwdParams layout changed: update cuflash/params.py");
 // (The dropout trio's contiguity and every field's offset and type are checked against cuflash/params.py
 // by tests/test_params.py: NVRTC 13.0 does not know __builtin_offsetof, so it cannot be asserted here.)

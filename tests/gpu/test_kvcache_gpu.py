@@ -142,6 +142,24 @@ def test_device_lengths_past_the_capacity_are_clipped():
     assert err <= allowed
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_device_lengths_out_of_range_are_clipped_by_the_decode_kernel(num_splits):
+    """The decode kernel takes device lengths as given and clips length + n_new into [0, capacity]
+    itself (FwdParams.seqused_add): negative lengths see no key (out 0, lse -inf), lengths up to
+    int32's maximum see the whole cache; the rows in range are exact."""
+    import cupy
+
+    rng = np.random.default_rng(8)
+    lens = np.array([-5, -(2**31), 2**31 - 1, CAP + 9, 100], np.int64)
+    q, kc, vc, _, _ = _case(rng, 5, 1, 8, 2, 128, dtype_of("bfloat16"), np.clip(lens, 0, CAP), 0)
+    got, lse = kvcache._forward_cupy(q, kc, vc, cupy.asarray(lens.astype(np.int32)), None, None, MaskOptions.of(),
+                                     None, num_splits=num_splits)
+    assert bool((got[:2].astype(cupy.float32) == 0).all()) and bool(cupy.isneginf(lse[:2]).all())
+    for b, n in ((2, CAP), (3, CAP), (4, 100)):
+        err, _, allowed = fa_rule(got[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], False, 1 / math.sqrt(128))
+        assert err <= allowed, (b, err, allowed)
+
+
 def test_torch_path_writes_the_cache_in_place():
     torch = pytest.importorskip("torch")
     import cuflash

@@ -132,3 +132,37 @@ def test_short_backward_studies_run_cleanly(kernel, tmp_cache):
     assert r.error is None and r.winner is not None, r.error
     assert r.statuses() == {"ok": r.trials_used}, r.to_dict()["search"]["trials"]
     assert r.winner_ms <= r.default_ms
+
+
+def test_short_decode_study_runs_cleanly_and_calls_take_its_winner(tmp_cache, monkeypatch):
+    """The decode kernel's study (issue 17: num_splits=0's choice, tuned): tiles and their split depth
+    timed on one decoding step (8 x 8k cache, 32 query heads over 8 K/V heads), every trial matching
+    the default's output; attention_with_kvcache then plans with the winner (causal calls too)."""
+    import cupy
+    import ml_dtypes
+
+    from cuflash import _tuned, kvcache
+    from cuflash.device import query
+    from cuflash.tune import tuner
+    from cuflash.tune.runner import Worker
+
+    o = tuner.Options(kernels=("decode",), head_dims=(128,), dtypes=("bfloat16",), seqlens=(8192,),
+                      causal=(False, True), trials=8, reps=10, confirm_rounds=2, tokens=8 * 8192, hidden=32 * 128)
+    with Worker(0, isolated=True) as w:
+        reports = tuner.tune(o, w, query(0))
+        assert w.restarts == 0
+    (r,) = reports  # causal does not change a decoding step: one study
+    assert r.error is None and r.winner is not None, r.error
+    assert r.statuses() == {"ok": r.trials_used}, r.to_dict()["search"]["trials"]
+    assert r.winner_ms <= r.default_ms
+    _tuned.reload()
+    planned = []
+    real = kvcache.plan_decode
+    monkeypatch.setattr(kvcache, "plan_decode", lambda p, cfg, *a, **k: planned.append(cfg) or real(p, cfg, *a, **k))
+    rng = np.random.default_rng(17)
+    mk = lambda *s: cupy.asarray(rng.standard_normal(s, dtype=np.float32)).astype(ml_dtypes.bfloat16)
+    q, kc, vc = mk(8, 1, 32, 128), mk(8, 8192, 8, 128), mk(8, 8192, 8, 128)
+    kvcache._plans.clear()
+    for causal in (False, True):
+        kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=8192, causal=causal)
+    assert planned == [r.winner, r.winner]
