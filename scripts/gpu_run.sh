@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -75,6 +75,14 @@ for s in $stages; do
                    tests/gpu/test_decode_gpu.py tests/gpu/test_kvcache_gpu.py tests/gpu/test_staging_gpu.py \
                    tests/gpu/test_flash_attn_interface_gpu.py $(ls tests/gpu/test_paged_gpu.py 2>/dev/null) 2>&1 \
                    | tee "$OUT/decode-tests.log" | tail -25 ;;  # the KV-cache kernels (issue 17)
+    branchcheck)  # the waiting branches' first GPU run (decode-next = gqa-fused-bwd + decode-host + the decode
+                  # kernel's own lengths and tuning): their tests, then issue 12's GQA figure and issue 17's cells
+      timeout ${BRANCHCHECK_TIMEOUT:-280} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
+        tests/gpu/test_gqa_gpu.py tests/gpu/test_varlen_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_kvcache_gpu.py \
+        tests/gpu/test_staging_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py 2>&1 \
+        | tee "$OUT/branch-tests.log" | tail -25
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -k decode tests/gpu/test_tune_gpu.py 2>&1 \
+        | tee -a "$OUT/branch-tests.log" | tail -5 ;;
     decode) timeout ${DECODE_TIMEOUT:-240} python3 scripts/bench_decode.py --json "$OUT/bench-decode.json" 2>&1 \
               | grep -v Warning | tee "$OUT/bench-decode.log" | tail -8 ;;  # issue 17's decode bandwidth bar
     profiledecode) timeout ${PROFILE_DECODE_TIMEOUT:-120} python3 scripts/profile_decode.py 2>&1 | grep -v Warning \
