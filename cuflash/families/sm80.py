@@ -244,9 +244,11 @@ def _run_decode(tile, d, causal, features, props, out=None, lse=None):
     from ..mask import MaskOptions
 
     # one decoding step as attention_with_kvcache runs it (device lengths; the split count by the
-    # tile's min_split_blocks)
-    return tuple(_forward_cupy(d["q"], d["k"], d["v"], d["lens"], None, None, MaskOptions.of(causal=causal), None,
-                               out=out, lse=lse, config=tile))
+    # tile's min_split_blocks; the class's options: softcap's cap, ALiBi's slopes)
+    o = d["options"]
+    return tuple(_forward_cupy(d["q"], d["k"], d["v"], d["lens"], None, None,
+                               MaskOptions.of(causal=causal, softcap=o.get("softcap", 0.0)), None, out=out, lse=lse,
+                               config=tile, alibi_slopes=o.get("alibi_slopes")))
 
 
 # Decoding against a KV cache (cuflash/kvcache.py): a GQA group's query heads packed in one tile,
