@@ -537,10 +537,10 @@ class _Prepared:
 
 
 def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mask: MaskOptions, softmax_scale,
-              num_splits, alibi_slopes=None):
+              num_splits, alibi_slopes=None, config=None):
     """The fast path's key: everything the validation and the plan depend on (array_key of the CuPy
     arrays: shapes, strides, dtypes, devices, pointer alignment; the kinds of the lengths and the
-    table; the options), or None for calls it does not take (rotary embedding, host block tables,
+    table; the options, a given decode config), or None for calls it does not take (rotary embedding, host block tables,
     arrays that are not CuPy's: the slow path checks and runs those)."""
     import cupy
 
@@ -559,7 +559,7 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mas
     arrays = (q, k_cache, v_cache) if k_new is None else (q, k_cache, v_cache, k_new, v_new)
     try:
         ak = None if alibi_slopes is None else plan_cache.array_key((alibi_slopes,))
-        return ("call", plan_cache.array_key(arrays), lk, tk, mask.key, softmax_scale, num_splits, ak)
+        return ("call", plan_cache.array_key(arrays), lk, tk, mask.key, softmax_scale, num_splits, ak, config)
     except AttributeError:  # not CuPy arrays: the slow path names the argument
         return None
 
@@ -629,9 +629,10 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     ALiBi's (problem.check_alibi_slopes), aligned as the mask (to each batch's length). `config`: a
     DecodeConfig for a call the decode kernel takes (the tuner's trials; ValueError for another)."""
     key = None
-    if rotary_cos is None and rotary_sin is None and config is None:
+    # (a given config too: the tuner times its trials as a decode loop runs, on the prepared call)
+    if rotary_cos is None and rotary_sin is None:
         key = _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mask, softmax_scale,
-                        num_splits, alibi_slopes)
+                        num_splits, alibi_slopes, config)
         prep = _plans.lookup(key)
         if prep is not None:
             p = prep.p

@@ -29,6 +29,19 @@ sanitize_script() {
     timeout 120 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 "$1" 2>&1 | tail -3 | tee -a "$2"
   done
 }
+# ncu PC sampling of one kernel launch (the 4th matching KERNEL_REGEX): NAME.log, the raw page's PICK
+# columns on stdout (scripts/ncu_raw_pick.py), with SASS=1 the stalls per SASS instruction in
+# NAME-sass.csv.gz; the report itself removed. Usage: ncu_stall NAME KERNEL_REGEX SASS "PICK ..." -- COMMAND...
+ncu_stall() {
+  local name=$1 regex=$2 sass=$3 pick=$4
+  shift 5
+  timeout 150 ncu -k regex:"$regex" --launch-skip 3 -c 1 --set full -f -o "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+  ncu --import "$OUT/$name.ncu-rep" --page raw --csv 2>/dev/null | python3 scripts/ncu_raw_pick.py $pick
+  if [ "$sass" = 1 ]; then
+    ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/$name-sass.csv.gz"
+  fi
+  rm -f "$OUT/$name.ncu-rep"
+}
 for s in $stages; do
   case $s in
     golden) python3 scripts/golden/outputs_golden.py check tests/golden/outputs.json 2>&1 | tee "$OUT/golden.log" | tail -45 ;;
@@ -164,13 +177,10 @@ for s in $stages; do
     bwdstall)  # issue 11's last cell: where the warps of ours and of cuDNN's main backward kernel stall (ncu's
       # PC sampling: totals per reason, and ours per SASS instruction), d128 unmasked, NCU_N (2048) keys
       for who in ours cudnn; do
-        timeout 150 ncu -k regex:"bwd_sm90|bprop" --launch-skip 3 -c 1 --set full -f -o "$OUT/stall-$who" \
-          python3 scripts/profile_bwd_pair.py $who --n ${NCU_N:-2048} > "$OUT/stall-$who.log" 2>&1
-        ncu --import "$OUT/stall-$who.ncu-rep" --page raw --csv 2>/dev/null | python3 scripts/ncu_raw_pick.py pcsamp_warps_issue_stalled inst_executed_pipe \
+        ncu_stall stall-$who "bwd_sm90|bprop" $([ $who = ours ] && echo 1 || echo 0) \
+          "pcsamp_warps_issue_stalled inst_executed_pipe" -- python3 scripts/profile_bwd_pair.py $who --n ${NCU_N:-2048} \
           | sed "s/^/$who /" | tee -a "$OUT/stall-totals.txt" | sort -t' ' -k3 -g -r | head -14
-      done
-      ncu --import "$OUT/stall-ours.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/stall-ours-sass.csv.gz"
-      rm -f "$OUT"/stall-*.ncu-rep ;;
+      done ;;
     fwdstall)  # the forward's gaps (issue 12's d256 causal N2048, issue 13's softcap, d64 causal N512): ncu's PC
       # sampling, ours and cuDNN's stall totals per reason, and ours per SASS instruction
       # (scripts/ncu_stall_summary.py reads the csv); FWDSTALL_CASES: profile_fwd.py flag sets separated by ';';
@@ -179,15 +189,10 @@ for s in $stages; do
       for c in "${fcases[@]}"; do
         tag=$(echo "$c" | tr -d ' -'); [ -n "$tag" ] || tag=plain
         for who in ${FWDSTALL_WHO:-ours cudnn}; do
-          [ $who = ours ] && { k=fwd_sm90; extra=; } || { k=fprop; extra=--cudnn; }
-          timeout 150 ncu -k regex:$k --launch-skip 3 -c 1 --set full -f -o "$OUT/fstall-$tag-$who" \
-            python3 scripts/profile_fwd.py $c $extra > "$OUT/fstall-$tag-$who.log" 2>&1
-          ncu --import "$OUT/fstall-$tag-$who.ncu-rep" --page raw --csv 2>/dev/null \
-            | python3 scripts/ncu_raw_pick.py pcsamp_warps_issue_stalled gpu__time_duration.sum inst_executed.sum \
+          [ $who = ours ] && { k=fwd_sm90; extra=; sass=1; } || { k=fprop; extra=--cudnn; sass=0; }
+          ncu_stall fstall-$tag-$who $k $sass "pcsamp_warps_issue_stalled gpu__time_duration.sum inst_executed.sum" \
+            -- python3 scripts/profile_fwd.py $c $extra \
             | grep -v not_issued | sed "s/^/$tag $who /" | tee -a "$OUT/fstall-totals.txt" | sort -k4 -g -r | head -8
-          [ $who = ours ] && ncu --import "$OUT/fstall-$tag-ours.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
-            | gzip > "$OUT/fstall-$tag-ours-sass.csv.gz"
-          rm -f "$OUT/fstall-$tag-$who.ncu-rep"
         done
       done ;;
     bwdab)  # issue 11: the non-split Hopper backward's two scheduling constants (kernels_cu/sm90/bwd.cuh:
