@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
-#        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
+#        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
 #        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
@@ -81,6 +81,12 @@ for s in $stages; do
                  timeout 300 python3 scripts/bench_ring.py --seqlen $n --json "$OUT/ring-bench-$n.json" 2>&1 \
                    | grep -v Warning | tee -a "$OUT/ring-bench.log" | tail -6
                done ;;
+    projectring)  # issue 16 (4 / 8 GPUs not lent): the ring's per-GPU throughput projected from one GPU's times
+      # at 1M tokens; the link's GB/s: LINK_GBPS, else the K/V exchange of a ringbench run before it (2 GPUs)
+      gbps=${LINK_GBPS:-$(python3 -c "import glob, json; r = [x['exchange_gbps'] for f in glob.glob('$OUT/ring-bench-*.json') for x in json.load(open(f))]; print(min(r) if r else '')")}
+      [ -n "$gbps" ] || { echo "projectring: no LINK_GBPS and no ringbench run before it"; continue; }
+      timeout ${PROJECT_RING_TIMEOUT:-400} python3 scripts/project_ring.py --seqlen ${PROJECT_SEQLEN:-1048576} --gpus ${PROJECT_GPUS:-2 4 8} \
+        --link-gbps $gbps --json "$OUT/project-ring.json" 2>&1 | grep -v Warning | tee "$OUT/project-ring.log" | tail -5 ;;
     varlen) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_varlen_gpu.py tests/test_varlen.py \
               2>&1 | tee "$OUT/varlen-tests.log" | tail -25
             timeout 240 python3 scripts/bench_varlen.py --json "$OUT/bench-varlen.json" 2>&1 | tee "$OUT/bench-varlen.log" | tail -4 ;;
