@@ -4,7 +4,8 @@
 
 The first lookup on a device reads the user's tuning cache and the shipped tables once (see
 cuflash/tuning_store.py for the key and the matching rules); every later lookup is one dict hit on
-(family, device, dtype, head_dim, perf class, causal, seqlen bucket). Never raises: a broken cache
+(family, device, dtype, head_dim, perf class, causal, seqlen bucket); a perf class with no entry
+takes its fallback class's (features.PERF_CLASS_FALLBACK: ALiBi -> dense). Never raises: a broken cache
 is reported with a warning and treated as empty. No Optuna, no GPU work, no import of the tuner.
 
 CUFLASH_TUNED=0 in the environment disables tuned configs (the heuristic defaults run).
@@ -16,6 +17,7 @@ import threading
 import warnings
 
 from . import tuning_store
+from .features import PERF_CLASS_FALLBACK
 
 _memo: dict = {}  # (family, device, shape key, bucket) -> tile or None
 _tables: dict = {}  # device -> tuning_store.Tables
@@ -53,7 +55,11 @@ def lookup(family, problem, props):
     cfg = None
     if enabled():
         try:
-            cfg, _ = tables(problem.device, props).find(shape, bucket)
+            t = tables(problem.device, props)
+            cfg, _ = t.find(shape, bucket)
+            fallback = PERF_CLASS_FALLBACK.get(shape[3])
+            if cfg is None and fallback is not None:  # a class nothing was tuned for: its fallback's entry
+                cfg, _ = t.find(shape[:3] + (fallback,) + shape[4:], bucket)
         except Exception as e:  # noqa: BLE001 - a tuning cache must never break attention()
             warnings.warn(f"cuflash: tuned-config lookup failed ({type(e).__name__}: {e}); using defaults",
                           RuntimeWarning, stacklevel=2)

@@ -21,7 +21,11 @@ import functools
 # dtype name -> (kernel-name tag, the kernel template's BF16 argument)
 _DTYPES = {"float16": ("f16", "false"), "bfloat16": ("bf16", "true")}
 SUPPORTED_DTYPES = tuple(_DTYPES)
-PERF_CLASSES = ("dense", "dropout", "softcap")
+PERF_CLASSES = ("dense", "dropout", "softcap", "alibi")
+# A class with no tuned entry for a shape takes its fallback's entry (cuflash/_tuned.py): ALiBi calls
+# ran the dense class's tiles before ALiBi had a class (0.93-0.98x of plain at d128 on the H200), so
+# a GPU whose table has no ALiBi entries keeps them rather than the untuned heuristic.
+PERF_CLASS_FALLBACK = {"alibi": "dense"}
 
 
 def _variant(tag: str, member: str):
@@ -114,15 +118,20 @@ class Features:
         path, and the best tile moves: on the H200 (2026-12-01, perf-notes) dense's tuned d128
         tile (block_k 192, ping-pong) runs softcap at 0.75x of plain where the 128-key tile
         without ping-pong runs it at 0.82x. `partial_d` keeps its class: it runs the tiles of its
-        instantiated head dim."""
-        return "dropout" if self.dropout else "softcap" if self.softcap else "dense"
+        instantiated head dim. `alibi` (without dropout or softcap, whose classes it keeps) has its
+        own class too: its bias costs an FFMA per score, which at d64 moved the sm90 forward off
+        its class's pace (0.84-0.89x of plain on the dense tile, 2026-12-01) while the bias's split
+        form runs only on two-consumer tiles, so its best tile may be another; a GPU without ALiBi
+        entries takes the dense ones (PERF_CLASS_FALLBACK)."""
+        return "dropout" if self.dropout else "softcap" if self.softcap else "alibi" if self.alibi else "dense"
 
     @classmethod
     def of_class(cls, dtype: str, head_dim: int, perf_class: str) -> "Features":
         """The features a perf class is tuned with (the tuner's problems, a tuned entry's spills)."""
         if perf_class not in PERF_CLASSES:
             raise ValueError(f"unknown perf class {perf_class!r} (one of {', '.join(PERF_CLASSES)})")
-        return cls(dtype, head_dim, dropout=perf_class == "dropout", softcap=perf_class == "softcap")
+        return cls(dtype, head_dim, dropout=perf_class == "dropout", softcap=perf_class == "softcap",
+                   alibi=perf_class == "alibi")
 
 
 def _cxx_bool(x: bool) -> str:

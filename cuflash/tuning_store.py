@@ -10,7 +10,7 @@ ENTRY holds the key fields (gpu, cc, sm_count, driver, nvrtc, kernel, source, dt
 perf_class, causal, seqlen_bucket), the winning "config", and what was measured (time_ms,
 default_config, default_ms, method, trials, valid, per-config "timings", ...). `kernel` names a
 kernel family (cuflash/families/); `perf_class` the feature class the entry was tuned for
-(Features.perf_class(): "dense", "dropout", "softcap"). Version-1 tables predate perf_class: they were tuned
+(Features.perf_class(): "dense", "dropout", "softcap", "alibi"). Version-1 tables predate perf_class: they were tuned
 without dropout, so their entries are read as "dense".
 
 Matching an entry against the running process:

@@ -114,8 +114,13 @@ def test_each_perf_class_has_the_features_it_is_tuned_with():
         f = Features.of_class("bfloat16", 128, pc)
         assert f.perf_class() == pc and f.dtype == "bfloat16" and f.head_dim == 128
     assert Features.of_class("float16", 64, "softcap") == Features("float16", 64, softcap=True)
-    with pytest.raises(ValueError, match="unknown perf class 'alibi'"):
-        Features.of_class("float16", 64, "alibi")
+    assert Features.of_class("float16", 64, "alibi") == Features("float16", 64, alibi=True)
+    with pytest.raises(ValueError, match="unknown perf class 'sinks'"):
+        Features.of_class("float16", 64, "sinks")
+    # ALiBi is its own class only beside no class of its own: dropout's and softcap's keep it
+    assert Features("bfloat16", 64, alibi=True, local=True).perf_class() == "alibi"
+    assert Features("bfloat16", 64, alibi=True, softcap=True).perf_class() == "softcap"
+    assert Features("bfloat16", 64, alibi=True, dropout=True).perf_class() == "dropout"
 
 
 def test_softcap_prefers_its_class_default_on_the_sm90_forward():

@@ -230,6 +230,21 @@ def test_select_prefers_tuned_then_heuristic(env, monkeypatch):
     assert families.select(families.FWD, p) == families.FWD.default(128)
 
 
+def test_alibi_calls_take_alibi_entries_else_the_dense_ones(env):
+    """ALiBi has its own perf class (its best tile may differ); a GPU whose tables have no ALiBi entry
+    for the shape gives ALiBi calls the dense entry they ran on before the class existed
+    (features.PERF_CLASS_FALLBACK), never the other way round."""
+    other = tiles.FwdConfig(128, 64, 64, 4, 2)
+    alibi = types.SimpleNamespace(**{**vars(problem()), "features": Features("bfloat16", 128, alibi=True)})
+    assert alibi.features.perf_class() == "alibi"
+    tuning_store.save_entries(env.user, [entry()])
+    assert lookup("fwd", alibi) == TUNED  # the dense entry: nothing tuned for ALiBi
+    tuning_store.save_entries(env.user, [entry(cfg=other, perf_class="alibi")])
+    _tuned.reload()
+    assert lookup("fwd", alibi) == other and lookup("fwd", problem()) == TUNED
+    assert lookup("fwd", problem(dropout=True)) is None  # dropout has no fallback
+
+
 def test_dropout_is_tuned_separately_and_spilling_tiles_are_avoided(env):
     """The dropout perf class has its own entries; a dense entry never serves a dropout call, and the
     heuristic skips the tiles whose dropout instantiation spills (the family's data)."""

@@ -26,8 +26,21 @@ DTYPE_SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 # 16-bit outputs (configs differ only in summation order), fp32 lse to 1e-4 of its largest value.
 RTOL = {"bfloat16": 2.0**-6, "float16": 2.0**-9, "float32": 1e-4}
 # Each perf class's call options while tuning: dropout at this rate and seed (the mask's cost depends
-# on neither), softcap at Gemma 2's cap (every cap costs the same).
-CLASS_OPTIONS = {"dense": {}, "dropout": {"dropout_p": 0.1, "seed": 20261130}, "softcap": {"softcap": 30.0}}
+# on neither), softcap at Gemma 2's cap (every cap costs the same), ALiBi with one slope per head
+# (class_options: an array of the shape's heads; every slope costs the same).
+CLASS_OPTIONS = {"dense": {}, "dropout": {"dropout_p": 0.1, "seed": 20261130}, "softcap": {"softcap": 30.0},
+                 "alibi": {}}
+
+
+def class_options(perf_class: str, heads: int) -> dict:
+    """The call options a perf class is tuned with, on the GPU (ALiBi's slopes: BLOOM's geometric
+    2^(-8 i / heads), float32 on the current device)."""
+    opts = dict(CLASS_OPTIONS[perf_class])
+    if perf_class == "alibi":
+        import cupy
+
+        opts["alibi_slopes"] = cupy.asarray(2.0 ** (-8.0 * cupy.arange(1, heads + 1) / heads), dtype=cupy.float32)
+    return opts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +54,7 @@ class Shape:
     seqlen: int
     batch: int
     heads: int
-    perf_class: str = "dense"  # Features.perf_class(): "dense" | "dropout" | "softcap"
+    perf_class: str = "dense"  # Features.perf_class(): "dense" | "dropout" | "softcap" | "alibi"
 
     @property
     def bucket(self) -> int:
@@ -144,7 +157,7 @@ class Bench:
         rs = cupy.random.RandomState(seed)
         mk = lambda: rs.standard_normal((s.batch, s.seqlen, s.heads, s.head_dim), dtype=cupy.float32).astype(dt)
         q, k, v = mk(), mk(), mk()
-        d = {"q": q, "k": k, "v": v, "options": CLASS_OPTIONS[s.perf_class]}
+        d = {"q": q, "k": k, "v": v, "options": class_options(s.perf_class, s.heads)}
         if self.family.pass_ == "backward":
             from .. import _forward
 
