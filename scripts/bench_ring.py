@@ -82,6 +82,13 @@ def _worker(rank, world, init, a, results):
         peak = peak_of(ring_fwd_bwd)
         dist.barrier()
 
+        # the link: one ring exchange of this rank's K/V block (send to the next, receive from the
+        # previous, both directions at once), the transfer scripts/project_ring.py's --link-gbps models
+        exchange = cfd._Exchange(None, rank, world)
+        dist.barrier()
+        t_x = _time(lambda: exchange([k, v]).wait(), a.reps)
+        exchange_gbps = 2 * k.numel() * k.element_size() / t_x / 1e9
+
         one_fwd, one_fwd_bwd = passes(cuflash.attention)
         t_of = _time(one_fwd, a.reps)
         t_ofb = _time(one_fwd_bwd, a.reps)
@@ -93,7 +100,7 @@ def _worker(rank, world, init, a, results):
                  ring_fwd_tflops=flops_fwd / t_rf / 1e12, ring_bwd_tflops=2.5 * flops_fwd / (t_rfb - t_rf) / 1e12,
                  one_fwd_tflops=flops_one / t_of / 1e12, one_bwd_tflops=2.5 * flops_one / (t_ofb - t_of) / 1e12,
                  peak_mib=peak / 2**20, peak_fwd_mib=peak_rf / 2**20, peak_one_mib=peak_one / 2**20, peak_timed_mib=peak_timed / 2**20,
-                 qkv_shard_mib=3 * q.numel() * 2 / 2**20)
+                 qkv_shard_mib=3 * q.numel() * 2 / 2**20, exchange_ms=t_x * 1e3, exchange_gbps=exchange_gbps)
         r["fwd_ratio"] = r["ring_fwd_tflops"] / r["one_fwd_tflops"]
         r["bwd_ratio"] = r["ring_bwd_tflops"] / r["one_bwd_tflops"]
         results[rank] = r
@@ -128,7 +135,8 @@ def main():
               f"bwd {r['ring_bwd_tflops']:.1f} vs {r['one_bwd_tflops']:.1f} ({r['bwd_ratio']:.3f}); "
               f"ring fwd {r['ring_fwd_ms']:.1f} ms, bwd {r['ring_bwd_ms']:.1f} ms; memory above the inputs at the "
               f"peak: ring fwd {r['peak_fwd_mib']:.0f} MiB, ring fwd+bwd {r['peak_mib']:.0f} MiB, one GPU fwd+bwd "
-              f"{r['peak_one_mib']:.0f} MiB; all allocated at the peak of the timed runs {r['peak_timed_mib']:.0f} MiB (q, k, v shards {r['qkv_shard_mib']:.0f} MiB)")
+              f"{r['peak_one_mib']:.0f} MiB; all allocated at the peak of the timed runs {r['peak_timed_mib']:.0f} MiB (q, k, v shards {r['qkv_shard_mib']:.0f} MiB); "
+              f"a K/V exchange {r['exchange_ms']:.2f} ms ({r['exchange_gbps']:.0f} GB/s each way)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
-#        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -28,6 +28,19 @@ sanitize_script() {
   for tool in memcheck racecheck synccheck; do
     timeout 120 compute-sanitizer --tool $tool --report-api-errors no --print-limit 20 python3 "$1" 2>&1 | tail -3 | tee -a "$2"
   done
+}
+# ncu PC sampling of one kernel launch (the 4th matching KERNEL_REGEX): NAME.log, the raw page's PICK
+# columns on stdout (scripts/ncu_raw_pick.py), with SASS=1 the stalls per SASS instruction in
+# NAME-sass.csv.gz; the report itself removed. Usage: ncu_stall NAME KERNEL_REGEX SASS "PICK ..." -- COMMAND...
+ncu_stall() {
+  local name=$1 regex=$2 sass=$3 pick=$4
+  shift 5
+  timeout 150 ncu -k regex:"$regex" --launch-skip 3 -c 1 --set full -f -o "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+  ncu --import "$OUT/$name.ncu-rep" --page raw --csv 2>/dev/null | python3 scripts/ncu_raw_pick.py $pick
+  if [ "$sass" = 1 ]; then
+    ncu --import "$OUT/$name.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/$name-sass.csv.gz"
+  fi
+  rm -f "$OUT/$name.ncu-rep"
 }
 for s in $stages; do
   case $s in
@@ -68,6 +81,12 @@ for s in $stages; do
                  timeout 300 python3 scripts/bench_ring.py --seqlen $n --json "$OUT/ring-bench-$n.json" 2>&1 \
                    | grep -v Warning | tee -a "$OUT/ring-bench.log" | tail -6
                done ;;
+    projectring)  # issue 16 (4 / 8 GPUs not lent): the ring's per-GPU throughput projected from one GPU's times
+      # at 1M tokens; the link's GB/s: LINK_GBPS, else the K/V exchange of a ringbench run before it (2 GPUs)
+      gbps=${LINK_GBPS:-$(python3 -c "import glob, json; r = [x['exchange_gbps'] for f in glob.glob('$OUT/ring-bench-*.json') for x in json.load(open(f))]; print(min(r) if r else '')")}
+      [ -n "$gbps" ] || { echo "projectring: no LINK_GBPS and no ringbench run before it"; continue; }
+      timeout ${PROJECT_RING_TIMEOUT:-400} python3 scripts/project_ring.py --seqlen ${PROJECT_SEQLEN:-1048576} --gpus ${PROJECT_GPUS:-2 4 8} \
+        --link-gbps $gbps --json "$OUT/project-ring.json" 2>&1 | grep -v Warning | tee "$OUT/project-ring.log" | tail -5 ;;
     varlen) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_varlen_gpu.py tests/test_varlen.py \
               2>&1 | tee "$OUT/varlen-tests.log" | tail -25
             timeout 240 python3 scripts/bench_varlen.py --json "$OUT/bench-varlen.json" 2>&1 | tee "$OUT/bench-varlen.log" | tail -4 ;;
@@ -75,6 +94,14 @@ for s in $stages; do
                    tests/gpu/test_decode_gpu.py tests/gpu/test_kvcache_gpu.py tests/gpu/test_staging_gpu.py \
                    tests/gpu/test_flash_attn_interface_gpu.py $(ls tests/gpu/test_paged_gpu.py 2>/dev/null) 2>&1 \
                    | tee "$OUT/decode-tests.log" | tail -25 ;;  # the KV-cache kernels (issue 17)
+    branchcheck)  # the waiting branches' first GPU run (decode-next = gqa-fused-bwd + decode-host + the decode
+                  # kernel's own lengths and tuning): their tests, then issue 12's GQA figure and issue 17's cells
+      timeout ${BRANCHCHECK_TIMEOUT:-280} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
+        tests/gpu/test_gqa_gpu.py tests/gpu/test_varlen_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_kvcache_gpu.py \
+        tests/gpu/test_staging_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py 2>&1 \
+        | tee "$OUT/branch-tests.log" | tail -25
+      timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -k decode tests/gpu/test_tune_gpu.py 2>&1 \
+        | tee -a "$OUT/branch-tests.log" | tail -5 ;;
     decode) timeout ${DECODE_TIMEOUT:-240} python3 scripts/bench_decode.py --json "$OUT/bench-decode.json" 2>&1 \
               | grep -v Warning | tee "$OUT/bench-decode.log" | tail -8 ;;  # issue 17's decode bandwidth bar
     profiledecode) timeout ${PROFILE_DECODE_TIMEOUT:-120} python3 scripts/profile_decode.py 2>&1 | grep -v Warning \
@@ -156,13 +183,10 @@ for s in $stages; do
     bwdstall)  # issue 11's last cell: where the warps of ours and of cuDNN's main backward kernel stall (ncu's
       # PC sampling: totals per reason, and ours per SASS instruction), d128 unmasked, NCU_N (2048) keys
       for who in ours cudnn; do
-        timeout 150 ncu -k regex:"bwd_sm90|bprop" --launch-skip 3 -c 1 --set full -f -o "$OUT/stall-$who" \
-          python3 scripts/profile_bwd_pair.py $who --n ${NCU_N:-2048} > "$OUT/stall-$who.log" 2>&1
-        ncu --import "$OUT/stall-$who.ncu-rep" --page raw --csv 2>/dev/null | python3 scripts/ncu_raw_pick.py pcsamp_warps_issue_stalled inst_executed_pipe \
+        ncu_stall stall-$who "bwd_sm90|bprop" $([ $who = ours ] && echo 1 || echo 0) \
+          "pcsamp_warps_issue_stalled inst_executed_pipe" -- python3 scripts/profile_bwd_pair.py $who --n ${NCU_N:-2048} \
           | sed "s/^/$who /" | tee -a "$OUT/stall-totals.txt" | sort -t' ' -k3 -g -r | head -14
-      done
-      ncu --import "$OUT/stall-ours.ncu-rep" --page source --csv --print-source sass 2>/dev/null | gzip > "$OUT/stall-ours-sass.csv.gz"
-      rm -f "$OUT"/stall-*.ncu-rep ;;
+      done ;;
     fwdstall)  # the forward's gaps (issue 12's d256 causal N2048, issue 13's softcap, d64 causal N512): ncu's PC
       # sampling, ours and cuDNN's stall totals per reason, and ours per SASS instruction
       # (scripts/ncu_stall_summary.py reads the csv); FWDSTALL_CASES: profile_fwd.py flag sets separated by ';';
@@ -171,15 +195,10 @@ for s in $stages; do
       for c in "${fcases[@]}"; do
         tag=$(echo "$c" | tr -d ' -'); [ -n "$tag" ] || tag=plain
         for who in ${FWDSTALL_WHO:-ours cudnn}; do
-          [ $who = ours ] && { k=fwd_sm90; extra=; } || { k=fprop; extra=--cudnn; }
-          timeout 150 ncu -k regex:$k --launch-skip 3 -c 1 --set full -f -o "$OUT/fstall-$tag-$who" \
-            python3 scripts/profile_fwd.py $c $extra > "$OUT/fstall-$tag-$who.log" 2>&1
-          ncu --import "$OUT/fstall-$tag-$who.ncu-rep" --page raw --csv 2>/dev/null \
-            | python3 scripts/ncu_raw_pick.py pcsamp_warps_issue_stalled gpu__time_duration.sum inst_executed.sum \
+          [ $who = ours ] && { k=fwd_sm90; extra=; sass=1; } || { k=fprop; extra=--cudnn; sass=0; }
+          ncu_stall fstall-$tag-$who $k $sass "pcsamp_warps_issue_stalled gpu__time_duration.sum inst_executed.sum" \
+            -- python3 scripts/profile_fwd.py $c $extra \
             | grep -v not_issued | sed "s/^/$tag $who /" | tee -a "$OUT/fstall-totals.txt" | sort -k4 -g -r | head -8
-          [ $who = ours ] && ncu --import "$OUT/fstall-$tag-ours.ncu-rep" --page source --csv --print-source sass 2>/dev/null \
-            | gzip > "$OUT/fstall-$tag-ours-sass.csv.gz"
-          rm -f "$OUT/fstall-$tag-$who.ncu-rep"
         done
       done ;;
     bwdab)  # issue 11: the non-split Hopper backward's two scheduling constants (kernels_cu/sm90/bwd.cuh:
