@@ -177,8 +177,8 @@ def test_the_decode_kernel_is_tuned_over_its_tiles_and_split_depth(env, monkeypa
     num_splits=0 splits the keys); once per cache length (a causal mask does not change a decoding
     step's cost, KernelFamily.causal_matters), and causal calls take the entry too. The split depth
     reaches the split count a call gets (kvcache._build_decode)."""
-    from cuflash import kvcache, problem
-    from cuflash.mask import MaskOptions
+    from cuflash import kvcache
+    from tests.test_kvcache import _dense
 
     o = tuner.Options(kernels=("decode",), head_dims=(128,), dtypes=("bfloat16",), seqlens=(8192,), causal=(False, True),
                       mode="exhaustive")
@@ -192,17 +192,8 @@ def test_the_decode_kernel_is_tuned_over_its_tiles_and_split_depth(env, monkeypa
     names = {_compile.kernel_name(c, r.shape.features) for c in w.checked}
     assert len(names) == len({(c.warps, c.stages) for c in w.checked})
 
-    def info(shape):
-        strides, acc = [], 2
-        for n in reversed(shape):
-            strides.insert(0, acc)
-            acc *= n
-        return problem.ArrayInfo(tuple(shape), "bfloat16", 2, tuple(strides), 1 << 20, 0)
-
-    for causal in (False, True):
-        p = problem.resolve_forward(info((2, 1, 32, 128)), info((2, 8192, 8, 128)), info((2, 8192, 8, 128)),
-                                    MaskOptions.of(causal=causal), None)
-        p = dataclasses.replace(p, seqused_k=True)
+    for causal in (False, True):  # one token of 32 query heads, 8 K/V heads, 8k cache rows
+        p = dataclasses.replace(_dense(1, 8192, 32, 8, 128, causal=causal), seqused_k=True)
         assert _tuned.lookup(families.DECODE, p, H200) == r.winner
     # the tile's split depth is the heuristic's: 16 (K/V head, batch) tiles of 8192 / 64 key blocks
     planned = []
