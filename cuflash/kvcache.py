@@ -54,9 +54,6 @@ from .tiles import DECODE_MIN_SPLIT_BLOCKS
 
 MAX_SPLITS = 128
 DECODE_ROWS = 16  # the decode kernel's packed rows per block (tiles.DecodeConfig.ROWS)
-# key blocks per split at least (the heuristic's default, DecodeConfig.min_split_blocks; an explicit
-# num_splits may give fewer)
-MIN_DECODE_SPLIT_BLOCKS = DECODE_MIN_SPLIT_BLOCKS
 
 _plans = plan_cache.PlanCache()
 
@@ -409,7 +406,7 @@ def decode_problem(p) -> str | None:
 
 
 def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int, max_splits: int = MAX_SPLITS,
-                  min_split_blocks: int = MIN_DECODE_SPLIT_BLOCKS) -> int:
+                  min_split_blocks: int = DECODE_MIN_SPLIT_BLOCKS) -> int:
     """Splits of each (K/V head, batch)'s keys for the decode kernel: num_splits_heuristic's
     wave-efficiency rule over the GPU's block slots (`blocks_per_sm` resident per SM), with at least
     `min_split_blocks` key blocks per split (the tile's: the tuner searches it per cache length).
@@ -683,9 +680,10 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         p = problem.with_alibi(dataclasses.replace(problem.resolve_forward(*infos, mask, softmax_scale), seqused_k=True),
                                slopes_info)
 
-    if config is not None and not p.empty and decode_problem(p) is not None:
-        raise ValueError(f"config {config}: this call does not run the decode kernel ({decode_problem(p)})")
-    if table is not None and not p.empty and decode_problem(p) is not None:
+    why_not_decode = None if p.empty else decode_problem(p)
+    if config is not None and why_not_decode is not None:
+        raise ValueError(f"config {config}: this call does not run the decode kernel ({why_not_decode})")
+    if table is not None and why_not_decode is not None:
         # more rows per K/V head than the decode kernel's tile (chunked prefill): append into the
         # pages, gather each batch's pages into a contiguous cache (entries clipped into range: past
         # a batch's length they may be anything) and attend to that with the lengths + n_new
@@ -700,7 +698,7 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     def build():  # (plan, whether it splits the keys, whether it reads the lengths before the append)
         if p.empty:
             return empty_plan(p, q.dtype), False, False
-        if decode_problem(p) is None:  # few rows per K/V head: the decode kernel, on every GPU
+        if why_not_decode is None:  # few rows per K/V head: the decode kernel, on every GPU
             return (*_build_decode(p, splits, q.dtype, n_new=n_new, config=config), True)
         family = families.choose(families.FORWARDS, p, None)  # the Hopper family refuses seqused_k: sm80
         s = splits

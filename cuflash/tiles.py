@@ -21,7 +21,8 @@ SM90_HEAD_DIMS = (64, 128, 192, 256)  # the Hopper forward
 SM90_BWD_HEAD_DIMS = (64, 128, 256)  # the Hopper backward (256: the split-head-dim tile, Sm90BwdConfig)
 HEAD_DIM_STEP, MAX_HEAD_DIM = 8, 256
 # The decode kernel's split heuristic (cuflash/kvcache.py decode_splits): key blocks per split at
-# least, by default and at most (a DecodeConfig's host-only min_split_blocks, which the tuner searches)
+# least, by default and at most (a DecodeConfig's host-only min_split_blocks, which the tuner
+# searches; an explicit num_splits may give fewer)
 DECODE_MIN_SPLIT_BLOCKS, DECODE_MAX_MIN_SPLIT_BLOCKS = 4, 64
 
 
