@@ -331,6 +331,7 @@ def calls(monkeypatch):
     rec = []
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     return rec
 
@@ -725,6 +726,7 @@ def test_gqa_sm90_backward_writes_the_expanded_buffers(monkeypatch):
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
     monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: Recorder(rec))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
     q, kv = info((2, 100, 4, 64)), info((2, 300, 1, 64))
@@ -750,6 +752,7 @@ def fake_backward_plan(monkeypatch):
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
     monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: names.append(name) or Recorder(rec))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
     return names, rec
