@@ -21,7 +21,8 @@ MIN_CC = (8, 0)
 
 
 class UnsupportedDeviceError(RuntimeError):
-    """The GPU is older than cuflash supports (compute capability below MIN_CC)."""
+    """The GPU is older than cuflash supports (compute capability below MIN_CC), or this process's
+    NVRTC cannot build kernels for it (compiler_reason)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,7 +126,7 @@ def cuda_device_count() -> tuple[int, str]:
 
 
 def shipped_props_dir() -> pathlib.Path | None:
-    """Recorded properties of real GPUs (sm_80, sm_86, sm_89, sm_90): cuflash/devices as installed,
+    """Recorded properties of real GPUs (sm_80, sm_86, sm_89, sm_90, sm_100, sm_120): cuflash/devices as installed,
     tests/fixtures/devices in a checkout (the same files; pyproject.toml ships one as the other)."""
     pkg = pathlib.Path(__file__).resolve().parent
     for d in (pkg / "devices", pkg.parent / "tests" / "fixtures" / "devices"):
@@ -162,6 +163,37 @@ def nvrtc_version() -> tuple | None:
         return tuple(nvrtc.getVersion())
     except Exception:  # noqa: BLE001 - no NVRTC: nothing can compile, but the key must still build
         return None
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_targets() -> tuple | None:
+    """The real architectures this process's NVRTC builds for, as numbers (80, 86, ..., 90, 100, 120),
+    or None where it cannot say (no NVRTC, or one without nvrtcGetSupportedArchs)."""
+    try:
+        from cupy.cuda import nvrtc
+
+        return tuple(sorted(int(a) for a in nvrtc.getSupportedArchs()))
+    except Exception:  # noqa: BLE001 - unknown: no check (the compile then says what it says)
+        return None
+
+
+def compiler_reason(props: DeviceProps, device_id: int | None = None) -> str | None:
+    """Why this process's NVRTC cannot build kernels for a GPU with these properties (its target,
+    e.g. sm_120, not among NVRTC's: a Blackwell GPU with an NVRTC older than CUDA 12.8), or None.
+    Asked before the first compile: CuPy would otherwise build for the newest target its NVRTC
+    knows, and that binary does not load on a GPU of a later architecture (or NVRTC rejects the
+    target), neither of which says what to install."""
+    targets = nvrtc_targets()
+    cc = 10 * props.cc[0] + props.cc[1]
+    if targets is None or cc in targets:
+        return None
+    which = "this GPU" if device_id is None else f"CUDA device {device_id}"
+    v = nvrtc_version()
+    version = "" if v is None else f" {v[0]}.{v[1]}"
+    return (f"cuflash builds its kernels at run time with NVRTC, and this process's NVRTC{version} cannot build "
+            f"for {which}, {props.name} (compute capability {props.cc_str}, target sm_{cc}): its targets end "
+            f"at sm_{targets[-1]}. Install an NVRTC that knows sm_{cc} (pip install -U nvidia-cuda-nvrtc for "
+            f"CUDA 13, or nvidia-cuda-nvrtc-cu12 for CUDA 12) and a driver that supports the GPU")
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,6 +243,11 @@ def check_supported(props: DeviceProps, device_id: int | None = None) -> DeviceP
 
 
 def supported(device_id: int = 0) -> DeviceProps:
-    """query(device_id), or UnsupportedDeviceError for a GPU cuflash cannot run on. Every entry point
-    asks this before it selects a kernel or compiles one (families.choose/select, _compile)."""
-    return check_supported(query(device_id), device_id)
+    """query(device_id), or UnsupportedDeviceError for a GPU cuflash cannot run on (too old, or no
+    NVRTC target for it here). Every entry point asks this before it selects a kernel or compiles
+    one (families.choose/select, _compile)."""
+    props = check_supported(query(device_id), device_id)
+    why = compiler_reason(props, device_id)
+    if why:
+        raise UnsupportedDeviceError(why)
+    return props

@@ -207,7 +207,7 @@ class Plan:
     every launch's pointers."""
 
     __slots__ = ("device", "params", "_blank", "_alloc", "_per_stream", "_launches", "_own", "_outputs", "_out_idx",
-                 "_args", "_n_inputs")
+                 "_args", "_n_inputs", "_scratch")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
                  params: np.ndarray):
@@ -231,6 +231,8 @@ class Plan:
         self._own = tuple(None if ln.params is None else OwnParams(ln.params) for ln in launches)
         self._out_idx = tuple(index[n] for n in outputs)
         self._outputs = _getter(self._out_idx)
+        # the slots run() allocates and drops at its end (workspaces: not outputs); see _graph_owned
+        self._scratch = frozenset(i for i, *_ in self._alloc) - set(self._out_idx)
         self._args = [None] * len(launches)  # per launch: its _ArgBuffer, made at its first run
 
     def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
@@ -241,9 +243,13 @@ class Plan:
 
         slots = [*args, *self._blank]
         with cupy.cuda.Device(self.device):
+            graph = bool(self._scratch) and _capturing()
             for i, shape, dtype, zeroed in self._alloc:
                 if slots[i] is None:
-                    slots[i] = (cupy.zeros if zeroed else cupy.empty)(shape, dtype=dtype)
+                    if graph and i in self._scratch:
+                        slots[i] = _graph_owned(shape, dtype, zeroed, self.device)
+                    else:
+                        slots[i] = (cupy.zeros if zeroed else cupy.empty)(shape, dtype=dtype)
             if self._per_stream:
                 stream = cupy.cuda.get_current_stream().ptr
                 for i, name, n in self._per_stream:
@@ -251,6 +257,7 @@ class Plan:
             self._launch_all(slots, dropout_args, None)
         # Buffers that are not outputs go back to the pool when `slots` dies here; the pool reuses a
         # block only for work queued later on the same stream, so the running kernels keep them.
+        # (Under a graph capture they are the graph's own: _graph_owned.)
         return self._outputs(slots)
 
     def run_external(self, args: list, empty: Callable, stream: int, dropout_args: tuple | None = None) -> tuple:
@@ -300,6 +307,40 @@ class Plan:
                 buf.fill(values, drop, params)
                 _launch_kernel(buf.func, *grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)),
                                smem, stream, buf.argv_ptr, 0)
+
+
+def _capturing() -> bool:
+    """Whether CuPy's current stream is being captured into a CUDA graph."""
+    import cupy
+
+    return cupy.cuda.get_current_stream().is_capturing()
+
+
+_graph_pool = None
+
+
+def _graph_owned(shape, dtype, zeroed: bool, device: int):
+    """A plan's workspace for a call being captured into a CUDA graph (CuPy's stream capture), by
+    cudaMallocAsync on the capturing stream: the graph gets an allocation node, and, as the array
+    dies at the end of run() (still inside the capture), a free node, so each replay has the memory
+    to itself. From CuPy's pool the block would go back to the pool at the end of the call and be
+    handed to a later array on that stream, which every replay of the graph would then overwrite.
+    (torch's capture needs none of this: its allocator keeps a graph's blocks in the graph's pool.)"""
+    global _graph_pool
+    import cupy
+
+    if _graph_pool is None:
+        _graph_pool = cupy.cuda.MemoryAsyncPool()
+    nbytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
+    try:
+        mem = _graph_pool.malloc(nbytes)
+    except RuntimeError as e:  # no stream-ordered allocation on this device / driver
+        raise RuntimeError(f"cuflash cannot capture this call into a CUDA graph on device {device}: its workspaces "
+                           f"need stream-ordered allocation (cudaMallocAsync) inside the capture ({e})") from None
+    a = cupy.ndarray(shape, dtype=dtype, memptr=mem)
+    if zeroed:
+        a.fill(0)
+    return a
 
 
 class Ptr:

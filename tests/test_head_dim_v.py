@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash import _backward, _forward, families, params, problem, reference
+from cuflash import _backward, _forward, families, launch, params, problem, reference
 from cuflash.mask import MaskOptions
 from cuflash.problem import ArrayInfo, resolve_backward, resolve_forward
 from cuflash.tiles import BwdConfig, FwdConfig
@@ -84,6 +84,7 @@ def test_plans_allocate_out_and_dv_with_vs_head_dim(monkeypatch):
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Rec())
     monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: Rec())
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     p = fwd(192, 128)
     out, lse = _forward._plan(p, FwdConfig(192, 64, 64, 4, 2), np.float16).run(("q", "k", "v", None, None))

@@ -1,5 +1,5 @@
 """Head dims of real models (issue 12), decided on the CPU: validation, the instantiated head dim a
-call runs with, and the config every family picks on the recorded devices (sm_80, sm_86, sm_89, sm_90)
+call runs with, and the config every family picks on the recorded devices (sm_80 to sm_120)
 for every multiple of 8 from 8 to 256."""
 from __future__ import annotations
 

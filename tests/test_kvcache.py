@@ -9,7 +9,7 @@ import types
 import numpy as np
 import pytest
 
-from cuflash import _compile, families, kvcache, reference
+from cuflash import _compile, families, kvcache, launch, reference
 from cuflash.features import Features
 from tests.test_compile import _nvrtc_available
 from tests.test_compile_v1 import _ptx
@@ -473,6 +473,7 @@ def test_a_dense_decode_plan_passes_null_lengths(monkeypatch):
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Rec(type(cfg).__name__))
     monkeypatch.setattr(kvcache, "_combine_kernel", lambda name: Rec("combine"))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape)))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     from cuflash import stream_scratch
 

@@ -6,7 +6,7 @@ import contextlib
 import numpy as np
 import pytest
 
-from cuflash import _backward, _compile, _forward, _forward_v1, families, params, problem
+from cuflash import _backward, _compile, _forward, _forward_v1, families, launch, params, problem
 from cuflash.mask import CAUSAL, MaskOptions
 from cuflash.tiles import BwdConfig, DqConfig, FwdConfig, V1Config
 
@@ -28,6 +28,7 @@ def calls(monkeypatch):
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(type(cfg).__name__, rec))
     monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: Recorder(name, rec))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     return rec
 
@@ -92,6 +93,28 @@ def test_forward_v1_workspaces_per_call(calls):
     assert (int(f["window_left"]), int(f["window_right"]), int(f["offset"])) == (problem.UNBOUNDED,) * 2 + (NK - NQ,)
     assert int(f["m_blocks"]) == -(-NQ // 64)
     assert (f["drop_seed"], f["drop_threshold"], f["drop_scale"]) == (0, 0, np.float32(1.0))
+
+
+def test_workspaces_of_a_captured_call_are_the_graphs(calls, monkeypatch):
+    """Inside a CUDA graph capture a plan's workspaces come from _graph_owned (cudaMallocAsync on the
+    capturing stream: the graph's allocation and free nodes), not from CuPy's pool, which would hand
+    them to a later array while the graph's replays still write them; outputs the caller did not
+    give come from the pool as always (the caller holds them)."""
+    owned = []
+    monkeypatch.setattr(launch, "_capturing", lambda: True)
+    monkeypatch.setattr(launch, "_graph_owned", lambda shape, dtype, zeroed, dev: owned.append((tuple(shape), zeroed))
+                        or ("graph", tuple(shape)))
+    plan = _forward_v1._plan(fwd_problem(causal=False), V1Config(64, 64, 64, 4, 2), np.float16)
+    out, lse = plan.run(("q", "k", "v", None, None))
+    [(_, _, _, args, _)] = calls
+    rows = B * H * NQ
+    assert args[5:7] == (("graph", (rows * D,)), ("graph", (rows * 2,)))
+    assert owned == [((rows * D,), False), ((rows * 2,), False)]
+    assert out[0] == "alloc" and lse[0] == "alloc"  # the outputs: the caller's to keep
+    calls.clear()
+    monkeypatch.setattr(launch, "_capturing", lambda: False)
+    plan.run(("q", "k", "v", "out", "lse"))
+    assert calls[0][3][5][0] == "alloc" and len(owned) == 2  # not capturing: the pool
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -306,6 +329,7 @@ def test_driver_launch_passes_what_the_kernel_call_passed(calls, monkeypatch):
     monkeypatch.setattr(launch, "_ensure_context", lambda device: None)
     allocated = []
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: allocated.append(0) or Ptr(0xA0000 + len(allocated)))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     launched = []
 
     def fake_launch(func, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):

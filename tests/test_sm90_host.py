@@ -331,6 +331,7 @@ def calls(monkeypatch):
     rec = []
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     return rec
 
@@ -730,6 +731,7 @@ def _gqa_sm90_backward_plan(monkeypatch, fused: bool):
     monkeypatch.setattr(_compile, "get_kernel", kernel)
     monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: Recorder(rec))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
     # 3 key blocks x 1 K/V head x 2 batches = 6 CTAs: 4 waves on a GPU of one SM
@@ -796,6 +798,7 @@ def fake_backward_plan(monkeypatch):
     monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: Recorder(rec))
     monkeypatch.setattr(_compile, "get_aux_kernel", lambda name, f, dev: names.append(name) or Recorder(rec))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: ("alloc", tuple(shape), np.dtype(dtype).name))
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(tma, "encode", lambda g, ptr: ("map", g.dims, ptr))
     return names, rec

@@ -162,6 +162,75 @@ def test_large_head_dim_backward_fits_99_kb(monkeypatch, d):
         assert tile not in families.BWD.fitting_defaults(d, DEVICES[name].smem_optin)
 
 
+# ----------------------------------------------------------------------------- NVRTC's targets
+
+OLD_NVRTC = tuple(range(75, 91))  # an NVRTC before CUDA 12.8: Blackwell's targets unknown to it
+
+
+def test_compiler_reason_names_the_gpu_the_target_and_what_to_install(monkeypatch):
+    b200 = DeviceProps.from_json(FIX / "b200.json")
+    monkeypatch.setattr(device, "nvrtc_targets", lambda: OLD_NVRTC)
+    monkeypatch.setattr(device, "nvrtc_version", lambda: (12, 6))
+    why = device.compiler_reason(b200, 1)
+    assert why is not None
+    for part in ("NVRTC 12.6", "CUDA device 1, NVIDIA B200", "compute capability 10.0, target sm_100",
+                 "its targets end at sm_90", "nvidia-cuda-nvrtc"):
+        assert part in why, (part, why)
+    assert device.compiler_reason(L4) is None  # sm_89 is among them
+    monkeypatch.setattr(device, "nvrtc_targets", lambda: None)  # unknown: not checked
+    assert device.compiler_reason(b200) is None
+
+
+def test_this_nvrtc_knows_every_recorded_gpu():
+    """CI's NVRTC (13.x) builds for every recorded GPU, Blackwell's sm_100 and sm_120 included."""
+    if device.nvrtc_targets() is None:
+        pytest.skip("no NVRTC with nvrtcGetSupportedArchs here")
+    for name, p in DEVICES.items():
+        assert device.compiler_reason(p) is None, name
+
+
+@pytest.fixture
+def b200_old_nvrtc(monkeypatch):
+    """device 0 is a B200 and NVRTC does not know sm_100; any compile fails the test."""
+    b200 = DeviceProps.from_json(FIX / "b200.json")
+    monkeypatch.setattr(device, "query", lambda device_id=0: b200)
+    monkeypatch.setattr(device, "nvrtc_targets", lambda: OLD_NVRTC)
+    monkeypatch.setattr(problem, "describe", lambda x, name: x)
+
+    def no_compile(*a, **k):
+        raise AssertionError("compiled a kernel NVRTC cannot build for this GPU")
+
+    monkeypatch.setattr(_compile, "kernel_source", no_compile)
+    monkeypatch.setattr(_compile, "aux_source", no_compile)
+    for cache in (_forward._plans, _forward_v1._plans, _backward._plans):
+        cache.clear()
+    return b200
+
+
+def test_entry_points_refuse_a_gpu_nvrtc_cannot_target_before_compiling(b200_old_nvrtc):
+    old = r"NVRTC.*cannot build for CUDA device 0, NVIDIA B200.*target sm_100"
+    with pytest.raises(UnsupportedDeviceError, match=old):
+        _forward.forward(*QKV, causal=True)
+    with pytest.raises(UnsupportedDeviceError, match=old):
+        _forward_v1.forward_v1(*QKV)
+    with pytest.raises(UnsupportedDeviceError, match=old):
+        _backward.backward(*_bwd_arrays())
+
+
+def test_tuner_refuses_a_gpu_nvrtc_cannot_target(b200_old_nvrtc, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "_gpu_props", lambda device_id: (b200_old_nvrtc, ""))
+    assert cli.main(["--kernels", "fwd"]) == 2
+    assert "target sm_100" in capsys.readouterr().err
+    path = tmp_path / "b200.json"
+    import json
+
+    path.write_text(json.dumps(b200_old_nvrtc.to_dict()))
+    assert cli.main(["--dry-run", "--props", str(path), "--kernels", "fwd", "--head-dims", "64"]) == 0  # no compile
+    capsys.readouterr()
+    assert cli.main(["--dry-run", "--compile-check", "--props", str(path), "--kernels", "fwd", "--head-dims", "64"]) == 2
+    assert "--compile-check:" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- every supported GPU
 
 from cuflash.features import SUPPORTED_DTYPES, Features  # noqa: E402
@@ -171,7 +240,7 @@ DEVICES = {p.stem: DeviceProps.from_json(p) for p in sorted(FIX.glob("*.json"))}
 
 
 def test_fixtures_cover_every_supported_architecture_with_published_limits():
-    assert {p.arch for p in DEVICES.values()} >= {"sm_80", "sm_86", "sm_89", "sm_90"}
+    assert {p.arch for p in DEVICES.values()} >= {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
     kb = 1024
     published = {  # name: (cc, SMs, opt-in shared memory per block, shared memory per SM, threads per SM)
         "a100-80gb": ((8, 0), 108, 163 * kb, 164 * kb, 2048),
@@ -181,6 +250,8 @@ def test_fixtures_cover_every_supported_architecture_with_published_limits():
         "rtx4090": ((8, 9), 128, 99 * kb, 100 * kb, 1536),
         "h100-sxm": ((9, 0), 132, 227 * kb, 228 * kb, 2048),
         "h200": ((9, 0), 132, 227 * kb, 228 * kb, 2048),
+        "b200": ((10, 0), 148, 227 * kb, 228 * kb, 2048),
+        "rtx5090": ((12, 0), 170, 99 * kb, 100 * kb, 1536),
     }
     for name, (cc, sms, optin, per_sm, threads) in published.items():
         p = DEVICES[name]

@@ -199,7 +199,7 @@ def read_props(path) -> tuple:
 
 
 def do_dry_run(a, o: Options) -> int:
-    from ..device import unsupported_reason
+    from ..device import compiler_reason, unsupported_reason
 
     if a.props:
         props, why = read_props(a.props)
@@ -216,12 +216,18 @@ def do_dry_run(a, o: Options) -> int:
         print(f"cuflash.tune: {why}", file=sys.stderr)
         return 2
     if a.compile_check:  # else every config would be "pruned" by the missing compiler and the run look fine
+        # the module the offline compile uses (_compile.compile_report); CuPy 14's cupy.cuda.nvrtc is an
+        # attribute, not an importable module
         try:
-            import importlib
+            from cupy_backends.cuda.libs import nvrtc
 
-            importlib.import_module("cupy.cuda.nvrtc").getVersion()
+            nvrtc.getVersion()
         except Exception as e:  # noqa: BLE001 - ImportError, a missing libnvrtc: said, not traced
             print(f"cuflash.tune: --compile-check needs CuPy with NVRTC: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        why = compiler_reason(props)  # (the recorded GPU's target, not this machine's GPU)
+        if why:
+            print(f"cuflash.tune: --compile-check: {why}", file=sys.stderr)
             return 2
     print(f"{props.name}: cc {props.cc_str} ({props.arch}), {props.sm_count} SMs, smem opt-in {props.smem_optin} B, "
           f"{props.register_budget} registers per block")
@@ -236,7 +242,9 @@ def do_dry_run(a, o: Options) -> int:
                 if _compile.kernel_fingerprint(families.get(k)) is None:
                     print(f"  ({k} has no sources: compile check skipped)")
                     break
-                check = space.offline_check(Features(DTYPES.get(dt, dt), d), props, o.allow_local_bytes)
+                fam = families.get(k)  # (the decode kernel exists only with per-batch key lengths)
+                features = Features(DTYPES.get(dt, dt), d, seqused_k=fam.needs_seqused_k)
+                check = space.offline_check(features, props, o.allow_local_bytes)
                 valid, pruned = search.prune(sp.candidates, check)
                 for c, why in pruned.items():
                     print(f"  {DTYPES[dt] if dt in DTYPES else dt} compile-pruned {space.config_label(c):<18} {why}")
@@ -317,7 +325,7 @@ def main(argv=None) -> int:
         print(f"cuflash.tune: no CUDA GPU found ({why}); nothing to tune. (--show, --clear and --dry-run work "
               f"without one.)", file=sys.stderr)
         return 2
-    why = _device.unsupported_reason(props, a.device)
+    why = _device.unsupported_reason(props, a.device) or _device.compiler_reason(props, a.device)
     if why:
         print(f"cuflash.tune: {why}", file=sys.stderr)
         return 2

@@ -46,6 +46,67 @@ def test_cupy_stream_capture_of_forward_and_backward():
         assert (_bits(got) == _bits(want)).all()
 
 
+_REPLAY_AFTER_REUSE = """
+import sys
+import cupy
+import numpy as np
+import cuflash
+from cuflash.testing import dtype_of, random_qkv
+
+det = sys.argv[1] == "1"
+q, k, v = random_qkv(np.random.default_rng(3), 2, 200, 300, 4, 64, dtype_of("bfloat16"))
+dout = cupy.asarray(random_qkv(np.random.default_rng(4), 2, 200, 200, 4, 64, dtype_of("bfloat16"))[0])
+bits = lambda a: cupy.ascontiguousarray(a).view(cupy.uint8).get()
+pool = cupy.get_default_memory_pool()
+stream = cupy.cuda.Stream(non_blocking=True)
+with stream:
+    for _ in range(2):  # compiled, planned
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=det)
+    stream.synchronize()
+    stream.begin_capture()
+    g_out, g_lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    g_grads = cuflash.attention_backward(dout, q, k, v, g_out, g_lse, causal=True, deterministic=det)
+    graph = stream.end_capture()
+    # What a program does next: the pool's free blocks go back to CUDA, and new arrays take memory.
+    # A workspace the capture had taken from the pool would now be freed memory or someone's array.
+    pool.free_all_blocks()
+    others = [cupy.full(n, np.nan, dtype=cupy.float32) for n in (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20) * 4]
+    for _ in range(3):
+        graph.launch(stream)
+    stream.synchronize()
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=det)
+    stream.synchronize()
+for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (g_out, g_lse, *g_grads), (out, lse, *grads)):
+    if name == "dq" and not det:  # summed by atomics in any order
+        g, w = (cupy.asnumpy(x.astype(cupy.float32)) for x in (got, want))
+        assert np.allclose(g, w, rtol=1e-2, atol=1e-3), name
+    else:
+        assert (bits(got) == bits(want)).all(), name
+assert all(bool(cupy.isnan(a).all()) for a in others), "a replay wrote into memory the program had since allocated"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_captured_workspaces_belong_to_the_graph(deterministic):
+    """The backward's workspaces (dQ accumulator, delta, ...) die at the end of the captured call. From
+    CuPy's pool, the program's next arrays would get that memory and every replay would overwrite it;
+    captured, they are the graph's own (launch._graph_owned). In a child process: the failure this
+    guards against can be an illegal address, which would end the test process."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-c", _REPLAY_AFTER_REUSE, "1" if deterministic else "0"], capture_output=True,
+                       text=True, cwd=root, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
 def test_torch_inference_forward_in_a_graph():
     """A forward that records no gradient (no input requires one) skips autograd's Function; it is
     captured by torch.cuda.graph like the differentiable one."""
