@@ -243,7 +243,7 @@ class Plan:
 
         slots = [*args, *self._blank]
         with cupy.cuda.Device(self.device):
-            graph = bool(self._scratch) and _capturing()
+            graph = bool(self._scratch) and _capturing()  # (torch's capture: torch's allocator already)
             for i, shape, dtype, zeroed in self._alloc:
                 if slots[i] is None:
                     if graph and i in self._scratch:
@@ -310,10 +310,14 @@ class Plan:
 
 
 def _capturing() -> bool:
-    """Whether CuPy's current stream is being captured into a CUDA graph."""
+    """Whether a call's temporaries need the graph's memory: CuPy's current stream is being captured
+    into a CUDA graph and CuPy allocates from its default pool. (torch calls run with torch's
+    allocator, cuflash/_interop.py, which keeps a captured graph's blocks in the graph's own pool;
+    a caller's own allocator is left to do as it does.)"""
     import cupy
 
-    return cupy.cuda.get_current_stream().is_capturing()
+    return cupy.cuda.get_current_stream().is_capturing() and \
+        cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc
 
 
 _graph_pool = None
