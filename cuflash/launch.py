@@ -243,11 +243,11 @@ class Plan:
 
         slots = [*args, *self._blank]
         with cupy.cuda.Device(self.device):
-            graph = bool(self._scratch) and _capturing()
+            graph = bool(self._scratch) and _capturing()  # (torch's capture: torch's allocator already)
             for i, shape, dtype, zeroed in self._alloc:
                 if slots[i] is None:
                     if graph and i in self._scratch:
-                        slots[i] = _graph_owned(shape, dtype, zeroed, self.device)
+                        slots[i] = _graph_owned(shape, dtype, zeroed)
                     else:
                         slots[i] = (cupy.zeros if zeroed else cupy.empty)(shape, dtype=dtype)
             if self._per_stream:
@@ -310,34 +310,59 @@ class Plan:
 
 
 def _capturing() -> bool:
-    """Whether CuPy's current stream is being captured into a CUDA graph."""
+    """Whether a call's temporaries need the graph's memory: CuPy's current stream is being captured
+    into a CUDA graph and CuPy allocates from its default pool. (torch calls run with torch's
+    allocator, cuflash/_interop.py, which keeps a captured graph's blocks in the graph's own pool;
+    a caller's own allocator is left to do as it does.)"""
     import cupy
 
-    return cupy.cuda.get_current_stream().is_capturing()
+    return cupy.cuda.get_current_stream().is_capturing() and \
+        cupy.cuda.get_allocator() == cupy.get_default_memory_pool().malloc
 
 
 _graph_pool = None
 
 
-def _graph_owned(shape, dtype, zeroed: bool, device: int):
-    """A plan's workspace for a call being captured into a CUDA graph (CuPy's stream capture), by
-    cudaMallocAsync on the capturing stream: the graph gets an allocation node, and, as the array
-    dies at the end of run() (still inside the capture), a free node, so each replay has the memory
-    to itself. From CuPy's pool the block would go back to the pool at the end of the call and be
+def graph_malloc(nbytes: int):
+    """A CuPy allocator (cupy.cuda.using_allocator) for the temporaries of a call being captured
+    into a CUDA graph: cudaMallocAsync on the capturing stream, so the graph gets an allocation node
+    and, when the array dies before the capture ends, a free node, and each replay has the memory to
+    itself. From CuPy's pool the block would go back to the pool when the call drops it and be
     handed to a later array on that stream, which every replay of the graph would then overwrite.
-    (torch's capture needs none of this: its allocator keeps a graph's blocks in the graph's pool.)"""
+    (torch's capture needs none of this: its allocator keeps a graph's blocks in the graph's pool.)
+    Only for arrays that die inside the capture: never an output the caller keeps."""
     global _graph_pool
     import cupy
 
     if _graph_pool is None:
         _graph_pool = cupy.cuda.MemoryAsyncPool()
-    nbytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
     try:
-        mem = _graph_pool.malloc(nbytes)
+        return _graph_pool.malloc(max(nbytes, 1))
     except RuntimeError as e:  # no stream-ordered allocation on this device / driver
-        raise RuntimeError(f"cuflash cannot capture this call into a CUDA graph on device {device}: its workspaces "
-                           f"need stream-ordered allocation (cudaMallocAsync) inside the capture ({e})") from None
-    a = cupy.ndarray(shape, dtype=dtype, memptr=mem)
+        raise RuntimeError(f"cuflash cannot capture this call into a CUDA graph on device "
+                           f"{cupy.cuda.Device().id}: its temporaries need stream-ordered allocation "
+                           f"(cudaMallocAsync) inside the capture ({e})") from None
+
+
+def graph_temporaries():
+    """A context in which CuPy allocates through graph_malloc while the current stream is being
+    captured, else nothing: around a call's temporaries (lengths, gathered pages, rotated inputs),
+    not around the allocation of its outputs."""
+    import contextlib
+
+    if not _capturing():
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.using_allocator(graph_malloc)
+
+
+def _graph_owned(shape, dtype, zeroed: bool):
+    """A plan's workspace inside a capture (graph_malloc's memory)."""
+    import cupy
+
+    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    a = cupy.ndarray(shape, dtype=dtype, memptr=graph_malloc(nbytes))
     if zeroed:
         a.fill(0)
     return a

@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from . import _forward, _interop, families, problem
+from . import _forward, _interop, families, launch, problem
 from . import _plans as plan_cache
 from .launch import Buffer, FilledPlan
 from .mask import MaskOptions
@@ -152,7 +152,8 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
     p = resolve(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, dropout)
     p = problem.with_alibi(p, None if alibi_slopes is None else problem.describe(alibi_slopes, "alibi_slopes"))
     p = problem.with_score_mod(p, score_mod)
-    cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
+    with launch.graph_temporaries():  # (an int64 or strided copy lives only as long as the call)
+        cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
     slopes = () if alibi_slopes is None else (alibi_slopes,)
     table = () if score_mod is None else (score_mod.pointer_table(p.device),)
 
@@ -191,7 +192,8 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
         raise ValueError("score_mod: the backward of a score snippet needs its derivative: "
                          "ScoreMod(score=..., grad=...) (d score_mod / d score)")
     p = problem.with_score_mod(p, score_mod)
-    cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
+    with launch.graph_temporaries():  # (an int64 or strided copy lives only as long as the call)
+        cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
     slopes = () if alibi_slopes is None else (alibi_slopes,)
     table = () if score_mod is None else (score_mod.pointer_table(p.device),)
 

@@ -102,7 +102,7 @@ def test_workspaces_of_a_captured_call_are_the_graphs(calls, monkeypatch):
     give come from the pool as always (the caller holds them)."""
     owned = []
     monkeypatch.setattr(launch, "_capturing", lambda: True)
-    monkeypatch.setattr(launch, "_graph_owned", lambda shape, dtype, zeroed, dev: owned.append((tuple(shape), zeroed))
+    monkeypatch.setattr(launch, "_graph_owned", lambda shape, dtype, zeroed: owned.append((tuple(shape), zeroed))
                         or ("graph", tuple(shape)))
     plan = _forward_v1._plan(fwd_problem(causal=False), V1Config(64, 64, 64, 4, 2), np.float16)
     out, lse = plan.run(("q", "k", "v", None, None))
