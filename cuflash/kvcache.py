@@ -44,7 +44,7 @@ import dataclasses
 
 import numpy as np
 
-from . import _compile, _forward, _interop, families, problem, staging, stream_scratch
+from . import _compile, _forward, _interop, families, launch, problem, staging, stream_scratch
 from . import _plans as plan_cache
 from ._forward import empty_plan
 from .launch import Buffer, Launch, Plan, check_grid
@@ -237,7 +237,7 @@ def _block_table(block_table, batch: int, num_pages: int, device: int):
     if bad.size:
         b, j = (int(x) for x in bad[0])
         raise ValueError(f"block_table[{b}, {j}] = {int(host[b, j])} is not a page of the cache (it has {num_pages})")
-    return staging.upload(host.astype(np.int32))
+    return staging.upload(host.astype(np.int32), "block_table")
 
 
 def _paged_infos(q_info, k_cache, v_cache, table):
@@ -575,7 +575,8 @@ def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
                              f"{cache_seqlens.dtype} {cache_seqlens.shape}")
         if cache_seqlens.device.id != device:
             raise ValueError(f"cache_seqlens is on device {cache_seqlens.device.id}, q on {device}")
-        return cache_seqlens.astype(cupy.int32, copy=False), None
+        with launch.graph_temporaries():  # (an int64 array's int32 copy lives only as long as the call)
+            return cache_seqlens.astype(cupy.int32, copy=False), None
     if type(cache_seqlens) is int or isinstance(cache_seqlens, np.integer):  # one length: no array to check
         n = int(cache_seqlens)
         if not 0 <= n <= cap - n_new:
@@ -587,28 +588,34 @@ def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
         if bad.size:
             _lengths_do_not_fit(int(bad[0]), int(host[bad[0]]), n_new, cap)
         both = np.concatenate([host, host + n_new]).astype(np.int32)
-    both = staging.upload(both)
+    both = staging.upload(both, "cache_seqlens")
     return both[:batch], both[batch:]
 
 
 def _uniform_lengths(batch: int, n: int, n_new: int, device: int):
     """(lens, seqused) int32 device arrays of one length n for every batch (+ n_new), staged once per
-    (stream, ...) (_UNIFORM_LENGTHS); during a CUDA graph capture staged per call (the capture holds
-    the call's own copy)."""
+    (stream, ...) (_UNIFORM_LENGTHS). During a CUDA graph capture: written by two fill kernels into
+    the graph's own memory (launch.graph_temporaries), so each replay writes them again (a staged
+    copy would read a pinned buffer the ring reuses, and the staged array would go back to CuPy's
+    pool after the call)."""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    capturing = stream.is_capturing()
+    if stream.is_capturing():
+        with launch.graph_temporaries():
+            both = cupy.empty(2 * batch, dtype=cupy.int32)
+        both[:batch].fill(n)
+        both[batch:].fill(n + n_new)
+        return both[:batch], both[batch:]
     key = (stream.ptr, device, batch, n, n_new)
-    both = None if capturing else _UNIFORM_LENGTHS.get(key)
+    both = _UNIFORM_LENGTHS.get(key)
     if both is None:
         host = np.full(2 * batch, n, dtype=np.int32)
         host[batch:] += n_new
-        both = staging.upload(host)
-        if not capturing:
-            if len(_UNIFORM_LENGTHS) >= _UNIFORM_LENGTHS_MAX:
-                _UNIFORM_LENGTHS.pop(next(iter(_UNIFORM_LENGTHS)))  # the oldest
-            _UNIFORM_LENGTHS[key] = both
+        both = staging.upload(host, "cache_seqlens")
+        if len(_UNIFORM_LENGTHS) >= _UNIFORM_LENGTHS_MAX:
+            _UNIFORM_LENGTHS.pop(next(iter(_UNIFORM_LENGTHS)))  # the oldest
+        _UNIFORM_LENGTHS[key] = both
     return both[:batch], both[batch:]
 
 
@@ -659,7 +666,8 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     n_new = _check_new(k_new, v_new, q, infos[1])
     batch, cap = p.batch, p.seqlen_k
     host = _host_lengths(cache_seqlens, batch)
-    lens, seqused = _lengths(cache_seqlens if host is None else host, batch, n_new, cap, p.device)
+    one = type(cache_seqlens) is int or isinstance(cache_seqlens, np.integer)  # (staged once: _uniform_lengths)
+    lens, seqused = _lengths(cache_seqlens if host is None or one else host, batch, n_new, cap, p.device)
 
     splits = check_num_splits(num_splits)
     if rotary_cos is not None or rotary_sin is not None:  # q and k_new rotated before anything reads them
@@ -673,9 +681,11 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         why = rotary.host_positions_problem(host, reach, cos32.shape[0]) if host is not None else None
         if why:
             raise ValueError(why)
-        q = rotary.apply(q, cos32, sin32, rotary.positions(lens, q.shape[1], per_token), bool(rotary_interleaved))
-        if n_new:
-            k_new = rotary.apply(k_new, cos32, sin32, rotary.positions(lens, n_new, True), bool(rotary_interleaved))
+        with launch.graph_temporaries():  # the rotated q and k_new live only as long as the call
+            q = rotary.apply(q, cos32, sin32, rotary.positions(lens, q.shape[1], per_token), bool(rotary_interleaved))
+            if n_new:
+                k_new = rotary.apply(k_new, cos32, sin32, rotary.positions(lens, n_new, True),
+                                     bool(rotary_interleaved))
         infos[0] = problem.describe(q, "q")
         p = problem.with_alibi(dataclasses.replace(problem.resolve_forward(*infos, mask, softmax_scale), seqused_k=True),
                                slopes_info)
@@ -688,10 +698,11 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         # pages, gather each batch's pages into a contiguous cache (entries clipped into range: past
         # a batch's length they may be anything) and attend to that with the lengths + n_new
         _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table)
-        if seqused is None:
-            seqused = _lengths_kernel()(lens, n_new, cap)
-        pages = cupy.clip(table, 0, k_cache.shape[0] - 1)
-        kg, vg = (c[pages].reshape(batch, cap, *c.shape[2:]) for c in (k_cache, v_cache))
+        with launch.graph_temporaries():  # the gathered caches live only as long as the call
+            if seqused is None:
+                seqused = _lengths_kernel()(lens, n_new, cap)
+            pages = cupy.clip(table, 0, k_cache.shape[0] - 1)
+            kg, vg = (c[pages].reshape(batch, cap, *c.shape[2:]) for c in (k_cache, v_cache))
         return _forward_cupy(q, kg, vg, seqused, None, None, mask, softmax_scale, out=out, lse=lse,
                              num_splits=num_splits, alibi_slopes=alibi_slopes)
 
@@ -738,7 +749,8 @@ def _execute(prep: _Prepared, q, k_cache, v_cache, lens, seqused, k_new, v_new, 
     if prep.raw_lengths:  # the decode kernel adds n_new and clips (FwdParams.seqused_add)
         seqused = lens
     elif seqused is None:
-        seqused = _lengths_kernel()(lens, prep.n_new, p.seqlen_k)
+        with launch.graph_temporaries():
+            seqused = _lengths_kernel()(lens, prep.n_new, p.seqlen_k)
     paged = () if table is None else (table,)
     if prep.p.alibi:  # the slopes after the table (the plans' input order)
         paged += (alibi_slopes,)

@@ -32,18 +32,24 @@ _rings: dict = {}
 _lock = threading.Lock()
 
 
-def upload(values: np.ndarray):
+def upload(values: np.ndarray, what: str = "values"):
     """A new CuPy array on the current device holding `values` (a C-contiguous NumPy array), copied
-    asynchronously on the current stream: kernels queued after this call on that stream see it."""
+    asynchronously on the current stream: kernels queued after this call on that stream see it.
+    Not inside a CUDA graph capture (RuntimeError naming `what`, the caller's argument): the graph
+    would copy from a pinned buffer that this ring reuses for later values."""
     import cupy
 
+    stream = cupy.cuda.get_current_stream()
+    if stream.is_capturing():
+        raise RuntimeError(f"{what} given on the host cannot be captured into a CUDA graph (each replay would copy "
+                           f"it again from host memory that cuflash reuses): pass it as an int32 array on the GPU "
+                           f"(cache_seqlens may also be one int)")
     values = np.ascontiguousarray(values)
     out = cupy.empty(values.shape, dtype=values.dtype)
     n = values.nbytes
     if n == 0:
         return out
     dev = cupy.cuda.Device().id
-    stream = cupy.cuda.get_current_stream()
     with _lock:
         ring = _rings.setdefault(dev, _Ring())
         i = ring.next

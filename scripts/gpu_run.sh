@@ -95,10 +95,11 @@ for s in $stages; do
                    tests/gpu/test_flash_attn_interface_gpu.py $(ls tests/gpu/test_paged_gpu.py 2>/dev/null) 2>&1 \
                    | tee "$OUT/decode-tests.log" | tail -25 ;;  # the KV-cache kernels (issue 17)
     branchcheck)  # the waiting branches' first GPU run (decode-next = gqa-fused-bwd + decode-host + the decode
-                  # kernel's own lengths and tuning): their tests, then issue 12's GQA figure and issue 17's cells
+                  # kernel's own lengths and tuning; decode-graphs: graph-owned temporaries of captured calls): their tests
       timeout ${BRANCHCHECK_TIMEOUT:-400} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
         tests/gpu/test_gqa_gpu.py tests/gpu/test_varlen_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_kvcache_gpu.py \
-        tests/gpu/test_staging_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py 2>&1 \
+        tests/gpu/test_staging_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py \
+        tests/gpu/test_graphs_gpu.py tests/gpu/test_kvcache_graphs_gpu.py 2>&1 \
         | tee "$OUT/branch-tests.log" | tail -25
       timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -k decode tests/gpu/test_tune_gpu.py 2>&1 \
         | tee -a "$OUT/branch-tests.log" | tail -5 ;;

@@ -512,6 +512,7 @@ def test_the_decode_kernel_reads_the_lengths_as_given(monkeypatch):
     plan = types.SimpleNamespace(run=lambda arrays: ran.append(arrays) or ("out", "lse"))
     monkeypatch.setattr(kvcache, "_lengths_kernel", lambda: lambda lens, n_new, cap: ("clipped", lens, n_new, cap))
     monkeypatch.setattr(kvcache, "_append", lambda *a: None)
+    monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
     for raw, want in ((True, "lens"), (False, ("clipped", "lens", 2, 4096))):
         prep = kvcache._Prepared(p, plan, False, 2, raw)
         assert kvcache._execute(prep, "q", "k", "v", "lens", None, "kn", "vn", None, None, None) == ("out", "lse")
