@@ -37,7 +37,6 @@ KNOWN_SPILLS = {
     ("sm_100", "fwd_v1", 96, "dropout"): 4,
     ("sm_100", "fwd_v1", 128, "local"): 24,
     ("sm_100", "fwd_v1", 128, "partial_d"): 32,
-    ("sm_100", "decode", 128, "alibi+local+paged+softcap+split_kv"): 4,
     ("sm_120", "bwd", 32, ""): 16,
     ("sm_120", "bwd", 32, "partial_d"): 12,
     ("sm_120", "bwd", 32, "varlen"): 4,
