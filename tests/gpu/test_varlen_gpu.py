@@ -158,9 +158,11 @@ def test_varlen_backward_matches_each_sequence(h, hk, case, mask_kw, d, dtype, m
 
 @pytest.mark.parametrize("mask_kw", MASKS, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()) or "none")
 @pytest.mark.parametrize("case", ["ragged", "q_longer", "prefill"])
-def test_varlen_backward_split_head_dim(case, mask_kw):
-    """The Hopper backward's split-head-dim tile (head_dim 256) on packed batches, GQA 8/2, bf16."""
-    test_varlen_backward_matches_each_sequence(8, 2, case, mask_kw, 256, "bfloat16", "sm90")
+@pytest.mark.parametrize("mode", ["sm90", "sm90group"])
+def test_varlen_backward_split_head_dim(case, mask_kw, mode, monkeypatch):
+    """The Hopper backward's split-head-dim tile (head_dim 256) on packed batches, GQA 8/2, bf16 (and
+    its GQA group loop)."""
+    test_varlen_backward_matches_each_sequence(8, 2, case, mask_kw, 256, "bfloat16", mode, monkeypatch)
 
 
 def test_torch_autograd_matches_dense_per_sequence():
