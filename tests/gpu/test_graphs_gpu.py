@@ -103,7 +103,7 @@ def test_captured_workspaces_belong_to_the_graph(deterministic):
     root = pathlib.Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     r = subprocess.run([sys.executable, "-c", _REPLAY_AFTER_REUSE, "1" if deterministic else "0"], capture_output=True,
-                       text=True, cwd=root, env=env, timeout=300)
+                       text=True, cwd=root, env=env, timeout=300, check=False)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
