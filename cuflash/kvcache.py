@@ -405,14 +405,55 @@ def decode_problem(p) -> str | None:
     return None
 
 
+# K/V bytes in flight per SM (cp.async stages loading while one is computed, over its resident decode
+# blocks) at which the decode kernel reads at the copy rate: fitted to scripts/sweep_decode_splits.py
+# on the H200 (2026-12-05: d128 tiles of 32 KiB stages at 2 stages, 16 KiB at 4 and 64 KiB at 2;
+# one block per SM reached 0.94-1.07x copy with 64 KiB in flight, two were needed with 32 or 48)
+DECODE_INFLIGHT_BYTES = 64 * 1024
+# a wave that doubles some SMs' blocks: measured 2-10% below one block per SM on each (same sweep)
+DECODE_DOUBLED_FILL = 0.9
+# the fewest splits whose fill is within this of the best count's (fewer partial results to merge)
+DECODE_FILL_SLACK = 0.95
+
+
+def decode_blocks_per_sm(cfg, resident: int) -> int:
+    """Blocks of decode tile `cfg` an SM needs for DECODE_INFLIGHT_BYTES of K/V in flight (each has
+    stages - 1 K and V tiles loading), at most the `resident` it holds."""
+    inflight = (cfg.stages - 1) * 2 * cfg.block_k * cfg.head_dim * 2  # fp16 / bf16 K and V rows
+    return max(1, min(resident, -(-DECODE_INFLIGHT_BYTES // inflight)))
+
+
 def decode_splits(work: int, blocks_per_sm: int, sm_count: int, key_blocks: int, max_splits: int = MAX_SPLITS,
-                  min_split_blocks: int = DECODE_MIN_SPLIT_BLOCKS) -> int:
-    """Splits of each (K/V head, batch)'s keys for the decode kernel: num_splits_heuristic's
-    wave-efficiency rule over the GPU's block slots (`blocks_per_sm` resident per SM), with at least
+                  min_split_blocks: int = DECODE_MIN_SPLIT_BLOCKS, per_sm: int = 1) -> int:
+    """Splits of each (K/V head, batch)'s keys for the decode kernel, `work` such pairs, at least
     `min_split_blocks` key blocks per split (the tile's: the tuner searches it per cache length).
-    (Filling the slots once, not just exceeding them: 5 splits of 64 work tiles on the H200's 264
-    slots ran 1.2 waves at 0.54x the copy bandwidth, 4 splits one wave at 0.95x.)"""
-    return num_splits_heuristic(work, blocks_per_sm * sm_count, key_blocks // min_split_blocks, max_splits)
+
+    The decode kernel reads at the copy bandwidth once every SM holds `per_sm` blocks
+    (decode_blocks_per_sm: enough K/V in flight), so splits fill that quantum of per_sm x SMs
+    blocks, not the `blocks_per_sm` resident slots: on the H200, 1 x 128k (8 pairs, d128, 2 slots
+    per SM) read at 0.94x copy with 16 splits (128 blocks, one per SM) and 0.83x with the slots'
+    29 (232 blocks); 8 x 8k at 0.93x with 2 splits, 0.91x with 4 (sweep_decode_splits.py).
+    Fill of s splits (n = work x s blocks): n / (per_sm x SMs) up to that quantum; DECODE_DOUBLED_FILL
+    up to the resident slots; past them (several waves) the slots' wave efficiency. The fewest
+    splits within DECODE_FILL_SLACK of the best fill."""
+    top = max(1, min(max_splits, key_blocks // max(1, min_split_blocks)))
+    if work <= 0 or top == 1:
+        return 1
+    quantum, slots = max(1, per_sm) * sm_count, max(blocks_per_sm, per_sm) * sm_count
+    per = lambda s: -(-key_blocks // s)  # noqa: E731
+
+    def fill(s: int) -> float:
+        n = work * s
+        if n <= quantum:
+            return n / quantum
+        if n <= slots:
+            return DECODE_DOUBLED_FILL
+        return n / (slots * -(-n // slots))
+
+    eligible = [s for s in range(1, top + 1) if s == 1 or per(s) != per(s - 1)]
+    fills = {s: fill(s) for s in eligible}
+    best = max(fills.values())
+    return next(s for s in eligible if fills[s] >= DECODE_FILL_SLACK * best)
 
 
 def decode_resident(cfg, props) -> int:
@@ -511,8 +552,9 @@ def _build_decode(p, splits: int, dtype, dense: bool = False, n_new: int = 0, co
             raise ValueError(f"config {cfg} cannot run here: {why}")
     if splits == 0:
         props = device.query(p.device)
-        splits = decode_splits(p.heads_kv * p.batch, decode_resident(cfg, props), props.sm_count,
-                               -(-p.seqlen_k // cfg.block_k), min_split_blocks=cfg.min_split_blocks)
+        resident = decode_resident(cfg, props)
+        splits = decode_splits(p.heads_kv * p.batch, resident, props.sm_count, -(-p.seqlen_k // cfg.block_k),
+                               min_split_blocks=cfg.min_split_blocks, per_sm=decode_blocks_per_sm(cfg, resident))
     ps = dataclasses.replace(p, n_splits=splits)
     return plan_decode(ps, cfg, dtype, dense, seqused_add=n_new), splits > 1
 

@@ -11,6 +11,7 @@ import pytest
 
 from cuflash import _compile, families, kvcache, launch, reference
 from cuflash.features import Features
+from cuflash.tiles import DecodeConfig
 from tests.test_compile import _nvrtc_available
 from tests.test_compile_v1 import _ptx
 
@@ -307,13 +308,31 @@ def test_decode_problem(nq, h, hk, d, why):
 
 
 def test_decode_splits():
-    # the cells on an H200 (132 SMs, two d128 blocks each: 264 slots): batch x K/V heads of work
-    assert kvcache.decode_splits(1 * 8, 2, 132, 131072 // 64) == 29  # 232 blocks, the first count >= 85% of one wave
-    assert kvcache.decode_splits(8 * 8, 2, 132, 8192 // 64) == 4  # 256 blocks: one wave (5 made 1.2)
-    assert kvcache.decode_splits(8 * 8, 2, 132, 32768 // 64) == 4
+    # the cells on an H200 (132 SMs, two w4s3 d128 blocks each: 264 slots, one per SM reads at
+    # the copy rate): batch x K/V heads of work (scripts/sweep_decode_splits.py's best counts)
+    assert kvcache.decode_splits(1 * 8, 2, 132, 131072 // 64) == 16  # 128 blocks, one per SM (29: 0.83x copy)
+    assert kvcache.decode_splits(8 * 8, 2, 132, 8192 // 64) == 2
+    assert kvcache.decode_splits(8 * 8, 2, 132, 32768 // 64) == 2
+    assert kvcache.decode_splits(2 * 8, 2, 132, 65536 // 64) == 8
     assert kvcache.decode_splits(64 * 8, 2, 132, 8192 // 64) == 1  # the work alone fills the GPU
+    assert kvcache.decode_splits(16 * 8, 2, 132, 4096 // 64) == 1
     assert kvcache.decode_splits(8, 2, 132, 8) == 2  # at least 4 key blocks per split
     assert kvcache.decode_splits(8, 2, 132, 7) == 1
+    # two blocks per SM needed (2-stage rings): the quantum doubles, and several waves fill the slots
+    assert kvcache.decode_splits(1 * 8, 3, 132, 131072 // 64, per_sm=2) == 32  # 256 blocks
+    assert kvcache.decode_splits(8 * 8, 3, 132, 8192 // 64, per_sm=2) == 4
+    assert kvcache.decode_splits(64 * 8, 3, 132, 8192 // 64, per_sm=2) == 3  # 1536 blocks, 3.9 waves of 396
+    assert kvcache.decode_splits(0, 2, 132, 100) == 1
+
+
+def test_decode_blocks_per_sm():
+    # 64 KiB of K/V in flight per SM: (stages - 1) x 2 x block_k x head_dim x 2 B per block
+    assert kvcache.decode_blocks_per_sm(DecodeConfig(128, 4, 3), 2) == 1  # 2 x 32 KiB
+    assert kvcache.decode_blocks_per_sm(DecodeConfig(128, 4, 2), 3) == 2
+    assert kvcache.decode_blocks_per_sm(DecodeConfig(128, 2, 4), 3) == 2  # 3 x 16 KiB
+    assert kvcache.decode_blocks_per_sm(DecodeConfig(128, 8, 2), 1) == 1
+    assert kvcache.decode_blocks_per_sm(DecodeConfig(64, 2, 2), 3) == 3  # 8 KiB a block: the resident cap
+    assert kvcache.decode_blocks_per_sm(DecodeConfig(32, 2, 2), 8) == 8
 
 
 @needs_nvrtc

@@ -205,8 +205,13 @@ def test_the_decode_kernel_is_tuned_over_its_tiles_and_split_depth(env, monkeypa
     monkeypatch.setattr(cuflash.device, "query", lambda device_id=0: H200)
     kvcache._build_decode(p, 0, "bfloat16")
     resident = kvcache.decode_resident(r.winner, H200)
-    assert planned[-1] == (kvcache.decode_splits(16, resident, H200.sm_count, 8192 // 64, min_split_blocks=8), r.winner)
-    assert planned[-1][0] != kvcache.decode_splits(16, resident, H200.sm_count, 8192 // 64, min_split_blocks=1)
+    per_sm = kvcache.decode_blocks_per_sm(r.winner, resident)
+    assert planned[-1] == (kvcache.decode_splits(16, resident, H200.sm_count, 8192 // 64, min_split_blocks=8,
+                                                 per_sm=per_sm), r.winner) == (8, r.winner)  # 128 blocks
+    deep = dataclasses.replace(r.winner, min_split_blocks=32)  # at most 4 splits of the 128 key blocks
+    monkeypatch.setattr(families, "select", lambda fam, p: deep)
+    kvcache._build_decode(p, 0, "bfloat16")
+    assert planned[-1] == (4, deep)
 
 
 def test_main_tunes_exports_and_writes_json(env, monkeypatch, capsys):
