@@ -94,7 +94,7 @@ BWD_FIELDS = [
     # head's key blocks fit on the GPU at once), 0 keeps the turn staircase's order and grid
     # (cuflash/_backward.py, det_rotation)
     ("det_rotate", _I32),
-    ("reserved0", _I32),  # the struct's tail to 8 bytes, named (every byte is a field); unused
+    ("heads_fastest", _I32),  # the sm90 group loop's CTA order under a causal mask (pack_bwd)
 ]
 
 FWD = np.dtype(FWD_FIELDS, align=True)
@@ -194,6 +194,9 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     _set_common(a, p)
     a["seqlen_q_pad"], a["n_blocks"], a["m_blocks"] = seqlen_q_pad, n_blocks, m_blocks
     a["batch"] = p.batch
+    # the group loop's CTAs take `group` query heads' work each: under a causal mask their key block
+    # 0 of every head first, heaviest first over the whole grid (kernels_cu/sm90/bwd.cuh)
+    a["heads_fastest"] = int(group_loop and p.causal)
     a["scale"] = np.float32(p.softmax_scale)
     _set_alibi(a, p)
     _set_block_mask(a, p)
