@@ -107,6 +107,7 @@ for s in $stages; do
               | grep -v Warning | tee "$OUT/bench-decode.log" | tail -8 ;;  # issue 17's decode bandwidth bar
     profiledecode) timeout ${PROFILE_DECODE_TIMEOUT:-120} python3 scripts/profile_decode.py 2>&1 | grep -v Warning \
                      | tee "$OUT/profile-decode.log" | grep -E "==|host us|x  " ;;  # host vs kernel time per decode step
+    ncudecode) bash scripts/ncu_decode.sh ${NCU_DECODE_CELL:-1x131072} ${NCU_DECODE_SPLITS:-0} ;;  # ours vs cuDNN's decode kernel, memory sections
     alibi)  # issue 13's ALiBi: its GPU and compile tests, then its cost against the plain kernels
       timeout ${ALIBI_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE tests/gpu/test_alibi_gpu.py \
         tests/gpu/test_kvcache_alibi_gpu.py tests/test_alibi.py >"$OUT/alibi-tests.log" 2>&1; grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/alibi-tests.log" | tail -30
