@@ -169,13 +169,6 @@ __device__ __forceinline__ void combined_row(const float (&s_max)[W][ROWS], cons
     for (int w = 0; w < W; ++w) l += s_sum[w][r] * fast_exp2(s_max[w][r] * scale_log2 - m_scaled);
 }
 
-// The last split block of a (K/V head h_kv, batch b) tile: its live rows' partial results of every
-// split (o_acc: (n_splits, batch, n_q, heads, D) fp32 at params.o_s* strides; lse_acc: (n_splits,
-// batch, heads, n_q), natural log, -inf where a split saw no key) merged into merged_o (batch, n_q,
-// heads, D) of the input dtype and merged_lse (batch, heads, n_q): out = sum_s exp(lse_s - m) O_s /
-// sum_s exp(lse_s - m), lse = m + log of that sum; a row no split saw gives 0 and -inf, a NaN lse a
-// NaN row (the combine kernel's rules, cuflash/kvcache.py _COMBINE_SRC). The partial results are
-// read with ld.global.cg: other blocks wrote them, past this SM's L1.
 // x, opaque to the compiler: the merge's values computed where they are used, after the mainloop
 // (hoisted above it, they took registers the mainloop needed: 8-16 B of spills at d64 / d192)
 __device__ __forceinline__ int late(int x) {
@@ -183,38 +176,77 @@ __device__ __forceinline__ int late(int x) {
     return x;
 }
 
+// The last split block of a (K/V head h_kv, batch b) tile: its live rows' partial results of every
+// split (o_acc: (n_splits, batch, n_q, heads, D) fp32 at params.o_s* strides; lse_acc: (n_splits,
+// batch, heads, n_q), natural log, -inf where a split saw no key) merged into merged_o (batch, n_q,
+// heads, D) of the input dtype and merged_lse (batch, heads, n_q): out = sum_s exp(lse_s - m) O_s /
+// sum_s exp(lse_s - m), lse = m + log of that sum; a row no split saw gives 0 and -inf, a NaN lse a
+// NaN row (the combine kernel's rules, cuflash/kvcache.py _COMBINE_SRC). The partial results are
+// read with ld.global.cg: other blocks wrote them, past this SM's L1.
+// The merge runs in the grid's tail (every tile's last split finishes at about the same time), so
+// its time adds to the kernel's. Its loads of other blocks' results are L2 round trips, issued
+// kMergeBatch at a time before the first is used: one at a time (every iteration of the old loops
+// waited on its load) a thread made 4 n_splits dependent round trips at d128, 64 at 16 splits
+// (1 x 128k: estimated at several us of a ~120 us step). The sums run in split order, as before.
+// Not inlined: the merge's registers are then its own, not the mainloop's allocation stretched
+// over it (inlined, batches of 8 spilled 4 B at d64 and of 2 16 B at d192 with 8 warps, both
+// paged). Its arguments are scalars: a reference to the kernel's parameters put a 216 B copy of
+// them on each thread's stack. Batches of 4: of 8, the d64 4-warp 4-stage tile (72 registers)
+// spilled 4 B under NVRTC 13.5.
+constexpr int kMergeBatch = 4;
+
 template <bool BF16, int D, int THREADS>
-__device__ __forceinline__ void merge_splits(const float* o_acc, const float* lse_acc, elem_t* __restrict__ merged_o,
-                                             float* __restrict__ merged_lse, int n_splits, int b, int h_kv, int group,
-                                             int live_rows, const FwdParams& params) {
-    const int heads = late(params.heads), n_q = late(params.seqlen_q), batch = late(params.tiles) / params.heads_kv;
-    const long long o_split = (long long)batch * params.o_sb, l_split = (long long)batch * heads * n_q;
+__device__ __noinline__ void merge_splits(const float* o_acc, const float* lse_acc, elem_t* __restrict__ merged_o,
+                                          float* __restrict__ merged_lse, int n_splits, int b, int h_kv, int group,
+                                          int live_rows, int heads, int n_q, int batch, long long o_sb, long long o_sn,
+                                          long long o_sh) {
+    constexpr int U = kMergeBatch;
+    const long long o_split = (long long)batch * o_sb, l_split = (long long)batch * heads * n_q;
     for (int idx = threadIdx.x; idx < live_rows * (D / 2); idx += THREADS) {
         // two columns a thread (a float4 accumulator spilled the d192 instances)
         const int r = idx / (D / 2), col = 2 * (idx % (D / 2));
         const int qi = r / group, h = h_kv * group + r % group;
         const long long lrow = ((long long)b * heads + h) * n_q + qi;
-        const float* orow = o_acc + (long long)b * params.o_sb + (long long)qi * params.o_sn + (long long)h * params.o_sh + col;
+        const float* orow = o_acc + (long long)b * o_sb + (long long)qi * o_sn + (long long)h * o_sh + col;
         float m = neg_inf();
         bool nan = false;
-        // (loops not unrolled, pointers walked: the kernel's register cap is set for the mainloop)
+        // (the batch loops not unrolled, pointers walked: the kernel's register cap is set for the
+        // mainloop; a batch's U loads are, all issued before the first is used; past n_splits a
+        // batch reads again a split it has read, which neither the max nor a skipped term changes)
         const float* lp = lse_acc + lrow;
 #pragma unroll 1
-        for (int s = 0; s < n_splits; ++s, lp += l_split) {
-            const float l = __ldcg(lp);
-            nan |= l != l;
-            m = fmaxf(m, l);
+        for (int s = 0; s < n_splits; s += U, lp += U * l_split) {
+            float l[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) l[u] = __ldcg(lp + (s + u < n_splits ? u : -s) * l_split);
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                nan |= l[u] != l[u];
+                m = fmaxf(m, l[u]);
+            }
         }
         float2 acc = make_float2(0.f, 0.f);
         float sum = 0.f;
         if (m != neg_inf()) {
             lp = lse_acc + lrow;
 #pragma unroll 1
-            for (int s = 0; s < n_splits; ++s, lp += l_split, orow += o_split) {
-                const float w = __expf(__ldcg(lp) - m);
-                const float2 x = __ldcg(reinterpret_cast<const float2*>(orow));
-                sum += w;
-                acc.x += w * x.x, acc.y += w * x.y;
+            for (int s = 0; s < n_splits; s += U, lp += U * l_split, orow += U * o_split) {
+                float l[U];
+                float2 x[U];
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const int du = s + u < n_splits ? u : 0;
+                    l[u] = __ldcg(lp + du * l_split);
+                    x[u] = __ldcg(reinterpret_cast<const float2*>(orow + du * o_split));
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    if (s + u < n_splits) {
+                        const float w = __expf(l[u] - m);
+                        sum += w;
+                        acc.x += w * x[u].x, acc.y += w * x[u].y;
+                    }
+                }
             }
         }
         const float inv = nan ? __int_as_float(0x7fffffff) : (sum > 0.f ? 1.f / sum : 0.f);
@@ -496,11 +528,16 @@ __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const
             __syncthreads();
             if (s_last) {
                 __threadfence();  // the other splits' counts seen: their results are visible
+                // back to 0 for the stream's next split launch (every split of this one has counted);
+                // before the merge, so nothing of the kernel's is live across the call (after it, the
+                // counter's address took a 4 B spill on sm_100)
+                if (threadIdx.x == 0) split_counters[hb] = 0;
                 const int group = params.group;
+                const int n_q = late(params.seqlen_q);
                 merge_splits<BF16, D, WARPS * 32>(reinterpret_cast<const float*>(o), lse, merged_o, merged_lse, n_splits,
-                                                  hb / params.heads_kv, hb % params.heads_kv, group,
-                                                  group * params.seqlen_q, params);
-                if (threadIdx.x == 0) split_counters[hb] = 0;  // for the stream's next split launch
+                                                  hb / params.heads_kv, hb % params.heads_kv, group, group * n_q,
+                                                  late(params.heads), n_q, late(params.tiles) / params.heads_kv,
+                                                  params.o_sb, params.o_sn, params.o_sh);
             }
         }
     }
