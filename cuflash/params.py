@@ -94,8 +94,12 @@ BWD_FIELDS = [
     # head's key blocks fit on the GPU at once), 0 keeps the turn staircase's order and grid
     # (cuflash/_backward.py, det_rotation)
     ("det_rotate", _I32),
-    ("heads_fastest", _I32),  # the sm90 group loop's CTA order under a causal mask (pack_bwd)
+    ("head_chunk", _I32),  # the sm90 group loop's CTA order under a causal mask (pack_bwd)
 ]
+
+# The sm90 group loop's CTA chunks under a causal mask (pack_bwd's head_chunk): how many (batch, K/V
+# head)s share the heaviest-first order. None: the whole grid.
+GQA_CAUSAL_HEAD_CHUNK: int | None = None
 
 FWD = np.dtype(FWD_FIELDS, align=True)
 BWD = np.dtype(BWD_FIELDS, align=True)
@@ -194,9 +198,10 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     _set_common(a, p)
     a["seqlen_q_pad"], a["n_blocks"], a["m_blocks"] = seqlen_q_pad, n_blocks, m_blocks
     a["batch"] = p.batch
-    # the group loop's CTAs take `group` query heads' work each: under a causal mask their key block
-    # 0 of every head first, heaviest first over the whole grid (kernels_cu/sm90/bwd.cuh)
-    a["heads_fastest"] = int(group_loop and p.causal)
+    # the group loop's CTAs take `group` query heads' work each: under a causal mask they go in chunks
+    # of (batch, K/V head)s, every head's key block 0 of a chunk first (kernels_cu/sm90/bwd.cuh)
+    chunk = GQA_CAUSAL_HEAD_CHUNK or p.batch * p.heads_kv
+    a["head_chunk"] = min(chunk, p.batch * p.heads_kv) if group_loop and p.causal else 0
     a["scale"] = np.float32(p.softmax_scale)
     _set_alibi(a, p)
     _set_block_mask(a, p)

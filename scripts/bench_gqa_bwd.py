@@ -19,6 +19,8 @@ def main():
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--chunks", type=int, nargs="+", default=[],
+                   help="also time the group loop with these causal head chunks (cuflash/params.py GQA_CAUSAL_HEAD_CHUNK)")
     p.add_argument("--json")
     a = p.parse_args()
 
@@ -27,6 +29,7 @@ def main():
 
     import cuflash
     from cuflash import _backward
+    from cuflash import params as _params
     from cuflash.testing import dtype_of
 
     b, h, n, d = 2, 32, a.seqlen, 128
@@ -41,11 +44,14 @@ def main():
             q, k, v, dout = mk(b, n, h, d), mk(b, n, hk, d), mk(b, n, hk, d), mk(b, n, h, d)
             out, lse = cuflash.attention(q, k, v, causal=bool(causal), return_lse=True)
             variants[name] = (q, k, v, dout, out, lse)
+        for c in a.chunks if causal else []:
+            variants[f"gqa_loop_chunk{c}"] = variants["gqa_loop"]
         flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
         times = {k: [] for k in variants}
         for _ in range(a.rounds):
             for name, (q, k, v, dout, out, lse) in variants.items():
                 _backward.GROUP_LOOP_MIN_WAVES = 10**9 if name == "gqa_expanded" else loop_waves
+                _params.GQA_CAUSAL_HEAD_CHUNK = int(name[14:]) if name.startswith("gqa_loop_chunk") else None
                 _backward._plans.clear()
                 run = lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=bool(causal))  # noqa: B023
                 for _ in range(3):
@@ -60,14 +66,17 @@ def main():
                     per.append(cupy.cuda.get_elapsed_time(e0, e1))
                 times[name].append(statistics.median(per))
         _backward.GROUP_LOOP_MIN_WAVES = loop_waves
+        _params.GQA_CAUSAL_HEAD_CHUNK = None
         tf = {k: flops / (statistics.median(t) * 1e-3) / 1e12 for k, t in times.items()}
         row = {"causal": causal, **{f"{k}_tflops": round(x, 1) for k, x in tf.items()},
                "loop_over_mha": round(tf["gqa_loop"] / tf["mha"], 3),
                "expanded_over_mha": round(tf["gqa_expanded"] / tf["mha"], 3),
+               **{f"{k[9:]}_over_mha": round(x / tf["mha"], 3) for k, x in tf.items() if k.startswith("gqa_loop_")},
                "rounds_ms": {k: [round(x, 3) for x in t] for k, t in times.items()}}
         rows.append(row)
         print(f"causal={causal}: GQA loop {tf['gqa_loop']:.1f}, GQA expanded {tf['gqa_expanded']:.1f}, MHA "
-              f"{tf['mha']:.1f} TFLOP/s; loop / MHA {row['loop_over_mha']}, expanded / MHA {row['expanded_over_mha']}")
+              f"{tf['mha']:.1f} TFLOP/s; loop / MHA {row['loop_over_mha']}, expanded / MHA {row['expanded_over_mha']}"
+              + "".join(f", {k[:-9]} / MHA {x}" for k, x in row.items() if k.startswith("chunk")))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -119,7 +119,7 @@ def test_layout_has_no_implicit_padding():
                                      "bm_sb", "bm_sh", "bm_nb", "head_dim_v", "seqused_add", "reserved0")
     assert params.BWD.names[-15:] == ("heads_kv", "group", "softcap_scale", "head_dim", "align_end", "alibi_scale",
                                      "alibi_sb", "bm_sb", "bm_sh", "bm_nb", "bm_mb", "head_dim_v", "batch", "det_rotate",
-                                     "heads_fastest")
+                                     "head_chunk")
     assert params.BWD.names[params.BWD.names.index("q_rows") + 1] == "kv_rows"
 
 

@@ -105,7 +105,7 @@ struct BwdParams {
     int head_dim_v;           // as FwdParams' (v, out, dout, dv)
     int batch;                // the batch (V::kVarlen: the sequences, past the 65,535 of a grid's z: the row-wise kernels stride over them)
     int det_rotate;           // the sm90 deterministic backward's rotated order (sm90/det_order.cuh; cuflash/_backward.py)
-    int heads_fastest;        // V::kGroupLoop: 1 = CTAs with the (batch, K/V head) fastest, the heaviest key blocks of every head first (sm90/bwd.cuh)
+    int head_chunk;           // V::kGroupLoop: > 0: the CTAs in chunks of this many (batch, K/V head)s, the head fastest within one, so each chunk's heaviest key blocks go first (sm90/bwd.cuh); 0: a head's key blocks fastest
 };
 
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 216, "FwdParams layout changed: update cuflash/params.py");

@@ -198,15 +198,17 @@ __device__ __forceinline__ void flash_bwd_sm90(const TmaMap& tq, const TmaMap& t
     // key blocks fastest, in natural order: under a causal mask the early key blocks see the most
     // query blocks, so the heaviest CTAs start first. kOrdered: heads fastest within groups
     // (attn/scheduler.cuh: schedule_blocks_grouped), against the turns' staircase. kGroup with
-    // params.heads_fastest (the host's, under a causal mask): every (batch, K/V head)'s key block 0,
-    // then every one's block 1, ...: heaviest first over the whole grid. A group's CTA does `group`
-    // times a query head's work, so in the per-head order the last heads' heavy key blocks started
-    // late and ran alone at the end (causal GQA 32/8, d128, N8192: 0.967x our MHA's TFLOP/s, H200)
+    // params.head_chunk (the host's, under a causal mask): the (batch, K/V head)s in chunks, and in a
+    // chunk every head's key block 0, then every one's block 1, ...: heaviest first per chunk. A
+    // group's CTA does `group` times a query head's work, so in the per-head order the last heads'
+    // heavy key blocks started late and ran alone at the end (causal GQA 32/8, d128, N8192: 0.967x
+    // our MHA's TFLOP/s, H200); one chunk of the whole grid, though, has every head's Q and dO in
+    // flight at once, past L2 (cuflash/params.py GQA_CAUSAL_HEAD_CHUNK)
     const int bh_total = params.batch * n_heads;
     const BlockCoord blk = kOrdered && !params.det_rotate ? schedule_blocks_grouped(blockIdx.x, n_blocks, n_heads, bh_total,
                                                               ordered_group_heads(bh_total, (params.seqlen_q + BR - 1) / BR))
-                           : kGroup && params.heads_fastest ? schedule_blocks_grouped(blockIdx.x, n_blocks, n_heads, bh_total,
-                                                                                      bh_total)
+                           : kGroup && params.head_chunk ? schedule_blocks_grouped(blockIdx.x, n_blocks, n_heads, bh_total,
+                                                                                   params.head_chunk)
                                                             : schedule_blocks(blockIdx.x, n_blocks, n_heads, false);
     const int n0 = blk.block * BC;
     // V::kVarlen: q, k, v, dout (and dq, dk, dv) are packed (total, heads, D), mapped as one batch of
