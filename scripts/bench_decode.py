@@ -15,6 +15,12 @@ exactly the attended length. For each cell (batch x cache length):
 
 CUDA events, median of --reps after a warm-up (cuflash._timing.time_cuda). Every cache is larger than
 the H200's 50 MB L2 except where batch x len is small; the cell list is the issue's.
+
+--graph: every call (ours and SDPA's) is captured --graph-steps times into one CUDA graph and the
+replays are timed, as a serving loop runs its decoding step. Eager calls of 64-160 us of K/V are
+bounded by the host's time per call on some machines (80-160 us, ours and torch's): without
+--graph such cells time the host, and two runs of the same code differ by 20% (perf-notes,
+twenty-eighth session).
 """
 from __future__ import annotations
 
@@ -44,8 +50,25 @@ def main():
     p.add_argument("--page-sizes", nargs="*", type=int, default=[16, 256],
                    help="also time paged caches of these page sizes (heuristic splits), as a ratio to contiguous")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays of the calls (see above)")
+    p.add_argument("--graph-steps", type=int, default=20)
     p.add_argument("--json")
     a = p.parse_args()
+
+    def timed(fn):
+        """fn's median time in ms: eager calls, or (--graph) replays of a graph of --graph-steps calls."""
+        if not a.graph:
+            return time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # relaxed: CuPy's pool may allocate during the capture (the calls' outputs)
+        with torch.cuda.graph(graph, capture_error_mode="relaxed"), \
+                cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            for _ in range(a.graph_steps):
+                fn()
+        t = time_cuda(graph.replay, reps=a.reps, warmup=3, events="torch", warmup_ms=50)["median_ms"]
+        return t / a.graph_steps
     rows = []
     for cell in a.cells:
         b, n = _cell(cell)
@@ -60,21 +83,21 @@ def main():
         t_copy = time_cuda(lambda: dst.copy_(src), reps=a.reps, events="torch")["median_ms"]
         del src, dst
         copy_bw = 2 * kv_bytes / (t_copy * 1e-3) / 1e9
-        row = dict(batch=b, seqlen=n, heads_q=HQ, heads_kv=HKV, head_dim=D, kv_bytes=kv_bytes, copy_gbps=copy_bw)
+        row = dict(batch=b, seqlen=n, heads_q=HQ, heads_kv=HKV, head_dim=D, kv_bytes=kv_bytes, copy_gbps=copy_bw,
+                   graph=a.graph)
         # cuflash on CuPy views of the same memory (zero-copy), cache length = capacity
         qc, kcc, vcc = (cupy.from_dlpack(x) for x in (q, kc, vc))
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             for s in a.splits:
                 fn = lambda s=s: cuflash.attention_with_kvcache(qc, kcc, vcc, cache_seqlens=n, num_splits=s)
                 ref = fn()
-                t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
+                t = timed(fn)
                 row[f"cuflash_s{s}_gbps"] = kv_bytes / (t * 1e-3) / 1e9
             # the lengths as a device array (as serving loops keep them; FlashAttention's cache_seqlens
             # tensor): no per-call upload of host lengths
             lens = cupy.full(b, n, dtype=cupy.int32)
             fn = lambda: cuflash.attention_with_kvcache(qc, kcc, vcc, cache_seqlens=lens)  # noqa: E731
-            fn()
-            t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
+            t = timed(fn)
             row["cuflash_devlens_gbps"] = kv_bytes / (t * 1e-3) / 1e9
             # paged copies of the cache: shuffled pages, the same rows (issue 17: >= 0.95x contiguous)
             for ps in a.page_sizes:
@@ -87,8 +110,7 @@ def main():
                     dst[perm.reshape(-1).long()] = pad.reshape(-1, ps, HKV, D)
                 kp, vp, tab = (cupy.from_dlpack(x) for x in (*pool, perm))
                 fn = lambda: cuflash.attention_with_kvcache(qc, kp, vp, cache_seqlens=n, block_table=tab)
-                fn()
-                t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
+                t = timed(fn)
                 row[f"paged{ps}_gbps"] = kv_bytes / (t * 1e-3) / 1e9
                 del kp, vp, tab, pool
         # SDPA: (batch, heads, len, head_dim) views of the same cache, GQA by enable_gqa
@@ -98,7 +120,7 @@ def main():
                 with sdpa_kernel(backend):
                     fn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
                     out = fn()
-                    t = time_cuda(fn, reps=a.reps, events="torch")["median_ms"]
+                    t = timed(fn)
                 row[f"{name}_gbps"] = kv_bytes / (t * 1e-3) / 1e9
                 if name == "sdpa_cudnn":  # the same result (a sanity check of the harness, not a test)
                     row["max_abs_diff_vs_cudnn"] = float((torch.from_dlpack(ref).transpose(1, 2).float()
