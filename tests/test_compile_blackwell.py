@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 from cuflash import _compile, families, tiles
-from cuflash.device import DeviceProps
+from cuflash.device import DeviceProps, nvrtc_version
 from cuflash.features import Features
 from tests.test_compile import _nvrtc_available
 
@@ -30,25 +30,42 @@ CLASSES = ({}, {"dropout": True}, {"softcap": True}, {"local": True}, {"alibi": 
 DECODE_CLASSES = ({"seqused_k": True}, {"seqused_k": True, "split_kv": True},
                   {"seqused_k": True, "split_kv": True, "paged": True, "alibi": True, "local": True, "softcap": True})
 
-# (arch, family, head dim, feature class) -> spill-store bytes ptxas (NVRTC 13.5) reported when
-# recorded; every other instance compiles spill-free. None of these is measured.
+# NVRTC (major, minor) -> (arch, family, head dim, feature class) -> spill-store bytes ptxas reported
+# when recorded; every other instance compiles spill-free. None of these is measured. ptxas
+# allocates differently from release to release (13.0, the GPU machine's, and 13.5, CI's, spill
+# in different instances), so the record is per release; under another release the test asserts
+# only that spills stay small (SPILL_BOUND) and prints what it saw, to be recorded here.
 KNOWN_SPILLS = {
-    ("sm_100", "fwd", 64, "softcap"): 100,
-    ("sm_100", "fwd_v1", 96, "dropout"): 4,
-    ("sm_100", "fwd_v1", 128, "local"): 24,
-    ("sm_100", "fwd_v1", 128, "partial_d"): 32,
-    ("sm_120", "bwd", 32, ""): 16,
-    ("sm_120", "bwd", 32, "partial_d"): 12,
-    ("sm_120", "bwd", 32, "varlen"): 4,
-    ("sm_120", "bwd", 256, "varlen"): 12,  # the ~99 KB last resort (within its bound on sm_86 / sm_89 too)
-    ("sm_120", "fwd_v1", 32, "dropout"): 76,
-    ("sm_120", "fwd_v1", 32, "dropout+local+softcap"): 16,
-    ("sm_120", "fwd_v1", 96, "dropout+local+softcap"): 8,
-    # the decode kernel's split merge as a call (sm80/decode.cuh merge_splits, not inlined since
-    # 2026-12-05): ptxas then gave this instance 72 registers where it had used 80
-    ("sm_100", "decode", 64, "alibi+local+paged+softcap+split_kv"): 4,
-    ("sm_120", "decode", 64, "alibi+local+paged+softcap+split_kv"): 4,
+    (13, 5): {
+        ("sm_100", "fwd", 64, "softcap"): 100,
+        ("sm_100", "fwd_v1", 96, "dropout"): 4,
+        ("sm_100", "fwd_v1", 128, "local"): 24,
+        ("sm_100", "fwd_v1", 128, "partial_d"): 32,
+        ("sm_120", "bwd", 32, ""): 16,
+        ("sm_120", "bwd", 32, "partial_d"): 12,
+        ("sm_120", "bwd", 32, "varlen"): 4,
+        ("sm_120", "bwd", 256, "varlen"): 12,  # the ~99 KB last resort (within its bound on sm_86 / sm_89 too)
+        ("sm_120", "fwd_v1", 32, "dropout"): 76,
+        ("sm_120", "fwd_v1", 32, "dropout+local+softcap"): 16,
+        ("sm_120", "fwd_v1", 96, "dropout+local+softcap"): 8,
+        # the decode kernel's split merge as a call (sm80/decode.cuh merge_splits, not inlined since
+        # 2026-12-05): ptxas then gave this instance 72 registers where it had used 80
+        ("sm_100", "decode", 64, "alibi+local+paged+softcap+split_kv"): 4,
+        ("sm_120", "decode", 64, "alibi+local+paged+softcap+split_kv"): 4,
+    },
+    (13, 0): {  # recorded 2026-12-05 (the whole suite on the GPU machine failed on the 13.5 record)
+        ("sm_100", "fwd_v1", 96, "dropout"): 12,
+        ("sm_100", "fwd_v1", 128, "local"): 24,
+        ("sm_100", "fwd_v1", 128, "partial_d"): 28,
+        ("sm_120", "bwd", 256, "softcap"): 4,
+        ("sm_120", "bwd", 256, "varlen"): 8,
+        ("sm_120", "fwd_v1", 32, "dropout"): 72,
+        ("sm_120", "fwd_v1", 32, "dropout+local+softcap"): 20,
+        ("sm_120", "fwd_v1", 96, "dropout"): 8,
+        ("sm_120", "fwd_v1", 96, "dropout+local+softcap"): 4,
+    },
 }
+SPILL_BOUND = 128  # bytes of spill stores any instance may have under an unrecorded NVRTC
 
 
 def _class(kw: dict) -> str:
@@ -83,8 +100,12 @@ def test_defaults_compile_for_blackwell(arch, name):
             assert tile.smem_bytes <= props.smem_optin
             if rep["spill_stores"]:
                 seen[(arch, name, d, _class(kw))] = rep["spill_stores"]
-    known = {k: v for k, v in KNOWN_SPILLS.items() if k[:2] == (arch, name)}
-    assert seen == known
+    record = KNOWN_SPILLS.get(nvrtc_version())
+    if record is None:
+        print(f"NVRTC {nvrtc_version()}: spills {seen}")
+        assert all(v <= SPILL_BOUND for v in seen.values()), seen
+    else:
+        assert seen == {k: v for k, v in record.items() if k[:2] == (arch, name)}
 
 
 @pytest.mark.parametrize("arch", sorted(GPUS))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cuflash import _compile, families, kvcache, launch, reference
+from cuflash.families.sm80 import DECODE_PAGED_TILES, _decode_paged_tile
 from cuflash.features import Features
 from cuflash.tiles import DecodeConfig
 from tests.test_compile import _nvrtc_available
@@ -246,14 +247,16 @@ KNOWN_DECODE_SPILLS = {("sm_90a", 192, True, False, True): 8, ("sm_80", 192, Tru
 
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-@pytest.mark.parametrize("tile", families.DECODE.selectable(), ids=str)
+@pytest.mark.parametrize("tile", sorted({*families.DECODE.selectable(), *DECODE_PAGED_TILES.values()}), ids=str)
 def test_decode_instances_compile_without_spills(tile, arch):
     """Every selectable decode tile with each of the KV cache's feature sets (windows, softcap,
-    split-KV, paged), both dtypes; spill-free but KNOWN_DECODE_SPILLS."""
+    split-KV, paged), both dtypes; spill-free but KNOWN_DECODE_SPILLS. The paged-only tiles
+    (DECODE_PAGED_TILES, picked for paged calls alone) with the paged sets only."""
     import itertools
 
+    pagings = (False, True) if tile in families.DECODE.selectable() else (True,)
     for local, softcap, split, paged, dtype in itertools.product((False, True), (False, True), (False, True),
-                                                                 (False, True), ("bfloat16", "float16")):
+                                                                 pagings, ("bfloat16", "float16")):
         f = Features(dtype, tile.head_dim, seqused_k=True, split_kv=split, local=local, softcap=softcap, paged=paged)
         r = _compile.compile_report(_compile.kernel_source(tile, f), arch)
         known = KNOWN_DECODE_SPILLS.get((arch, tile.head_dim, local, split, softcap), 0) if paged else 0
@@ -385,6 +388,52 @@ def test_paged_cache_layouts_the_kernel_cannot_address_are_named():
     # rows of 1024 elements: a page of 2^21 rows ends just below 2^31 elements, one row more does not
     assert kvcache.page_layout_problem((2, 2**21, 8, 128), (2**32, 2048, 256, 2), 2) is None
     assert "2^31 elements" in kvcache.page_layout_problem((2, 2**21 + 1, 8, 128), (2**32 + 2048, 2048, 256, 2), 2)
+
+
+def test_paged_decode_tile_rule():
+    """Paged caches take the 8-warp tiles measured to read pages better (families/sm80.py
+    _decode_paged_tile) where they fit and the grid is not already batch-rich; else the default."""
+    import dataclasses
+    import pathlib
+
+    from cuflash.device import DeviceProps
+
+    fix = pathlib.Path(__file__).parent / "fixtures" / "devices"
+    h100, a100 = (DeviceProps.from_json(fix / f) for f in ("h100-sxm.json", "a100-80gb.json"))
+
+    def pick(batch, d, page_size, props=h100):
+        p = dataclasses.replace(_kv_problem(batch, 1, 32, 8, d, cap=4096), paged=True, page_size=page_size,
+                                table_stride=4096 // page_size)
+        return _decode_paged_tile(families.DECODE.default(d, props.smem_optin, p.features), p, props)
+
+    default = {d: families.DECODE.defaults[d][0] for d in (64, 128, 256)}
+    assert pick(8, 128, 16) == DecodeConfig(128, 8, 3)
+    assert pick(8, 128, 256) == default[128]  # 0.99x contiguous as it is
+    assert pick(8, 256, 16) == DecodeConfig(256, 8, 3) and pick(8, 256, 256) == DecodeConfig(256, 8, 2)
+    assert pick(8, 64, 16) == default[64]
+    assert pick(64, 128, 16) == default[128]  # 512 (batch, K/V head)s fill two blocks per SM already
+    assert pick(8, 128, 16, a100) == families.DECODE.default(128, a100.smem_optin, Features("bfloat16", 128, seqused_k=True))
+    assert all(t.smem_bytes <= h100.smem_optin and t.structural_problem() is None for t in DECODE_PAGED_TILES.values())
+
+
+def test_paged_calls_select_the_paged_tile_unless_tuned(monkeypatch):
+    """families.select applies the paged rule to the default only: a tuned decode tile is kept."""
+    import dataclasses
+    import pathlib
+
+    from cuflash import _tuned, device
+    from cuflash.device import DeviceProps
+
+    h100 = DeviceProps.from_json(pathlib.Path(__file__).parent / "fixtures" / "devices" / "h100-sxm.json")
+    monkeypatch.setattr(device, "supported", lambda i=0: h100)
+    monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: None)
+    p = _kv_problem(8, 1, 32, 8, 128, cap=4096)
+    paged = dataclasses.replace(p, paged=True, page_size=16, table_stride=256)
+    assert families.select(families.DECODE, paged) == DecodeConfig(128, 8, 3)
+    assert families.select(families.DECODE, p) == families.DECODE.defaults[128][0]
+    tuned = DecodeConfig(128, 4, 4)
+    monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: tuned)
+    assert families.select(families.DECODE, paged) == tuned
 
 
 def test_paged_params_carry_the_page_geometry():

@@ -72,6 +72,8 @@ def select(family: KernelFamily, problem):
             raise RuntimeError(f"{e} per block on {props.name} (cc {props.cc_str})") from None
         if family.causal_tile is not None and problem.causal:
             tile = family.causal_tile(tile)
+        if family.paged_tile is not None and problem.paged:
+            tile = family.paged_tile(tile, problem, props)
     if problem.features.varlen and family.varlen_tile is not None:
         tile = family.varlen_tile(tile)
     return tile

@@ -94,6 +94,9 @@ class KernelFamily:
     # tile -> the tile a causal call runs when nothing tuned applies (the heuristic default's
     # variant measured to suit a causal mask's uneven tiles); None: the default as it is
     causal_tile: Callable | None = None
+    # (tile, problem, device props) -> the tile a paged-KV call runs when nothing tuned applies (the
+    # default's variant measured to read scattered pages better); None: the default as it is
+    paged_tile: Callable | None = None
     # tiles of `defaults` that only a device where no other default fits may pick (the 2-warp d192 /
     # d256 backward of ~99 KB GPUs: slow, and spilling a little, they must not win elsewhere)
     last_resort: frozenset = frozenset()

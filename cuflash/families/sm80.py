@@ -7,6 +7,7 @@ shared memory (A100: 163 KB, L4 / RTX 4090: ~99 KB per block).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 from ..tiles import BwdConfig, DecodeConfig, DqConfig, FwdConfig, V1Config
@@ -251,6 +252,30 @@ def _run_decode(tile, d, causal, features, props, out=None, lse=None):
                                config=tile, alibi_slopes=o.get("alibi_slopes")))
 
 
+def _decode_paged_tile(tile, p, props):
+    """The decode tile for a paged cache (issue 17: paged >= 0.95x contiguous). Measured on an H100,
+    fp16, 32 / 8 heads, one query, CUDA-graph replays (scripts/paged_probe.py, 2026-12-05),
+    as a ratio to the contiguous cache with its default tile: 16-row shuffled pages read at
+    0.93-0.94 (d128) and 0.91-0.92 (d256) with the 4-warp defaults, 0.97-0.98 and 0.98-1.00 with 8
+    warps and 3 stages; 256-row pages 0.99 at d128 either way, 0.92-0.93 at d256 with 4 warps and
+    0.99-1.00 with 8 warps and 2 stages. Pages in order (the contiguous cache's very addresses)
+    read at 0.96 with the 4-warp d128 default, 1.00 with 8 warps: the paged address work, not only
+    the scattered pages, costs the narrow tile. Not taken where (batch, K/V head)s already fill two
+    4-warp blocks per SM (64 x 2k: the default 0.98, 8 warps 0.95), nor below head_dim 128 (d64's
+    4-warp default read 0.97-1.00 of contiguous, 8 warps less)."""
+    wide = DECODE_PAGED_TILES.get((tile.head_dim, p.page_size < 64))
+    if wide is None or tile.warps >= 8 or p.batch * p.heads_kv >= 2 * props.sm_count:
+        return tile
+    wide = dataclasses.replace(wide, min_split_blocks=tile.min_split_blocks)
+    return wide if wide.smem_bytes <= props.smem_optin else tile
+
+
+# (head_dim, pages of fewer than 64 rows) -> the paged decode tile (_decode_paged_tile); the CPU
+# compile tests cover these with the selectable tiles
+DECODE_PAGED_TILES = {(128, True): DecodeConfig(128, 8, 3), (256, True): DecodeConfig(256, 8, 3),
+                      (256, False): DecodeConfig(256, 8, 2)}
+
+
 # Decoding against a KV cache (cuflash/kvcache.py): a GQA group's query heads packed in one tile,
 # chosen by attention_with_kvcache when group * seqlen_q <= 16 (never by the prefill forward). The
 # defaults keep two blocks of 4 warps per H200 SM at d128 (100 KB each). The tuner times one
@@ -271,6 +296,7 @@ DECODE = KernelFamily(
         192: (DecodeConfig(192, 8, 2), DecodeConfig(192, 4, 2)),
         256: (DecodeConfig(256, 4, 3), DecodeConfig(256, 4, 2)),
     },
+    paged_tile=_decode_paged_tile,
     accumulator_registers=_decode_acc, plan=_plan_decode, takes_dropout=False, takes_partial_d=False,
     takes_seqused_k=True, needs_seqused_k=True, takes_split_kv=True, takes_paged=True, tuned_by_default=False,
     takes_alibi=True, nullable_pointers=True,
