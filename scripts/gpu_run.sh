@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [decodetests] [decode] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [decodetests] [decode] [decodegraph] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -105,6 +105,12 @@ for s in $stages; do
         | tee -a "$OUT/branch-tests.log" | tail -5 ;;
     decode) timeout ${DECODE_TIMEOUT:-240} python3 scripts/bench_decode.py --json "$OUT/bench-decode.json" 2>&1 \
               | grep -v Warning | tee "$OUT/bench-decode.log" | tail -8 ;;  # issue 17's decode bandwidth bar
+    decodegraph)  # issue 17's closing table from CUDA-graph replays (the bar's cells, paged 16 / 256), then the
+                  # paged probe with the library's tile choice (families/sm80.py _decode_paged_tile) at d128 and d256
+      timeout ${DECODE_TIMEOUT:-200} python3 scripts/bench_decode.py --graph --json "$OUT/bench-decode-graph.json" 2>&1 \
+        | grep " x " | tee "$OUT/bench-decode-graph.log"
+      for d in 128 256; do timeout 100 python3 scripts/paged_probe.py --head-dim $d --tiles default \
+        --json "$OUT/paged-probe-d$d.json" 2>&1 | grep " x " | tee -a "$OUT/paged-probe.log"; done ;;
     profiledecode) timeout ${PROFILE_DECODE_TIMEOUT:-120} python3 scripts/profile_decode.py 2>&1 | grep -v Warning \
                      | tee "$OUT/profile-decode.log" | grep -E "==|host us|x  " ;;  # host vs kernel time per decode step
     ncudecode) bash scripts/ncu_decode.sh ${NCU_DECODE_CELL:-1x131072} ${NCU_DECODE_SPLITS:-0} ;;  # ours vs cuDNN's decode kernel, memory sections
