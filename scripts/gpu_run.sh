@@ -110,7 +110,10 @@ for s in $stages; do
       timeout ${DECODE_TIMEOUT:-200} python3 scripts/bench_decode.py --graph --json "$OUT/bench-decode-graph.json" 2>&1 \
         | grep " x " | tee "$OUT/bench-decode-graph.log"
       for d in 128 256; do timeout 100 python3 scripts/paged_probe.py --head-dim $d --tiles default \
-        --json "$OUT/paged-probe-d$d.json" 2>&1 | grep " x " | tee -a "$OUT/paged-probe.log"; done ;;
+        --json "$OUT/paged-probe-d$d.json" 2>&1 | grep " x " | tee -a "$OUT/paged-probe.log"; done
+      # d64: its 4-warp default read 3-8% under 8 warps, 3 stages on contiguous caches (H100, 2026-12-05)
+      timeout 100 python3 scripts/paged_probe.py --head-dim 64 --tiles default 8,3 --cells 1x131072 8x8192 8x32768 64x2048 \
+        --json "$OUT/paged-probe-d64.json" 2>&1 | grep " x " | tee -a "$OUT/paged-probe.log" ;;
     profiledecode) timeout ${PROFILE_DECODE_TIMEOUT:-120} python3 scripts/profile_decode.py 2>&1 | grep -v Warning \
                      | tee "$OUT/profile-decode.log" | grep -E "==|host us|x  " ;;  # host vs kernel time per decode step
     ncudecode) bash scripts/ncu_decode.sh ${NCU_DECODE_CELL:-1x131072} ${NCU_DECODE_SPLITS:-0} ;;  # ours vs cuDNN's decode kernel, memory sections
