@@ -262,18 +262,22 @@ def _decode_paged_tile(tile, p, props):
     read at 0.96 with the 4-warp d128 default, 1.00 with 8 warps: the paged address work, not only
     the scattered pages, costs the narrow tile. Not taken where (batch, K/V head)s already fill two
     4-warp blocks per SM (64 x 2k: the default 0.98, 8 warps 0.95), nor below head_dim 128 (d64's
-    4-warp default read 0.97-1.00 of contiguous, 8 warps less)."""
-    wide = DECODE_PAGED_TILES.get((tile.head_dim, p.page_size < 64))
-    if wide is None or tile.warps >= 8 or p.batch * p.heads_kv >= 2 * props.sm_count:
+    4-warp default read 0.97-1.00 of contiguous, 8 warps less). Where the 3-stage tile does not fit
+    (A100's 163 KB), the 2-stage one (d128 paged 16 on the H100: 0.96-0.97; not run on an A100)."""
+    cands = DECODE_PAGED_TILES.get((tile.head_dim, p.page_size < 64), ())
+    if tile.warps >= 8 or p.batch * p.heads_kv >= 2 * props.sm_count:
         return tile
-    wide = dataclasses.replace(wide, min_split_blocks=tile.min_split_blocks)
-    return wide if wide.smem_bytes <= props.smem_optin else tile
+    for wide in cands:
+        if wide.smem_bytes <= props.smem_optin:
+            return dataclasses.replace(wide, min_split_blocks=tile.min_split_blocks)
+    return tile
 
 
-# (head_dim, pages of fewer than 64 rows) -> the paged decode tile (_decode_paged_tile); the CPU
-# compile tests cover these with the selectable tiles
-DECODE_PAGED_TILES = {(128, True): DecodeConfig(128, 8, 3), (256, True): DecodeConfig(256, 8, 3),
-                      (256, False): DecodeConfig(256, 8, 2)}
+# (head_dim, pages of fewer than 64 rows) -> the paged decode tiles, first fitting taken
+# (_decode_paged_tile); the CPU compile tests cover these with the selectable tiles
+DECODE_PAGED_TILES = {(128, True): (DecodeConfig(128, 8, 3), DecodeConfig(128, 8, 2)),
+                      (256, True): (DecodeConfig(256, 8, 3), DecodeConfig(256, 8, 2)),
+                      (256, False): (DecodeConfig(256, 8, 2),)}
 
 
 # Decoding against a KV cache (cuflash/kvcache.py): a GQA group's query heads packed in one tile,
