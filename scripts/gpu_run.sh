@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [decodetests] [decode] [decodegraph] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [decodetests] [decode] [decodegraph] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -150,6 +150,9 @@ for s in $stages; do
     profileoverhead) timeout 120 python3 scripts/profile_overhead.py 2>&1 | grep -v Warning | tee "$OUT/profile-overhead.log" \
                        | head -150 ;;  # cProfile of the per-call host work at the overhead shape
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
+    gqachunks)  # issue 12: the group loop's causal chunk sizes against MHA and the expanded path, one process
+      timeout ${GQA_TIMEOUT:-300} python3 scripts/bench_gqa_bwd.py --causal 1 0 --chunks ${GQA_CHUNKS:-1 2 3 4 8} --rounds 8 \
+        --json "$OUT/gqa-chunks.json" 2>&1 | grep -v Warning | tee "$OUT/gqa-chunks.log" | tail -4 ;;
     benchshapes)  # issue 12's figures: Llama-3-8B GQA (32/8 heads) against MHA at the same shape; head_dim 256
       for g in 4 1; do python3 -m cuflash.bench --head-dims 128 --hidden 4096 --gqa $g --seqlens 8192 --reps 20 \
                          --json "$OUT/bench-gqa$g.json" 2>&1 | tee -a "$OUT/bench-shapes.log" | tail -5; done
