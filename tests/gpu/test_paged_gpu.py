@@ -44,8 +44,15 @@ def _scatter(x, table, n_pages, page_size):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("device_table", [False, True])
 @pytest.mark.parametrize("num_splits", [0, 1, 3])
-def test_paged_equals_contiguous(num_splits, device_table, causal, h, hk, n_new, page_size, dtype):
+def test_paged_equals_contiguous(num_splits, device_table, causal, h, hk, n_new, page_size, dtype, monkeypatch):
     import cupy
+
+    from cuflash import families
+
+    # the decode tile the paged call runs (paged calls may take a wider one than contiguous calls:
+    # families/sm80.py _decode_paged_tile): the bitwise reference is the contiguous cache on it
+    chosen, select = [], families.select
+    monkeypatch.setattr(families, "select", lambda fam, p: chosen.append(select(fam, p)) or chosen[-1])
 
     rng = np.random.default_rng(hash((num_splits, device_table, causal, h, hk, n_new, page_size, dtype)) % 2**32)
     d, cap = 128, 600
@@ -61,7 +68,12 @@ def test_paged_equals_contiguous(num_splits, device_table, causal, h, hk, n_new,
     kw = dict(cache_seqlens=lens, k_new=kn, v_new=vn, causal=causal, return_lse=True, num_splits=num_splits)
     tab = cupy.asarray(table) if device_table else table
     out, lse = kvcache.attention_with_kvcache(q, kp, vp, block_table=tab, **kw)
+    tile = chosen[-1] if chosen else None  # None: a plan prepared before (the same tile as then)
     ref, ref_lse = kvcache.attention_with_kvcache(q, kc, vc, **kw)  # appends into the contiguous copy too
+    gather = (h // hk) * nq > 16
+    same_tile = ref
+    if not gather and num_splits and tile is not None:  # the append again writes the same rows
+        same_tile, _ = kvcache._forward_cupy(q, kc, vc, lens, kn, vn, mask, None, num_splits=num_splits, config=tile)
     # the appended rows landed in the right page slots
     for b, n in enumerate(lens):
         for t in range(n_new):
@@ -69,13 +81,12 @@ def test_paged_equals_contiguous(num_splits, device_table, causal, h, hk, n_new,
             page, slot = table[b, row // page_size], row % page_size
             assert bool((kp[page, slot].view(cupy.uint16) == kc[b, row].view(cupy.uint16)).all())
             assert bool((vp[page, slot].view(cupy.uint16) == vc[b, row].view(cupy.uint16)).all())
-    gather = (h // hk) * nq > 16
     for b, n in enumerate(lens + n_new):
         if n == 0:
             assert bool((out[b].astype(cupy.float32) == 0).all()) and bool(cupy.isneginf(lse[b]).all())
             continue
-        if not gather and num_splits:  # the same kernel on the same rows (the heuristic may split differently)
-            assert bool((out[b].view(cupy.uint16) == ref[b].view(cupy.uint16)).all()), f"batch {b}: not bitwise"
+        if not gather and num_splits:  # the same kernel and tile on the same rows (the heuristic may split differently)
+            assert bool((out[b].view(cupy.uint16) == same_tile[b].view(cupy.uint16)).all()), f"batch {b}: not bitwise"
         err, pt, allowed = fa_rule(out[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], mask, 1 / math.sqrt(d))
         assert err <= allowed, f"batch {b} (length {n}): {err:.3e} > {allowed:.3e}"
         assert float(cupy.abs(lse[b] - ref_lse[b]).max()) <= 1e-4
