@@ -98,8 +98,23 @@ BWD_FIELDS = [
 ]
 
 # The sm90 group loop's CTA chunks under a causal mask (pack_bwd's head_chunk): how many (batch, K/V
-# head)s share the heaviest-first order. None: the whole grid.
+# head)s share the heaviest-first order. None: gqa_causal_chunk's L2 rule; batch x heads_kv or more:
+# the whole grid.
 GQA_CAUSAL_HEAD_CHUNK: int | None = None
+# What one chunk's (batch, K/V head)s may keep of the tensors every key block re-reads (their groups'
+# Q and dO): FlashAttention-3's L2 "sections" (sized for its forward's K / V) carried over.
+GQA_L2_SECTION_BYTES = 32 << 20
+
+
+def gqa_causal_chunk(p) -> int:
+    """The group loop's causal chunk: as many (batch, K/V head)s as keep their groups' Q and dO
+    within GQA_L2_SECTION_BYTES, at least one. GQA 32 / 8, d128, N8192, batch 2 (16 MB a K/V head:
+    chunks of 2), causal backward, loop / our MHA's TFLOP/s on an H100: the whole grid 0.853 / 0.87,
+    chunk 1 0.950 / 0.965, 2 0.957 / 0.99, 4 0.925 / 0.94, 8 0.911 / 0.928 (2026-12-05, two
+    sessions): one chunk of the whole grid puts every head's Q and dO in flight past L2. The H200
+    read the whole grid at 1.025 and chunk 1 at 0.967 (2026-12-04); chunk 2 there not yet measured."""
+    per_head = 2 * p.group * p.seqlen_q * p.head_dim * 2  # Q and dO, 2-byte elements
+    return max(1, GQA_L2_SECTION_BYTES // max(per_head, 1))
 
 FWD = np.dtype(FWD_FIELDS, align=True)
 BWD = np.dtype(BWD_FIELDS, align=True)
@@ -200,7 +215,7 @@ def pack_bwd(p: AttnProblem, seqlen_q_pad: int, n_blocks: int, m_blocks: int = 0
     a["batch"] = p.batch
     # the group loop's CTAs take `group` query heads' work each: under a causal mask they go in chunks
     # of (batch, K/V head)s, every head's key block 0 of a chunk first (kernels_cu/sm90/bwd.cuh)
-    chunk = GQA_CAUSAL_HEAD_CHUNK or p.batch * p.heads_kv
+    chunk = GQA_CAUSAL_HEAD_CHUNK or gqa_causal_chunk(p)
     a["head_chunk"] = min(chunk, p.batch * p.heads_kv) if group_loop and p.causal else 0
     a["scale"] = np.float32(p.softmax_scale)
     _set_alibi(a, p)

@@ -20,7 +20,9 @@ def main():
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--seqlen", type=int, default=8192)
     p.add_argument("--chunks", type=int, nargs="+", default=[],
-                   help="also time the group loop with these causal head chunks (cuflash/params.py GQA_CAUSAL_HEAD_CHUNK)")
+                   help="also time the group loop with these causal head chunks (cuflash/params.py "
+                        "GQA_CAUSAL_HEAD_CHUNK; the loop itself runs the default, gqa_causal_chunk's L2 rule; "
+                        "16 or more: the whole grid of this shape)")
     p.add_argument("--json")
     a = p.parse_args()
 

@@ -150,8 +150,9 @@ for s in $stages; do
     profileoverhead) timeout 120 python3 scripts/profile_overhead.py 2>&1 | grep -v Warning | tee "$OUT/profile-overhead.log" \
                        | head -150 ;;  # cProfile of the per-call host work at the overhead shape
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
-    gqachunks)  # issue 12: the group loop's causal chunk sizes against MHA and the expanded path, one process
-      timeout ${GQA_TIMEOUT:-300} python3 scripts/bench_gqa_bwd.py --causal 1 0 --chunks ${GQA_CHUNKS:-1 2 3 4 8} --rounds 8 \
+    gqachunks)  # issue 12: the group loop's causal chunk sizes (16: the whole grid) against the default (the L2
+                # rule), MHA and the expanded path, in one process
+      timeout ${GQA_TIMEOUT:-300} python3 scripts/bench_gqa_bwd.py --causal 1 0 --chunks ${GQA_CHUNKS:-1 2 3 4 8 16} --rounds 8 \
         --json "$OUT/gqa-chunks.json" 2>&1 | grep -v Warning | tee "$OUT/gqa-chunks.log" | tail -4 ;;
     benchshapes)  # issue 12's figures: Llama-3-8B GQA (32/8 heads) against MHA at the same shape; head_dim 256
       for g in 4 1; do python3 -m cuflash.bench --head-dims 128 --hidden 4096 --gqa $g --seqlens 8192 --reps 20 \

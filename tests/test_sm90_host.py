@@ -758,6 +758,21 @@ def test_gqa_sm90_backward_sums_the_group_in_the_kernel(monkeypatch):
     assert main[7:9] == (dk, dv)
     f = params.unpack(main[10:], "BwdParams")  # dk, dv's own layout (1 K/V head), nothing to reduce
     assert (int(f["dk_sn"]), int(f["dk_sh"]), int(f["dv_sn"]), int(f["kv_rows"])) == (64, 64, 64, 0)
+    assert int(f["head_chunk"]) == 2  # causal: a small problem's whole grid is one L2 section
+
+
+def test_gqa_causal_chunk_keeps_a_section_of_q_and_do():
+    """params.gqa_causal_chunk: (batch, K/V head)s per chunk so their groups' Q and dO stay within
+    GQA_L2_SECTION_BYTES (32 MB): 2 at GQA 32 / 8, d128, N8192 (16 MB each), at least 1."""
+    import types
+
+    def shape(group, n, d):
+        return types.SimpleNamespace(group=group, seqlen_q=n, head_dim=d)
+
+    assert params.gqa_causal_chunk(shape(4, 8192, 128)) == 2
+    assert params.gqa_causal_chunk(shape(4, 2048, 128)) == 8
+    assert params.gqa_causal_chunk(shape(8, 131072, 256)) == 1
+    assert params.GQA_CAUSAL_HEAD_CHUNK is None  # the rule, unless a caller (scripts/bench_gqa_bwd.py) sets one
 
 
 def test_gqa_group_loop_needs_enough_ctas(monkeypatch):
