@@ -110,3 +110,36 @@ def test_paged_through_torch_and_flash_attn_interface():
     out = fai.flash_attn_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table, causal=True)
     ref = fai.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, causal=True)
     assert torch.equal(out, ref)
+
+
+def test_small_pages_take_the_wide_decode_tile(monkeypatch):
+    """A paged cache of 16-row pages at d128 runs the 8-warp tile (families/sm80.py _decode_paged_tile)
+    where it fits (nothing tuned applying); it agrees with the float64 reference by the 2x rule and
+    with the contiguous cache's result."""
+    import cupy
+
+    from cuflash import _tuned, device, families
+    from cuflash.families.sm80 import DECODE_PAGED_TILES
+
+    monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: None)  # the rule acts on the default only
+    chosen, select = [], families.select
+    monkeypatch.setattr(families, "select", lambda fam, p: chosen.append(select(fam, p)) or chosen[-1])
+    rng = np.random.default_rng(7)
+    b, cap, hk, h, d, page = 2, 512, 8, 32, 128, 16
+    mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(cupy.float16)
+    q, kc, vc = mk(b, 1, h, d), mk(b, cap, hk, d), mk(b, cap, hk, d)
+    table, n_pages = _table(rng, b, cap, page)
+    kp, vp = _scatter(kc, table, n_pages, page), _scatter(vc, table, n_pages, page)
+    lens = np.array([cap, 300])
+    out = kvcache.attention_with_kvcache(q, kp, vp, cache_seqlens=lens, block_table=cupy.asarray(table))
+    props = device.supported(0)
+    wide = next((t for t in DECODE_PAGED_TILES[(d, True)] if t.smem_bytes <= props.smem_optin), None)
+    assert chosen, "the call's plan was prepared before this test (no selection seen)"
+    if wide is not None and b * hk < 2 * props.sm_count:
+        assert (chosen[-1].warps, chosen[-1].stages) == (wide.warps, wide.stages), chosen
+    ref = kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    for i, n in enumerate(lens):
+        err, _, allowed = fa_rule(out[i:i + 1], q[i:i + 1], kc[i:i + 1, :n], vc[i:i + 1, :n], MaskOptions.of(),
+                                  1 / math.sqrt(d))
+        assert err <= allowed, f"batch {i}: {err:.3e} > {allowed:.3e}"
+    assert float(cupy.abs(out.astype(cupy.float32) - ref.astype(cupy.float32)).max()) < 1e-2
