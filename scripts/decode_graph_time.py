@@ -40,36 +40,63 @@ def main():
             json.dump(rows, f, indent=1)
 
 
-def _time_cell(b, n, a):
+def decode_inputs(b, n, d=D):
+    """One decoding step's fp16 inputs, cache full: (q, k_cache, v_cache, device lengths, K/V bytes)."""
     import cupy
 
-    import cuflash
+    rng = cupy.random.default_rng(0)
+    kc, vc = (rng.standard_normal((b, n, HKV, d), dtype=cupy.float32).astype(cupy.float16) for _ in "kv")
+    q = rng.standard_normal((b, 1, HQ, d), dtype=cupy.float32).astype(cupy.float16)
+    return q, kc, vc, cupy.full((b,), n, dtype=cupy.int32), 2 * kc.nbytes
+
+
+def copy_gbps(kv_bytes):
+    """The yardstick: a device copy of a K/V-sized buffer, bytes read + written per second / 1e9."""
+    import cupy
+
     from cuflash._timing import time_cuda
 
-    stream = cupy.cuda.get_current_stream()
-    rng = cupy.random.default_rng(0)
-    kc, vc = (rng.standard_normal((b, n, HKV, D), dtype=cupy.float32).astype(cupy.float16) for _ in "kv")
-    q = rng.standard_normal((b, 1, HQ, D), dtype=cupy.float32).astype(cupy.float16)
-    lens = cupy.full((b,), n, dtype=cupy.int32)
-    kv_bytes = 2 * kc.nbytes
     src = cupy.empty(kv_bytes // 2, dtype=cupy.float16)
     dst = cupy.empty_like(src)
     t_copy = time_cuda(lambda: cupy.copyto(dst, src), reps=30, warmup_ms=50)["median_ms"]
-    copy_gbps = 2 * kv_bytes / (t_copy * 1e-3) / 1e9
-    line, rows = [f"{a.tag}{b:>3} x {n:>6} (copy {copy_gbps:5.0f} GB/s):"], []
+    return 2 * kv_bytes / (t_copy * 1e-3) / 1e9
+
+
+def capture(fn, steps):
+    """fn warmed up (compiled, planned), then `steps` calls of it captured into one CUDA graph."""
+    import cupy
+
+    stream = cupy.cuda.get_current_stream()
+    for _ in range(3):
+        fn()
+    stream.synchronize()
+    stream.begin_capture()
+    for _ in range(steps):
+        fn()
+    return stream.end_capture()
+
+
+def replay_ms(graph, steps, reps):
+    """One call's time in ms: the median replay of a graph of `steps` calls, divided by them."""
+    from cuflash._timing import time_cuda
+
+    return time_cuda(graph.launch, reps=reps, warmup=3, warmup_ms=50)["median_ms"] / steps
+
+
+def _time_cell(b, n, a):
+    import cuflash
+
+    q, kc, vc, lens, kv_bytes = decode_inputs(b, n)
+    gbps = copy_gbps(kv_bytes)
+    line, rows = [f"{a.tag}{b:>3} x {n:>6} (copy {gbps:5.0f} GB/s):"], []
     for sp in a.splits:
-        for _ in range(3):  # compiled, planned
-            cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=sp)
-        stream.synchronize()
-        stream.begin_capture()
-        for _ in range(a.steps):
-            cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=sp)
-        graph = stream.end_capture()
-        t = time_cuda(graph.launch, reps=a.reps, warmup=3, warmup_ms=50)["median_ms"] / a.steps
-        ratio = kv_bytes / (t * 1e-3) / 1e9 / copy_gbps
+        graph = capture(lambda sp=sp: cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=sp),
+                        a.steps)
+        t = replay_ms(graph, a.steps, a.reps)
+        ratio = kv_bytes / (t * 1e-3) / 1e9 / gbps
         line.append(f"{sp}:{ratio:.3f} ({t * 1e3:.1f} us)")
         rows.append({"tag": a.tag, "batch": b, "seqlen": n, "splits": sp, "us": t * 1e3,
-                     "ratio_to_copy": ratio, "copy_gbps": copy_gbps})
+                     "ratio_to_copy": ratio, "copy_gbps": gbps})
     print(" ".join(line), flush=True)
     return rows
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 
-HQ, HKV, D = 32, 8, 128
-
 
 def main():
     import cupy
@@ -28,14 +26,12 @@ def main():
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json")
     a = ap.parse_args()
-    global D
-    D = a.head_dim
     rows = []
     stream = cupy.cuda.Stream(non_blocking=True)
     for cell in a.cells:
         b, n = map(int, cell.lower().split("x"))
         with stream:
-            rows += _cell(b, n, a)
+            rows += _cell(b, n, a.head_dim, a)
         cupy.get_default_memory_pool().free_all_blocks()
     if a.json:
         with open(a.json, "w") as f:
@@ -59,24 +55,16 @@ def _pool(kc, ps, order):
     return pool, table
 
 
-def _cell(b, n, a):
+def _cell(b, n, d, a):
     import cupy
+    from decode_graph_time import capture, copy_gbps, decode_inputs, replay_ms
 
-    from cuflash._timing import time_cuda
     from cuflash.kvcache import _forward_cupy
     from cuflash.mask import MaskOptions
     from cuflash.tiles import DecodeConfig
 
-    stream = cupy.cuda.get_current_stream()
-    rng = cupy.random.default_rng(0)
-    kc, vc = (rng.standard_normal((b, n, HKV, D), dtype=cupy.float32).astype(cupy.float16) for _ in "kv")
-    q = rng.standard_normal((b, 1, HQ, D), dtype=cupy.float32).astype(cupy.float16)
-    lens = cupy.full((b,), n, dtype=cupy.int32)
-    kv_bytes = 2 * kc.nbytes
-    src = cupy.empty(kv_bytes // 2, dtype=cupy.float16)
-    dst = cupy.empty_like(src)
-    t_copy = time_cuda(lambda: cupy.copyto(dst, src), reps=30, warmup_ms=50)["median_ms"]
-    copy_gbps = 2 * kv_bytes / (t_copy * 1e-3) / 1e9
+    q, kc, vc, lens, kv_bytes = decode_inputs(b, n, d)
+    gbps = copy_gbps(kv_bytes)
     layouts = {"contiguous": (kc, vc, None)}
     for ps, order in ((16, "shuffled"), (16, "ordered"), (256, "shuffled")):
         kp, tab = _pool(kc, ps, order)
@@ -85,8 +73,8 @@ def _cell(b, n, a):
     mask = MaskOptions.of()
     rows = []
     for tname in a.tiles:
-        cfg = None if tname == "default" else DecodeConfig(D, *map(int, tname.split(",")))
-        line = [f"d{D} {b:>3} x {n:>6} tile {tname:>7}:"]
+        cfg = None if tname == "default" else DecodeConfig(d, *map(int, tname.split(",")))
+        line = [f"d{d} {b:>3} x {n:>6} tile {tname:>7}:"]
         base = ref = None
         for lname, (k, v, tab) in layouts.items():
             def fn(k=k, v=v, tab=tab, cfg=cfg):
@@ -97,22 +85,16 @@ def _cell(b, n, a):
                     ref = out
                 elif float(cupy.abs(out.astype(cupy.float32) - ref.astype(cupy.float32)).max()) > 1e-2:
                     raise AssertionError(f"{lname} differs from contiguous")
-                for _ in range(2):
-                    fn()
-                stream.synchronize()
-                stream.begin_capture()
-                for _ in range(a.steps):
-                    fn()
-                graph = stream.end_capture()
+                graph = capture(fn, a.steps)
             except Exception as e:  # noqa: BLE001 (a tile the GPU cannot take: reported, the rest go on)
                 line.append(f"{lname} n/a ({str(e).splitlines()[0][:60]})")
                 continue
-            t = time_cuda(graph.launch, reps=a.reps, warmup=3, warmup_ms=50)["median_ms"] / a.steps
-            ratio = kv_bytes / (t * 1e-3) / 1e9 / copy_gbps
+            t = replay_ms(graph, a.steps, a.reps)
+            ratio = kv_bytes / (t * 1e-3) / 1e9 / gbps
             base = ratio if lname == "contiguous" else base
             line.append(f"{lname} {ratio:.3f}" + (f" ({ratio / base:.3f}x contig)" if base and lname != "contiguous" else ""))
-            rows.append({"head_dim": D, "batch": b, "seqlen": n, "tile": tname, "layout": lname, "us": t * 1e3,
-                         "ratio_to_copy": ratio, "copy_gbps": copy_gbps})
+            rows.append({"head_dim": d, "batch": b, "seqlen": n, "tile": tname, "layout": lname, "us": t * 1e3,
+                         "ratio_to_copy": ratio, "copy_gbps": gbps})
         print(" | ".join(line), flush=True)
     return rows
 
