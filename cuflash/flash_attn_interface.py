@@ -133,13 +133,19 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     them (cuflash.attention_with_kvcache, forward only); without cache_seqlens and k/v, attention
     over the whole caches (contiguous). num_splits: split-KV decoding there (0: heuristic; 1: none);
     rotary_cos / rotary_sin / rotary_interleaved: rotary embedding of q and k there.
-    cache_batch_idx and cache_leftpad raise NotImplementedError naming the option; rotary
-    without cache_seqlens raises ValueError (the positions come from it). alibi_slopes: as
-    flash-attn's, on every path."""
-    _unsupported(cache_batch_idx=(cache_batch_idx, cache_batch_idx is None),
-                 cache_leftpad=(cache_leftpad, cache_leftpad is None))
+    cache_batch_idx (batch,) integers: batch b uses sequence cache_batch_idx[b] of a contiguous
+    cache (batch_cache, seqlen_cache, nheads_k, headdim), for attention and the append; without
+    cache_seqlens every batch sees its whole sequence. Not with block_table (as flash-attn).
+    cache_leftpad raises NotImplementedError naming the option; rotary without cache_seqlens raises
+    ValueError (the positions come from it). alibi_slopes: as flash-attn's, on every path."""
+    _unsupported(cache_leftpad=(cache_leftpad, cache_leftpad is None))
     if block_table is not None and cache_seqlens is None:
         raise ValueError("flash_attn_with_kvcache: a paged cache (block_table) needs cache_seqlens")
+    whole_caches = cache_seqlens is None and k is None and v is None
+    if whole_caches and (rotary_cos is not None or rotary_sin is not None):
+        raise ValueError("flash_attn_with_kvcache: rotary embedding needs cache_seqlens (its positions)")
+    if whole_caches and cache_batch_idx is not None:
+        cache_seqlens = int(k_cache.shape[1])  # every batch attends to its whole cache sequence
     if cache_seqlens is not None or k is not None or v is not None:
         from .kvcache import attention_with_kvcache
 
@@ -151,10 +157,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                      softcap=softcap, return_lse=bool(return_softmax_lse), num_splits=num_splits,
                                      rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                      rotary_interleaved=bool(rotary_interleaved), block_table=block_table,
-                                     alibi_slopes=alibi_slopes)
+                                     alibi_slopes=alibi_slopes, cache_batch_idx=cache_batch_idx)
         return res
-    if rotary_cos is not None or rotary_sin is not None:
-        raise ValueError("flash_attn_with_kvcache: rotary embedding needs cache_seqlens (its positions)")
     res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse,
                alibi_slopes)
     return res[:2] if return_softmax_lse else res

@@ -821,7 +821,8 @@ def _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table):
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = False,
                            softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
                            return_lse: bool = False, num_splits: int = 0, rotary_cos=None, rotary_sin=None,
-                           rotary_interleaved: bool = True, block_table=None, alibi_slopes=None):
+                           rotary_interleaved: bool = True, block_table=None, alibi_slopes=None,
+                           cache_batch_idx=None):
     """Attention of q (batch, n_q, heads, head_dim) to each batch's first cache_seqlens[b] (+ n_new)
     keys of k_cache / v_cache (batch, capacity, heads_kv, head_dim), after appending k_new / v_new
     (batch, n_new, heads_kv, head_dim) in place at row cache_seqlens[b] (module docstring: the
@@ -853,9 +854,19 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     device; each score gains -slope |i + offset - j|, aligned as the mask to each batch's length
     (query i of the n_q new ones at key position cache_seqlens[b] + n_new - n_q + i). Every path:
     the decode kernel (each packed row its head's slope), split-KV, the forward kernel.
+    cache_batch_idx: integers (batch,) (FlashAttention's): batch b of q attends to and appends into
+    sequence cache_batch_idx[b] of a contiguous cache (batch_cache, capacity, heads_kv, head_dim),
+    batch_cache any size; cache_seqlens, k_new, v_new and the slopes stay per batch of q. Runs as a
+    paged cache whose pages are the cache's sequences (cuflash/cache_batch.py: no copy). Host
+    indices are checked (each a sequence of the cache); device ones (integers on q's device) are
+    not: an index out of range reads and writes out of bounds. Indices that repeat with k_new /
+    v_new append into one sequence more than once, in no set order. Not with block_table.
     CuPy arrays, or torch tensors (through DLPack on torch's current stream; the caches are written
     in place either way).
     """
+    if cache_batch_idx is not None and block_table is not None:
+        raise ValueError("cache_batch_idx and block_table cannot be combined: a paged cache names each batch's "
+                         "pages in block_table")
     mask = MaskOptions.of(causal=causal, window_size=window_size, softcap=softcap)
     check_num_splits(num_splits)
     names = ["q", "k_cache", "v_cache"]
@@ -885,6 +896,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     if table_on_device:
         names.append("block_table")
         arrays.append(block_table)
+    index_on_device = cache_batch_idx is not None and fw != _interop.CUPY and _on_cuda(cache_batch_idx)
+    if cache_batch_idx is not None and not index_on_device and type(cache_batch_idx).__module__.split(".")[0] == "torch":
+        cache_batch_idx = cache_batch_idx.numpy()  # a CPU torch tensor: host indices, checked
+    if index_on_device:
+        names.append("cache_batch_idx")
+        arrays.append(cache_batch_idx)
     if alibi_slopes is not None:  # of q's framework and device, as the other arrays
         names.append("alibi_slopes")
         arrays.append(alibi_slopes)
@@ -896,7 +913,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         cos, sin = (rest.pop(0), rest.pop(0)) if rotary else (None, None)
         lens = rest.pop(0) if seqlens_on_device else cache_seqlens
         table = rest.pop(0) if table_on_device else block_table
+        index = rest.pop(0) if index_on_device else cache_batch_idx
         slopes = rest.pop(0) if alibi_slopes is not None else None
+        if index is not None:  # the cache's sequences as pages, the indices as their table
+            from . import cache_batch
+
+            k_cache, v_cache, table = cache_batch.as_paged(index, q, k_cache, v_cache)
         out, lse = _forward_cupy(q, k_cache, v_cache, lens, kn, vn, mask, softmax_scale, num_splits=num_splits,
                                  rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary_interleaved,
                                  block_table=table, alibi_slopes=slopes)
