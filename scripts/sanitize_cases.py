@@ -55,7 +55,6 @@ for d in (64, 128):
 cupy.cuda.Device().synchronize()
 print("sanitize dropout cases done")
 # variable-length batches (ragged sequences, one of length 0), forward and backward, both forward backends
-from cuflash import varlen  # noqa: E402
 
 lens_q, lens_k = [5, 0, 130, 67], [9, 3, 130, 200]
 cu_q = cupy.asarray(np.concatenate([[0], np.cumsum(lens_q)]), dtype=cupy.int32)

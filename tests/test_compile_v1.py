@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash import _compile, families, tiles
+from cuflash import _compile, families
 from cuflash.features import Features
 from cuflash.tiles import V1Config
 

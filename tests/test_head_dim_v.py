@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cuflash import _backward, _forward, families, launch, params, problem, reference
+from cuflash import _backward, _forward, families, launch, params, reference
 from cuflash.mask import MaskOptions
 from cuflash.problem import ArrayInfo, resolve_backward, resolve_forward
 from cuflash.tiles import BwdConfig, FwdConfig

@@ -25,8 +25,6 @@ def _used_bytes():
 
 
 def test_soak_memory_is_flat():
-    import cupy
-
     import cuflash
 
     rng = np.random.default_rng(1)
