@@ -124,6 +124,44 @@ def common_framework(arrays, names) -> tuple[str, int]:
     return fws[0], devs[0]
 
 
+def on_cuda(x) -> bool:
+    """Whether x (not a CuPy array) is a CUDA array by DLPack (a torch.cuda tensor, another producer)."""
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is None:
+        return False
+    try:
+        return dev()[0] in (KDL_CUDA, KDL_CUDA_MANAGED)
+    except Exception:  # a CPU tensor whose __dlpack_device__ still answers: host
+        return False
+
+
+def optional_inputs(fw: str, names: list, arrays: list, **given) -> dict:
+    """An entry point's optional integer arguments (lengths, tables, indices; None: not given), for a
+    call whose arrays are of framework `fw`: a CUDA array of a framework other than CuPy is appended
+    to `names` / `arrays` (it travels with them: its CuPy view reaches the body); a CPU torch tensor
+    becomes a NumPy array; anything else stays as given (host integers, or a CuPy array in a CuPy
+    call, which the body takes as is). Returns {name: value} of those that stay behind; the body
+    takes the others from its trailing arrays (rejoin)."""
+    behind = {}
+    for name, x in given.items():
+        if x is not None and fw != CUPY and on_cuda(x):
+            names.append(name)
+            arrays.append(x)
+        elif x is not None and type(x).__module__.split(".")[0] == "torch":
+            behind[name] = x.numpy()  # a CPU tensor: host values, checked as such
+        else:
+            behind[name] = x
+    return behind
+
+
+def rejoin(names, trailing, behind: dict) -> dict:
+    """optional_inputs' arguments again: those that stayed behind, and those among the body's trailing
+    arrays (named by `names`, the trailing arrays' names in order)."""
+    out = dict(behind)
+    out.update(zip(names, trailing))
+    return out
+
+
 def _join(names) -> str:
     names = list(names)
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"

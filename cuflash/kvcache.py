@@ -883,25 +883,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         names += ["rotary_cos", "rotary_sin"]
         arrays += [rotary_cos, rotary_sin]
     fw, dev = _interop.common_framework(arrays, names)
-    # a CUDA cache_seqlens of another framework travels with the arrays (a CuPy one is used as is)
-    seqlens_on_device = fw != _interop.CUPY and _on_cuda(cache_seqlens)
-    if not seqlens_on_device and type(cache_seqlens).__module__.split(".")[0] == "torch":
-        cache_seqlens = cache_seqlens.numpy()  # a CPU torch tensor: host lengths, checked
-    if seqlens_on_device:
-        names.append("cache_seqlens")
-        arrays.append(cache_seqlens)
-    table_on_device = block_table is not None and fw != _interop.CUPY and _on_cuda(block_table)
-    if block_table is not None and not table_on_device and type(block_table).__module__.split(".")[0] == "torch":
-        block_table = block_table.numpy()  # a CPU torch tensor: a host table, checked
-    if table_on_device:
-        names.append("block_table")
-        arrays.append(block_table)
-    index_on_device = cache_batch_idx is not None and fw != _interop.CUPY and _on_cuda(cache_batch_idx)
-    if cache_batch_idx is not None and not index_on_device and type(cache_batch_idx).__module__.split(".")[0] == "torch":
-        cache_batch_idx = cache_batch_idx.numpy()  # a CPU torch tensor: host indices, checked
-    if index_on_device:
-        names.append("cache_batch_idx")
-        arrays.append(cache_batch_idx)
+    # CUDA lengths, tables, indices of another framework travel with the arrays (CuPy ones are used as is)
+    n_fixed = len(arrays)
+    behind = _interop.optional_inputs(fw, names, arrays, cache_seqlens=cache_seqlens, block_table=block_table,
+                                      cache_batch_idx=cache_batch_idx)
+    optional = tuple(names[n_fixed:])
     if alibi_slopes is not None:  # of q's framework and device, as the other arrays
         names.append("alibi_slopes")
         arrays.append(alibi_slopes)
@@ -911,10 +897,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
         rest = list(rest)
         kn, vn = (rest.pop(0), rest.pop(0)) if k_new is not None else (None, None)
         cos, sin = (rest.pop(0), rest.pop(0)) if rotary else (None, None)
-        lens = rest.pop(0) if seqlens_on_device else cache_seqlens
-        table = rest.pop(0) if table_on_device else block_table
-        index = rest.pop(0) if index_on_device else cache_batch_idx
-        slopes = rest.pop(0) if alibi_slopes is not None else None
+        given = _interop.rejoin(optional, rest[:len(optional)], behind)
+        lens, table, index = given["cache_seqlens"], given["block_table"], given["cache_batch_idx"]
+        slopes = rest[len(optional)] if alibi_slopes is not None else None
         if index is not None:  # the cache's sequences as pages, the indices as their table
             from . import cache_batch
 
@@ -929,14 +914,3 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     else:
         out, lse = _interop.run(body, arrays, fw, dev, names)
     return (out, lse) if return_lse else out
-
-
-def _on_cuda(x) -> bool:
-    """Whether a non-CuPy cache_seqlens is a CUDA array (torch.cuda tensor, DLPack producer)."""
-    dev = getattr(x, "__dlpack_device__", None)
-    if dev is None:
-        return False
-    try:
-        return dev()[0] in (_interop.KDL_CUDA, _interop.KDL_CUDA_MANAGED)
-    except Exception:  # a CPU tensor whose __dlpack_device__ still answers: host
-        return False

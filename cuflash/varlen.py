@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from . import _forward, _interop, families, launch, problem
+from . import _forward, _interop, families, launch, problem, seqused
 from . import _plans as plan_cache
 from .launch import Buffer, FilledPlan
 from .mask import MaskOptions
@@ -138,22 +138,44 @@ def _empty_plan(p, dtype) -> FilledPlan:
     return FilledPlan(p.device, _forward.INPUTS_VARLEN, ((out, 0), (lse, -np.inf)))
 
 
-def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions,
-                  softmax_scale, out=None, lse=None, backend=None, dropout_p=0.0, seed=None, alibi_slopes=None,
-                  score_mod=None):
-    """The CuPy body: (out, lse). `out`, `lse`: given buffers (internal: the GPU tests poison them).
-    `alibi_slopes`: ALiBi's (heads,) or (batch, heads) float32 slopes, an input after the offsets;
-    `score_mod`: a cuflash.ScoreMod (positions within each sequence), its aux table the last input."""
+def _offsets(p: AttnProblem, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes, score_mod):
+    """(p, cu_q, cu_k, alibi_slopes) for the kernels: the offsets as contiguous int32; with seqused_q /
+    seqused_k, each sequence split in three (cuflash/seqused.py: the offsets and p's batch, per-batch
+    slopes repeated). Everything checked before the first launch."""
     import cupy
 
+    used = seqused_q is not None or seqused_k is not None
+    if used and score_mod is not None:  # its snippets would see the split's sequence index 3b, not b
+        raise NotImplementedError("seqused_q / seqused_k with a score_mod are not supported")
+    lengths = [None if x is None else seqused.device_lengths(x, n, p.batch, p.device)
+               for x, n in ((seqused_q, "seqused_q"), (seqused_k, "seqused_k"))]
+    with launch.graph_temporaries():  # (an int64 or strided copy lives only as long as the call)
+        cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
+    if not used:
+        return p, cu_q, cu_k, alibi_slopes
+    cu_q, cu_k = seqused.expand(cu_q, cu_k, *lengths, p.batch)
+    alibi_slopes = seqused.repeat_slopes(alibi_slopes)
+    p = dataclasses.replace(p, batch=3 * p.batch)
+    if alibi_slopes is not None:
+        p = problem.with_alibi(p, problem.describe(alibi_slopes, "alibi_slopes"))
+    return p, cu_q, cu_k, alibi_slopes
+
+
+def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask: MaskOptions,
+                  softmax_scale, out=None, lse=None, backend=None, dropout_p=0.0, seed=None, alibi_slopes=None,
+                  score_mod=None, seqused_q=None, seqused_k=None):
+    """The CuPy body: (out, lse). `out`, `lse`: given buffers (internal: the GPU tests poison them).
+    `alibi_slopes`: ALiBi's (heads,) or (batch, heads) float32 slopes, an input after the offsets;
+    `score_mod`: a cuflash.ScoreMod (positions within each sequence), its aux table the last input;
+    `seqused_q` / `seqused_k`: the used lengths (cuflash/seqused.py), host or CuPy integers."""
     infos = [problem.describe(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     offsets = [_offsets_info(x, n) for x, n in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k"))]
     dropout = problem.resolve_dropout(dropout_p, seed)
     p = resolve(*infos, *offsets, max_seqlen_q, max_seqlen_k, mask, softmax_scale, dropout)
     p = problem.with_alibi(p, None if alibi_slopes is None else problem.describe(alibi_slopes, "alibi_slopes"))
     p = problem.with_score_mod(p, score_mod)
-    with launch.graph_temporaries():  # (an int64 or strided copy lives only as long as the call)
-        cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
+    p, cu_q, cu_k, alibi_slopes = _offsets(p, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                                           score_mod)
     slopes = () if alibi_slopes is None else (alibi_slopes,)
     table = () if score_mod is None else (score_mod.pointer_table(p.device),)
 
@@ -174,12 +196,10 @@ def _forward_cupy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_
 
 def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                    mask: MaskOptions, softmax_scale, deterministic=False, dropout_p=0.0, seed=None, alibi_slopes=None,
-                   score_mod=None, backend=None):
-    """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed); `alibi_slopes` and
-    `score_mod` the forward's (a score snippet with its grad snippet); `backend` forces the dK/dV
-    kernel (None: the automatic choice)."""
-    import cupy
-
+                   score_mod=None, backend=None, seqused_q=None, seqused_k=None):
+    """The CuPy body of the backward: (dq, dk, dv) like q, k, v (packed); `alibi_slopes`,
+    `score_mod` (a score snippet with its grad snippet) and `seqused_q` / `seqused_k` the forward's;
+    `backend` forces the dK/dV kernel (None: the automatic choice)."""
     from . import _backward
 
     arrays = (dout, q, k, v, out, lse)
@@ -192,8 +212,8 @@ def _backward_cupy(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seql
         raise ValueError("score_mod: the backward of a score snippet needs its derivative: "
                          "ScoreMod(score=..., grad=...) (d score_mod / d score)")
     p = problem.with_score_mod(p, score_mod)
-    with launch.graph_temporaries():  # (an int64 or strided copy lives only as long as the call)
-        cu_q, cu_k = (cupy.ascontiguousarray(x.astype(cupy.int32, copy=False)) for x in (cu_seqlens_q, cu_seqlens_k))
+    p, cu_q, cu_k, alibi_slopes = _offsets(p, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, alibi_slopes,
+                                           score_mod)
     slopes = () if alibi_slopes is None else (alibi_slopes,)
     table = () if score_mod is None else (score_mod.pointer_table(p.device),)
 
@@ -215,38 +235,56 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                               max_seqlen_k: int, *, causal: bool = False, softmax_scale: float | None = None,
                               window_size=(-1, -1), alignment: str = "bottom_right", softcap: float = 0.0,
                               deterministic: bool = False, dropout_p: float = 0.0, seed: int | None = None,
-                              alibi_slopes=None, score_mod=None, backend: str | None = None):
+                              alibi_slopes=None, score_mod=None, backend: str | None = None, seqused_q=None,
+                              seqused_k=None):
     """Gradients (dq, dk, dv) of attention_varlen for the upstream gradient `dout` (packed like q);
     `out` and `lse` are the forward's (lse (heads, total_q)). The mask options must be the forward's.
     deterministic=True: bitwise reproducible dq (a dQ kernel instead of fp32 atomics). dropout_p, seed:
     the forward's (the mask is regenerated from the seed, not stored). backend: the dK/dV kernel
     (None: automatic, the Hopper one on an H100/H200 at head_dim 64 and 128, else sm80; "sm90" or
     "sm80" forces one; deterministic=True takes the Hopper kernel's ordered dQ there too).
+    seqused_q, seqused_k: the forward's. dq, dk and dv are 0 in the rows a sequence does not use.
     CuPy arrays, torch tensors (no autograd: call it yourself, or use attention_varlen on tensors
     that require grad) and other DLPack arrays."""
     families.check_backend(backend)
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
-    names = ("dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k")
-    arrays = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
-    if alibi_slopes is not None:
-        names, arrays = (*names, "alibi_slopes"), (*arrays, alibi_slopes)
-    fw, dev = _interop.common_framework(arrays, names)
+    names, arrays, fw, dev, optional, behind = _inputs(
+        ["dout", "q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k"],
+        [dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k], alibi_slopes, seqused_q, seqused_k)
 
     if dropout_p and seed is None:
         raise ValueError("seed is required with dropout_p > 0: pass the seed the forward used")
 
     def body(*a):
+        opt = _interop.rejoin(optional, a[8:], behind)
         return _backward_cupy(*a[:8], max_seqlen_q, max_seqlen_k, mask, softmax_scale, deterministic, dropout_p, seed,
-                              a[8] if len(a) > 8 else None, score_mod, backend)
+                              opt["alibi_slopes"], score_mod, backend, opt["seqused_q"], opt["seqused_k"])
 
     return body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
+
+
+def _inputs(names: list, arrays: list, alibi_slopes, seqused_q, seqused_k):
+    """(names, arrays, framework, device, optional names, behind) of a varlen call: the arrays, then
+    the slopes and the used lengths on a device (cuflash/_interop.py optional_inputs), which the
+    body gets back by rejoin(optional names, its arrays past the fixed ones, behind)."""
+    fw, dev = _interop.common_framework(arrays, names)
+    n_fixed = len(arrays)
+    behind = _interop.optional_inputs(fw, names, arrays, seqused_q=seqused_q, seqused_k=seqused_k)
+    behind["alibi_slopes"] = None
+    if alibi_slopes is not None:  # of q's framework and device, as the other arrays
+        names.append("alibi_slopes")
+        arrays.append(alibi_slopes)
+        del behind["alibi_slopes"]
+    if len(arrays) > n_fixed:
+        fw, dev = _interop.common_framework(arrays, names)
+    return tuple(names), tuple(arrays), fw, dev, tuple(names[n_fixed:]), behind
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False,
                      deterministic: bool = False, backend: str | None = None, dropout_p: float = 0.0,
-                     seed: int | None = None, alibi_slopes=None, score_mod=None):
+                     seed: int | None = None, alibi_slopes=None, score_mod=None, seqused_q=None, seqused_k=None):
     """Attention over a batch of packed sequences of different lengths (module docstring: the layout,
     what is checked).
 
@@ -265,15 +303,19 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     alibi_slopes: ALiBi, as cuflash.attention's (float32 (heads,) or (batch, heads)), per sequence.
     score_mod: a cuflash.ScoreMod, as cuflash.attention's: b is the sequence, q_idx and kv_idx
     positions within it (a score snippet needs its grad snippet for the backward).
+    seqused_q, seqused_k: integers (batch,) (FlashAttention 3's), on q's device or the host: sequence b
+    uses only the first seqused_q[b] of its query rows and seqused_k[b] of its key rows (clipped to
+    its rows; the others may hold anything and are never attended), the mask aligned to the used
+    lengths; rows past seqused_q[b] get out 0 and lse -inf, and zero gradients. Host lengths are
+    checked (none negative). No kernel of its own (cuflash/seqused.py: each sequence runs as
+    three); not with score_mod; dropout's mask of sequence b is that of sequence index 3b.
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     problem.check_flag(deterministic, "deterministic")
     families.check_backend(backend)
-    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
-    arrays = (q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if alibi_slopes is not None:
-        names, arrays = (*names, "alibi_slopes"), (*arrays, alibi_slopes)
-    fw, dev = _interop.common_framework(arrays, names)
+    names, arrays, fw, dev, optional, behind = _inputs(["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"],
+                                                       [q, k, v, cu_seqlens_q, cu_seqlens_k], alibi_slopes,
+                                                       seqused_q, seqused_k)
     if fw == _interop.TORCH and dropout_p and seed is None:
         import torch
 
@@ -285,13 +327,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                              "grad=...) (d score_mod / d score), or call under torch.no_grad()")
         out, lse = _torch_function().apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
                                            softmax_scale, bool(deterministic), dev, backend, dropout_p, seed,
-                                           alibi_slopes, score_mod)
+                                           (arrays[5:], optional, behind), score_mod)
         return (out, lse) if return_lse else out
 
-    def body(q, k, v, cu_q, cu_k, *slopes):
+    def body(q, k, v, cu_q, cu_k, *rest):
+        opt = _interop.rejoin(optional, rest, behind)
         return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale, backend=backend,
-                             dropout_p=dropout_p, seed=seed, alibi_slopes=slopes[0] if slopes else None,
-                             score_mod=score_mod)
+                             dropout_p=dropout_p, seed=seed, alibi_slopes=opt["alibi_slopes"], score_mod=score_mod,
+                             seqused_q=opt["seqused_q"], seqused_k=opt["seqused_k"])
 
     out, lse = body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
     return (out, lse) if return_lse else out
@@ -318,33 +361,38 @@ def _torch_function():
         class VarlenAttention(torch.autograd.Function):
             @staticmethod
             def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, deterministic, dev, backend, dropout_p,
-                        seed, slopes, score_mod):
-                extra = () if slopes is None else (slopes,)
+                        seed, optional, score_mod):
+                # optional: (tensors, their names, behind): the slopes and device lengths that travel
+                # with the arrays (_inputs), and what stayed on the host
+                extra, opt_names, behind = optional
 
-                def body(q, k, v, cu_q, cu_k, *s):
+                def body(q, k, v, cu_q, cu_k, *rest):
+                    opt = _interop.rejoin(opt_names, rest, behind)
                     return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, backend=backend,
-                                         dropout_p=dropout_p, seed=seed, alibi_slopes=s[0] if s else None,
-                                         score_mod=score_mod)
+                                         dropout_p=dropout_p, seed=seed, alibi_slopes=opt["alibi_slopes"],
+                                         score_mod=score_mod, seqused_q=opt["seqused_q"], seqused_k=opt["seqused_k"])
 
-                out, lse = _interop.run(body, (q, k, v, cu_q, cu_k, *extra), _interop.TORCH, dev,
-                                        names + (("alibi_slopes",) if extra else ()))
-                ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, slopes)
-                ctx.options = (max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed, score_mod)
+                out, lse = _interop.run(body, (q, k, v, cu_q, cu_k, *extra), _interop.TORCH, dev, names + opt_names)
+                ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *extra)
+                ctx.options = (max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed, score_mod, opt_names,
+                               behind)
                 ctx.mark_non_differentiable(lse)
                 return out, lse
 
             @staticmethod
             def backward(ctx, dout, dlse):
-                q, k, v, out, lse, cu_q, cu_k, slopes = ctx.saved_tensors
-                max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed, score_mod = ctx.options
-                extra = () if slopes is None else (slopes,)
+                q, k, v, out, lse, cu_q, cu_k, *extra = ctx.saved_tensors
+                max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed, score_mod, opt_names, behind = \
+                    ctx.options
 
                 def body(*a):
+                    opt = _interop.rejoin(opt_names, a[8:], behind)
                     return _backward_cupy(*a[:8], max_q, max_k, mask, scale, deterministic, dropout_p, seed,
-                                          a[8] if len(a) > 8 else None, score_mod)
+                                          opt["alibi_slopes"], score_mod, seqused_q=opt["seqused_q"],
+                                          seqused_k=opt["seqused_k"])
 
                 dq, dk, dv = _interop.run(body, (dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *extra),
-                                          _interop.TORCH, dev, bwd_names + (("alibi_slopes",) if extra else ()))
+                                          _interop.TORCH, dev, bwd_names + opt_names)
                 return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
 
         _TORCH_FUNCTION = VarlenAttention
