@@ -81,12 +81,11 @@ def _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     """cuflash.attention_varlen (differentiable on torch tensors)."""
     from .varlen import attention_varlen
 
-    _unsupported(block_table=(block_table, block_table is None))
     window = tuple(window_size) if window_size is not None else (-1, -1)
     res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
                            softmax_scale=softmax_scale, window_size=window, softcap=softcap,
                            return_lse=bool(return_attn_probs), deterministic=bool(deterministic),
-                           dropout_p=float(dropout_p), alibi_slopes=alibi_slopes)
+                           dropout_p=float(dropout_p), alibi_slopes=alibi_slopes, block_table=block_table)
     if return_attn_probs:
         out, lse = res
         return out, lse, None
@@ -99,8 +98,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """flash-attn 2's flash_attn_varlen_func: q (total_q, nheads, headdim), k and v (total_k, nheads_k,
     headdim), cu_seqlens int32 (batch + 1,); causal aligned to the bottom right of each sequence.
     cuflash.attention_varlen, differentiable on torch tensors (dropout draws its seed from torch's
-    generator); block_table (paged caches) raises NotImplementedError. Returns out (total_q, nheads, headdim), or
-    (out, softmax_lse (nheads, total_q), None) with return_attn_probs."""
+    generator). block_table (batch, max_num_blocks_per_seq) int32: k and v are paged caches
+    (num_blocks, page_block_size, nheads_k, headdim), any page size, forward only (as flash-attn's).
+    Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q), None) with
+    return_attn_probs."""
     return _run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                        causal, window_size, softcap, alibi_slopes, return_attn_probs, block_table, deterministic)
 

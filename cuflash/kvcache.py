@@ -213,7 +213,7 @@ def _append_paged_kernel():
     return _APPEND_PAGED
 
 
-def _block_table(block_table, batch: int, num_pages: int, device: int):
+def checked_block_table(block_table, batch: int, num_pages: int, device: int):
     """block_table as a CuPy int32 (batch, pages per sequence) array with unit stride along its rows,
     checked: a host table (NumPy, a list, a CPU torch tensor) for its values too (every entry a page
     index in [0, num_pages)), then copied asynchronously; a device one for shape, dtype and device
@@ -691,7 +691,7 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     q_info = problem.describe(q, "q")
     table = None
     if block_table is not None:  # paged: the geometry of (batch, pages per sequence x page_size) caches
-        table = _block_table(block_table, q_info.shape[0] if len(q_info.shape) == 4 else -1,
+        table = checked_block_table(block_table, q_info.shape[0] if len(q_info.shape) == 4 else -1,
                              k_cache.shape[0] if k_cache.ndim == 4 else 0, q_info.device)
         infos = [q_info, *_paged_infos(q_info, k_cache, v_cache, table)]
     else:

@@ -263,13 +263,14 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
 
 
-def _inputs(names: list, arrays: list, alibi_slopes, seqused_q, seqused_k):
+def _inputs(names: list, arrays: list, alibi_slopes, seqused_q, seqused_k, block_table=None):
     """(names, arrays, framework, device, optional names, behind) of a varlen call: the arrays, then
-    the slopes and the used lengths on a device (cuflash/_interop.py optional_inputs), which the
-    body gets back by rejoin(optional names, its arrays past the fixed ones, behind)."""
+    the used lengths and the table on a device (cuflash/_interop.py optional_inputs) and the slopes,
+    which the body gets back by rejoin(optional names, its arrays past the fixed ones, behind)."""
     fw, dev = _interop.common_framework(arrays, names)
     n_fixed = len(arrays)
-    behind = _interop.optional_inputs(fw, names, arrays, seqused_q=seqused_q, seqused_k=seqused_k)
+    behind = _interop.optional_inputs(fw, names, arrays, seqused_q=seqused_q, seqused_k=seqused_k,
+                                      block_table=block_table)
     behind["alibi_slopes"] = None
     if alibi_slopes is not None:  # of q's framework and device, as the other arrays
         names.append("alibi_slopes")
@@ -284,7 +285,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                      causal: bool = False, softmax_scale: float | None = None, window_size=(-1, -1),
                      alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False,
                      deterministic: bool = False, backend: str | None = None, dropout_p: float = 0.0,
-                     seed: int | None = None, alibi_slopes=None, score_mod=None, seqused_q=None, seqused_k=None):
+                     seed: int | None = None, alibi_slopes=None, score_mod=None, seqused_q=None, seqused_k=None,
+                     block_table=None):
     """Attention over a batch of packed sequences of different lengths (module docstring: the layout,
     what is checked).
 
@@ -309,13 +311,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     lengths; rows past seqused_q[b] get out 0 and lse -inf, and zero gradients. Host lengths are
     checked (none negative). No kernel of its own (cuflash/seqused.py: each sequence runs as
     three); not with score_mod; dropout's mask of sequence b is that of sequence index 3b.
+    block_table: k and v are paged caches (num_pages, page_size, heads_kv, head_dim) (vLLM's and
+    flash-attn's layout, any page size) and block_table (batch, pages per sequence) int32 names each
+    sequence's pages in order, its key lengths still cu_seqlens_k's differences (or seqused_k):
+    a prefill chunk against cached keys. Forward only (torch tensors that require grad are refused);
+    the pages are gathered into one packing first (cuflash/paged_varlen.py). Host tables are
+    checked; device ones are the caller's to keep in range (their entries are clipped into it).
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     problem.check_flag(deterministic, "deterministic")
     families.check_backend(backend)
     names, arrays, fw, dev, optional, behind = _inputs(["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"],
                                                        [q, k, v, cu_seqlens_q, cu_seqlens_k], alibi_slopes,
-                                                       seqused_q, seqused_k)
+                                                       seqused_q, seqused_k, block_table)
+    if block_table is not None and fw == _interop.TORCH and _needs_grad(q, k, v):
+        raise NotImplementedError("attention_varlen with block_table (paged k and v) is forward only: call it "
+                                  "under torch.no_grad() or on tensors that do not require grad")
     if fw == _interop.TORCH and dropout_p and seed is None:
         import torch
 
@@ -332,12 +343,29 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 
     def body(q, k, v, cu_q, cu_k, *rest):
         opt = _interop.rejoin(optional, rest, behind)
-        return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_seqlen_k, mask, softmax_scale, backend=backend,
+        used_k, max_k = opt["seqused_k"], max_seqlen_k
+        if opt["block_table"] is not None:  # the pages gathered; their lengths become used lengths
+            k, v, cu_k, lengths, max_k = _paged(q, k, v, cu_q, cu_k, opt["block_table"])
+            used_k = lengths if used_k is None else used_k
+        return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_k, mask, softmax_scale, backend=backend,
                              dropout_p=dropout_p, seed=seed, alibi_slopes=opt["alibi_slopes"], score_mod=score_mod,
-                             seqused_q=opt["seqused_q"], seqused_k=opt["seqused_k"])
+                             seqused_q=opt["seqused_q"], seqused_k=used_k)
 
     out, lse = body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
     return (out, lse) if return_lse else out
+
+
+def _paged(q, k, v, cu_q, cu_k, block_table):
+    """cuflash/paged_varlen.py's gather of CuPy pools k, v by block_table, after the checks of the
+    offsets it reads (their shapes, dtype and device)."""
+    from . import paged_varlen
+
+    device = problem.describe(q, "q").device
+    batch = _check_offsets(_offsets_info(cu_q, "cu_seqlens_q"), "cu_seqlens_q", device)
+    if _check_offsets(_offsets_info(cu_k, "cu_seqlens_k"), "cu_seqlens_k", device) != batch:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {batch + 1} "
+                         f"and {cu_k.shape[0]}")
+    return paged_varlen.gather(k, v, block_table, cu_k, batch, device)
 
 
 def _needs_grad(*tensors) -> bool:

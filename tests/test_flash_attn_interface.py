@@ -60,9 +60,18 @@ def test_dense_entry_points_pass_alibi_slopes_on(monkeypatch):
     assert seen == [slopes] * 4
 
 
+def test_varlen_block_table_reaches_attention_varlen(monkeypatch):
+    """flash_attn_varlen_func's block_table (paged k and v) is attention_varlen's."""
+    from cuflash import varlen
+
+    seen = []
+    monkeypatch.setattr(varlen, "attention_varlen", lambda *a, **kw: seen.append(kw["block_table"]) or "out")
+    assert fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1, block_table="table") == "out"
+    assert fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1) == "out"
+    assert seen == ["table", None]
+
+
 def test_unsupported_options_name_themselves():
-    with pytest.raises(NotImplementedError, match="block_table"):
-        fai.flash_attn_varlen_func(None, None, None, None, None, 1, 1, block_table=object())
     with pytest.raises(ValueError, match="block_table.*cache_seqlens"):  # paged caches need the lengths
         fai.flash_attn_with_kvcache(None, None, None, block_table=object())
     with pytest.raises(NotImplementedError, match="cache_leftpad"):

@@ -377,7 +377,7 @@ def test_shell_takes_block_table_after_seqused_k():
                                        ([[0.0, 1.0]], "integers")])
 def test_host_block_tables_are_checked(table, why):
     with pytest.raises(ValueError, match=why):
-        kvcache._block_table(table, 1, 4, 0)
+        kvcache.checked_block_table(table, 1, 4, 0)
 
 
 def test_paged_cache_layouts_the_kernel_cannot_address_are_named():
