@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [decodetests] [decode] [decodegraph] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [decodetests] [decode] [decodegraph] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -90,6 +90,9 @@ for s in $stages; do
     varlen) timeout 300 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_varlen_gpu.py tests/test_varlen.py \
               2>&1 | tee "$OUT/varlen-tests.log" | tail -25
             timeout 240 python3 scripts/bench_varlen.py --json "$OUT/bench-varlen.json" 2>&1 | tee "$OUT/bench-varlen.log" | tail -4 ;;
+    newapis) timeout ${NEWAPIS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
+               tests/gpu/test_cache_batch_gpu.py tests/gpu/test_seqused_gpu.py tests/gpu/test_paged_varlen_gpu.py 2>&1 \
+               | tee "$OUT/newapis-tests.log" | tail -25 ;;  # cache_batch_idx, seqused_q/k, paged varlen (2026-12-05)
     decodetests) timeout ${DECODE_TESTS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
                    tests/gpu/test_decode_gpu.py tests/gpu/test_kvcache_gpu.py tests/gpu/test_staging_gpu.py \
                    tests/gpu/test_flash_attn_interface_gpu.py $(ls tests/gpu/test_paged_gpu.py 2>/dev/null) 2>&1 \
