@@ -332,3 +332,29 @@ def test_varlen_backward_past_65535_sequences_grid_axis():
                             dout.reshape(nseq, nq, h, d), mask, 1 / math.sqrt(d))
         for name, (err, pt, allowed) in res.items():
             assert err <= allowed, (deterministic, name, err, allowed, pt)
+
+
+def test_torch_compile_runs_varlen():
+    """attention_varlen inside torch.compile (issue 12: every path): its autograd.Function runs CuPy,
+    which dynamo does not trace, so the call is a graph break; the result and the gradients must be
+    the eager call's, bit for bit (deterministic backward)."""
+    torch = pytest.importorskip("torch")
+    import cuflash
+
+    torch._dynamo.reset()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(40, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    cu = torch.tensor([0, 15, 40], device="cuda", dtype=torch.int32)
+
+    def f(q, k, v):
+        return cuflash.attention_varlen(q, k, v, cu, cu, 25, 25, causal=True, deterministic=True) * 2.0
+
+    dout = torch.randn(40, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    eager = f(q, k, v)
+    eager_grads = torch.autograd.grad(eager, (q, k, v), dout)
+    compiled = torch.compile(f)(q, k, v)
+    compiled_grads = torch.autograd.grad(compiled, (q, k, v), dout)
+    assert torch.equal(compiled, eager)
+    for a, b in zip(compiled_grads, eager_grads):
+        assert torch.equal(a, b)
