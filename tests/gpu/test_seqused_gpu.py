@@ -15,6 +15,7 @@ import pytest
 from cuflash import seqused, varlen
 from cuflash.mask import MaskOptions
 from cuflash.testing import backend_unavailable, dtype_of, fa_rule, fa_rule_grads
+from tests.gpu.test_varlen_gpu import torch_packed
 
 pytestmark = pytest.mark.gpu
 
@@ -156,11 +157,7 @@ def test_torch_autograd_with_device_lengths():
 
     import cuflash
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    total, h, d = 40, 4, 64
-    q, k, v = (torch.randn(total, h, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-               for _ in range(3))
-    cu = torch.tensor([0, 15, 40], device="cuda", dtype=torch.int32)
+    q, k, v, cu = torch_packed(torch)
     used_q, used_k = torch.tensor([10, 25], device="cuda", dtype=torch.int32), torch.tensor([15, 20])  # device, host
     out = cuflash.attention_varlen(q, k, v, cu, cu, 25, 25, causal=True, seqused_q=used_q, seqused_k=used_k)
     dout = torch.randn_like(out)

@@ -165,15 +165,20 @@ def test_varlen_backward_split_head_dim(case, mask_kw, mode, monkeypatch):
     test_varlen_backward_matches_each_sequence(8, 2, case, mask_kw, 256, "bfloat16", mode, monkeypatch)
 
 
+def torch_packed(torch, seed: int = 0):
+    """(q, k, v, cu_seqlens): two packed bf16 sequences of 15 and 25 tokens, 4 heads, d64, q, k, v
+    requiring grad (the torch tests' small batch)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(40, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    return q, k, v, torch.tensor([0, 15, 40], device="cuda", dtype=torch.int32)
+
+
 def test_torch_autograd_matches_dense_per_sequence():
     torch = pytest.importorskip("torch")
     import cuflash
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    total, h, d = 40, 4, 64
-    q, k, v = (torch.randn(total, h, d, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-               for _ in range(3))
-    cu = torch.tensor([0, 15, 40], device="cuda", dtype=torch.int32)
+    q, k, v, cu = torch_packed(torch)
     out = cuflash.attention_varlen(q, k, v, cu, cu, 25, 25, causal=True)
     assert isinstance(out, torch.Tensor) and out.shape == q.shape and out.requires_grad
     dout = torch.randn_like(out)
@@ -342,15 +347,12 @@ def test_torch_compile_runs_varlen():
     import cuflash
 
     torch._dynamo.reset()
-    g = torch.Generator(device="cuda").manual_seed(3)
-    q, k, v = (torch.randn(40, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
-               for _ in range(3))
-    cu = torch.tensor([0, 15, 40], device="cuda", dtype=torch.int32)
+    q, k, v, cu = torch_packed(torch, 3)
 
     def f(q, k, v):
         return cuflash.attention_varlen(q, k, v, cu, cu, 25, 25, causal=True, deterministic=True) * 2.0
 
-    dout = torch.randn(40, 4, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    dout = torch.randn_like(q)
     eager = f(q, k, v)
     eager_grads = torch.autograd.grad(eager, (q, k, v), dout)
     compiled = torch.compile(f)(q, k, v)
