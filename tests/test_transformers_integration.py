@@ -230,3 +230,41 @@ def test_packed_sequences_run_on_attention_varlen(monkeypatch):
     assert lq.shape == (300, 4, 64) and lk.shape == (300, 2, 64) and (cq, ck, mq, mk) == ("cq", "ck", 200, 200)
     assert o == dict(causal=True, softmax_scale=0.125, window_size=(63, 0), dropout_p=0.0, softcap=0.0)
     assert out.shape == (1, 300, 4, 64) and weights is None
+
+
+class _MarkedMask:
+    """sdpa's mask as the mask function returns it for a batch padded at the end of its rows."""
+
+    def __init__(self, lengths):
+        self._cuflash_lengths = lengths
+
+
+def test_right_padded_batches_run_on_cuflash_varlen(calls, monkeypatch):
+    padded = []
+    monkeypatch.setattr(hf, "_cuflash_padded", lambda q, k, v, lengths, **o: padded.append((q, lengths, o)) or "pad")
+    module = types.SimpleNamespace(is_causal=True)
+    mask = _MarkedMask("lengths")
+    assert hf.attention_forward(module, *_qkv(), mask, sliding_window=16, softcap=30.0) == ("pad", None)
+    (q, lengths, opts), = padded
+    assert q.name == "q" and not q.transposed and lengths == "lengths"  # (transformers' layout: it transposes)
+    assert opts == {"causal": True, "softmax_scale": None, "window_size": (15, 0), "dropout_p": 0.0, "softcap": 30.0}
+    # what it cannot take goes to sdpa's mask (or is refused, as any masked call)
+    with pytest.warns(UserWarning, match="attention mask"):
+        hf.attention_forward(module, *_qkv(d=100), mask)
+    assert calls[-1][:2] == ("sdpa", mask)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        hf.attention_forward(module, *_qkv(), mask, s_aux=object())
+    hf.attention_forward(types.SimpleNamespace(is_causal=False), *_qkv(), mask, sliding_window=16)  # bidirectional window
+    assert calls[-1][:2] == ("sdpa", mask) and len(padded) == 1
+
+
+def test_right_padded_lengths_read_the_padding():
+    torch = pytest.importorskip("torch")
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    got = hf.right_padded_lengths(MU, 4, 4, _kw(attention_mask=right))
+    assert got.dtype == torch.int32 and got.tolist() == [3, 4, 0]
+    left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
+    assert hf.right_padded_lengths(MU, 4, 4, _kw(attention_mask=left)) is None
+    assert hf.right_padded_lengths(MU, 1, 5, _kw(attention_mask=torch.ones(3, 5), q_offset=4)) is None  # a cache
+    assert hf.right_padded_lengths(MU, 4, 4, _kw(attention_mask=right, allow_is_causal_skip=False)) is None  # packed
+    assert hf.right_padded_lengths(MU, 4, 4, _kw()) is None

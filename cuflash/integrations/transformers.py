@@ -20,8 +20,13 @@ What runs where:
   key it may see, so decoding and chunked prefill need no mask). Tensors (batch, heads, seq, head_dim)
   are transposed to cuflash's (batch, seq, heads, head_dim) layout as views, without copies;
   autograd runs cuflash's backward.
+- a batch padded at the end of its rows, without a cache (training batches: transformers' default
+  padding side for them) runs on cuflash too: the mask function marks sdpa's mask with each row's
+  count of real tokens (right_padded_lengths), and the attention function runs the rows as one
+  packing of variable-length sequences whose used lengths those are (attention_varlen's
+  seqused_q / seqused_k); padded rows come out 0 (no real token reads them).
 - **transformers' sdpa**, with a one-time warning saying why, runs calls cuflash's kernels cannot:
-  an attention mask with padding, packed sequences detected from position_ids (transformers builds
+  any other attention mask with padding (left padding, generation with a cache), packed sequences detected from position_ids (transformers builds
   a block-diagonal mask for them), chunked attention (Llama 4), mask overlays (e.g. bidirectional
   image tokens), a custom 4D mask, static caches (their masks are built ahead), and shapes or dtypes
   cuflash does not take (float32, head_dim not a multiple of 8 up to 256, tensors not on a CUDA GPU). A
@@ -84,7 +89,13 @@ def attention_mask(batch_size, q_length, kv_length, **kwargs):
 
     if kernel_masks(masking_utils, q_length, kv_length, kwargs):
         return None
-    return masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, **kwargs)
+    mask = masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, **kwargs)
+    lengths = right_padded_lengths(masking_utils, q_length, kv_length, kwargs)
+    if lengths is not None and mask is not None:
+        # sdpa's mask, marked: the attention function runs such calls on cuflash from the lengths
+        # (and any call that cannot, or a mask a model sliced into a new tensor, on sdpa's mask)
+        mask._cuflash_lengths = lengths
+    return mask
 
 
 def kernel_masks(mu, q_length, kv_length, kw: dict) -> bool:
@@ -99,17 +110,44 @@ def kernel_masks(mu, q_length, kv_length, kw: dict) -> bool:
     create_sliding_window_causal_mask (local_size = config.sliding_window), the sliding one; chunked
     attention also passes a local_size (config.attention_chunk_size) and is told apart by it.
     """
+    padding = kw.get("attention_mask")
+    if padding is not None and not (_host_checkable(mu, padding) and bool(padding.all())):
+        return False
+    return _kernel_pattern(mu, q_length, kv_length, kw)
+
+
+def _host_checkable(mu, padding) -> bool:
+    """Whether a padding mask is a 2D tensor whose values may be read (not traced)."""
+    is_tracing = getattr(mu, "is_tracing", None)
+    return not (is_tracing is not None and is_tracing(padding)) and getattr(padding, "ndim", 2) == 2
+
+
+def right_padded_lengths(mu, q_length, kv_length, kw: dict):
+    """Per row, the count of real tokens (int32, on the mask's device) where the mask transformers
+    asks for is one of kernel_masks' patterns over a batch padded at the end of its rows (training
+    batches), without a cache: cuflash runs those as variable-length sequences of the rows' used
+    lengths (seqused_q / seqused_k, cuflash/seqused.py). None otherwise (left padding,
+    generation with a cache, anything else). Reads the mask once (a sync, as kernel_masks' check)."""
+    padding = kw.get("attention_mask")
+    if padding is None or not _host_checkable(mu, padding):
+        return None
+    if kw.get("q_offset", 0) != 0 or kw.get("kv_offset", 0) != 0 or q_length != kv_length \
+            or tuple(padding.shape[1:]) != (kv_length,) or not _kernel_pattern(mu, q_length, kv_length, kw):
+        return None
+    import torch
+
+    real = padding.bool()
+    lengths = real.sum(-1, dtype=torch.int32)
+    prefix = torch.arange(kv_length, device=real.device)[None, :] < lengths[:, None]
+    return lengths if bool((prefix == real).all()) else None
+
+
+def _kernel_pattern(mu, q_length, kv_length, kw: dict) -> bool:
+    """kernel_masks' test of the mask's pattern (the padding aside)."""
     mask_function = kw.get("mask_function", mu.causal_mask_function)
     q_offset, kv_offset = kw.get("q_offset", 0), kw.get("kv_offset", 0)
     if not all(type(x) is int for x in (q_length, kv_length, q_offset, kv_offset)):
         return False  # tensors: compiled static caches, tracing
-    padding = kw.get("attention_mask")
-    if padding is not None:
-        is_tracing = getattr(mu, "is_tracing", None)
-        if (is_tracing is not None and is_tracing(padding)) or getattr(padding, "ndim", 2) != 2:
-            return False
-        if not bool(padding.all()):
-            return False
     if kw.get("allow_is_causal_skip", True) and q_offset + q_length == kv_offset + kv_length:
         if mask_function is mu.causal_mask_function:
             return True
@@ -130,6 +168,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     softcap = float(softcap or 0.0)  # Gemma 2's attn_logit_softcapping: cuflash's softcap (0: off)
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: cuflash's sinks (one logit per query head)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    packed = [n for n in _VARLEN_KWARGS if kwargs.get(n) is not None]
+    lengths = getattr(attention_mask, "_cuflash_lengths", None) if attention_mask is not None else None
+    if lengths is not None and not packed and sinks is None and unsupported(query, key, value) is None \
+            and (causal or not sliding_window):  # a batch padded at the end of its rows (right_padded_lengths)
+        window = (int(sliding_window) - 1, 0) if sliding_window is not None and sliding_window > 0 else (-1, -1)
+        out = _cuflash_padded(query, key, value, lengths, causal=causal, softmax_scale=scaling, window_size=window,
+                              dropout_p=float(dropout or 0.0), softcap=softcap)
+        return out, None
     if attention_mask is not None and sinks is not None:
         raise NotImplementedError("cuflash attention: attention sinks (s_aux) with an attention mask (padding, "
                                   "packed sequences) would fall back to sdpa, which has no sinks; use "
@@ -143,7 +189,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                            "attention, a mask overlay or a custom mask), which cuflash's kernels do not take; it runs "
                            "on transformers' sdpa attention")
         return _sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
-    packed = [n for n in _VARLEN_KWARGS if kwargs.get(n) is not None]
     window = (-1, -1)
     if sliding_window is not None and sliding_window > 0:
         # A bidirectional window comes without a mask only where sdpa_mask skipped it (it covers every
@@ -245,6 +290,22 @@ def _decode_shaped(q, k, v, options) -> bool:
         return False
     heads, heads_kv = q.shape[2], k.shape[2]
     return heads_kv > 0 and heads // heads_kv * q.shape[1] <= DECODE_ROWS and q.shape[-1] in DECODE.defaults
+
+
+def _cuflash_padded(query, key, value, lengths, **options):
+    """A batch padded at the end of its rows on attention_varlen: transformers' (batch, heads, seq,
+    head_dim) tensors as one packing of equal spans (views where the layout allows), each row's
+    real tokens its used lengths; padded rows come out 0 (no real query reads them). Returns
+    (batch, seq, heads, head_dim)."""
+    import torch
+
+    from ..varlen import attention_varlen
+
+    b, n = query.shape[0], query.shape[2]
+    q, k, v = (x.transpose(1, 2).reshape(b * n, x.shape[1], x.shape[3]) for x in (query, key, value))
+    cu = torch.arange(b + 1, device=query.device, dtype=torch.int32) * n
+    out = attention_varlen(q, k, v, cu, cu, n, n, seqused_q=lengths, seqused_k=lengths, **options)
+    return out.reshape(b, n, query.shape[1], value.shape[-1])
 
 
 def _cuflash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **options):

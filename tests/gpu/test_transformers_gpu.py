@@ -49,12 +49,16 @@ CONFIGS = {"llama-gqa": (llama, torch.bfloat16), "mistral-window-fp16": (mistral
 @pytest.fixture
 def spy(monkeypatch):
     """Counts the calls that ran on cuflash (with their options) and those that fell back to sdpa."""
-    log = {"cuflash": [], "sdpa": 0}
-    real_cuflash, real_sdpa = cuflash_hf._cuflash, cuflash_hf._sdpa
+    log = {"cuflash": [], "sdpa": 0, "padded": 0}
+    real_cuflash, real_sdpa, real_padded = cuflash_hf._cuflash, cuflash_hf._sdpa, cuflash_hf._cuflash_padded
 
     def run_cuflash(q, k, v, **options):
         log["cuflash"].append(options)
         return real_cuflash(q, k, v, **options)
+
+    def run_padded(*args, **options):
+        log["padded"] += 1
+        return real_padded(*args, **options)
 
     def run_sdpa(*args):
         log["sdpa"] += 1
@@ -62,6 +66,7 @@ def spy(monkeypatch):
 
     monkeypatch.setattr(cuflash_hf, "_cuflash", run_cuflash)
     monkeypatch.setattr(cuflash_hf, "_sdpa", run_sdpa)
+    monkeypatch.setattr(cuflash_hf, "_cuflash_padded", run_padded)
     monkeypatch.setattr(cuflash_hf, "_warned", set())
     return log
 
@@ -91,9 +96,9 @@ def _allowed(got, ref, same, factor=2.0):
     return err, pt, factor * pt + atol
 
 
-def _step(model, ids, **kw):
+def _step(model, ids, labels=None, **kw):
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids, labels=ids, **kw)
+    out = model(input_ids=ids, labels=ids if labels is None else labels, **kw)
     out.loss.backward()
     return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -170,6 +175,34 @@ def test_padding_and_packed_sequences_fall_back_to_sdpa(spy):
         want = sdpa(input_ids=packed, position_ids=pos, use_cache=False).logits
     assert not spy["cuflash"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_right_padded_batches_run_on_cuflash(which, spy):
+    """Training batches padded at the end of their rows run on cuflash (attention_varlen, each row's
+    real tokens its used lengths): the logits at the real positions and a training step's gradients
+    (padding labelled -100) agree with sdpa's by the 2x rule against float32; left padding still
+    falls back (test_padding_and_packed_sequences_fall_back_to_sdpa)."""
+    config_fn, dtype = CONFIGS[which]
+    ref, sdpa, cu = _models(config_fn, dtype)
+    ids = torch.randint(0, 256, (3, 160), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, 100:] = 0
+    mask[2, 37:] = 0
+    labels, real = ids.masked_fill(mask == 0, -100), mask.bool()
+    ref_logits, ref_grads = _step(ref, ids, labels, attention_mask=mask, use_cache=False)
+    sdpa_logits, sdpa_grads = _step(sdpa, ids, labels, attention_mask=mask, use_cache=False)
+    n_sdpa = spy["sdpa"]
+    cu_logits, cu_grads = _step(cu, ids, labels, attention_mask=mask, use_cache=False)
+    assert spy["sdpa"] == n_sdpa and spy["padded"] == config_fn().num_hidden_layers, spy
+    err, pt, allowed = _allowed(cu_logits[real], ref_logits[real], sdpa_logits[real])
+    assert err <= allowed, f"logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
+    bad = []
+    for name in ref_grads:
+        err, pt, allowed = _allowed(cu_grads[name], ref_grads[name], sdpa_grads[name])
+        if err > allowed:
+            bad.append(f"{name}: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})")
+    assert not bad, "\n".join(bad)
 
 
 def gemma2_softcap():
