@@ -233,20 +233,32 @@ def test_packed_sequences_run_on_attention_varlen(monkeypatch):
 
 
 class _MarkedMask:
-    """sdpa's mask as the mask function returns it for a batch padded at the end of its rows."""
+    """sdpa's mask as the mask function marks it: a batch padded at the end of its rows (lengths),
+    or sequences packed into its rows (packing: offsets, longest, the window's left)."""
 
-    def __init__(self, lengths):
-        self._cuflash_lengths = lengths
+    def __init__(self, lengths=None, packing=None):
+        if lengths is not None:
+            self._cuflash_lengths = lengths
+        if packing is not None:
+            self._cuflash_packing = packing
 
 
-def test_right_padded_batches_run_on_cuflash_varlen(calls, monkeypatch):
-    padded = []
-    monkeypatch.setattr(hf, "_cuflash_padded", lambda q, k, v, lengths, **o: padded.append((q, lengths, o)) or "pad")
+@pytest.fixture
+def rows(monkeypatch):
+    """_cuflash_rows' calls: the marked masks' path."""
+    log = []
+    monkeypatch.setattr(hf, "_cuflash_rows", lambda q, k, v, cu, longest, lengths, **o:
+                        log.append((q, cu, longest, lengths, o)) or "rows")
+    return log
+
+
+def test_right_padded_batches_run_on_cuflash_varlen(calls, rows):
     module = types.SimpleNamespace(is_causal=True)
     mask = _MarkedMask("lengths")
-    assert hf.attention_forward(module, *_qkv(), mask, sliding_window=16, softcap=30.0) == ("pad", None)
-    (q, lengths, opts), = padded
+    assert hf.attention_forward(module, *_qkv(), mask, sliding_window=16, softcap=30.0) == ("rows", None)
+    (q, cu, longest, lengths, opts), = rows
     assert q.name == "q" and not q.transposed and lengths == "lengths"  # (transformers' layout: it transposes)
+    assert (cu, longest) == (None, 128)  # one span per row
     assert opts == {"causal": True, "softmax_scale": None, "window_size": (15, 0), "dropout_p": 0.0, "softcap": 30.0}
     # what it cannot take goes to sdpa's mask (or is refused, as any masked call)
     with pytest.warns(UserWarning, match="attention mask"):
@@ -255,7 +267,45 @@ def test_right_padded_batches_run_on_cuflash_varlen(calls, monkeypatch):
     with pytest.raises(NotImplementedError, match="s_aux"):
         hf.attention_forward(module, *_qkv(), mask, s_aux=object())
     hf.attention_forward(types.SimpleNamespace(is_causal=False), *_qkv(), mask, sliding_window=16)  # bidirectional window
-    assert calls[-1][:2] == ("sdpa", mask) and len(padded) == 1
+    assert calls[-1][:2] == ("sdpa", mask) and len(rows) == 1
+
+
+def test_packed_rows_run_on_cuflash_varlen_with_the_masks_window(calls, rows):
+    module = types.SimpleNamespace(is_causal=True)
+    full, sliding = _MarkedMask(packing=("cu", 70, None)), _MarkedMask(packing=("cu", 70, 15))
+    hf.attention_forward(module, *_qkv(), full)
+    hf.attention_forward(module, *_qkv(), sliding, sliding_window=16)
+    assert [(r[1], r[2], r[3], r[4]["window_size"]) for r in rows] == [("cu", 70, None, (-1, -1)), ("cu", 70, None, (15, 0))]
+    with pytest.warns(UserWarning, match="attention mask"):  # a call whose window is not the mask's: sdpa
+        hf.attention_forward(module, *_qkv(), full, sliding_window=16)
+    hf.attention_forward(module, *_qkv(), sliding)
+    hf.attention_forward(types.SimpleNamespace(is_causal=False), *_qkv(), full)  # not causal: not a causal mask's
+    assert [c[:2] for c in calls] == [("sdpa", full), ("sdpa", sliding), ("sdpa", full)] and len(rows) == 2
+
+
+def test_packed_offsets_test_the_hypothesis_on_the_mask():
+    torch = pytest.importorskip("torch")
+    n = 10
+    i = torch.arange(n)
+
+    def block_causal(starts, left=None):
+        block = torch.tensor([max(s for s in starts if s <= r) for r in range(n)])
+        lo = block if left is None else torch.maximum(block, i - left)
+        return ((i[None, :] >= lo[:, None]) & (i[None, :] <= i[:, None]))[None, None]
+
+    two_rows = torch.cat([block_causal([0, 4, 7]), block_causal([0])])  # batch 2: three sequences, then one
+    cu, longest, left = hf.packed_offsets(MU, n, n, _kw(allow_is_causal_skip=False), two_rows)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 4, 7, 10, 20] and longest == 10 and left is None
+    mistral = types.SimpleNamespace(sliding_window=3)
+    kw = _kw(allow_is_causal_skip=False, local_size=3, config=mistral)
+    cu, longest, left = hf.packed_offsets(MU, n, n, kw, block_causal([0, 6], left=2))
+    assert cu.tolist() == [0, 6, 10] and longest == 6 and left == 2
+    assert hf.packed_offsets(MU, n, n, kw, block_causal([0, 6])) is None  # no window in the mask: not this hypothesis
+    odd = block_causal([0, 5]).clone()
+    odd[0, 0, 7, 2] = True  # a row that also sees a key of the previous sequence
+    assert hf.packed_offsets(MU, n, n, _kw(), odd) is None
+    assert hf.packed_offsets(MU, n, n, _kw(attention_mask=torch.ones(1, n)), block_causal([0])) is None  # padding
+    assert hf.packed_offsets(MU, n - 2, n, _kw(kv_offset=0), block_causal([0])[..., 2:, :]) is None  # a cache
 
 
 def test_right_padded_lengths_read_the_padding():

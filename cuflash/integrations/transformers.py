@@ -90,11 +90,18 @@ def attention_mask(batch_size, q_length, kv_length, **kwargs):
     if kernel_masks(masking_utils, q_length, kv_length, kwargs):
         return None
     mask = masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, **kwargs)
+    if mask is None:
+        return None
+    # sdpa's mask, marked where cuflash can run it as variable-length sequences over the batch's
+    # rows: the attention function does so from the mark (and runs any call it cannot, or a mask a
+    # model sliced into a new tensor, on sdpa's mask)
     lengths = right_padded_lengths(masking_utils, q_length, kv_length, kwargs)
-    if lengths is not None and mask is not None:
-        # sdpa's mask, marked: the attention function runs such calls on cuflash from the lengths
-        # (and any call that cannot, or a mask a model sliced into a new tensor, on sdpa's mask)
+    if lengths is not None:
         mask._cuflash_lengths = lengths
+    else:
+        packing = packed_offsets(masking_utils, q_length, kv_length, kwargs, mask)
+        if packing is not None:
+            mask._cuflash_packing = packing
     return mask
 
 
@@ -142,6 +149,46 @@ def right_padded_lengths(mu, q_length, kv_length, kw: dict):
     return lengths if bool((prefix == real).all()) else None
 
 
+def packed_offsets(mu, q_length, kv_length, kw: dict, mask):
+    """(cu_seqlens, longest, window_left) where sdpa's mask `mask` (batch, 1, seq, seq) is causal
+    attention within consecutive blocks of each row, and within a sliding window where the mask is
+    a sliding one (local_size = config.sliding_window; window_left = local_size - 1, else None):
+    sequences packed into rows and told apart by position_ids, or chunked attention's chunks.
+    cu_seqlens (int32, the mask's device) are the blocks' offsets over the flattened (batch x seq)
+    rows. No padding and no cache. The hypothesis is tested against the mask itself (one pass over
+    it): a mask it does not describe exactly gives None and stays sdpa's. Two syncs."""
+    q_offset, kv_offset = kw.get("q_offset", 0), kw.get("kv_offset", 0)
+    if kw.get("attention_mask") is not None:
+        return None
+    if not all(type(x) is int for x in (q_length, kv_length, q_offset, kv_offset)):
+        return None
+    if q_offset or kv_offset or q_length != kv_length or getattr(mask, "ndim", 0) != 4 \
+            or tuple(mask.shape[1:]) != (1, q_length, kv_length) or str(getattr(mask, "dtype", "")) != "torch.bool":
+        return None
+    is_tracing = getattr(mu, "is_tracing", None)
+    if is_tracing is not None and is_tracing(mask):
+        return None
+    import torch
+
+    local, config = kw.get("local_size"), kw.get("config")
+    sliding = (local is not None and local == getattr(config, "sliding_window", None)
+               and local != getattr(config, "attention_chunk_size", None))
+    left = local - 1 if sliding else None
+    m = mask[:, 0]
+    n = q_length
+    i = torch.arange(n, device=m.device)
+    first = torch.where(m.any(-1), m.to(torch.uint8).argmax(-1), n)  # each row's first visible key
+    starts = first == i  # a row that sees no earlier key begins a block
+    block = torch.cummax(torch.where(starts, i, -1), dim=-1).values  # each row's block's first row
+    lo = block if left is None else torch.maximum(block, i - left)
+    expected = (i[None, None, :] >= lo[..., None]) & (i[None, None, :] <= i[None, :, None])
+    if not bool((expected == m).all()):
+        return None
+    flat = starts.reshape(-1).nonzero().reshape(-1)
+    cu = torch.cat([flat, flat.new_tensor([m.shape[0] * n])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max()), left
+
+
 def _kernel_pattern(mu, q_length, kv_length, kw: dict) -> bool:
     """kernel_masks' test of the mask's pattern (the padding aside)."""
     mask_function = kw.get("mask_function", mu.causal_mask_function)
@@ -169,12 +216,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: cuflash's sinks (one logit per query head)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     packed = [n for n in _VARLEN_KWARGS if kwargs.get(n) is not None]
-    lengths = getattr(attention_mask, "_cuflash_lengths", None) if attention_mask is not None else None
-    if lengths is not None and not packed and sinks is None and unsupported(query, key, value) is None \
-            and (causal or not sliding_window):  # a batch padded at the end of its rows (right_padded_lengths)
-        window = (int(sliding_window) - 1, 0) if sliding_window is not None and sliding_window > 0 else (-1, -1)
-        out = _cuflash_padded(query, key, value, lengths, causal=causal, softmax_scale=scaling, window_size=window,
-                              dropout_p=float(dropout or 0.0), softcap=softcap)
+    rows = _marked_rows(attention_mask, query, causal, sliding_window) \
+        if attention_mask is not None and not packed and sinks is None else None
+    if rows is not None:  # a mask the mask function marked: the batch's rows as variable-length sequences
+        cu, longest, lengths, window = rows
+        out = _cuflash_rows(query, key, value, cu, longest, lengths, causal=causal, softmax_scale=scaling,
+                            window_size=window, dropout_p=float(dropout or 0.0), softcap=softcap)
         return out, None
     if attention_mask is not None and sinks is not None:
         raise NotImplementedError("cuflash attention: attention sinks (s_aux) with an attention mask (padding, "
@@ -292,19 +339,40 @@ def _decode_shaped(q, k, v, options) -> bool:
     return heads_kv > 0 and heads // heads_kv * q.shape[1] <= DECODE_ROWS and q.shape[-1] in DECODE.defaults
 
 
-def _cuflash_padded(query, key, value, lengths, **options):
-    """A batch padded at the end of its rows on attention_varlen: transformers' (batch, heads, seq,
-    head_dim) tensors as one packing of equal spans (views where the layout allows), each row's
-    real tokens its used lengths; padded rows come out 0 (no real query reads them). Returns
-    (batch, seq, heads, head_dim)."""
+def _marked_rows(attention_mask, query, causal: bool, sliding_window):
+    """(cu_seqlens, longest, lengths, window) of a mask the mask function marked (right padding:
+    equal spans with each row's real tokens as used lengths; packing: its blocks), for a call cuflash
+    can take (tensors, a window that is the mask's); else None."""
+    padded = getattr(attention_mask, "_cuflash_lengths", None)
+    packing = getattr(attention_mask, "_cuflash_packing", None)
+    if (padded is None and packing is None) or unsupported(query, query, query) is not None:
+        return None
+    window = (int(sliding_window) - 1, 0) if sliding_window is not None and sliding_window > 0 else (-1, -1)
+    if not causal and window != (-1, -1):
+        return None  # a bidirectional window: sdpa's mask
+    if padded is not None:  # (offsets None: the rows' equal spans)
+        return None, query.shape[2], padded, window
+    cu, longest, left = packing
+    if not causal or window != ((-1, -1) if left is None else (left, 0)):
+        return None  # (the window the mask was tested with is not this call's)
+    return cu, longest, None, window
+
+
+def _cuflash_rows(query, key, value, cu, longest, lengths, **options):
+    """attention_varlen over the rows of transformers' (batch, heads, seq, head_dim) tensors as one
+    packing (views where the layout allows), sequences at offsets cu over it (None: one per row),
+    `lengths` their used lengths (seqused_q = seqused_k; None: all rows); rows no sequence uses
+    come out 0 (no used query reads them). Returns (batch, seq, heads, head_dim)."""
     import torch
 
     from ..varlen import attention_varlen
 
     b, n = query.shape[0], query.shape[2]
+    if cu is None:
+        cu = torch.arange(b + 1, device=query.device, dtype=torch.int32) * n
     q, k, v = (x.transpose(1, 2).reshape(b * n, x.shape[1], x.shape[3]) for x in (query, key, value))
-    cu = torch.arange(b + 1, device=query.device, dtype=torch.int32) * n
-    out = attention_varlen(q, k, v, cu, cu, n, n, seqused_q=lengths, seqused_k=lengths, **options)
+    used = {} if lengths is None else {"seqused_q": lengths, "seqused_k": lengths}
+    out = attention_varlen(q, k, v, cu, cu, longest, longest, **used, **options)
     return out.reshape(b, n, query.shape[1], value.shape[-1])
 
 
