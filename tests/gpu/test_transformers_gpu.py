@@ -49,16 +49,16 @@ CONFIGS = {"llama-gqa": (llama, torch.bfloat16), "mistral-window-fp16": (mistral
 @pytest.fixture
 def spy(monkeypatch):
     """Counts the calls that ran on cuflash (with their options) and those that fell back to sdpa."""
-    log = {"cuflash": [], "sdpa": 0, "padded": 0}
-    real_cuflash, real_sdpa, real_padded = cuflash_hf._cuflash, cuflash_hf._sdpa, cuflash_hf._cuflash_padded
+    log = {"cuflash": [], "sdpa": 0, "rows": 0}
+    real_cuflash, real_sdpa, real_rows = cuflash_hf._cuflash, cuflash_hf._sdpa, cuflash_hf._cuflash_rows
 
     def run_cuflash(q, k, v, **options):
         log["cuflash"].append(options)
         return real_cuflash(q, k, v, **options)
 
-    def run_padded(*args, **options):
-        log["padded"] += 1
-        return real_padded(*args, **options)
+    def run_rows(*args, **options):  # right padding, packed rows: attention_varlen over the rows
+        log["rows"] += 1
+        return real_rows(*args, **options)
 
     def run_sdpa(*args):
         log["sdpa"] += 1
@@ -66,7 +66,7 @@ def spy(monkeypatch):
 
     monkeypatch.setattr(cuflash_hf, "_cuflash", run_cuflash)
     monkeypatch.setattr(cuflash_hf, "_sdpa", run_sdpa)
-    monkeypatch.setattr(cuflash_hf, "_cuflash_padded", run_padded)
+    monkeypatch.setattr(cuflash_hf, "_cuflash_rows", run_rows)
     monkeypatch.setattr(cuflash_hf, "_warned", set())
     return log
 
@@ -156,7 +156,7 @@ def test_cached_decoding_matches_sdpa(which, spy):
         assert spy["sdpa"] == 0 and len(spy["cuflash"]) == 5 * 2  # 5 forwards x 2 layers, none fell back
 
 
-def test_padding_and_packed_sequences_fall_back_to_sdpa(spy):
+def test_left_padding_falls_back_to_sdpa(spy):
     _, sdpa, cu = _models(llama, torch.bfloat16)
     ids = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     mask = torch.ones_like(ids)
@@ -164,17 +164,30 @@ def test_padding_and_packed_sequences_fall_back_to_sdpa(spy):
     with torch.no_grad(), pytest.warns(UserWarning, match="attention mask"):
         got = cu(input_ids=ids, attention_mask=mask).logits
     want = sdpa(input_ids=ids, attention_mask=mask).logits
-    assert spy["sdpa"] >= 2 and not spy["cuflash"]
+    assert spy["sdpa"] >= 2 and not spy["cuflash"] and not spy["rows"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)  # the same sdpa calls on the same weights
-    # two sequences packed in one row, told apart by position_ids: transformers builds a block mask
-    # (it looks for packing only without a cache, hence use_cache=False)
-    packed = ids.reshape(1, 128)
-    pos = torch.cat([torch.arange(64), torch.arange(64)]).to("cuda")[None]
-    with torch.no_grad():
-        got = cu(input_ids=packed, position_ids=pos, use_cache=False).logits
-        want = sdpa(input_ids=packed, position_ids=pos, use_cache=False).logits
-    assert not spy["cuflash"]
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("which", sorted(CONFIGS))
+def test_sequences_packed_by_position_ids_run_on_cuflash(which, spy):
+    """Three sequences packed in one row, told apart by position_ids: transformers builds a block
+    mask (it looks for packing only without a cache, hence use_cache=False), which the mask function
+    recognises; the rows run on attention_varlen. Logits and a training step's gradients by the 2x
+    rule against float32 sdpa."""
+    config_fn, dtype = CONFIGS[which]
+    ref, sdpa, cu = _models(config_fn, dtype)
+    ids = torch.randint(0, 256, (1, 192), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    pos = torch.cat([torch.arange(70), torch.arange(50), torch.arange(72)]).to("cuda")[None]
+    ref_logits, ref_grads = _step(ref, ids, position_ids=pos, use_cache=False)
+    sdpa_logits, sdpa_grads = _step(sdpa, ids, position_ids=pos, use_cache=False)
+    n_sdpa = spy["sdpa"]
+    cu_logits, cu_grads = _step(cu, ids, position_ids=pos, use_cache=False)
+    assert spy["sdpa"] == n_sdpa and spy["rows"] == config_fn().num_hidden_layers, spy
+    err, pt, allowed = _allowed(cu_logits, ref_logits, sdpa_logits)
+    assert err <= allowed, f"logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
+    bad = [f"{n}: {e:.3e} > {a:.3e}" for n in ref_grads
+           for e, _, a in [_allowed(cu_grads[n], ref_grads[n], sdpa_grads[n])] if e > a]
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("which", sorted(CONFIGS))
@@ -194,7 +207,7 @@ def test_right_padded_batches_run_on_cuflash(which, spy):
     sdpa_logits, sdpa_grads = _step(sdpa, ids, labels, attention_mask=mask, use_cache=False)
     n_sdpa = spy["sdpa"]
     cu_logits, cu_grads = _step(cu, ids, labels, attention_mask=mask, use_cache=False)
-    assert spy["sdpa"] == n_sdpa and spy["padded"] == config_fn().num_hidden_layers, spy
+    assert spy["sdpa"] == n_sdpa and spy["rows"] == config_fn().num_hidden_layers, spy
     err, pt, allowed = _allowed(cu_logits[real], ref_logits[real], sdpa_logits[real])
     assert err <= allowed, f"logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
     bad = []
