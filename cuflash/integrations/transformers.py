@@ -25,10 +25,13 @@ What runs where:
   count of real tokens (right_padded_lengths), and the attention function runs the rows as one
   packing of variable-length sequences whose used lengths those are (attention_varlen's
   seqused_q / seqused_k); padded rows come out 0 (no real token reads them).
+- sequences packed into rows and told apart by position_ids (transformers builds a block-diagonal
+  mask for them) and chunked attention's chunks (Llama 4) run on cuflash as well: the mask function
+  tests "causal within consecutive blocks of each row" (within the sliding window for a sliding
+  mask) against sdpa's mask itself and marks it with the blocks' offsets (packed_offsets).
 - **transformers' sdpa**, with a one-time warning saying why, runs calls cuflash's kernels cannot:
-  any other attention mask with padding (left padding, generation with a cache), packed sequences detected from position_ids (transformers builds
-  a block-diagonal mask for them), chunked attention (Llama 4), mask overlays (e.g. bidirectional
-  image tokens), a custom 4D mask, static caches (their masks are built ahead), and shapes or dtypes
+  any other attention mask with padding (left padding, generation with a cache), mask overlays
+  (e.g. bidirectional image tokens), a custom 4D mask, static caches (their masks are built ahead), and shapes or dtypes
   cuflash does not take (float32, head_dim not a multiple of 8 up to 256, tensors not on a CUDA GPU). A
   fallback gives sdpa's results, so the model stays correct. The choice is made by the mask
   function: it returns no mask (None) exactly when the call's mask is plain causal, sliding-window
