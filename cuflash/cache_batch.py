@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import kvcache, launch, problem
+from . import kvcache, launch, problem, staging
 
 
 def _cut_fits(info: problem.ArrayInfo, per: int) -> bool:
@@ -78,8 +78,8 @@ def _device_table(cache_batch_idx, batch: int, device: int, per: int):
 
 def as_paged(cache_batch_idx, q, k_cache, v_cache):
     """(k_pages, v_pages, block_table) for kvcache's paged path: the CuPy caches as pages (themselves,
-    or a strided view of them), the table from cache_batch_idx (NumPy / integers on the host,
-    checked; a CuPy array on the device, not). A cache of capacity 0 holds no page: its
+    or a strided view of them), the table from cache_batch_idx (NumPy / integers on the host:
+    checked, then copied to the device; a CuPy array on the device: not checked), on the device. A cache of capacity 0 holds no page: its
     (batch, 0, heads_kv, head_dim) stand-ins and no table then (nothing is read or written)."""
     import cupy
 
@@ -112,6 +112,6 @@ def as_paged(cache_batch_idx, q, k_cache, v_cache):
         c, (bc * per, cap // per, hk, d), (cap // per * c.strides[1], *c.strides[1:])) for c in (k_cache, v_cache))
     if on_device:
         table = _device_table(cache_batch_idx, batch, q_info.device, per)
-    else:
-        table = host_table(cache_batch_idx, batch, bc, per)
+    else:  # checked here, so copied here (a capture's error then names this argument)
+        table = staging.upload(host_table(cache_batch_idx, batch, bc, per), "cache_batch_idx")
     return (*pages, table)
