@@ -233,14 +233,10 @@ def test_packed_sequences_run_on_attention_varlen(monkeypatch):
 
 
 class _MarkedMask:
-    """sdpa's mask as the mask function marks it: a batch padded at the end of its rows (lengths),
-    or sequences packed into its rows (packing: offsets, longest, the window's left)."""
+    """sdpa's mask as the mask function marks it: (offsets, longest, used lengths, window left, causal)."""
 
-    def __init__(self, lengths=None, packing=None):
-        if lengths is not None:
-            self._cuflash_lengths = lengths
-        if packing is not None:
-            self._cuflash_packing = packing
+    def __init__(self, cu=None, longest=128, lengths=None, left=None, causal=True):
+        self._cuflash_rows = (cu, longest, lengths, left, causal)
 
 
 @pytest.fixture
@@ -252,9 +248,9 @@ def rows(monkeypatch):
     return log
 
 
-def test_right_padded_batches_run_on_cuflash_varlen(calls, rows):
+def test_padded_batches_run_on_cuflash_varlen(calls, rows):
     module = types.SimpleNamespace(is_causal=True)
-    mask = _MarkedMask("lengths")
+    mask = _MarkedMask(lengths="lengths", left=15)
     assert hf.attention_forward(module, *_qkv(), mask, sliding_window=16, softcap=30.0) == ("rows", None)
     (q, cu, longest, lengths, opts), = rows
     assert q.name == "q" and not q.transposed and lengths == "lengths"  # (transformers' layout: it transposes)
@@ -266,13 +262,17 @@ def test_right_padded_batches_run_on_cuflash_varlen(calls, rows):
     assert calls[-1][:2] == ("sdpa", mask)
     with pytest.raises(NotImplementedError, match="s_aux"):
         hf.attention_forward(module, *_qkv(), mask, s_aux=object())
-    hf.attention_forward(types.SimpleNamespace(is_causal=False), *_qkv(), mask, sliding_window=16)  # bidirectional window
-    assert calls[-1][:2] == ("sdpa", mask) and len(rows) == 1
+    hf.attention_forward(types.SimpleNamespace(is_causal=False), *_qkv(), mask, sliding_window=16)  # not causal
+    hf.attention_forward(module, *_qkv(), mask)  # a window the mask has and the call not
+    assert [c[:2] for c in calls[-3:]] == [("sdpa", mask)] * 3 and len(rows) == 1
+    encoder = _MarkedMask(lengths="lengths", causal=False)  # bidirectional attention over padded rows
+    assert hf.attention_forward(types.SimpleNamespace(is_causal=False), *_qkv(), encoder) == ("rows", None)
+    assert rows[-1][4]["causal"] is False
 
 
 def test_packed_rows_run_on_cuflash_varlen_with_the_masks_window(calls, rows):
     module = types.SimpleNamespace(is_causal=True)
-    full, sliding = _MarkedMask(packing=("cu", 70, None)), _MarkedMask(packing=("cu", 70, 15))
+    full, sliding = _MarkedMask("cu", 70), _MarkedMask("cu", 70, left=15)
     hf.attention_forward(module, *_qkv(), full)
     hf.attention_forward(module, *_qkv(), sliding, sliding_window=16)
     assert [(r[1], r[2], r[3], r[4]["window_size"]) for r in rows] == [("cu", 70, None, (-1, -1)), ("cu", 70, None, (15, 0))]
@@ -294,11 +294,12 @@ def test_packed_offsets_test_the_hypothesis_on_the_mask():
         return ((i[None, :] >= lo[:, None]) & (i[None, :] <= i[:, None]))[None, None]
 
     two_rows = torch.cat([block_causal([0, 4, 7]), block_causal([0])])  # batch 2: three sequences, then one
-    cu, longest, left = hf.packed_offsets(MU, n, n, _kw(allow_is_causal_skip=False), two_rows)
-    assert cu.dtype == torch.int32 and cu.tolist() == [0, 4, 7, 10, 20] and longest == 10 and left is None
+    cu, longest, lengths, left, causal = hf.packed_offsets(MU, n, n, _kw(allow_is_causal_skip=False), two_rows)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 4, 7, 10, 20] and longest == 10
+    assert (lengths, left, causal) == (None, None, True)
     mistral = types.SimpleNamespace(sliding_window=3)
     kw = _kw(allow_is_causal_skip=False, local_size=3, config=mistral)
-    cu, longest, left = hf.packed_offsets(MU, n, n, kw, block_causal([0, 6], left=2))
+    cu, longest, _, left, _ = hf.packed_offsets(MU, n, n, kw, block_causal([0, 6], left=2))
     assert cu.tolist() == [0, 6, 10] and longest == 6 and left == 2
     assert hf.packed_offsets(MU, n, n, kw, block_causal([0, 6])) is None  # no window in the mask: not this hypothesis
     odd = block_causal([0, 5]).clone()
@@ -308,13 +309,24 @@ def test_packed_offsets_test_the_hypothesis_on_the_mask():
     assert hf.packed_offsets(MU, n - 2, n, _kw(kv_offset=0), block_causal([0])[..., 2:, :]) is None  # a cache
 
 
-def test_right_padded_lengths_read_the_padding():
+def test_padded_rows_read_the_padding():
     torch = pytest.importorskip("torch")
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
-    got = hf.right_padded_lengths(MU, 4, 4, _kw(attention_mask=right))
-    assert got.dtype == torch.int32 and got.tolist() == [3, 4, 0]
-    left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
-    assert hf.right_padded_lengths(MU, 4, 4, _kw(attention_mask=left)) is None
-    assert hf.right_padded_lengths(MU, 1, 5, _kw(attention_mask=torch.ones(3, 5), q_offset=4)) is None  # a cache
-    assert hf.right_padded_lengths(MU, 4, 4, _kw(attention_mask=right, allow_is_causal_skip=False)) is None  # packed
-    assert hf.right_padded_lengths(MU, 4, 4, _kw()) is None
+    cu, longest, lengths, left, causal = hf.padded_rows(MU, 4, 4, _kw(attention_mask=right))
+    assert cu is None and longest == 4 and lengths.dtype == torch.int32 and lengths.tolist() == [3, 4, 0]
+    assert (left, causal) == (None, True)
+    # left padding: each row's sequence starts at its first real token, the next row's padding its
+    # unused tail; an empty first sequence over row 0's padding
+    pad_left = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]])
+    cu, longest, lengths, _, _ = hf.padded_rows(MU, 4, 4, _kw(attention_mask=pad_left))
+    assert cu.tolist() == [0, 1, 4, 10, 12] and longest == 4 and lengths.tolist() == [0, 3, 4, 2]
+    middle = torch.tensor([[1, 0, 1, 1]])
+    assert hf.padded_rows(MU, 4, 4, _kw(attention_mask=middle)) is None
+    assert hf.padded_rows(MU, 1, 5, _kw(attention_mask=torch.ones(3, 5), q_offset=4)) is None  # a cache
+    assert hf.padded_rows(MU, 4, 4, _kw(attention_mask=right, allow_is_causal_skip=False)) is None  # packed
+    assert hf.padded_rows(MU, 4, 4, _kw()) is None
+    mistral = types.SimpleNamespace(sliding_window=3)
+    sliding = _kw(attention_mask=right, mask_function=lambda *a: None, local_size=3, config=mistral)
+    assert hf.padded_rows(MU, 4, 4, sliding)[3:] == (2, True)
+    encoder = {"mask_function": bidirectional_mask_function, "allow_is_bidirectional_skip": True, "attention_mask": right}
+    assert hf.padded_rows(MU, 4, 4, encoder)[3:] == (None, False)

@@ -92,18 +92,26 @@ def _gemma2():  # sliding and full layers alternate
                                      final_logit_softcapping=None, head_dim=16, query_pre_attn_scalar=16, **COMMON)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("config", [_llama, _mistral, _gemma2])
-def test_right_padded_batches_take_the_rows_path(config, emulated):
+def test_padded_batches_take_the_rows_path(config, side, emulated):
     sdpa, cu = _pair(config())
     ids = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[0, 25:] = 0
-    mask[2, 9:] = 0
+    lengths = [25, 40, 9]
+    mask = torch.zeros_like(ids)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = 1
+    if side == "left":
+        mask = mask.flip(-1)
     with torch.no_grad():
         want = sdpa(input_ids=ids, attention_mask=mask, use_cache=False).logits
         got = cu(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert emulated["sdpa"] == 0 and len(emulated["rows"]) == 2, emulated
-    assert all(c is None and n == 40 and lens.tolist() == [25, 40, 9] for c, n, lens in emulated["rows"])
+    for c, n, used in emulated["rows"]:
+        if side == "right":
+            assert c is None and n == 40 and used.tolist() == lengths
+        else:  # each row's sequence from its first real token, the next row's padding its tail
+            assert c.tolist() == [0, 15, 40, 111, 120] and n == 40 and used.tolist() == [0, *lengths]
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-4, atol=1e-4)
 
@@ -121,13 +129,28 @@ def test_sequences_packed_by_position_ids_take_the_rows_path(config, emulated):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_left_padding_stays_on_sdpa(emulated):
+def test_padding_in_the_middle_stays_on_sdpa(emulated):
     sdpa, cu = _pair(_llama())
     ids = torch.randint(0, 128, (2, 30), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
-    mask[1, :6] = 0
+    mask[1, 6:9] = 0
     with torch.no_grad(), pytest.warns(UserWarning, match="attention mask"):
         got = cu(input_ids=ids, attention_mask=mask, use_cache=False).logits
     want = sdpa(input_ids=ids, attention_mask=mask, use_cache=False).logits
     assert emulated["sdpa"] == 2 and not emulated["rows"]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_generation_prefill_with_left_padding(emulated):
+    """generate() pads on the left: its prefill (a cache that holds nothing yet) takes the rows path,
+    the decoding steps (a mask over a left-padded cache) sdpa's; the tokens are sdpa's."""
+    sdpa, cu = _pair(_llama())
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad(), pytest.warns(UserWarning, match="attention mask"):
+        got = cu.generate(ids, **kw)
+    want = sdpa.generate(ids, **kw)
+    assert len(emulated["rows"]) == 2 and emulated["sdpa"] == 2 * 3, emulated  # 2 layers: prefill, 3 steps
+    assert torch.equal(got, want)

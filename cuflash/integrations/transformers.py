@@ -20,11 +20,12 @@ What runs where:
   key it may see, so decoding and chunked prefill need no mask). Tensors (batch, heads, seq, head_dim)
   are transposed to cuflash's (batch, seq, heads, head_dim) layout as views, without copies;
   autograd runs cuflash's backward.
-- a batch padded at the end of its rows, without a cache (training batches: transformers' default
-  padding side for them) runs on cuflash too: the mask function marks sdpa's mask with each row's
-  count of real tokens (right_padded_lengths), and the attention function runs the rows as one
-  packing of variable-length sequences whose used lengths those are (attention_varlen's
-  seqused_q / seqused_k); padded rows come out 0 (no real token reads them).
+- a batch padded at the end of its rows (training batches) or at their start (generation's
+  prefill), without a cache or before it holds anything, runs on cuflash too: the mask function
+  marks sdpa's mask with the rows' real tokens (padded_rows), and the attention function runs the
+  rows as one packing of variable-length sequences using only those (attention_varlen's
+  seqused_q / seqused_k); padded rows come out 0 (no real token reads them). Padding in the
+  middle of a row, and a decoding step's mask over a left-padded cache, stay sdpa's.
 - sequences packed into rows and told apart by position_ids (transformers builds a block-diagonal
   mask for them) and chunked attention's chunks (Llama 4) run on cuflash as well: the mask function
   tests "causal within consecutive blocks of each row" (within the sliding window for a sliding
@@ -98,13 +99,11 @@ def attention_mask(batch_size, q_length, kv_length, **kwargs):
     # sdpa's mask, marked where cuflash can run it as variable-length sequences over the batch's
     # rows: the attention function does so from the mark (and runs any call it cannot, or a mask a
     # model sliced into a new tensor, on sdpa's mask)
-    lengths = right_padded_lengths(masking_utils, q_length, kv_length, kwargs)
-    if lengths is not None:
-        mask._cuflash_lengths = lengths
-    else:
-        packing = packed_offsets(masking_utils, q_length, kv_length, kwargs, mask)
-        if packing is not None:
-            mask._cuflash_packing = packing
+    mark = padded_rows(masking_utils, q_length, kv_length, kwargs)
+    if mark is None:
+        mark = packed_offsets(masking_utils, q_length, kv_length, kwargs, mask)
+    if mark is not None:
+        mask._cuflash_rows = mark
     return mask
 
 
@@ -123,7 +122,36 @@ def kernel_masks(mu, q_length, kv_length, kw: dict) -> bool:
     padding = kw.get("attention_mask")
     if padding is not None and not (_host_checkable(mu, padding) and bool(padding.all())):
         return False
-    return _kernel_pattern(mu, q_length, kv_length, kw)
+    return mask_pattern(mu, q_length, kv_length, kw) is not None
+
+
+def mask_pattern(mu, q_length, kv_length, kw: dict):
+    """kernel_masks' test of the mask's pattern, the padding aside: (causal, window_left) for the
+    plain causal pattern (left None), the sliding one (local_size - 1) and the bidirectional one
+    (False, None); None for any other."""
+    mask_function = kw.get("mask_function", mu.causal_mask_function)
+    q_offset, kv_offset = kw.get("q_offset", 0), kw.get("kv_offset", 0)
+    if not all(type(x) is int for x in (q_length, kv_length, q_offset, kv_offset)):
+        return None  # tensors: compiled static caches, tracing
+    if kw.get("allow_is_causal_skip", True) and q_offset + q_length == kv_offset + kv_length:
+        if mask_function is mu.causal_mask_function:
+            return True, None
+        left = _sliding_left(kw)
+        if left is not None:
+            return True, left
+    if kw.get("allow_is_bidirectional_skip", False) and mask_function is mu.bidirectional_mask_function:
+        return False, None
+    return None
+
+
+def _sliding_left(kw: dict):
+    """local_size - 1 where the mask is a sliding window's (local_size = config.sliding_window, and
+    not chunked attention's chunk size), else None."""
+    local, config = kw.get("local_size"), kw.get("config")
+    if local is not None and local == getattr(config, "sliding_window", None) \
+            and local != getattr(config, "attention_chunk_size", None):
+        return local - 1
+    return None
 
 
 def _host_checkable(mu, padding) -> bool:
@@ -132,34 +160,52 @@ def _host_checkable(mu, padding) -> bool:
     return not (is_tracing is not None and is_tracing(padding)) and getattr(padding, "ndim", 2) == 2
 
 
-def right_padded_lengths(mu, q_length, kv_length, kw: dict):
-    """Per row, the count of real tokens (int32, on the mask's device) where the mask transformers
-    asks for is one of kernel_masks' patterns over a batch padded at the end of its rows (training
-    batches), without a cache: cuflash runs those as variable-length sequences of the rows' used
-    lengths (seqused_q / seqused_k, cuflash/seqused.py). None otherwise (left padding,
-    generation with a cache, anything else). Reads the mask once (a sync, as kernel_masks' check)."""
+# A mask the mask function marks (its attribute _cuflash_rows) is one cuflash runs as variable-length
+# sequences over the flattened (batch x seq) rows: (cu_seqlens over those rows, or None for one span
+# per row; the longest sequence; their used lengths or None; the window's left or None; causal).
+
+def padded_rows(mu, q_length, kv_length, kw: dict):
+    """The mark of a batch padded at the end of its rows (training batches) or at their start
+    (generation's prefill), without a cache, with one of kernel_masks' patterns: each row one
+    sequence of its real tokens (seqused_q / seqused_k, cuflash/seqused.py). Right padding: one
+    span per row, the real tokens first. Left padding: the spans shifted to each row's first real
+    token, [b seq + pad_b, (b + 1) seq + pad_(b+1)), the next row's padding their unused tail
+    (and a first, empty sequence over row 0's). None otherwise (padding in the middle, a cache,
+    another pattern). Reads the mask once (a sync, as kernel_masks' check)."""
     padding = kw.get("attention_mask")
     if padding is None or not _host_checkable(mu, padding):
         return None
     if kw.get("q_offset", 0) != 0 or kw.get("kv_offset", 0) != 0 or q_length != kv_length \
-            or tuple(padding.shape[1:]) != (kv_length,) or not _kernel_pattern(mu, q_length, kv_length, kw):
+            or tuple(padding.shape[1:]) != (kv_length,):
+        return None
+    pattern = mask_pattern(mu, q_length, kv_length, kw)
+    if pattern is None:
         return None
     import torch
 
     real = padding.bool()
+    b, n = real.shape
     lengths = real.sum(-1, dtype=torch.int32)
-    prefix = torch.arange(kv_length, device=real.device)[None, :] < lengths[:, None]
-    return lengths if bool((prefix == real).all()) else None
+    i = torch.arange(n, device=real.device)[None, :]
+    right, left = (((i < lengths[:, None]) == real).all(), ((i >= n - lengths[:, None]) == real).all())
+    right, left = torch.stack([right, left]).tolist()
+    if right:
+        return None, n, lengths, pattern[1], pattern[0]
+    if not left:
+        return None
+    zero = lengths.new_zeros(1)
+    starts = torch.arange(b, device=real.device, dtype=torch.int32) * n + (n - lengths)
+    cu = torch.cat([zero, starts, zero + b * n])
+    return cu, n, torch.cat([zero, lengths]), pattern[1], pattern[0]
 
 
 def packed_offsets(mu, q_length, kv_length, kw: dict, mask):
-    """(cu_seqlens, longest, window_left) where sdpa's mask `mask` (batch, 1, seq, seq) is causal
-    attention within consecutive blocks of each row, and within a sliding window where the mask is
-    a sliding one (local_size = config.sliding_window; window_left = local_size - 1, else None):
-    sequences packed into rows and told apart by position_ids, or chunked attention's chunks.
-    cu_seqlens (int32, the mask's device) are the blocks' offsets over the flattened (batch x seq)
-    rows. No padding and no cache. The hypothesis is tested against the mask itself (one pass over
-    it): a mask it does not describe exactly gives None and stays sdpa's. Two syncs."""
+    """The mark where sdpa's mask `mask` (batch, 1, seq, seq) is causal attention within
+    consecutive blocks of each row, and within a sliding window where the mask is a sliding one
+    (_sliding_left): sequences packed into rows and told apart by position_ids, or chunked
+    attention's chunks; the blocks' offsets (int32, the mask's device) over the flattened rows. No
+    padding and no cache. The hypothesis is tested against the mask itself (one pass over it): a
+    mask it does not describe exactly gives None and stays sdpa's. Two syncs."""
     q_offset, kv_offset = kw.get("q_offset", 0), kw.get("kv_offset", 0)
     if kw.get("attention_mask") is not None:
         return None
@@ -173,10 +219,7 @@ def packed_offsets(mu, q_length, kv_length, kw: dict, mask):
         return None
     import torch
 
-    local, config = kw.get("local_size"), kw.get("config")
-    sliding = (local is not None and local == getattr(config, "sliding_window", None)
-               and local != getattr(config, "attention_chunk_size", None))
-    left = local - 1 if sliding else None
+    left = _sliding_left(kw)
     m = mask[:, 0]
     n = q_length
     i = torch.arange(n, device=m.device)
@@ -189,23 +232,7 @@ def packed_offsets(mu, q_length, kv_length, kw: dict, mask):
         return None
     flat = starts.reshape(-1).nonzero().reshape(-1)
     cu = torch.cat([flat, flat.new_tensor([m.shape[0] * n])]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max()), left
-
-
-def _kernel_pattern(mu, q_length, kv_length, kw: dict) -> bool:
-    """kernel_masks' test of the mask's pattern (the padding aside)."""
-    mask_function = kw.get("mask_function", mu.causal_mask_function)
-    q_offset, kv_offset = kw.get("q_offset", 0), kw.get("kv_offset", 0)
-    if not all(type(x) is int for x in (q_length, kv_length, q_offset, kv_offset)):
-        return False  # tensors: compiled static caches, tracing
-    if kw.get("allow_is_causal_skip", True) and q_offset + q_length == kv_offset + kv_length:
-        if mask_function is mu.causal_mask_function:
-            return True
-        local, config = kw.get("local_size"), kw.get("config")
-        if (local is not None and local == getattr(config, "sliding_window", None)
-                and local != getattr(config, "attention_chunk_size", None)):
-            return True
-    return bool(kw.get("allow_is_bidirectional_skip", False)) and mask_function is mu.bidirectional_mask_function
+    return cu, int((cu[1:] - cu[:-1]).max()), None, left, True
 
 
 # -------------------------------------------------------------------------------------------- attention
@@ -343,22 +370,16 @@ def _decode_shaped(q, k, v, options) -> bool:
 
 
 def _marked_rows(attention_mask, query, causal: bool, sliding_window):
-    """(cu_seqlens, longest, lengths, window) of a mask the mask function marked (right padding:
-    equal spans with each row's real tokens as used lengths; packing: its blocks), for a call cuflash
-    can take (tensors, a window that is the mask's); else None."""
-    padded = getattr(attention_mask, "_cuflash_lengths", None)
-    packing = getattr(attention_mask, "_cuflash_packing", None)
-    if (padded is None and packing is None) or unsupported(query, query, query) is not None:
+    """(cu_seqlens, longest, lengths, window) of a mask the mask function marked, for a call cuflash
+    can take (its tensors; its causal flag and window the mask's own); else None."""
+    mark = getattr(attention_mask, "_cuflash_rows", None)
+    if mark is None or unsupported(query, query, query) is not None:
         return None
+    cu, longest, lengths, left, mark_causal = mark
     window = (int(sliding_window) - 1, 0) if sliding_window is not None and sliding_window > 0 else (-1, -1)
-    if not causal and window != (-1, -1):
-        return None  # a bidirectional window: sdpa's mask
-    if padded is not None:  # (offsets None: the rows' equal spans)
-        return None, query.shape[2], padded, window
-    cu, longest, left = packing
-    if not causal or window != ((-1, -1) if left is None else (left, 0)):
-        return None  # (the window the mask was tested with is not this call's)
-    return cu, longest, None, window
+    if causal != mark_causal or window != ((-1, -1) if left is None else (left, 0)):
+        return None  # (the pattern the mask was read with is not this call's)
+    return cu, longest, lengths, window
 
 
 def _cuflash_rows(query, key, value, cu, longest, lengths, **options):

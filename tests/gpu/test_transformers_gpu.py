@@ -156,11 +156,11 @@ def test_cached_decoding_matches_sdpa(which, spy):
         assert spy["sdpa"] == 0 and len(spy["cuflash"]) == 5 * 2  # 5 forwards x 2 layers, none fell back
 
 
-def test_left_padding_falls_back_to_sdpa(spy):
+def test_padding_in_the_middle_falls_back_to_sdpa(spy):
     _, sdpa, cu = _models(llama, torch.bfloat16)
     ids = torch.randint(0, 256, (2, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
     mask = torch.ones_like(ids)
-    mask[1, :10] = 0  # left padding
+    mask[1, 10:14] = 0  # neither left nor right padding
     with torch.no_grad(), pytest.warns(UserWarning, match="attention mask"):
         got = cu(input_ids=ids, attention_mask=mask).logits
     want = sdpa(input_ids=ids, attention_mask=mask).logits
@@ -190,18 +190,21 @@ def test_sequences_packed_by_position_ids_run_on_cuflash(which, spy):
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("which", sorted(CONFIGS))
-def test_right_padded_batches_run_on_cuflash(which, spy):
-    """Training batches padded at the end of their rows run on cuflash (attention_varlen, each row's
-    real tokens its used lengths): the logits at the real positions and a training step's gradients
-    (padding labelled -100) agree with sdpa's by the 2x rule against float32; left padding still
-    falls back (test_padding_and_packed_sequences_fall_back_to_sdpa)."""
+def test_padded_batches_run_on_cuflash(which, side, spy):
+    """Batches padded at the end (training) or the start (generation) of their rows run on cuflash
+    (attention_varlen, each row's real tokens its used sequence): the logits at the real positions
+    and a training step's gradients (padding labelled -100) agree with sdpa's by the 2x rule against
+    float32; padding in the middle falls back (test_padding_in_the_middle_falls_back_to_sdpa)."""
     config_fn, dtype = CONFIGS[which]
     ref, sdpa, cu = _models(config_fn, dtype)
     ids = torch.randint(0, 256, (3, 160), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     mask = torch.ones_like(ids)
     mask[0, 100:] = 0
     mask[2, 37:] = 0
+    if side == "left":
+        mask = mask.flip(-1)
     labels, real = ids.masked_fill(mask == 0, -100), mask.bool()
     ref_logits, ref_grads = _step(ref, ids, labels, attention_mask=mask, use_cache=False)
     sdpa_logits, sdpa_grads = _step(sdpa, ids, labels, attention_mask=mask, use_cache=False)
