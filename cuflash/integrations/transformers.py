@@ -246,7 +246,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: cuflash's sinks (one logit per query head)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     packed = [n for n in _VARLEN_KWARGS if kwargs.get(n) is not None]
-    rows = _marked_rows(attention_mask, query, causal, sliding_window) \
+    rows = _marked_rows(attention_mask, query, key, value, causal, sliding_window) \
         if attention_mask is not None and not packed and sinks is None else None
     if rows is not None:  # a mask the mask function marked: the batch's rows as variable-length sequences
         cu, longest, lengths, window = rows
@@ -369,11 +369,11 @@ def _decode_shaped(q, k, v, options) -> bool:
     return heads_kv > 0 and heads // heads_kv * q.shape[1] <= DECODE_ROWS and q.shape[-1] in DECODE.defaults
 
 
-def _marked_rows(attention_mask, query, causal: bool, sliding_window):
+def _marked_rows(attention_mask, query, key, value, causal: bool, sliding_window):
     """(cu_seqlens, longest, lengths, window) of a mask the mask function marked, for a call cuflash
     can take (its tensors; its causal flag and window the mask's own); else None."""
     mark = getattr(attention_mask, "_cuflash_rows", None)
-    if mark is None or unsupported(query, query, query) is not None:
+    if mark is None or unsupported(query, key, value) is not None:
         return None
     cu, longest, lengths, left, mark_causal = mark
     window = (int(sliding_window) - 1, 0) if sliding_window is not None and sliding_window > 0 else (-1, -1)
