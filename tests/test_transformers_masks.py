@@ -141,11 +141,13 @@ def test_padding_in_the_middle_stays_on_sdpa(emulated):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_generation_prefill_with_left_padding(emulated):
-    """generate() pads on the left: its prefill (a cache that holds nothing yet) takes the rows path,
-    the decoding steps (a mask over a left-padded cache) sdpa's; the tokens are sdpa's."""
-    sdpa, cu = _pair(_llama())
-    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(4))
+@pytest.mark.parametrize("config", [_llama, _mistral])
+def test_generation_prefill_with_left_padding(config, emulated):
+    """generate() pads on the left: its prefill (a cache that holds nothing yet; Mistral's sliding
+    cache with a prompt past its window) takes the rows path, the decoding steps (a mask over a
+    left-padded cache) sdpa's; the tokens are sdpa's."""
+    sdpa, cu = _pair(config())
+    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
