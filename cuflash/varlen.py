@@ -263,22 +263,34 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     return body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
 
 
-def _inputs(names: list, arrays: list, alibi_slopes, seqused_q, seqused_k, block_table=None):
+def _inputs(names: list, arrays: list, alibi_slopes, seqused_q, seqused_k, block_table=None, sinks=None):
     """(names, arrays, framework, device, optional names, behind) of a varlen call: the arrays, then
-    the used lengths and the table on a device (cuflash/_interop.py optional_inputs) and the slopes,
-    which the body gets back by rejoin(optional names, its arrays past the fixed ones, behind)."""
+    the used lengths and the table on a device (cuflash/_interop.py optional_inputs), the slopes and
+    the sinks (last), which the body gets back by rejoin(optional names, its arrays past the fixed
+    ones, behind)."""
     fw, dev = _interop.common_framework(arrays, names)
     n_fixed = len(arrays)
     behind = _interop.optional_inputs(fw, names, arrays, seqused_q=seqused_q, seqused_k=seqused_k,
                                       block_table=block_table)
-    behind["alibi_slopes"] = None
-    if alibi_slopes is not None:  # of q's framework and device, as the other arrays
-        names.append("alibi_slopes")
-        arrays.append(alibi_slopes)
-        del behind["alibi_slopes"]
+    for name, x in (("alibi_slopes", alibi_slopes), ("sinks", sinks)):  # of q's framework and device
+        if x is None:
+            behind[name] = None
+        else:
+            names.append(name)
+            arrays.append(x)
     if len(arrays) > n_fixed:
         fw, dev = _interop.common_framework(arrays, names)
     return tuple(names), tuple(arrays), fw, dev, tuple(names[n_fixed:]), behind
+
+
+def _with_sinks(out, lse, sinks):
+    """(out, lse) rescaled by the sinks (cuflash/sinks.py, on the packed arrays as one batch), or as they are."""
+    if sinks is None:
+        return out, lse
+    from . import sinks as sinks_mod
+
+    out, lse = sinks_mod.apply(out[None], lse[None], sinks)
+    return out[0], lse[0]
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -286,7 +298,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
                      alignment: str = "bottom_right", softcap: float = 0.0, return_lse: bool = False,
                      deterministic: bool = False, backend: str | None = None, dropout_p: float = 0.0,
                      seed: int | None = None, alibi_slopes=None, score_mod=None, seqused_q=None, seqused_k=None,
-                     block_table=None):
+                     block_table=None, sinks=None):
     """Attention over a batch of packed sequences of different lengths (module docstring: the layout,
     what is checked).
 
@@ -317,13 +329,24 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     a prefill chunk against cached keys. Forward only (torch tensors that require grad are refused);
     the pages are gathered into one packing first (cuflash/paged_varlen.py). Host tables are
     checked; device ones are the caller's to keep in range (their entries are clipped into it).
+    sinks: attention sinks (gpt-oss; transformers' s_aux), as cuflash.attention's: one logit per
+    query head joining every row's softmax (cuflash/sinks.py rescales out and lse). Differentiable
+    on torch tensors, sinks included; for CuPy arrays attention_varlen_backward with the out and
+    lse returned here gives dq, dk, dv, and cuflash.sinks.grad(dout[None], out[None], lse[None],
+    sinks) the sinks' gradient.
     """
     mask = MaskOptions.of(causal=causal, window_size=window_size, alignment=alignment, softcap=softcap)
     problem.check_flag(deterministic, "deterministic")
     families.check_backend(backend)
     names, arrays, fw, dev, optional, behind = _inputs(["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"],
                                                        [q, k, v, cu_seqlens_q, cu_seqlens_k], alibi_slopes,
-                                                       seqused_q, seqused_k, block_table)
+                                                       seqused_q, seqused_k, block_table, sinks)
+    if sinks is not None:
+        from . import sinks as sinks_mod
+
+        if len(getattr(q, "shape", ())) != 3:
+            raise ValueError(f"q must be (total_q, heads, head_dim), got shape {tuple(getattr(q, 'shape', ()))}")
+        sinks_mod.check(sinks, q.shape[1], q)
     if block_table is not None and fw == _interop.TORCH and _needs_grad(q, k, v):
         raise NotImplementedError("attention_varlen with block_table (paged k and v) is forward only: call it "
                                   "under torch.no_grad() or on tensors that do not require grad")
@@ -336,9 +359,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         if score_mod is not None and score_mod.source.score is not None and score_mod.source.grad is None:
             raise ValueError("score_mod: a score snippet needs its derivative for autograd: ScoreMod(score=..., "
                              "grad=...) (d score_mod / d score), or call under torch.no_grad()")
+        n_opt = len(optional) - (sinks is not None)  # (the sinks go as an argument of their own: a gradient)
         out, lse = _torch_function().apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, mask,
                                            softmax_scale, bool(deterministic), dev, backend, dropout_p, seed,
-                                           (arrays[5:], optional, behind), score_mod)
+                                           (arrays[5:5 + n_opt], optional[:n_opt], behind), score_mod, sinks)
         return (out, lse) if return_lse else out
 
     def body(q, k, v, cu_q, cu_k, *rest):
@@ -347,9 +371,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         if opt["block_table"] is not None:  # the pages gathered; their lengths become used lengths
             k, v, cu_k, lengths, max_k = _paged(q, k, v, cu_q, cu_k, opt["block_table"])
             used_k = lengths if used_k is None else used_k
-        return _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_k, mask, softmax_scale, backend=backend,
-                             dropout_p=dropout_p, seed=seed, alibi_slopes=opt["alibi_slopes"], score_mod=score_mod,
-                             seqused_q=opt["seqused_q"], seqused_k=used_k)
+        res = _forward_cupy(q, k, v, cu_q, cu_k, max_seqlen_q, max_k, mask, softmax_scale, backend=backend,
+                            dropout_p=dropout_p, seed=seed, alibi_slopes=opt["alibi_slopes"], score_mod=score_mod,
+                            seqused_q=opt["seqused_q"], seqused_k=used_k)
+        return _with_sinks(*res, opt["sinks"])
 
     out, lse = body(*arrays) if fw == _interop.CUPY else _interop.run(body, arrays, fw, dev, names)
     return (out, lse) if return_lse else out
@@ -389,19 +414,23 @@ def _torch_function():
         class VarlenAttention(torch.autograd.Function):
             @staticmethod
             def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, deterministic, dev, backend, dropout_p,
-                        seed, optional, score_mod):
+                        seed, optional, score_mod, sinks):
                 # optional: (tensors, their names, behind): the slopes and device lengths that travel
-                # with the arrays (_inputs), and what stayed on the host
+                # with the arrays (_inputs), and what stayed on the host; sinks: differentiable, apart
                 extra, opt_names, behind = optional
+                with_sinks = () if sinks is None else (sinks,)
 
                 def body(q, k, v, cu_q, cu_k, *rest):
                     opt = _interop.rejoin(opt_names, rest, behind)
-                    return _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, backend=backend,
-                                         dropout_p=dropout_p, seed=seed, alibi_slopes=opt["alibi_slopes"],
-                                         score_mod=score_mod, seqused_q=opt["seqused_q"], seqused_k=opt["seqused_k"])
+                    res = _forward_cupy(q, k, v, cu_q, cu_k, max_q, max_k, mask, scale, backend=backend,
+                                        dropout_p=dropout_p, seed=seed, alibi_slopes=opt["alibi_slopes"],
+                                        score_mod=score_mod, seqused_q=opt["seqused_q"], seqused_k=opt["seqused_k"])
+                    return _with_sinks(*res, rest[-1] if with_sinks else None)
 
-                out, lse = _interop.run(body, (q, k, v, cu_q, cu_k, *extra), _interop.TORCH, dev, names + opt_names)
-                ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, *extra)
+                out, lse = _interop.run(body, (q, k, v, cu_q, cu_k, *extra, *with_sinks), _interop.TORCH, dev,
+                                        names + opt_names + (("sinks",) if with_sinks else ()))
+                # out and lse are the sinks' rescaled ones: the ordinary backward takes them as they are
+                ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks, *extra)
                 ctx.options = (max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed, score_mod, opt_names,
                                behind)
                 ctx.mark_non_differentiable(lse)
@@ -409,7 +438,7 @@ def _torch_function():
 
             @staticmethod
             def backward(ctx, dout, dlse):
-                q, k, v, out, lse, cu_q, cu_k, *extra = ctx.saved_tensors
+                q, k, v, out, lse, cu_q, cu_k, sinks, *extra = ctx.saved_tensors
                 max_q, max_k, mask, scale, deterministic, dev, dropout_p, seed, score_mod, opt_names, behind = \
                     ctx.options
 
@@ -419,9 +448,15 @@ def _torch_function():
                                           opt["alibi_slopes"], score_mod, seqused_q=opt["seqused_q"],
                                           seqused_k=opt["seqused_k"])
 
-                dq, dk, dv = _interop.run(body, (dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *extra),
-                                          _interop.TORCH, dev, bwd_names + opt_names)
-                return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
+                dout = dout.contiguous()
+                dq, dk, dv = _interop.run(body, (dout, q, k, v, out, lse, cu_q, cu_k, *extra), _interop.TORCH, dev,
+                                          bwd_names + opt_names)
+                dsinks = None
+                if sinks is not None and ctx.needs_input_grad[16]:
+                    from . import sinks as sinks_mod
+
+                    dsinks = sinks_mod.grad(dout[None], out[None], lse[None], sinks)
+                return dq, dk, dv, *(None,) * 13, dsinks  # (q, k, v, 13 options, sinks)
 
         _TORCH_FUNCTION = VarlenAttention
     return _TORCH_FUNCTION

@@ -260,8 +260,11 @@ def test_padded_batches_run_on_cuflash_varlen(calls, rows):
     with pytest.warns(UserWarning, match="attention mask"):
         hf.attention_forward(module, *_qkv(d=100), mask)
     assert calls[-1][:2] == ("sdpa", mask)
-    with pytest.raises(NotImplementedError, match="s_aux"):
-        hf.attention_forward(module, *_qkv(), mask, s_aux=object())
+    sinks = object()
+    hf.attention_forward(module, *_qkv(), mask, sliding_window=16, s_aux=sinks)  # gpt-oss: sinks on varlen
+    assert rows.pop()[4]["sinks"] is sinks
+    with pytest.raises(NotImplementedError, match="s_aux"):  # a mask cuflash cannot take: sdpa has no sinks
+        hf.attention_forward(module, *_qkv(), object(), s_aux=sinks)
     hf.attention_forward(types.SimpleNamespace(is_causal=False), *_qkv(), mask, sliding_window=16)  # not causal
     hf.attention_forward(module, *_qkv(), mask)  # a window the mask has and the call not
     assert [c[:2] for c in calls[-3:]] == [("sdpa", mask)] * 3 and len(rows) == 1

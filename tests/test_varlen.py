@@ -199,3 +199,28 @@ def test_hopper_varlen_defaults_compile_without_spills(d):
         rep = _compile.compile_report(_compile.kernel_source(tile, f), "sm_90a")
         assert rep["registers"] > 0 and rep["spill_stores"] == 0, (tile, f, rep["spill_stores"])
         assert "serialized" not in rep["log"].lower(), rep["log"][-2000:]
+
+
+def test_sinks_rescale_the_packed_layout_per_sequence():
+    """attention_varlen(sinks=): the kernels' packed (out (total_q, heads, d), lse (heads, total_q))
+    rescaled by cuflash/sinks.py as one batch (varlen._with_sinks) is each sequence's attention with
+    sinks (float64, NumPy stand-ins for the kernels' results)."""
+    from cuflash import reference, varlen
+
+    rng = np.random.default_rng(2)
+    lens_q, lens_k, h, d = [5, 0, 9], [7, 3, 4], 3, 8
+    sinks = rng.standard_normal(h)
+    oq, ok = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
+    q, k, v = (rng.standard_normal((n, h, d)) for n in (oq[-1], ok[-1], ok[-1]))
+    out, lse = np.zeros_like(q), np.zeros((h, oq[-1]))
+    for b in range(3):
+        rq, rk = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        o, l = reference.attention_naive(q[None, rq], k[None, rk], v[None, rk], causal=True)
+        out[rq], lse[:, rq] = o[0], l[0]
+    got, got_lse = varlen._with_sinks(out, lse, sinks)
+    for b in range(3):
+        rq, rk = slice(oq[b], oq[b + 1]), slice(ok[b], ok[b + 1])
+        want, want_lse = reference.attention_sinks(q[None, rq], k[None, rk], v[None, rk], sinks, causal=True)
+        np.testing.assert_allclose(got[rq], want[0], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(got_lse[:, rq], want_lse[0], rtol=1e-12)
+    assert varlen._with_sinks(out, lse, None) == (out, lse)

@@ -247,11 +247,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     packed = [n for n in _VARLEN_KWARGS if kwargs.get(n) is not None]
     rows = _marked_rows(attention_mask, query, key, value, causal, sliding_window) \
-        if attention_mask is not None and not packed and sinks is None else None
+        if attention_mask is not None and not packed else None
     if rows is not None:  # a mask the mask function marked: the batch's rows as variable-length sequences
         cu, longest, lengths, window = rows
+        extra = {} if sinks is None else {"sinks": sinks}
         out = _cuflash_rows(query, key, value, cu, longest, lengths, causal=causal, softmax_scale=scaling,
-                            window_size=window, dropout_p=float(dropout or 0.0), softcap=softcap)
+                            window_size=window, dropout_p=float(dropout or 0.0), softcap=softcap, **extra)
         return out, None
     if attention_mask is not None and sinks is not None:
         raise NotImplementedError("cuflash attention: attention sinks (s_aux) with an attention mask (padding, "

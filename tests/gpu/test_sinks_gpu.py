@@ -103,3 +103,38 @@ def test_cupy_sinks_forward_and_backward():
     for name, got, w in zip(("dq", "dk", "dv", "dsinks"), (dq, dk, dv, ds), want):
         rel = (torch.from_dlpack(got).double() - w).abs().max().item() / max(w.abs().max().item(), 1e-6)
         assert rel <= 3e-2, f"{name}: relative error {rel:.3e}"
+
+
+@pytest.mark.parametrize("used", [False, True])
+def test_varlen_sinks_match_dense_per_sequence(used):
+    """attention_varlen(sinks=) through torch autograd (gpt-oss's padded or packed batches in the
+    transformers integration): each sequence's output and q, k, v gradients, and the sinks'
+    gradient summed over the sequences, against cuflash.attention(sinks=) on that sequence alone.
+    used: with seqused_q / seqused_k (the rows past them: out 0, no gradient)."""
+    import cuflash
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    lens, h, hk, d = [70, 33, 120], 8, 2, 64
+    use = [60, 33, 100] if used else lens
+    cu = torch.tensor([0, 70, 103, 223], device="cuda", dtype=torch.int32)
+    mk = lambda *s: torch.randn(*s, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()  # noqa: E731
+    q, k, v = mk(223, h, d), mk(223, hk, d), mk(223, hk, d)
+    sinks = (torch.randn(h, device="cuda", generator=g) * 3).requires_grad_()
+    extra = dict(seqused_q=torch.tensor(use, device="cuda", dtype=torch.int32),
+                 seqused_k=torch.tensor(use, device="cuda", dtype=torch.int32)) if used else {}
+    out = cuflash.attention_varlen(q, k, v, cu, cu, 120, 120, causal=True, sinks=sinks, **extra)
+    dout = torch.randn(out.shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    dsinks = torch.zeros_like(sinks)
+    for b, (a, n) in enumerate(zip(cu.tolist()[:-1], use)):
+        xs = [x.detach()[None, a:a + n].clone().requires_grad_() for x in (q, k, v)]
+        s = sinks.detach().clone().requires_grad_()
+        ref = cuflash.attention(*xs, causal=True, sinks=s)
+        ref_grads = torch.autograd.grad(ref, (*xs, s), dout[None, a:a + n])
+        assert float((out[a:a + n].float() - ref[0].float()).abs().max()) <= 2e-2, b
+        for got, want in zip(grads[:3], ref_grads[:3]):
+            assert float((got[a:a + n].float() - want[0].float()).abs().max()) <= 5e-2, b
+        dsinks += ref_grads[3]
+        if n < lens[b]:  # unused rows
+            assert not bool(out[a + n:a + lens[b]].float().any()) and not bool(grads[0][a + n:a + lens[b]].float().any())
+    assert float((grads[3] - dsinks).abs().max()) <= 1e-2 * max(1.0, float(dsinks.abs().max()))
