@@ -347,7 +347,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
         if len(getattr(q, "shape", ())) != 3:
             raise ValueError(f"q must be (total_q, heads, head_dim), got shape {tuple(getattr(q, 'shape', ()))}")
         sinks_mod.check(sinks, q.shape[1], q)
-    if block_table is not None and fw == _interop.TORCH and _needs_grad(q, k, v, *(() if sinks is None else (sinks,))):
+    needs_grad = fw == _interop.TORCH and _needs_grad(q, k, v, *(() if sinks is None else (sinks,)))
+    if block_table is not None and needs_grad:
         raise NotImplementedError("attention_varlen with block_table (paged k and v) is forward only: call it "
                                   "under torch.no_grad() or on tensors that do not require grad")
     if fw == _interop.TORCH and dropout_p and seed is None:
@@ -355,7 +356,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
 
         seed = int(torch.randint(0, 2**62, (1,), dtype=torch.int64).item())  # torch.manual_seed repeats it
     problem.resolve_dropout(dropout_p, seed)  # checked before any work
-    if fw == _interop.TORCH and _needs_grad(q, k, v, *(() if sinks is None else (sinks,))):
+    if needs_grad:
         if score_mod is not None and score_mod.source.score is not None and score_mod.source.grad is None:
             raise ValueError("score_mod: a score snippet needs its derivative for autograd: ScoreMod(score=..., "
                              "grad=...) (d score_mod / d score), or call under torch.no_grad()")
