@@ -103,16 +103,37 @@ def _step(model, ids, labels=None, **kw):
     return out.logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _steps(models, spy, ids, labels=None, **kw):
+    """A training step of each of (float32 reference, sdpa, cuflash) models: their (logits, grads),
+    and how many calls of the cuflash step fell back to sdpa."""
+    ref, sdpa, cu = models
+    steps = [_step(ref, ids, labels, **kw), _step(sdpa, ids, labels, **kw)]
+    n_sdpa = spy["sdpa"]
+    steps.append(_step(cu, ids, labels, **kw))
+    return (*steps, spy["sdpa"] - n_sdpa)
+
+
+def _assert_steps_agree(ref, sdpa, cu, real=None):
+    """cuflash's logits (at the `real` positions, None: all) and gradients within the 2x rule of
+    sdpa's error against the float32 reference."""
+    pick = (lambda x: x) if real is None else (lambda x: x[real])
+    err, pt, allowed = _allowed(pick(cu[0]), pick(ref[0]), pick(sdpa[0]))
+    assert err <= allowed, f"logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
+    assert cu[1].keys() == ref[1].keys()
+    bad = []
+    for name in ref[1]:
+        err, pt, allowed = _allowed(cu[1][name], ref[1][name], sdpa[1][name])
+        if err > allowed:
+            bad.append(f"{name}: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})")
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("which", sorted(CONFIGS))
 def test_logits_and_gradients_match_sdpa(which, spy):
     config_fn, dtype = CONFIGS[which]
-    ref, sdpa, cu = _models(config_fn, dtype)
     ids = torch.randint(0, 256, (2, 192), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    ref_logits, ref_grads = _step(ref, ids)
-    sdpa_logits, sdpa_grads = _step(sdpa, ids)
-    n_sdpa = spy["sdpa"]
-    cu_logits, cu_grads = _step(cu, ids)
-    assert spy["sdpa"] == n_sdpa, "cuflash fell back to sdpa on a plain causal batch"
+    ref, sdpa, cu, fallbacks = _steps(_models(config_fn, dtype), spy, ids)
+    assert not fallbacks, "cuflash fell back to sdpa on a plain causal batch"
     assert len(spy["cuflash"]) == config_fn().num_hidden_layers  # forward calls; backward is autograd's
     windows = {o["window_size"] for o in spy["cuflash"]}
     if which.startswith("mistral"):
@@ -122,15 +143,7 @@ def test_logits_and_gradients_match_sdpa(which, spy):
         assert all(o["softmax_scale"] == pytest.approx(128 ** -0.5) for o in spy["cuflash"])
     else:
         assert windows == {(-1, -1)}
-    err, pt, allowed = _allowed(cu_logits, ref_logits, sdpa_logits)
-    assert err <= allowed, f"logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
-    assert cu_grads.keys() == ref_grads.keys()
-    bad = []
-    for name in ref_grads:
-        err, pt, allowed = _allowed(cu_grads[name], ref_grads[name], sdpa_grads[name])
-        if err > allowed:
-            bad.append(f"{name}: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})")
-    assert not bad, "\n".join(bad)
+    _assert_steps_agree(ref, sdpa, cu)
 
 
 @pytest.mark.parametrize("which", ["llama-gqa", "mistral-window-fp16"])
@@ -175,19 +188,11 @@ def test_sequences_packed_by_position_ids_run_on_cuflash(which, spy):
     recognises; the rows run on attention_varlen. Logits and a training step's gradients by the 2x
     rule against float32 sdpa."""
     config_fn, dtype = CONFIGS[which]
-    ref, sdpa, cu = _models(config_fn, dtype)
     ids = torch.randint(0, 256, (1, 192), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
     pos = torch.cat([torch.arange(70), torch.arange(50), torch.arange(72)]).to("cuda")[None]
-    ref_logits, ref_grads = _step(ref, ids, position_ids=pos, use_cache=False)
-    sdpa_logits, sdpa_grads = _step(sdpa, ids, position_ids=pos, use_cache=False)
-    n_sdpa = spy["sdpa"]
-    cu_logits, cu_grads = _step(cu, ids, position_ids=pos, use_cache=False)
-    assert spy["sdpa"] == n_sdpa and spy["rows"] == config_fn().num_hidden_layers, spy
-    err, pt, allowed = _allowed(cu_logits, ref_logits, sdpa_logits)
-    assert err <= allowed, f"logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
-    bad = [f"{n}: {e:.3e} > {a:.3e}" for n in ref_grads
-           for e, _, a in [_allowed(cu_grads[n], ref_grads[n], sdpa_grads[n])] if e > a]
-    assert not bad, "\n".join(bad)
+    ref, sdpa, cu, fallbacks = _steps(_models(config_fn, dtype), spy, ids, position_ids=pos, use_cache=False)
+    assert not fallbacks and spy["rows"] == config_fn().num_hidden_layers, spy
+    _assert_steps_agree(ref, sdpa, cu)
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -198,27 +203,17 @@ def test_padded_batches_run_on_cuflash(which, side, spy):
     and a training step's gradients (padding labelled -100) agree with sdpa's by the 2x rule against
     float32; padding in the middle falls back (test_padding_in_the_middle_falls_back_to_sdpa)."""
     config_fn, dtype = CONFIGS[which]
-    ref, sdpa, cu = _models(config_fn, dtype)
     ids = torch.randint(0, 256, (3, 160), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     mask = torch.ones_like(ids)
     mask[0, 100:] = 0
     mask[2, 37:] = 0
     if side == "left":
         mask = mask.flip(-1)
-    labels, real = ids.masked_fill(mask == 0, -100), mask.bool()
-    ref_logits, ref_grads = _step(ref, ids, labels, attention_mask=mask, use_cache=False)
-    sdpa_logits, sdpa_grads = _step(sdpa, ids, labels, attention_mask=mask, use_cache=False)
-    n_sdpa = spy["sdpa"]
-    cu_logits, cu_grads = _step(cu, ids, labels, attention_mask=mask, use_cache=False)
-    assert spy["sdpa"] == n_sdpa and spy["rows"] == config_fn().num_hidden_layers, spy
-    err, pt, allowed = _allowed(cu_logits[real], ref_logits[real], sdpa_logits[real])
-    assert err <= allowed, f"logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
-    bad = []
-    for name in ref_grads:
-        err, pt, allowed = _allowed(cu_grads[name], ref_grads[name], sdpa_grads[name])
-        if err > allowed:
-            bad.append(f"{name}: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})")
-    assert not bad, "\n".join(bad)
+    labels = ids.masked_fill(mask == 0, -100)
+    ref, sdpa, cu, fallbacks = _steps(_models(config_fn, dtype), spy, ids, labels, attention_mask=mask,
+                                      use_cache=False)
+    assert not fallbacks and spy["rows"] == config_fn().num_hidden_layers, spy
+    _assert_steps_agree(ref, sdpa, cu, real=mask.bool())
 
 
 def gemma2_softcap():
@@ -229,17 +224,10 @@ def gemma2_softcap():
 def test_attention_softcap_runs_on_cuflash_and_matches_eager(spy):
     """Gemma 2's attention logit soft-capping on cuflash's softcap: logits and gradients by the 2x
     rule against transformers' eager attention (sdpa ignores softcap), float32 eager the reference."""
-    ref, eager, cu = _models(gemma2_softcap, torch.bfloat16, impl="eager")
     ids = torch.randint(0, 256, (2, 192), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
-    ref_logits, ref_grads = _step(ref, ids)
-    eager_logits, eager_grads = _step(eager, ids)
-    cu_logits, cu_grads = _step(cu, ids)
+    ref, eager, cu, _ = _steps(_models(gemma2_softcap, torch.bfloat16, impl="eager"), spy, ids)
     assert spy["cuflash"] and all(o["softcap"] == 50.0 for o in spy["cuflash"])
-    err, pt, allowed = _allowed(cu_logits, ref_logits, eager_logits)
-    assert err <= allowed, f"logits: {err:.3e} > {allowed:.3e} (eager {pt:.3e})"
-    for n in ref_grads:
-        err, pt, allowed = _allowed(cu_grads[n], ref_grads[n], eager_grads[n])
-        assert err <= allowed, f"grad {n}: {err:.3e} > {allowed:.3e} (eager {pt:.3e})"
+    _assert_steps_agree(ref, eager, cu)  # (eager in sdpa's place: sdpa ignores softcap)
 
 
 def test_float32_model_falls_back_with_a_correct_mask(spy):
