@@ -286,8 +286,10 @@ def test_packed_rows_run_on_cuflash_varlen_with_the_masks_window(calls, rows):
     assert [c[:2] for c in calls] == [("sdpa", full), ("sdpa", sliding), ("sdpa", full)] and len(rows) == 2
 
 
-def test_packed_offsets_test_the_hypothesis_on_the_mask():
+@pytest.mark.parametrize("chunk", [1 << 26, 25])  # 25 mask entries: a row or two of the batch at a time
+def test_packed_offsets_test_the_hypothesis_on_the_mask(chunk, monkeypatch):
     torch = pytest.importorskip("torch")
+    monkeypatch.setattr(hf, "_MASK_CHUNK", chunk)
     n = 10
     i = torch.arange(n)
 

@@ -67,6 +67,7 @@ DTYPES = ("torch.float16", "torch.bfloat16")
 _VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 _warned: set = set()
+_MASK_CHUNK = 1 << 26  # mask entries packed_offsets reads at once
 
 
 def register(name: str = NAME) -> str:
@@ -221,17 +222,21 @@ def packed_offsets(mu, q_length, kv_length, kw: dict, mask):
 
     left = _sliding_left(kw)
     m = mask[:, 0]
-    n = q_length
+    b, n = m.shape[0], q_length
     i = torch.arange(n, device=m.device)
-    first = torch.where(m.any(-1), m.to(torch.uint8).argmax(-1), n)  # each row's first visible key
-    starts = first == i  # a row that sees no earlier key begins a block
+    # by chunks of rows (at most _MASK_CHUNK entries at once): the mask is seq x seq, and the
+    # temporaries of a whole pass would be as large again as it (GBs at 32k tokens)
+    rows = max(1, _MASK_CHUNK // max(1, b * n))
+    chunks = [slice(r, r + rows) for r in range(0, n, rows)]
+    first = torch.cat([torch.where(m[:, c].any(-1), m[:, c].to(torch.uint8).argmax(-1), n) for c in chunks], 1)
+    starts = first == i  # a row that sees no earlier key (first: its first visible key) begins a block
     block = torch.cummax(torch.where(starts, i, -1), dim=-1).values  # each row's block's first row
     lo = block if left is None else torch.maximum(block, i - left)
-    expected = (i[None, None, :] >= lo[..., None]) & (i[None, None, :] <= i[None, :, None])
-    if not bool((expected == m).all()):
+    same = torch.stack([((i >= lo[:, c, None]) & (i <= i[c, None]) == m[:, c]).all() for c in chunks])
+    if not bool(same.all()):
         return None
     flat = starts.reshape(-1).nonzero().reshape(-1)
-    cu = torch.cat([flat, flat.new_tensor([m.shape[0] * n])]).to(torch.int32)
+    cu = torch.cat([flat, flat.new_tensor([b * n])]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max()), None, left, True
 
 
