@@ -78,9 +78,9 @@ def _device_table(cache_batch_idx, batch: int, device: int, per: int):
 
 def as_paged(cache_batch_idx, q, k_cache, v_cache):
     """(k_pages, v_pages, block_table) for kvcache's paged path: the CuPy caches as pages (themselves,
-    or a strided view of them), the table from cache_batch_idx (NumPy / integers on the host:
-    checked, then copied to the device; a CuPy array on the device: not checked), on the device. A cache of capacity 0 holds no page: its
-    (batch, 0, heads_kv, head_dim) stand-ins and no table then (nothing is read or written)."""
+    or a strided view of them), and the table on the device from cache_batch_idx (NumPy / integers
+    on the host: checked, then copied; a CuPy array: not checked). A cache of capacity 0 holds no
+    page: (batch, 0, heads_kv, head_dim) stand-ins and no table then (nothing is read or written)."""
     import cupy
 
     infos = [problem.describe(x, n) for x, n in ((k_cache, "k_cache"), (v_cache, "v_cache"))]
