@@ -64,8 +64,8 @@ def split_offsets(cu_q, cu_k, used_q=None, used_k=None) -> tuple[np.ndarray, np.
     uk = len_k if used_k is None else np.clip(np.asarray(used_k, dtype=np.int64), 0, len_k)
     b = len(len_q)
     out_q, out_k = np.empty(3 * b + 1, dtype=np.int32), np.empty(3 * b + 1, dtype=np.int32)
-    out_q[0:3 * b:3], out_q[1:3 * b:3], out_q[2:3 * b:3], out_q[-1] = cu_q[:-1], cu_q[:-1] + uq, cu_q[1:], cu_q[-1]
-    out_k[0:3 * b:3], out_k[1:3 * b:3], out_k[2:3 * b:3], out_k[-1] = cu_k[:-1], cu_k[:-1] + uk, cu_k[:-1] + uk, cu_k[-1]
+    for out, cu, bounds in ((out_q, cu_q, (cu_q[:-1] + uq, cu_q[1:])), (out_k, cu_k, (cu_k[:-1] + uk,) * 2)):
+        out[0:3 * b:3], out[1:3 * b:3], out[2:3 * b:3], out[-1] = cu[:-1], *bounds, cu[-1]
     return out_q, out_k
 
 
