@@ -5,8 +5,8 @@
 The functions take flash-attn 2's arguments with its meanings and return conventions and run
 cuflash.attention (so torch tensors get autograd, and CuPy / DLPack arrays work too). Layouts are
 flash-attn's: (batch, seqlen, nheads, headdim); packed qkv (batch, seqlen, 3, nheads, headdim) and
-kv (batch, seqlen, 2, nheads_k, headdim) are split into strided views, not copied. Options cuflash
-does not support raise NotImplementedError naming the option, before any work.
+kv (batch, seqlen, 2, nheads_k, headdim) are split into strided views, not copied. Every option of
+flash-attn 2's signatures is supported (return_attn_probs with a difference, below).
 
 Differences to know:
 - return_attn_probs=True returns (out, softmax_lse, None): the attention probabilities
@@ -28,13 +28,6 @@ __all__ = [
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache",
 ]
-
-
-def _unsupported(**options):
-    """NotImplementedError for the first option set to something cuflash cannot do yet."""
-    for name, (value, ok) in options.items():
-        if not ok:
-            raise NotImplementedError(f"cuflash.flash_attn_interface: {name}={value!r} is not supported yet")
 
 
 def _run(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, deterministic, return_attn_probs,
@@ -137,15 +130,17 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     cache_batch_idx (batch,) integers: batch b uses sequence cache_batch_idx[b] of a contiguous
     cache (batch_cache, seqlen_cache, nheads_k, headdim), for attention and the append; without
     cache_seqlens every batch sees its whole sequence. Not with block_table (as flash-attn).
-    cache_leftpad raises NotImplementedError naming the option; rotary without cache_seqlens raises
-    ValueError (the positions come from it). alibi_slopes: as flash-attn's, on every path."""
-    _unsupported(cache_leftpad=(cache_leftpad, cache_leftpad is None))
+    cache_leftpad (batch,) integers: batch b's keys start at row cache_leftpad[b] (left-padded
+    prompts; k / v still appended at cache_seqlens, rotary positions still from row 0); with
+    contiguous caches as flash-attn, and also with block_table or cache_batch_idx. Rotary without
+    cache_seqlens raises ValueError (the positions come from it). alibi_slopes: as flash-attn's, on
+    every path."""
     if block_table is not None and cache_seqlens is None:
         raise ValueError("flash_attn_with_kvcache: a paged cache (block_table) needs cache_seqlens")
     whole_caches = cache_seqlens is None and k is None and v is None
     if whole_caches and (rotary_cos is not None or rotary_sin is not None):
         raise ValueError("flash_attn_with_kvcache: rotary embedding needs cache_seqlens (its positions)")
-    if whole_caches and cache_batch_idx is not None:
+    if whole_caches and (cache_batch_idx is not None or cache_leftpad is not None):
         cache_seqlens = int(k_cache.shape[1])  # every batch attends to its whole cache sequence
     if cache_seqlens is not None or k is not None or v is not None:
         from .kvcache import attention_with_kvcache
@@ -158,7 +153,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                      softcap=softcap, return_lse=bool(return_softmax_lse), num_splits=num_splits,
                                      rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                                      rotary_interleaved=bool(rotary_interleaved), block_table=block_table,
-                                     alibi_slopes=alibi_slopes, cache_batch_idx=cache_batch_idx)
+                                     alibi_slopes=alibi_slopes, cache_batch_idx=cache_batch_idx,
+                                     cache_leftpad=cache_leftpad)
         return res
     res = _run(q, k_cache, v_cache, 0.0, softmax_scale, causal, window_size, softcap, False, return_softmax_lse,
                alibi_slopes)

@@ -668,12 +668,14 @@ def _lengths_do_not_fit(b: int, n: int, n_new: int, cap: int):
 
 def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOptions, softmax_scale, out=None,
                   lse=None, num_splits: int = 0, rotary_cos=None, rotary_sin=None, rotary_interleaved: bool = True,
-                  block_table=None, alibi_slopes=None, config=None):
+                  block_table=None, alibi_slopes=None, config=None, rotary_seqlens=None):
     """The CuPy body: (out, lse). Checks everything it can before the first launch. `out`, `lse`:
     given buffers (internal: the GPU tests poison them), checked as the forward's. A call whose
     signature was seen before (_call_key) takes the prepared plan (_Prepared). `alibi_slopes`:
     ALiBi's (problem.check_alibi_slopes), aligned as the mask (to each batch's length). `config`: a
-    DecodeConfig for a call the decode kernel takes (the tuner's trials; ValueError for another)."""
+    DecodeConfig for a call the decode kernel takes (the tuner's trials; ValueError for another).
+    `rotary_seqlens`: the lengths rotary positions count from, where they are not cache_seqlens
+    (cache_leftpad's calls: cuflash/cache_leftpad.py)."""
     key = None
     # (a given config too: the tuner times its trials as a decode loop runs, on the prepared call)
     if rotary_cos is None and rotary_sin is None:
@@ -720,13 +722,18 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         cos32, sin32 = rotary.check_tables(rotary_cos, rotary_sin, p.head_dim, p.device)
         per_token = bool(mask.causal) or tuple(mask.window_size) != (-1, -1)  # FlashAttention's rule for q
         reach = max(n_new, q.shape[1] if per_token else 1)
-        why = rotary.host_positions_problem(host, reach, cos32.shape[0]) if host is not None else None
+        rot_host, rot_lens = host, lens
+        if rotary_seqlens is not None:
+            rot_host = _host_lengths(rotary_seqlens, batch)
+            rot_lens = _lengths(rotary_seqlens, batch, 0, 2**31 - 1, p.device)[0]
+        why = rotary.host_positions_problem(rot_host, reach, cos32.shape[0]) if rot_host is not None else None
         if why:
             raise ValueError(why)
         with launch.graph_temporaries():  # the rotated q and k_new live only as long as the call
-            q = rotary.apply(q, cos32, sin32, rotary.positions(lens, q.shape[1], per_token), bool(rotary_interleaved))
+            q = rotary.apply(q, cos32, sin32, rotary.positions(rot_lens, q.shape[1], per_token),
+                             bool(rotary_interleaved))
             if n_new:
-                k_new = rotary.apply(k_new, cos32, sin32, rotary.positions(lens, n_new, True),
+                k_new = rotary.apply(k_new, cos32, sin32, rotary.positions(rot_lens, n_new, True),
                                      bool(rotary_interleaved))
         infos[0] = problem.describe(q, "q")
         p = problem.with_alibi(dataclasses.replace(problem.resolve_forward(*infos, mask, softmax_scale), seqused_k=True),
@@ -818,11 +825,30 @@ def _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table):
                                p.heads_kv, p.head_dim, p.seqlen_k, k_cache.view(u16), v_cache.view(u16))
 
 
+def _left_padded(cache_leftpad, q, k_cache, v_cache, table, cache_seqlens, k_new):
+    """cache_leftpad's call as a paged one (cuflash/cache_leftpad.py): (k_rows, v_rows, row table,
+    the lengths the rows' table sees)."""
+    from . import cache_leftpad as leftpad
+
+    q_info = problem.describe(q, "q")
+    for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        info = problem.describe(x, name)
+        if len(info.shape) != 4 or info.shape != tuple(k_cache.shape):
+            raise ValueError(f"k_cache and v_cache must have one shape (batch, capacity, heads_kv, head_dim) "
+                             f"(pages with block_table), got {k_cache.shape} and {v_cache.shape}")
+    if len(q_info.shape) != 4:
+        raise ValueError(f"q must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {q_info.shape}")
+    if table is not None:
+        table = checked_block_table(table, q_info.shape[0], k_cache.shape[0], q_info.device)
+    n_new = 0 if k_new is None else problem.describe(k_new, "k_new").shape[1]
+    return leftpad.as_rows(cache_leftpad, q, k_cache, v_cache, table, cache_seqlens, n_new)
+
+
 def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_new=None, causal: bool = False,
                            softmax_scale: float | None = None, window_size=(-1, -1), softcap: float = 0.0,
                            return_lse: bool = False, num_splits: int = 0, rotary_cos=None, rotary_sin=None,
                            rotary_interleaved: bool = True, block_table=None, alibi_slopes=None,
-                           cache_batch_idx=None):
+                           cache_batch_idx=None, cache_leftpad=None):
     """Attention of q (batch, n_q, heads, head_dim) to each batch's first cache_seqlens[b] (+ n_new)
     keys of k_cache / v_cache (batch, capacity, heads_kv, head_dim), after appending k_new / v_new
     (batch, n_new, heads_kv, head_dim) in place at row cache_seqlens[b] (module docstring: the
@@ -861,6 +887,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     indices are checked (each a sequence of the cache); device ones (integers on q's device) are
     not: an index out of range reads and writes out of bounds. Indices that repeat with k_new /
     v_new append into one sequence more than once, in no set order. Not with block_table.
+    cache_leftpad: integers (batch,) (FlashAttention's): batch b's keys are rows cache_leftpad[b] ..
+    cache_seqlens[b] + n_new of its sequence (left-padded prompts); k_new / v_new are still appended
+    at cache_seqlens[b], rotary positions still count from row 0, masks and ALiBi align to the last
+    key as always. With contiguous caches (any strides: a transposed (batch, heads, seq, dim) cache
+    too), cache_batch_idx or block_table; runs as a paged cache of one-row pages
+    (cuflash/cache_leftpad.py: no copy). Host pads are checked against host lengths (each pad at
+    most its batch's cache_seqlens); device ones are not.
     CuPy arrays, or torch tensors (through DLPack on torch's current stream; the caches are written
     in place either way).
     """
@@ -886,7 +919,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
     # CUDA lengths, tables, indices of another framework travel with the arrays (CuPy ones are used as is)
     n_fixed = len(arrays)
     behind = _interop.optional_inputs(fw, names, arrays, cache_seqlens=cache_seqlens, block_table=block_table,
-                                      cache_batch_idx=cache_batch_idx)
+                                      cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad)
     optional = tuple(names[n_fixed:])
     if alibi_slopes is not None:  # of q's framework and device, as the other arrays
         names.append("alibi_slopes")
@@ -904,9 +937,13 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, k_new=None, v_
             from . import cache_batch
 
             k_cache, v_cache, table = cache_batch.as_paged(index, q, k_cache, v_cache)
+        absolute = None  # rotary's lengths where they differ from those the kernels see
+        if given["cache_leftpad"] is not None:  # each row a page, the table from each batch's pad on
+            absolute = lens
+            k_cache, v_cache, table, lens = _left_padded(given["cache_leftpad"], q, k_cache, v_cache, table, lens, kn)
         out, lse = _forward_cupy(q, k_cache, v_cache, lens, kn, vn, mask, softmax_scale, num_splits=num_splits,
                                  rotary_cos=cos, rotary_sin=sin, rotary_interleaved=rotary_interleaved,
-                                 block_table=table, alibi_slopes=slopes)
+                                 block_table=table, alibi_slopes=slopes, rotary_seqlens=absolute)
         return out, lse
 
     if fw == _interop.CUPY:

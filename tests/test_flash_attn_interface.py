@@ -71,11 +71,9 @@ def test_varlen_block_table_reaches_attention_varlen(monkeypatch):
     assert seen == ["table", None]
 
 
-def test_unsupported_options_name_themselves():
+def test_incomplete_kvcache_options_name_themselves():
     with pytest.raises(ValueError, match="block_table.*cache_seqlens"):  # paged caches need the lengths
         fai.flash_attn_with_kvcache(None, None, None, block_table=object())
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        fai.flash_attn_with_kvcache(None, None, None, cache_seqlens=3, cache_leftpad=object())
     with pytest.raises(ValueError, match="cache_seqlens"):
         fai.flash_attn_with_kvcache(None, None, None, k=object(), v=object())
 
@@ -93,7 +91,8 @@ def test_kvcache_arguments_reach_attention_with_kvcache(monkeypatch):
     assert args == (1, 2, 3)
     assert kw == dict(cache_seqlens=6, k_new=4, v_new=5, causal=True, softmax_scale=None, window_size=(2, 0),
                       softcap=1.5, return_lse=True, num_splits=7, rotary_cos=None, rotary_sin=None,
-                      rotary_interleaved=True, block_table=8, alibi_slopes=9, cache_batch_idx=None)
+                      rotary_interleaved=True, block_table=8, alibi_slopes=9, cache_batch_idx=None,
+                      cache_leftpad=None)
     assert set(fai.__all__) <= set(dir(fai))
 
 
@@ -113,3 +112,18 @@ def test_cache_batch_idx_reaches_attention_with_kvcache(monkeypatch):
                                                                                           (48, [4, 0], None)]
     with pytest.raises(ValueError, match="rotary embedding needs cache_seqlens"):
         fai.flash_attn_with_kvcache(1, caches, caches, cache_batch_idx=[4, 0], rotary_cos=2, rotary_sin=3)
+
+
+def test_cache_leftpad_reaches_attention_with_kvcache(monkeypatch):
+    """cache_leftpad maps to attention_with_kvcache's; without cache_seqlens and k / v every batch
+    attends from its pad to the end of its cache sequence."""
+    import numpy as np
+
+    from cuflash import kvcache
+
+    seen = []
+    monkeypatch.setattr(kvcache, "attention_with_kvcache", lambda *a, **kw: seen.append(kw) or "out")
+    caches = np.zeros((2, 48, 1, 8))
+    assert fai.flash_attn_with_kvcache(1, caches, caches, cache_seqlens=[9, 6], cache_leftpad=[3, 0]) == "out"
+    assert fai.flash_attn_with_kvcache(1, caches, caches, cache_leftpad=[5, 1]) == "out"
+    assert [(kw["cache_seqlens"], kw["cache_leftpad"]) for kw in seen] == [([9, 6], [3, 0]), (48, [5, 1])]
