@@ -91,7 +91,7 @@ for s in $stages; do
               2>&1 | tee "$OUT/varlen-tests.log" | tail -25
             timeout 240 python3 scripts/bench_varlen.py --json "$OUT/bench-varlen.json" 2>&1 | tee "$OUT/bench-varlen.log" | tail -4 ;;
     newapis) timeout ${NEWAPIS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
-               tests/gpu/test_cache_batch_gpu.py tests/gpu/test_seqused_gpu.py tests/gpu/test_paged_varlen_gpu.py \
+               tests/gpu/test_cache_batch_gpu.py tests/gpu/test_cache_leftpad_gpu.py tests/gpu/test_seqused_gpu.py tests/gpu/test_paged_varlen_gpu.py \
                tests/gpu/test_sinks_gpu.py tests/gpu/test_transformers_gpu.py tests/test_transformers_masks.py \
                tests/gpu/test_varlen_gpu.py::test_torch_compile_runs_varlen 2>&1 \
                | tee "$OUT/newapis-tests.log" | tail -25 ;;  # cache_batch_idx, seqused_q/k, paged varlen, varlen sinks, transformers' padded / packed rows (2026-12-05)
