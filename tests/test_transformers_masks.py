@@ -47,11 +47,37 @@ def _emulated_rows(query, key, value, cu, longest, lengths, *, causal, softmax_s
     return out.reshape(b, n, h, d)
 
 
+def _emulated_leftpad(query, key, value, pads, *, causal, softmax_scale, window_size, softcap):
+    """What cuflash._cuflash_leftpad computes, in float32 torch: row b's queries (the last positions)
+    attend to its keys from pads[b] on, the mask aligned to the last key."""
+    assert not softcap
+    b, h, nq, d = query.shape
+    group = h // key.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1) for x in (key, value))
+    nk = k.shape[2]
+    out = torch.empty(b, nq, h, d)
+    i = torch.arange(nq)[:, None] + nk - nq  # each query's own key (bottom-right alignment)
+    for r in range(b):
+        j = torch.arange(int(pads[r]), nk)[None, :]
+        seen = (j <= i) if causal else torch.ones_like(j <= i)
+        if window_size[0] >= 0:
+            seen &= j >= i - window_size[0]
+        o = torch.nn.functional.scaled_dot_product_attention(query[r], k[r, :, int(pads[r]):],
+                                                             v[r, :, int(pads[r]):], attn_mask=seen,
+                                                             scale=softmax_scale)
+        out[r] = o.transpose(0, 1)
+    return out
+
+
 @pytest.fixture
 def emulated(monkeypatch):
     """cuflash's calls emulated on the CPU: (log of the marked-rows calls, of the sdpa fallbacks)."""
-    log = {"rows": [], "sdpa": 0, "cuflash": 0}
+    log = {"rows": [], "sdpa": 0, "cuflash": 0, "leftpad": []}
     real_sdpa = cuflash_hf._sdpa
+
+    def leftpad(*args, **options):
+        log["leftpad"].append((args[3].tolist(), args[0].shape[2], args[1].shape[2]))
+        return _emulated_leftpad(*args, **options)
 
     def rows(*args, **options):
         log["rows"].append(args[3:6])
@@ -63,6 +89,7 @@ def emulated(monkeypatch):
 
     monkeypatch.setattr(cuflash_hf, "unsupported", lambda q, k, v: None)  # float32 CPU tensors: taken as cuflash's
     monkeypatch.setattr(cuflash_hf, "_cuflash_rows", rows)
+    monkeypatch.setattr(cuflash_hf, "_cuflash_leftpad", leftpad)
     monkeypatch.setattr(cuflash_hf, "_sdpa", sdpa)
     monkeypatch.setattr(cuflash_hf, "_cuflash", lambda *a, **o: log.__setitem__("cuflash", log["cuflash"] + 1))
     monkeypatch.setattr(cuflash_hf, "_warned", set())
@@ -141,18 +168,43 @@ def test_padding_in_the_middle_stays_on_sdpa(emulated):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("config", [_llama, _mistral])
-def test_generation_prefill_with_left_padding(config, emulated):
+@pytest.mark.parametrize("config,prompt,on_cuflash", [(_llama, 20, True), (_mistral, 8, True), (_mistral, 20, False)])
+def test_generation_with_left_padding(config, prompt, on_cuflash, emulated):
     """generate() pads on the left: its prefill (a cache that holds nothing yet; Mistral's sliding
     cache with a prompt past its window) takes the rows path, the decoding steps (a mask over a
-    left-padded cache) sdpa's; the tokens are sdpa's."""
+    left-padded cache) the KV cache's path with each row's pad (Mistral's within its window too),
+    as long as the cache starts at position 0 (Mistral's sliding cache past its window of 12:
+    sdpa's); the tokens are sdpa's."""
     sdpa, cu = _pair(config())
-    ids = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 128, (2, prompt), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     mask[0, :5] = 0
     kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    with torch.no_grad(), pytest.warns(UserWarning, match="attention mask"):
+    with torch.no_grad():
         got = cu.generate(ids, **kw)
     want = sdpa.generate(ids, **kw)
-    assert len(emulated["rows"]) == 2 and emulated["sdpa"] == 2 * 3, emulated  # 2 layers: prefill, 3 steps
+    assert len(emulated["rows"]) == 2, emulated  # 2 layers: the prefill
+    steps = [([5, 0], 1, prompt + 1 + t) for t in range(3) for _ in range(2)]  # 2 layers: 3 decoding steps
+    assert (emulated["leftpad"], emulated["sdpa"]) == ((steps, 0) if on_cuflash else ([], 6)), emulated
     assert torch.equal(got, want)
+
+
+def test_left_padded_cache_chunks_and_holes():
+    """left_padded_cache's mark on hand-made masks: pads per row where every row is padded at its
+    start and its queries are real; None for a hole, right padding, padded queries, no cache yet or
+    a cache past position 0."""
+    from transformers import masking_utils as mu
+
+    def mark(padding, q_length, **kw):
+        return cuflash_hf.left_padded_cache(mu, q_length, padding.shape[1], dict(
+            attention_mask=padding, q_offset=padding.shape[1] - q_length, **kw))
+
+    left = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    pads, window, causal = mark(left, 2)
+    assert pads.tolist() == [2, 0] and pads.dtype == torch.int32 and window is None and causal
+    hole = torch.tensor([[1, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    right = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    assert mark(hole, 1) is None and mark(right, 1) is None
+    assert mark(left, 5) is None  # row 0's first query is padding
+    assert mark(left, 6) is None  # no cache yet: padded_rows' case
+    assert cuflash_hf.left_padded_cache(mu, 1, 6, dict(attention_mask=left, q_offset=6, kv_offset=1)) is None

@@ -25,13 +25,20 @@ What runs where:
   marks sdpa's mask with the rows' real tokens (padded_rows), and the attention function runs the
   rows as one packing of variable-length sequences using only those (attention_varlen's
   seqused_q / seqused_k); padded rows come out 0 (no real token reads them). Padding in the
-  middle of a row, and a decoding step's mask over a left-padded cache, stay sdpa's.
+  middle of a row stays sdpa's.
+- generate()'s decoding steps over a left-padded cache (each row's padding at its start, the
+  queries real) run on cuflash's KV-cache kernels: the mask function marks sdpa's mask with each
+  row's pad (left_padded_cache), and the attention function attends to each row's keys from its
+  pad on (attention_with_kvcache's cache_leftpad; the cache read in place through the transposed
+  view, no copy). Forward only: with autograd, dropout or sinks such a step stays sdpa's (sinks:
+  NotImplementedError, below).
 - sequences packed into rows and told apart by position_ids (transformers builds a block-diagonal
   mask for them) and chunked attention's chunks (Llama 4) run on cuflash as well: the mask function
   tests "causal within consecutive blocks of each row" (within the sliding window for a sliding
   mask) against sdpa's mask itself and marks it with the blocks' offsets (packed_offsets).
 - **transformers' sdpa**, with a one-time warning saying why, runs calls cuflash's kernels cannot:
-  any other attention mask with padding (left padding, generation with a cache), mask overlays
+  any other attention mask with padding (in the middle of rows, a sliding layer's cache past its
+  window), mask overlays
   (e.g. bidirectional image tokens), a custom 4D mask, static caches (their masks are built ahead), and shapes or dtypes
   cuflash does not take (float32, head_dim not a multiple of 8 up to 256, tensors not on a CUDA GPU). A
   fallback gives sdpa's results, so the model stays correct. The choice is made by the mask
@@ -105,6 +112,10 @@ def attention_mask(batch_size, q_length, kv_length, **kwargs):
         mark = packed_offsets(masking_utils, q_length, kv_length, kwargs, mask)
     if mark is not None:
         mask._cuflash_rows = mark
+    else:  # (or the KV cache's kernels over a left-padded cache, each row's keys from its first real one)
+        pads = left_padded_cache(masking_utils, q_length, kv_length, kwargs)
+        if pads is not None:
+            mask._cuflash_leftpad = pads
     return mask
 
 
@@ -240,6 +251,32 @@ def packed_offsets(mu, q_length, kv_length, kw: dict, mask):
     return cu, int((cu[1:] - cu[:-1]).max()), None, left, True
 
 
+def left_padded_cache(mu, q_length, kv_length, kw: dict):
+    """The mark of a decoding step (or a chunk of queries) over a cache whose rows are padded at
+    their start (generate()'s batches), with one of kernel_masks' patterns: each row's keys from its
+    first real one (attention_with_kvcache's cache_leftpad, cuflash/cache_leftpad.py), the queries
+    the row's last q_length positions, all of them real. (pads int32 on the padding's device,
+    window_left or None, causal); None otherwise (no cache yet: padded_rows' case; padding in the
+    middle or at the end; a query position that is padding; a cache that does not start at
+    position 0, as a sliding layer's past its window). Reads the mask once (a sync)."""
+    padding = kw.get("attention_mask")
+    if padding is None or not _host_checkable(mu, padding):
+        return None
+    if kw.get("kv_offset", 0) != 0 or not 0 < q_length < kv_length or tuple(padding.shape[1:]) != (kv_length,):
+        return None
+    pattern = mask_pattern(mu, q_length, kv_length, kw)
+    if pattern is None:
+        return None
+    import torch
+
+    real = padding.bool()
+    lengths = real.sum(-1, dtype=torch.int32)
+    i = torch.arange(kv_length, device=real.device)[None, :]
+    if not bool((((i >= kv_length - lengths[:, None]) == real).all() & (lengths >= q_length).all()).item()):
+        return None
+    return (kv_length - lengths).to(torch.int32), pattern[1], pattern[0]
+
+
 # -------------------------------------------------------------------------------------------- attention
 
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -259,6 +296,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         out = _cuflash_rows(query, key, value, cu, longest, lengths, causal=causal, softmax_scale=scaling,
                             window_size=window, dropout_p=float(dropout or 0.0), softcap=softcap, **extra)
         return out, None
+    padded = _marked_leftpad(attention_mask, query, key, value, causal, sliding_window, dropout, sinks) \
+        if attention_mask is not None and not packed else None
+    if padded is not None:  # a step over a left-padded cache: the KV cache's kernels from each row's pad
+        pads, window = padded
+        return _cuflash_leftpad(query, key, value, pads, causal=causal, softmax_scale=scaling, window_size=window,
+                                softcap=softcap), None
     if attention_mask is not None and sinks is not None:
         raise NotImplementedError("cuflash attention: attention sinks (s_aux) with an attention mask (padding, "
                                   "packed sequences) would fall back to sdpa, which has no sinks; use "
@@ -386,6 +429,33 @@ def _marked_rows(attention_mask, query, key, value, causal: bool, sliding_window
     if causal != mark_causal or window != ((-1, -1) if left is None else (left, 0)):
         return None  # (the pattern the mask was read with is not this call's)
     return cu, longest, lengths, window
+
+
+def _marked_leftpad(attention_mask, query, key, value, causal: bool, sliding_window, dropout, sinks):
+    """(pads, window) of a mask left_padded_cache marked, for a call the KV cache's path takes (its
+    tensors; no dropout, sinks or autograd: that path is forward only; its causal flag and window the
+    mask's own); else None."""
+    mark = getattr(attention_mask, "_cuflash_leftpad", None)
+    if mark is None or dropout or sinks is not None or unsupported(query, key, value) is not None:
+        return None
+    import torch
+
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        return None
+    pads, left, mark_causal = mark
+    window = (int(sliding_window) - 1, 0) if sliding_window is not None and sliding_window > 0 else (-1, -1)
+    if causal != mark_causal or window != ((-1, -1) if left is None else (left, 0)):
+        return None
+    return pads, window
+
+
+def _cuflash_leftpad(query, key, value, pads, **options):
+    """attention_with_kvcache over transformers' (batch, heads, seq, head_dim) cache as it is (views),
+    row b's keys from position pads[b] on. Returns (batch, seq_q, heads, head_dim)."""
+    from ..kvcache import attention_with_kvcache
+
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+    return attention_with_kvcache(q, k, v, cache_seqlens=k.shape[1], cache_leftpad=pads, **options)
 
 
 def _cuflash_rows(query, key, value, cu, longest, lengths, **options):

@@ -293,3 +293,39 @@ def test_cached_decoding_runs_the_decode_kernel(spy, monkeypatch):
     assert len(calls) == 6 * 2 and all(s[1] == 1 for s in calls)  # 6 decode steps x 2 layers, one query each
     err, pt, allowed = _allowed(logits["cu"], logits["ref"], logits["sdpa"])
     assert err <= allowed, f"decoding logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
+
+
+@pytest.mark.parametrize("which", ["llama-gqa", "mistral-window-fp16"])
+def test_left_padded_decoding_runs_on_the_kv_cache_path(which, spy, monkeypatch):
+    """A left-padded batch (generate()'s) decoding over its cache: the steps go to
+    attention_with_kvcache with each row's pad (cache_leftpad; Mistral's window of 48 still holds the
+    whole cache), the prefill to the rows path; the real positions' logits within the 2x rule of
+    sdpa's against the float32 reference."""
+    from cuflash import kvcache
+
+    pads_seen = []
+    real = kvcache.attention_with_kvcache
+    monkeypatch.setattr(kvcache, "attention_with_kvcache",
+                        lambda *a, **kw: pads_seen.append(kw.get("cache_leftpad")) or real(*a, **kw))
+    config_fn, dtype = CONFIGS[which]
+    ref, sdpa, cu = _models(config_fn, dtype)
+    n, pad, new = 36, 13, 6
+    ids = torch.randint(0, 256, (2, n + new), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[1, :pad] = 0
+    logits = {}
+    with torch.no_grad():
+        for key, m in (("ref", ref), ("sdpa", sdpa), ("cu", cu)):
+            m.eval()
+            out = m(input_ids=ids[:, :n], attention_mask=mask[:, :n], use_cache=True)
+            steps, cache = [out.logits[:, -1]], out.past_key_values
+            for t in range(n, n + new):
+                out = m(input_ids=ids[:, t:t + 1], attention_mask=mask[:, :t + 1], past_key_values=cache,
+                        use_cache=True)
+                steps.append(out.logits[:, -1])
+                cache = out.past_key_values
+            logits[key] = torch.stack(steps)
+    assert spy["sdpa"] == 0 and spy["rows"] == 2, spy  # the prefill: 2 layers on the rows path
+    assert len(pads_seen) == new * 2 and all(p is not None and p.tolist() == [0, pad] for p in pads_seen)
+    err, pt, allowed = _allowed(logits["cu"], logits["ref"], logits["sdpa"])
+    assert err <= allowed, f"decoding logits: err {err:.3e} > allowed {allowed:.3e} (sdpa's {pt:.3e})"
