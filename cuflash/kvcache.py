@@ -701,12 +701,17 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         if len(infos[1].shape) != 4 or infos[1].shape != infos[2].shape:
             raise ValueError(f"k_cache and v_cache must have one shape (batch, capacity, heads_kv, head_dim), got "
                              f"{infos[1].shape} and {infos[2].shape}")
-    p = problem.resolve_forward(*infos, mask, softmax_scale)  # geometry against the capacity
-    p = dataclasses.replace(p, seqused_k=True)  # the kernel moves it to each batch's length
     slopes_info = None if alibi_slopes is None else problem.describe(alibi_slopes, "alibi_slopes")
-    p = problem.with_alibi(p, slopes_info)
-    if table is not None:
-        p = dataclasses.replace(p, paged=True, page_size=k_cache.shape[1], table_stride=table.strides[0] // 4)
+
+    def resolved():  # (again after rotary replaces q)
+        p = problem.resolve_forward(*infos, mask, softmax_scale)  # geometry against the capacity
+        p = dataclasses.replace(p, seqused_k=True)  # the kernel moves it to each batch's length
+        p = problem.with_alibi(p, slopes_info)
+        if table is not None:
+            p = dataclasses.replace(p, paged=True, page_size=k_cache.shape[1], table_stride=table.strides[0] // 4)
+        return p
+
+    p = resolved()
     n_new = _check_new(k_new, v_new, q, infos[1])
     batch, cap = p.batch, p.seqlen_k
     host = _host_lengths(cache_seqlens, batch)
@@ -736,8 +741,7 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
                 k_new = rotary.apply(k_new, cos32, sin32, rotary.positions(rot_lens, n_new, True),
                                      bool(rotary_interleaved))
         infos[0] = problem.describe(q, "q")
-        p = problem.with_alibi(dataclasses.replace(problem.resolve_forward(*infos, mask, softmax_scale), seqused_k=True),
-                               slopes_info)
+        p = resolved()  # (a paged cache's fields too: without them the kernels read the pages as batches)
 
     why_not_decode = None if p.empty else decode_problem(p)
     if config is not None and why_not_decode is not None:

@@ -93,10 +93,13 @@ def test_left_padded_rows_against_the_reference(window, num_splits, pads_on, n_n
         assert float(cupy.abs(lse[b] - ref_lse[0]).max()) <= 1e-3, f"batch {b}: lse"
 
 
+@pytest.mark.parametrize("pads", [[2, 99, 0], None])  # None: a block table alone (rotary's own paged case)
 @pytest.mark.parametrize("per_token", [False, True])
-def test_rotary_positions_count_from_row_zero(per_token):
+def test_rotary_positions_count_from_row_zero(per_token, pads):
     """q and k_new are rotated at cache_seqlens[b] + t (not cache_seqlens - pad): the call equals the
-    one without rotary on q and k_new rotated at those positions, bitwise."""
+    one without rotary on q and k_new rotated at those positions, bitwise. Both run the paged path
+    (one-row pages; or 16-row pages through a block table), which rotary once lost (its problem
+    re-resolved without the paged fields read the pages as batches)."""
     import cupy
 
     rng = np.random.default_rng(7 + per_token)
@@ -107,15 +110,22 @@ def test_rotary_positions_count_from_row_zero(per_token):
     k2, v2 = kc.copy(), vc.copy()
     angle = rng.uniform(0, 2 * np.pi, (cap, d // 4)).astype(np.float32)
     cos, sin = cupy.asarray(np.cos(angle)), cupy.asarray(np.sin(angle))
-    lens, pads = np.array([5, 100, 150]), np.array([2, 99, 0])
+    lens = np.array([5, 100, 150])
     causal = per_token
+    extra = dict(cache_leftpad=pads)
+    if pads is None:  # the caches as 16-row pages in a shuffled order
+        order = rng.permutation(b * cap // 16)
+        table = cupy.asarray(np.argsort(order).reshape(b, cap // 16).astype(np.int32))
+        kc, vc = (c.reshape(-1, 16, hk, d)[cupy.asarray(order)].copy() for c in (kc, vc))
+        k2, v2 = kc.copy(), vc.copy()
+        extra = dict(block_table=table)
     out = kvcache.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn, causal=causal,
-                                         rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False, cache_leftpad=pads)
+                                         rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False, **extra)
     lens_dev = cupy.asarray(lens, dtype=cupy.int32)
     qr = rotary.apply(q, cos, sin, rotary.positions(lens_dev, 2, per_token), False)
     knr = rotary.apply(kn, cos, sin, rotary.positions(lens_dev, n_new, True), False)
     ref = kvcache.attention_with_kvcache(qr, k2, v2, cache_seqlens=lens, k_new=knr, v_new=vn, causal=causal,
-                                         cache_leftpad=pads)
+                                         **extra)
     assert _bits_equal(out, ref)
     assert _bits_equal(kc, k2) and _bits_equal(vc, v2)
 

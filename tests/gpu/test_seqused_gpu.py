@@ -28,16 +28,16 @@ def _offsets(lens):
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
-def _inputs(rng, h, hk, d, dt):
-    """q, k, v, dout packed with NaN in every unused row; the host offsets."""
+def _inputs(rng, h, hk, d, dt, fill=np.nan):
+    """q, k, v, dout packed with `fill` in every unused row; the host offsets."""
     import cupy
 
     oq, ok = _offsets(LENS_Q), _offsets(LENS_K)
     mk = lambda n, heads: rng.standard_normal((n, heads, d)).astype(np.float32)  # noqa: E731
     q, dout, k, v = mk(oq[-1], h), mk(oq[-1], h), mk(ok[-1], hk), mk(ok[-1], hk)
     for b in range(len(LENS_Q)):
-        q[oq[b] + USED_Q[b]:oq[b + 1]] = dout[oq[b] + USED_Q[b]:oq[b + 1]] = np.nan
-        k[ok[b] + USED_K[b]:ok[b + 1]] = v[ok[b] + USED_K[b]:ok[b + 1]] = np.nan
+        q[oq[b] + USED_Q[b]:oq[b + 1]] = dout[oq[b] + USED_Q[b]:oq[b + 1]] = fill
+        k[ok[b] + USED_K[b]:ok[b + 1]] = v[ok[b] + USED_K[b]:ok[b + 1]] = fill
     return [cupy.asarray(x).astype(dt) for x in (q, k, v, dout)], oq, ok
 
 
