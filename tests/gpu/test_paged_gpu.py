@@ -51,8 +51,11 @@ def test_paged_equals_contiguous(num_splits, device_table, causal, h, hk, n_new,
 
     # the decode tile the paged call runs (paged calls may take a wider one than contiguous calls:
     # families/sm80.py _decode_paged_tile): the bitwise reference is the contiguous cache on it
+    # (plans prepared by an earlier test of the same shapes, e.g. its host-table twin, would skip the
+    # selection and leave no tile to compare on: none are kept)
     chosen, select = [], families.select
     monkeypatch.setattr(families, "select", lambda fam, p: chosen.append(select(fam, p)) or chosen[-1])
+    kvcache._plans.clear()
 
     rng = np.random.default_rng(hash((num_splits, device_table, causal, h, hk, n_new, page_size, dtype)) % 2**32)
     d, cap = 128, 600
@@ -68,7 +71,7 @@ def test_paged_equals_contiguous(num_splits, device_table, causal, h, hk, n_new,
     kw = dict(cache_seqlens=lens, k_new=kn, v_new=vn, causal=causal, return_lse=True, num_splits=num_splits)
     tab = cupy.asarray(table) if device_table else table
     out, lse = kvcache.attention_with_kvcache(q, kp, vp, block_table=tab, **kw)
-    tile = chosen[-1] if chosen else None  # None: a plan prepared before (the same tile as then)
+    tile = chosen[-1] if chosen else None
     ref, ref_lse = kvcache.attention_with_kvcache(q, kc, vc, **kw)  # appends into the contiguous copy too
     gather = (h // hk) * nq > 16
     same_tile = ref
@@ -122,8 +125,11 @@ def test_small_pages_take_the_wide_decode_tile(monkeypatch):
     from cuflash.families.sm80 import DECODE_PAGED_TILES
 
     monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: None)  # the rule acts on the default only
+    # (plans prepared by an earlier test of the same shapes, e.g. its host-table twin, would skip the
+    # selection and leave no tile to compare on: none are kept)
     chosen, select = [], families.select
     monkeypatch.setattr(families, "select", lambda fam, p: chosen.append(select(fam, p)) or chosen[-1])
+    kvcache._plans.clear()
     rng = np.random.default_rng(7)
     b, cap, hk, h, d, page = 2, 512, 8, 32, 128, 16
     mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(cupy.float16)
