@@ -1,7 +1,10 @@
 """seqused_q / seqused_k for variable-length batches (FlashAttention 3's): sequence b keeps its
 packed rows [cu_seqlens[b], cu_seqlens[b + 1]) but uses only the first seqused_q[b] of its queries
-and seqused_k[b] of its keys; the rest may hold anything (a fixed packing reused over steps of
-varying lengths, as CUDA graphs need). The mask aligns to the used lengths.
+and seqused_k[b] of its keys; the rest may hold any finite values (a fixed packing reused over
+steps of varying lengths, as CUDA graphs need). Not NaN or Inf: the Hopper kernels load whole tiles
+of rows, and a row the mask gives weight 0 still multiplies (0 x NaN = NaN), as in FlashAttention
+(its issue 1990); zero such rows first (e.g. buffers from torch.empty). The mask aligns to the used
+lengths.
 
 No kernel of its own, and nothing copied but the offsets: each sequence b becomes three of the
 kernels' sequences over the same packed rows (`expand`),

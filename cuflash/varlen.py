@@ -319,7 +319,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max
     positions within it (a score snippet needs its grad snippet for the backward).
     seqused_q, seqused_k: integers (batch,) (FlashAttention 3's), on q's device or the host: sequence b
     uses only the first seqused_q[b] of its query rows and seqused_k[b] of its key rows (clipped to
-    its rows; the others may hold anything and are never attended), the mask aligned to the used
+    its rows; the others may hold any finite values and are never attended: NaN / Inf there can
+    reach the used rows through the Hopper kernels' tiles, cuflash/seqused.py), the mask aligned to the used
     lengths; rows past seqused_q[b] get out 0 and lse -inf, and zero gradients. Host lengths are
     checked (none negative). No kernel of its own (cuflash/seqused.py: each sequence runs as
     three); not with score_mod; dropout's mask of sequence b is that of sequence index 3b.

@@ -1,5 +1,4 @@
 """One-off: the seqused test's inputs with NaN against finite fill in the unused rows (which part fails)."""
-import math
 import numpy as np
 import cupy
 from cuflash import varlen

@@ -1,6 +1,6 @@
 """seqused_q / seqused_k on the GPU (attention_varlen and its backward; cuflash/seqused.py): sequence
 b uses only its first seqused_q[b] query rows and seqused_k[b] key rows of its packing. The unused
-rows are filled with NaN (they may hold anything); each sequence's used rows are checked by
+rows are filled with a large finite value (they may hold anything finite); each sequence's used rows are checked by
 FlashAttention's 2x rule against the float64 reference on the used slices alone, forward and
 backward, and the unused rows must come out 0 (out, dq, dk, dv) and -inf (lse). Both forward
 backends, host and device (int32 / int64) lengths, one of the two alone, ALiBi per batch, dropout
@@ -28,7 +28,13 @@ def _offsets(lens):
     return np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
 
 
-def _inputs(rng, h, hk, d, dt, fill=np.nan):
+# What the unused rows hold: anything finite (cuflash/seqused.py). Large, so that any weight a used
+# row gave them would show; not NaN, which the Hopper kernels' tile loads would carry into the used
+# rows' results (0 x NaN), as FlashAttention's do.
+FILL = 1000.0
+
+
+def _inputs(rng, h, hk, d, dt, fill=FILL):
     """q, k, v, dout packed with `fill` in every unused row; the host offsets."""
     import cupy
 
