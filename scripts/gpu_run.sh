@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [decodetests] [decode] [decodegraph] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (slow: over 10 minutes since the sm90
@@ -95,6 +95,14 @@ for s in $stages; do
                tests/gpu/test_sinks_gpu.py tests/gpu/test_transformers_gpu.py tests/test_transformers_masks.py \
                tests/gpu/test_varlen_gpu.py::test_torch_compile_runs_varlen 2>&1 \
                | tee "$OUT/newapis-tests.log" | tail -25 ;;  # cache_batch_idx, seqused_q/k, paged varlen, varlen sinks, transformers' padded / packed rows (2026-12-05)
+    failcheck)  # the 2026-12-06 H100 run's failures, with tracebacks (that run timed out before its summary):
+                # seqused with NaN against finite unused rows, the paged bitwise cases (now without prepared
+                # plans), cache_batch's repeated indices, rotary over paged caches (fixed since), then the files
+      timeout 80 python3 scripts/debug_fails.py 2>&1 | grep -v Warn | tee "$OUT/debug-fails.log" | tail -13
+      timeout ${FAILCHECK_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider --tb=short --maxfail=20 \
+        tests/gpu/test_seqused_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_cache_batch_gpu.py \
+        tests/gpu/test_cache_leftpad_gpu.py tests/gpu/test_transformers_gpu.py 2>&1 \
+        | tee "$OUT/failcheck.log" | grep -E "^E |passed|failed|\.py:[0-9]+: " | head -60 ;;
     decodetests) timeout ${DECODE_TESTS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
                    tests/gpu/test_decode_gpu.py tests/gpu/test_kvcache_gpu.py tests/gpu/test_staging_gpu.py \
                    tests/gpu/test_flash_attn_interface_gpu.py $(ls tests/gpu/test_paged_gpu.py 2>/dev/null) 2>&1 \
