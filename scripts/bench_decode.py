@@ -63,20 +63,28 @@ def main():
     a = p.parse_args()
 
     def timer(fn):
-        """A callable that times fn (median ms of --reps): eager calls, or (--graph) replays of one
-        graph of --graph-steps calls, captured here once."""
+        """A callable that times fn (median ms of --reps): eager calls, or (--graph) replays of a
+        graph of --graph-steps calls, captured anew at each call and dropped after its timing. (Graphs
+        of cuflash calls kept across other captures and replayed later hit an illegal address on
+        an H100, 2026-12-06: CuPy memory a kept graph still used had been given to another
+        graph. Capture, replay, drop, as a serving loop's one graph.)"""
         if not a.graph:
             return lambda: time_cuda(fn, reps=a.reps, events="torch", warmup_ms=20)["median_ms"]
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        # relaxed: CuPy's pool may allocate during the capture (the calls' outputs)
-        with torch.cuda.graph(graph, capture_error_mode="relaxed"), \
-                cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-            for _ in range(a.graph_steps):
-                fn()
-        return lambda: time_cuda(graph.replay, reps=a.reps, warmup=3, events="torch",
-                                 warmup_ms=50)["median_ms"] / a.graph_steps
+
+        def once():
+            fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            # relaxed: CuPy's pool may allocate during the capture (the calls' outputs)
+            with torch.cuda.graph(graph, capture_error_mode="relaxed"), \
+                    cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+                for _ in range(a.graph_steps):
+                    fn()
+            t = time_cuda(graph.replay, reps=a.reps, warmup=3, events="torch", warmup_ms=50)["median_ms"]
+            torch.cuda.synchronize()
+            del graph
+            return t / a.graph_steps
+        return once
 
     rows = []
     for cell in a.cells:
@@ -124,8 +132,8 @@ def main():
                     fn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
                     out = fn()
                     t = timer(fn)
-                # (the backend's choice is made at capture, or per eager call inside the context)
-                timers[name] = t if a.graph else (lambda t=t, backend=backend: _under(sdpa_kernel(backend), t))
+                # (the backend is chosen per eager call, or at each capture, inside the context)
+                timers[name] = lambda t=t, backend=backend: _under(sdpa_kernel(backend), t)
                 if name == "sdpa_cudnn":  # the same result (a sanity check of the harness, not a test)
                     row["max_abs_diff_vs_cudnn"] = float((torch.from_dlpack(ref).transpose(1, 2).float()
                                                           - out.float()).abs().max())

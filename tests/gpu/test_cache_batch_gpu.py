@@ -82,9 +82,10 @@ def test_cache_batch_idx_equals_the_gathered_cache(per, num_splits, index, n_new
 
 def test_repeated_indices_read_one_sequence():
     import cupy
+    import ml_dtypes
 
     rng = np.random.default_rng(3)
-    mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(cupy.bfloat16)
+    mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(ml_dtypes.bfloat16)
     q, kc, vc = mk(3, 1, 16, 64), mk(4, 256, 4, 64), mk(4, 256, 4, 64)
     q[1] = q[0]
     idx = cupy.asarray([2, 2, 0], dtype=cupy.int32)
