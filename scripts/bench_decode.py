@@ -64,10 +64,11 @@ def main():
 
     def timer(fn):
         """A callable that times fn (median ms of --reps): eager calls, or (--graph) replays of a
-        graph of --graph-steps calls, captured anew at each call and dropped after its timing. (Graphs
-        of cuflash calls kept across other captures and replayed later hit an illegal address on
-        an H100, 2026-12-06: CuPy memory a kept graph still used had been given to another
-        graph. Capture, replay, drop, as a serving loop's one graph.)"""
+        graph of --graph-steps calls, captured anew at each call and dropped after its timing. (The
+        first version kept only the graphs: the paged pools, held by the calls' default arguments
+        alone, were freed and torch.cuda.graph's empty_cache gave them back, so a later replay read
+        freed memory, an illegal address on an H100, 2026-12-06. Here fn, and what it holds,
+        lives as long as its timer.)"""
         if not a.graph:
             return lambda: time_cuda(fn, reps=a.reps, events="torch", warmup_ms=20)["median_ms"]
 
