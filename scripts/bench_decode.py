@@ -13,7 +13,8 @@ exactly the attended length. For each cell (batch x cache length):
     the same cache viewed as (batch, heads_kv, len, head_dim));
   * ratios to the yardstick and cuflash's (heuristic splits) ratio to SDPA cuDNN, the issue's bar.
 
-CUDA events, median of --reps after a warm-up (cuflash._timing.time_cuda). Every cache is larger than
+CUDA events, median of --reps after a warm-up (cuflash._timing.time_cuda); the candidates of a cell
+take turns over --rounds, and each ratio is the median of the rounds' ratios. Every cache is larger than
 the H200's 50 MB L2 except where batch x len is small; the cell list is the issue's.
 
 --graph: every call (ours and SDPA's) is captured --graph-steps times into one CUDA graph and the
@@ -62,15 +63,17 @@ def main():
     p.add_argument("--json")
     a = p.parse_args()
 
+    def eager(fn):
+        """A callable that times eager calls of fn (median ms of --reps)."""
+        return lambda: time_cuda(fn, reps=a.reps, events="torch", warmup_ms=20)["median_ms"]
+
     def timer(fn):
-        """A callable that times fn (median ms of --reps): eager calls, or (--graph) replays of a
-        graph of --graph-steps calls, captured anew at each call and dropped after its timing. (The
-        first version kept only the graphs: the paged pools, held by the calls' default arguments
-        alone, were freed and torch.cuda.graph's empty_cache gave them back, so a later replay read
-        freed memory, an illegal address on an H100, 2026-12-06. Here fn, and what it holds,
-        lives as long as its timer.)"""
+        """A callable that times fn: eager calls, or (--graph) replays of a graph of --graph-steps
+        calls, captured anew at each call and dropped after its timing. The timer holds fn, and so
+        what fn holds (the paged pools): a graph replayed after its inputs were freed reads freed
+        memory (an illegal address on an H100, 2026-12-06, when only the graphs were kept)."""
         if not a.graph:
-            return lambda: time_cuda(fn, reps=a.reps, events="torch", warmup_ms=20)["median_ms"]
+            return eager(fn)
 
         def once():
             fn()
@@ -102,8 +105,7 @@ def main():
                    rounds=a.rounds)
         # (its bandwidth: bytes read + written; eager even with --graph: a graph of 20 copies read
         # 2,440 GB/s on an H100 where eager copies read 3,010, 2026-12-06)
-        timers = {"copy": lambda: time_cuda(lambda: dst.copy_(src), reps=a.reps, events="torch",
-                                            warmup_ms=20)["median_ms"]}
+        timers = {"copy": eager(lambda: dst.copy_(src))}
         # cuflash on CuPy views of the same memory (zero-copy), cache length = capacity
         qc, kcc, vcc = (cupy.from_dlpack(x) for x in (q, kc, vc))
         with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
@@ -176,7 +178,7 @@ def main():
               + " | splits " + " ".join(f"{s}:{row[f'cuflash_s{s}_gbps'] / copy_bw:.2f}" for s in a.splits)
               + "".join(f" | paged {ps}: {row[f'paged{ps}_over_contiguous']:.3f}x contiguous" for ps in a.page_sizes),
               flush=True)
-        timers.clear()  # (the graphs and the paged pools; the cell's tensors go as the next cell rebinds them)
+        timers.clear()  # (the calls and the paged pools they hold; the cell's tensors go as the next cell rebinds them)
         torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:

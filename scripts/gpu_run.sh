@@ -48,10 +48,11 @@ for s in $stages; do
     alltests|alltests1|alltests2)  # -v: each result is written as it comes, so a timeout still leaves the failures' names.
       # The whole suite needs more than one call's 600 s on an H100 (2026-12-06): alltests1 runs the GPU tests
       # and the CPU files that need torch, alltests2 the other CPU files (the compile tests CI also runs).
+      needs_torch='^\s*(import torch|torch = pytest.importorskip)'
       case $s in
         alltests) files=tests ;;
-        alltests1) files="tests/gpu $(grep -l -E '^\s*(import torch|torch = pytest.importorskip)' tests/test_*.py | tr '\n' ' ')" ;;
-        alltests2) files=$(grep -L -E '^\s*(import torch|torch = pytest.importorskip)' tests/test_*.py | tr '\n' ' ') ;;
+        alltests1) files="tests/gpu $(grep -l -E "$needs_torch" tests/test_*.py | tr '\n' ' ')" ;;
+        alltests2) files=$(grep -L -E "$needs_torch" tests/test_*.py | tr '\n' ' ') ;;
       esac
       timeout ${ALLTESTS_TIMEOUT:-500} python3 -m pytest -v $files $XDIST -p no:cacheprovider -rfE --durations=15 >"$OUT/$s.log" 2>&1
       grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/$s.log" | tail -60 ;;
