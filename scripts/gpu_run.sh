@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [decodeab] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (over 555 s on an H100 with xdist: split it
@@ -135,6 +135,12 @@ for s in $stages; do
       # d64: its 4-warp default read 3-8% under 8 warps, 3 stages on contiguous caches (H100, 2026-12-05)
       timeout 100 python3 scripts/paged_probe.py --head-dim 64 --tiles default 8,3 --cells 1x131072 8x8192 8x32768 64x2048 \
         --json "$OUT/paged-probe-d64.json" 2>&1 | grep " x " | tee -a "$OUT/paged-probe.log" ;;
+    decodeab)  # the working tree's decode kernel (A) against AB_DECODE, an older sm80/decode.cuh (B; e.g. git show HEAD~1:kernels_cu/sm80/decode.cuh > ab/decode_old.cuh, untracked so the device gets it): issue 17's
+               # graph table (heuristic splits) for each, AB_ROUNDS times in turn (scripts/ab_sources.sh)
+      for r in $(seq ${AB_ROUNDS:-2}); do
+        timeout ${DECODE_TIMEOUT:-240} bash scripts/ab_sources.sh kernels_cu/sm80/decode.cuh=${AB_DECODE:-ab/decode_old.cuh} -- \
+          python3 scripts/bench_decode.py --graph --splits 0 2>&1 | grep -E "=====| x " | tee -a "$OUT/decode-ab.log"
+      done ;;
     profiledecode) timeout ${PROFILE_DECODE_TIMEOUT:-120} python3 scripts/profile_decode.py 2>&1 | grep -v Warning \
                      | tee "$OUT/profile-decode.log" | grep -E "==|host us|x  " ;;  # host vs kernel time per decode step
     ncudecode) bash scripts/ncu_decode.sh ${NCU_DECODE_CELL:-1x131072} ${NCU_DECODE_SPLITS:-0} ;;  # ours vs cuDNN's decode kernel, memory sections

@@ -243,6 +243,11 @@ def test_rotary_without_cache_seqlens_is_refused():
 # into the mainloop's allocation: sm80/decode.cuh merge_splits.)
 KNOWN_DECODE_SPILLS = {("sm_90a", 192, True, False, True): 8, ("sm_80", 192, True, False, True): 8,
                        ("sm_80", 192, True, False, False): 8}
+# The same for contiguous caches, keyed alike. d32, 4 stages, softcap + split on sm_90a (NVRTC 13.0 and
+# 13.5) since the contiguous copy's addressing (2026-12-06, sm80/tile_copy.cuh StridedTileCopy): ptxas
+# settles at 64 registers and keeps one int (the lane's key column) on the stack, stored before the
+# mainloop and loaded only in its masking branch (the partial last tile), once per block.
+KNOWN_DECODE_SPILLS_CONTIGUOUS = {("sm_90a", 32, False, True, True): 8}
 
 
 @needs_nvrtc
@@ -259,7 +264,7 @@ def test_decode_instances_compile_without_spills(tile, arch):
                                                                  pagings, ("bfloat16", "float16")):
         f = Features(dtype, tile.head_dim, seqused_k=True, split_kv=split, local=local, softcap=softcap, paged=paged)
         r = _compile.compile_report(_compile.kernel_source(tile, f), arch)
-        known = KNOWN_DECODE_SPILLS.get((arch, tile.head_dim, local, split, softcap), 0) if paged else 0
+        known = (KNOWN_DECODE_SPILLS if paged else KNOWN_DECODE_SPILLS_CONTIGUOUS).get((arch, tile.head_dim, local, split, softcap), 0)
         assert r["registers"] > 0 and r["spill_stores"] <= known and r["stack_bytes"] <= known, \
             (tile, f, r["spill_stores"])
 

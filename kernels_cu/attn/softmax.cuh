@@ -102,6 +102,26 @@ struct OnlineSoftmax {
             }
     }
 
+    // step for a warp of one m16 tile (MT 1) whose O is rescaled only when a row's max moved
+    // (corr != 1 in some lane: a product by exactly 1 changes no bit, so the result is step's).
+    // For the decode kernel, whose O (16 x D) is rescaled every 16 keys: after the first tiles the
+    // max rarely moves, and the 2 D / 8 multiplies were an eighth of the d128 mainloop.
+    template <int NT, int ON>
+    __device__ __forceinline__ void step_lazy(float (&s)[1][NT][4], float (&o)[1][ON][4], float scale_log2) {
+        static_assert(MT == 1, "one m16 tile per warp");
+        float corr[2];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const float m_scaled = max_get_scale(s[0], 0, half, scale_log2, corr[half]);
+            const float sum = exp_and_sum(s[0], half, scale_log2, m_scaled);
+            row_sum[0][half] = row_sum[0][half] * corr[half] + sum;
+        }
+        if (__any_sync(0xffffffffu, corr[0] != 1.f || corr[1] != 1.f)) {
+            rescale_o(o[0], 0, corr[0]);
+            rescale_o(o[0], 1, corr[1]);
+        }
+    }
+
     // FA1 (v1) form: l is kept quad-reduced per row and O normalised, so the step is
     // l_new = corr l + rowsum P and O~ is rescaled by corr l (returned) instead of corr.
     __device__ __forceinline__ float update_sum_reduced(int mt, int half, float corr, float sum) {

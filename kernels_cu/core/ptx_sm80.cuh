@@ -49,6 +49,11 @@ __device__ __forceinline__ void cp_async_16(u32 saddr, const void* gptr, bool va
                  :: "r"(saddr), "l"(gptr), "r"(valid ? 16 : 0) : "memory");
 }
 
+// the same, every byte read (no src-size operand)
+__device__ __forceinline__ void cp_async_16(u32 saddr, const void* gptr) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(saddr), "l"(gptr) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 template <int N>

@@ -311,6 +311,7 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     const elem_t* vg = v + (V::kPaged ? 0ll : (long long)b * params.v_sb) + (long long)h_kv * params.v_sh;
     const int* table_row = V::kPaged ? block_table + (long long)b * params.table_stride : nullptr;
     PagedTileRows<BC, CH, kThreads> pages;  // V::kPaged: the next tile's pages (unused otherwise)
+    using Copy = StridedTileCopy<BC, CH, kThreads>;  // contiguous caches (THREADS a multiple of CH)
     auto fetch_pages = [&](int n_block) {
         if constexpr (V::kPaged) pages.fetch(table_row, params.page_size, n_block, seqlen_k, tid);
     };
@@ -319,8 +320,17 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
         if constexpr (V::kPaged)
             load_kv_tile_paged<BC, CH, kThreads>(ks, vs, kg, vg, (int)params.k_sn, (int)params.v_sn, params.k_sb, params.v_sb,
                                                  pages, params.page_size, n_block, seqlen_k, tid);
-        else
+        else if constexpr (Copy::kApplies) {
+            if ((n_block + 1) * BC <= seqlen_k) {  // every tile but a partial last one
+                Copy::template copy<true>(ks, kg, params.k_sn, n_block * BC, seqlen_k, tid);
+                Copy::template copy<true>(vs, vg, params.v_sn, n_block * BC, seqlen_k, tid);
+            } else {
+                Copy::template copy<false>(ks, kg, params.k_sn, n_block * BC, seqlen_k, tid);
+                Copy::template copy<false>(vs, vg, params.v_sn, n_block * BC, seqlen_k, tid);
+            }
+        } else {  // rows of CH chunks that THREADS does not divide (d96, d192)
             load_kv_tile<BC, CH, kThreads>(ks, vs, kg, params.k_sn, vg, params.v_sn, n_block, seqlen_k, tid);
+        }
     };
 
     // Q: packed row r -> query r / group of head h_kv * group + r % group; rows past the group's
@@ -423,7 +433,7 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
                     }
             }
         }
-        softmax.step(acc_s, acc_o, scale_log2);
+        softmax.step_lazy(acc_s, acc_o, scale_log2);
         u32 p_frag[1][1][4];
         c_to_a_frags<BF16, 1>(p_frag[0], acc_s[0]);
         // ---- O_w += P V_w ----

@@ -53,6 +53,43 @@ __device__ __forceinline__ void load_tile(u32 s_base, const elem_t* g, long long
     }
 }
 
+// load_tile's fast form with each chunk's source formed as the thread's first chunk's plus i STEP
+// rows (one 64-bit stride) and, for WHOLE tiles (every row before n_rows), no predicate. Under
+// load_tile's `ok ? src + i step : g` ptxas formed every chunk's address anew as a 64-bit
+// (row0 + r + i STEP) * stride product (the decode kernel's d128 mainloop, sm_90a: ~300 of its 556
+// instructions per warp and tile were the copy's). Both forms share the addressing, so a loop
+// holding both (whole tiles, then a partial last one) keeps one set of registers for it.
+template <int ROWS, int CH, int THREADS>
+struct StridedTileCopy {
+    static constexpr int kStep = THREADS / CH;
+    static constexpr bool kApplies = THREADS % CH == 0 && kStep > 0 && ROWS % kStep == 0 &&
+                                     (!SmemRow<CH>::kSwizzled || (kStep & (kStep - 1)) == 0);
+
+    template <bool WHOLE>
+    __device__ __forceinline__ static void copy(u32 s_base, const elem_t* g, long long row_stride, int row0, int n_rows,
+                                                int tid) {
+        static_assert(kApplies, "needs load_tile's fast form");
+        const int r = tid / CH, c = tid % CH;
+        const elem_t* src = g + (long long)(row0 + r) * row_stride + c * 8;
+        const long long src_step = (long long)kStep * row_stride;
+        const u32 dst = s_base + swz<CH>(r, c);
+#pragma unroll
+        for (int i = 0; i < ROWS / kStep; ++i) {
+            const u32 dst_i = SmemRow<CH>::kSwizzled ? (dst ^ (16u * ((i * kStep) & 7))) + i * kStep * SmemRow<CH>::kBytes
+                                                     : dst + i * kStep * SmemRow<CH>::kBytes;
+            if constexpr (WHOLE) {
+                cp_async_16(dst_i, src + i * src_step);
+            } else {  // rows at or past n_rows zero-filled: src-size 0 reads nothing (CUTLASS's zfill
+                      // copies alike; memcheck clean with such rows past the allocation, scripts/
+                      // sanitize_decode.py), so their address is formed as any other's (a select of
+                      // g instead kept g live and spilled at d64 / d128)
+                const bool ok = row0 + r + i * kStep < n_rows;
+                cp_async_16(dst_i, src + i * src_step, ok);
+            }
+        }
+    }
+};
+
 // K and V tiles of one ring slot (the forward's and the dQ kernel's stage); PARTIAL: K's rows hold
 // d_chunks chunks, V's v_chunks (v's own head dim; d_chunks when it is q's and k's).
 template <int BC, int CH, int THREADS, bool PARTIAL = false>
