@@ -396,8 +396,9 @@ def test_paged_cache_layouts_the_kernel_cannot_address_are_named():
 
 
 def test_paged_decode_tile_rule():
-    """Paged caches take the 8-warp tiles measured to read pages better (families/sm80.py
-    _decode_paged_tile) where they fit and the grid is not already batch-rich; else the default."""
+    """Paged caches take the tiles measured to read pages better (families/sm80.py _decode_paged_tile:
+    8 warps at d128 and d256, 4 warps at d64) where they fit and the grid is not already batch-rich;
+    else the default."""
     import dataclasses
     import pathlib
 
@@ -415,7 +416,9 @@ def test_paged_decode_tile_rule():
     assert pick(8, 128, 16) == DecodeConfig(128, 8, 3)
     assert pick(8, 128, 256) == default[128]  # 0.99x contiguous as it is
     assert pick(8, 256, 16) == DecodeConfig(256, 8, 3) and pick(8, 256, 256) == DecodeConfig(256, 8, 2)
-    assert pick(8, 64, 16) == default[64]
+    assert default[64] == DecodeConfig(64, 8, 3)
+    assert pick(8, 64, 16) == DecodeConfig(64, 4, 4)  # d64: 16-row pages narrow the 8-warp default
+    assert pick(8, 64, 256) == default[64] and pick(64, 64, 16) == default[64]
     assert pick(64, 128, 16) == default[128]  # 512 (batch, K/V head)s fill two blocks per SM already
     assert pick(8, 128, 16, a100) == DecodeConfig(128, 8, 2)  # 8 warps, 3 stages: 196 KB > A100's 163 KB
     assert pick(8, 256, 16, a100) == DecodeConfig(256, 8, 2)
