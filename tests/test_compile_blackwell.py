@@ -48,10 +48,8 @@ KNOWN_SPILLS = {
         ("sm_120", "fwd_v1", 32, "dropout"): 76,
         ("sm_120", "fwd_v1", 32, "dropout+local+softcap"): 16,
         ("sm_120", "fwd_v1", 96, "dropout+local+softcap"): 8,
-        # the decode kernel's split merge as a call (sm80/decode.cuh merge_splits, not inlined since
-        # 2026-12-05): ptxas then gave this instance 72 registers where it had used 80
-        ("sm_100", "decode", 64, "alibi+local+paged+softcap+split_kv"): 4,
-        ("sm_120", "decode", 64, "alibi+local+paged+softcap+split_kv"): 4,
+        # (the d64 decode instance's 4 B, alibi+local+paged+softcap+split_kv, went with the contiguous
+        # copy's addressing and the 8-warp d64 default, 2026-12-06)
     },
     (13, 0): {  # recorded 2026-12-05 (the whole suite on the GPU machine failed on the 13.5 record)
         ("sm_100", "fwd_v1", 96, "dropout"): 12,
@@ -63,6 +61,10 @@ KNOWN_SPILLS = {
         ("sm_120", "fwd_v1", 32, "dropout+local+softcap"): 20,
         ("sm_120", "fwd_v1", 96, "dropout"): 8,
         ("sm_120", "fwd_v1", 96, "dropout+local+softcap"): 4,
+        # since the decode kernel's contiguous copy addressing (2026-12-06, sm80/tile_copy.cuh
+        # StridedTileCopy): the plain d256 instance, 4 B (sm_80 / sm_90a spill-free under 13.0 and 13.5)
+        ("sm_100", "decode", 256, ""): 4,
+        ("sm_120", "decode", 256, ""): 4,
     },
 }
 SPILL_BOUND = 128  # bytes of spill stores any instance may have under an unrecorded NVRTC
