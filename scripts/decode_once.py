@@ -1,6 +1,7 @@
 """One decoding step of issue 17's cells for ncu (scripts/ncu_decode.sh): bf16 torch tensors, 32/8 heads, d128, one
-query token, a contiguous cache; ours (cuflash.attention_with_kvcache, --splits, 0 = the heuristic)
-or SDPA cuDNN's (--cudnn) on the same cache. Warms up, then runs --calls steps between
+query token, a contiguous cache (or, --page-size P, the same rows as shuffled pages of P rows for
+ours); ours (cuflash.attention_with_kvcache, --splits, 0 = the heuristic) or SDPA cuDNN's (--cudnn)
+on the same cache. Warms up, then runs --calls steps between
 cudaProfilerStart and Stop, so `ncu --profile-from-start off` sees only those launches."""
 import argparse
 import sys
@@ -20,9 +21,24 @@ def main():
     ap.add_argument("--splits", type=int, default=0)
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--cudnn", action="store_true")
+    ap.add_argument("--page-size", type=int, default=0, help="ours on shuffled pages of this many rows (0: contiguous)")
     a = ap.parse_args()
     b, n = map(int, a.cell.split("x"))
     kc, vc = (torch.randn(b, n, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    table = None
+    if a.page_size:
+        per = -(-n // a.page_size)
+        table = torch.randperm(b * per, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+        table = table.to(torch.int32).reshape(b, per)
+
+        def paged(c):
+            pad = torch.zeros(b, per * a.page_size, 8, 128, device="cuda", dtype=c.dtype)
+            pad[:, :n] = c
+            pool = torch.empty(b * per, a.page_size, 8, 128, device="cuda", dtype=c.dtype)
+            pool[table.reshape(-1).long()] = pad.reshape(-1, a.page_size, 8, 128)
+            return pool
+
+        kc, vc = paged(kc), paged(vc)
     q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     if a.cudnn:
         tq, tk, tv = (x.transpose(1, 2) for x in (q, kc, vc))
@@ -33,7 +49,7 @@ def main():
     else:
 
         def step():
-            cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=n, num_splits=a.splits)
+            cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=n, num_splits=a.splits, block_table=table)
     for _ in range(5):
         step()
     cupy.cuda.Device().synchronize()

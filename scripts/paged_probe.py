@@ -3,7 +3,8 @@ CUDA-graph replays (decode_graph_time.py's method, so the host is out).
 
 Per cell and decode tile (warps, stages; "default" is the library's), the K/V read bandwidth of:
 contiguous (device lengths), paged 16 with shuffled pages, paged 16 with the pages in order (the
-same kernel and instructions, the reads as contiguous ones), paged 256 shuffled. If ordered pages
+same kernel and instructions, the reads as contiguous ones), paged 256 shuffled (--layouts: other
+page sizes and orders, e.g. 256o 64s 512s). If ordered pages
 read as contiguous and shuffled ones do not, the loss is the memory system's (scattered 32 KB
 pages), not the kernel's lookups. fp16, 32 query / 8 K/V heads, d128 (--head-dim), one query token.
 
@@ -24,6 +25,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--layouts", nargs="+", default=["16s", "16o", "256s"],
+                    help="paged layouts beside the contiguous cache: PAGE_ROWS then s (pages shuffled) or o (in order)")
     ap.add_argument("--json")
     a = ap.parse_args()
     rows = []
@@ -66,7 +69,8 @@ def _cell(b, n, d, a):
     q, kc, vc, lens, kv_bytes = decode_inputs(b, n, d)
     gbps = copy_gbps(kv_bytes)
     layouts = {"contiguous": (kc, vc, None)}
-    for ps, order in ((16, "shuffled"), (16, "ordered"), (256, "shuffled")):
+    for spec in a.layouts:
+        ps, order = int(spec[:-1]), {"s": "shuffled", "o": "ordered"}[spec[-1]]
         kp, tab = _pool(kc, ps, order)
         vp, _ = _pool(vc, ps, order)
         layouts[f"paged{ps}-{order}"] = (kp, vp, tab)
