@@ -12,6 +12,15 @@
 
 namespace cuflash {
 
+// The shared address of the same chunk `rows` rows further down a tile, from its address in row r,
+// where the low three bits of r and of rows are disjoint (r < STEP and rows a multiple of STEP, a
+// power of two; or rows a multiple of 8): swizzled rows then have (r + rows) % 8 = r ^ (rows % 8),
+// so the chunk's place is one XOR and an offset away.
+template <int CH>
+__device__ __forceinline__ u32 rows_below(u32 dst, int rows) {
+    return SmemRow<CH>::kSwizzled ? (dst ^ (16u * (rows & 7))) + rows * SmemRow<CH>::kBytes : dst + rows * SmemRow<CH>::kBytes;
+}
+
 // Copy rows [row0, row0+ROWS) of one (batch, head) slice into a shared tile (core/swizzle.cuh);
 // rows at or past `n_rows` are zero-filled. Fast form (CH divides THREADS): thread t copies chunk
 // t % CH of rows r + i*STEP (r = t / CH < STEP), so one pointer plus one 64-bit stride serve all of
@@ -35,9 +44,7 @@ __device__ __forceinline__ void load_tile(u32 s_base, const elem_t* g, long long
 #pragma unroll
         for (int i = 0; i < ROWS / STEP; ++i) {
             bool ok = row0 + r + i * STEP < n_rows && col_ok;
-            const u32 dst_i = SmemRow<CH>::kSwizzled ? (dst ^ (16u * ((i * STEP) & 7))) + i * STEP * SmemRow<CH>::kBytes
-                                                     : dst + i * STEP * SmemRow<CH>::kBytes;
-            cp_async_16(dst_i, ok ? src + i * src_step : g, ok);
+            cp_async_16(rows_below<CH>(dst, i * STEP), ok ? src + i * src_step : g, ok);
         }
     } else {
         constexpr int CHUNKS = ROWS * CH;
@@ -75,8 +82,7 @@ struct StridedTileCopy {
         const u32 dst = s_base + swz<CH>(r, c);
 #pragma unroll
         for (int i = 0; i < ROWS / kStep; ++i) {
-            const u32 dst_i = SmemRow<CH>::kSwizzled ? (dst ^ (16u * ((i * kStep) & 7))) + i * kStep * SmemRow<CH>::kBytes
-                                                     : dst + i * kStep * SmemRow<CH>::kBytes;
+            const u32 dst_i = rows_below<CH>(dst, i * kStep);
             if constexpr (WHOLE) {
                 cp_async_16(dst_i, src + i * src_step);
             } else {  // rows at or past n_rows zero-filled: src-size 0 reads nothing (CUTLASS's zfill
