@@ -262,7 +262,8 @@ def _decode_paged_tile(tile, p, props):
     read at 0.96 with the 4-warp d128 default, 1.00 with 8 warps: the paged address work, not only
     the scattered pages, costs the narrow tile. At d64 the other way round: its default is the
     8-warp tile (contiguous caches read 4-8% faster with it), and 16-row pages read 0.5-3% faster
-    with 4 warps and 4 stages (2026-12-06, two H100 runs). Not taken where (batch, K/V head)s already
+    with 4 warps and 4 stages (2026-12-06, two H100 runs; one H200 run: 0.805 against 0.64-0.70 of
+    the copy). Not taken where (batch, K/V head)s already
     fill two 4-warp blocks per SM (64 x 2k: at d128 the 4-warp default 0.98, 8 warps 0.95; at d64
     8 warps 0.92-0.94, 4 warps 0.87-0.89). Where the 3-stage tile does not fit (A100's 163 KB), the
     2-stage one (d128 paged 16 on the H100: 0.96-0.97; not run on an A100)."""
@@ -297,9 +298,9 @@ DECODE = KernelFamily(
     domain=lambda d: _product(lambda w, s, mb: DecodeConfig(d, w, s, mb), (2, 4, 8), (2, 3, 4), (1, 2, 4, 8, 16)),
     defaults={
         32: (DecodeConfig(32, 4, 4), DecodeConfig(32, 4, 2)),
-        # d64: 8 warps, 3 stages read contiguous caches 4-8% faster than 4 warps, 4 stages (H100,
-        # graph replays, 2026-12-05 and -06: 0.93-0.96 of the copy against 0.88-0.90); 16-row pages
-        # keep the 4-warp tile (_decode_paged_tile)
+        # d64: 8 warps, 3 stages read contiguous caches faster than 4 warps, 4 stages (graph
+        # replays, x copy: H100 2026-12-05 and -06 0.93-0.96 against 0.88-0.90; H200 2026-12-06
+        # 0.945 / 0.930 against 0.892 / 0.908); 16-row pages keep the 4-warp tile (_decode_paged_tile)
         64: (DecodeConfig(64, 8, 3), DecodeConfig(64, 4, 4), DecodeConfig(64, 4, 2)),
         96: (DecodeConfig(96, 4, 3), DecodeConfig(96, 4, 2)),
         128: (DecodeConfig(128, 4, 3), DecodeConfig(128, 4, 2)),

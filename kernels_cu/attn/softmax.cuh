@@ -105,7 +105,7 @@ struct OnlineSoftmax {
     // step for a warp of one m16 tile (MT 1) whose O is rescaled only when a row's max moved
     // (corr != 1 in some lane: a product by exactly 1 changes no bit, so the result is step's).
     // For the decode kernel, whose O (16 x D) is rescaled every 16 keys: after the first tiles the
-    // max rarely moves, and the 2 D / 8 multiplies were an eighth of the d128 mainloop.
+    // max rarely moves, and a thread's D / 2 multiplies were an eighth of the d128 mainloop.
     template <int NT, int ON>
     __device__ __forceinline__ void step_lazy(float (&s)[1][NT][4], float (&o)[1][ON][4], float scale_log2) {
         static_assert(MT == 1, "one m16 tile per warp");
