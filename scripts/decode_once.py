@@ -26,19 +26,14 @@ def main():
     b, n = map(int, a.cell.split("x"))
     kc, vc = (torch.randn(b, n, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in "kv")
     table = None
-    if a.page_size:
-        per = -(-n // a.page_size)
-        table = torch.randperm(b * per, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-        table = table.to(torch.int32).reshape(b, per)
+    if a.page_size:  # paged_probe.py's shuffled pages (the same table for K and V), bf16 carried as int16
+        from paged_probe import _pool
 
         def paged(c):
-            pad = torch.zeros(b, per * a.page_size, 8, 128, device="cuda", dtype=c.dtype)
-            pad[:, :n] = c
-            pool = torch.empty(b * per, a.page_size, 8, 128, device="cuda", dtype=c.dtype)
-            pool[table.reshape(-1).long()] = pad.reshape(-1, a.page_size, 8, 128)
-            return pool
+            pool, tab = _pool(cupy.from_dlpack(c.view(torch.int16)), a.page_size, "shuffled")
+            return torch.from_dlpack(pool).view(torch.bfloat16), torch.from_dlpack(tab)
 
-        kc, vc = paged(kc), paged(vc)
+        (kc, table), (vc, _) = paged(kc), paged(vc)
     q = torch.randn(b, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
     if a.cudnn:
         tq, tk, tv = (x.transpose(1, 2) for x in (q, kc, vc))
