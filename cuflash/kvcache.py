@@ -30,7 +30,9 @@ What is checked before any launch:
     no error: check on the host when the lengths may be wrong.
 
 cuflash.attention sends dense calls of decoding's shape to the decode kernel too
-(dense_decode_problem, plan_dense_decode: seqused_k a null pointer, every batch at seqlen_k).
+(dense_decode_problem, plan_dense_decode: seqused_k a null pointer, every batch at seqlen_k). A
+prepared decode call with one int length and no new rows captured into a CUDA graph runs the same
+null-pointer plan with the length as a parameter (_uniform_plan): the graph holds the kernel alone.
 
 Split-KV decoding (num_splits) spreads a decode step's keys over several blocks per work tile,
 whose fp32 partial results the decode kernel's last split block of each tile merges in the same
@@ -65,6 +67,7 @@ _plans = plan_cache.PlanCache()
 # only read them. A loop whose length changes every step stages each once, as before.
 _UNIFORM_LENGTHS: dict = {}
 _UNIFORM_LENGTHS_MAX = 64
+_uniform_plans = plan_cache.PlanCache(max_plans=256)  # _uniform_plan's, built during graph captures
 
 # Per element of k_new/v_new (b, t, h, c) in logical C order: row cache_seqlens[b] + t of the cache,
 # dropped when it falls outside [0, capacity). Logical indexing of the raw caches follows their
@@ -468,8 +471,8 @@ def plan_decode(p, cfg, dtype, dense: bool = False, seqused_add: int = 0) -> Pla
     seqlen_k] (n_new when the plan's seqused_k input is the cache's lengths before the append).
     p.n_splits 1: out and lse directly; more: fp32 partial results that the last split block of each
     (K/V head, batch) merges into out and lse (one launch; its counters per stream), or, past a
-    stream's scratch words, the plan's combine launch (_split_plan). `dense`: seqused_k is not an input but a null pointer (every batch at
-    seqlen_k: plan_dense_decode)."""
+    stream's scratch words, the plan's combine launch (_split_plan). `dense`: seqused_k is not an input but a null pointer, which
+    the kernel reads as seqlen_k for every batch, seqused_add added (plan_dense_decode: 0; _uniform_plan: n - seqlen_k)."""
     grid = p.n_splits * p.heads_kv * p.batch
     check_grid(grid)
     kernel = _compile.get_kernel(cfg, p.features, p.device)
@@ -531,8 +534,7 @@ def plan_dense_decode(p, dtype) -> Plan:
     """The decode kernel's plan for a dense call (dense_decode_problem None): seqused_k a null
     pointer, every batch at seqlen_k (MaskGeometry::for_batch leaves the call's geometry, either
     alignment, as it is); splits by decode_splits."""
-    plan, _ = _build_decode(dataclasses.replace(p, seqused_k=True), 0, dtype, dense=True)
-    return plan
+    return _build_decode(dataclasses.replace(p, seqused_k=True), 0, dtype, dense=True)[0]
 
 
 def _build_decode(p, splits: int, dtype, dense: bool = False, n_new: int = 0, config=None):
@@ -556,7 +558,18 @@ def _build_decode(p, splits: int, dtype, dense: bool = False, n_new: int = 0, co
         splits = decode_splits(p.heads_kv * p.batch, resident, props.sm_count, -(-p.seqlen_k // cfg.block_k),
                                min_split_blocks=cfg.min_split_blocks, per_sm=decode_blocks_per_sm(cfg, resident))
     ps = dataclasses.replace(p, n_splits=splits)
-    return plan_decode(ps, cfg, dtype, dense, seqused_add=n_new), splits > 1
+    return plan_decode(ps, cfg, dtype, dense, seqused_add=n_new), splits > 1, (ps, cfg)
+
+
+def _uniform_plan(prep: _Prepared, n: int, dtype) -> Plan:
+    """The decode plan of a prepared call for one host length n of every batch, no new rows: its
+    seqused_k a null pointer, which the kernel reads as the capacity, and seqused_add n - capacity
+    (sm80/decode.cuh). What a CUDA graph captures of an int cache_seqlens: the kernel alone, where
+    the lengths array would be two fill kernels in the graph (_uniform_lengths: ~2 us a replay,
+    1-3% of a decoding step at 8 x 8k on an H200). One plan per length, built at capture time."""
+    ps, cfg = prep.decode
+    return _uniform_plans.get(lambda: (ps, cfg, np.dtype(dtype).str, n),
+                              lambda: plan_decode(ps, cfg, dtype, dense=True, seqused_add=n - ps.seqlen_k))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -569,10 +582,10 @@ class _Prepared:
     plan: object
     split: bool
     n_new: int
-    # the decode kernel's plan: its seqused_k input is the cache's lengths as given, before the
-    # append (the kernel adds n_new and clips); otherwise the attended lengths, n_new added and
-    # clipped before the launch
-    raw_lengths: bool = False
+    # the decode kernel's plan: (its problem, n_splits set; its tile), and its seqused_k input is the
+    # cache's lengths as given, before the append (the kernel adds n_new and clips); None: another
+    # plan, whose seqused_k is the attended lengths, n_new added and clipped before the launch
+    decode: tuple | None = None
 
 
 def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mask: MaskOptions, softmax_scale,
@@ -585,7 +598,7 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mas
 
     if isinstance(cache_seqlens, cupy.ndarray):
         lk = (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device.id)
-    elif type(cache_seqlens) is int or isinstance(cache_seqlens, np.integer):
+    elif _one_length(cache_seqlens):
         lk = 0
     else:
         lk = 1  # host integers, checked per call
@@ -601,6 +614,19 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, mas
         return ("call", plan_cache.array_key(arrays), lk, tk, mask.key, softmax_scale, num_splits, ak, config)
     except AttributeError:  # not CuPy arrays: the slow path names the argument
         return None
+
+
+def _one_length(cache_seqlens) -> bool:
+    """Whether cache_seqlens is one host int for every batch."""
+    return type(cache_seqlens) is int or isinstance(cache_seqlens, np.integer)
+
+
+def _capturing() -> bool:
+    """Whether CuPy's current stream is being captured into a CUDA graph (torch's capture too: its
+    calls run on an external stream of torch's)."""
+    import cupy
+
+    return cupy.cuda.get_current_stream().is_capturing()
 
 
 def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
@@ -619,7 +645,7 @@ def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
             raise ValueError(f"cache_seqlens is on device {cache_seqlens.device.id}, q on {device}")
         with launch.graph_temporaries():  # (an int64 array's int32 copy lives only as long as the call)
             return cache_seqlens.astype(cupy.int32, copy=False), None
-    if type(cache_seqlens) is int or isinstance(cache_seqlens, np.integer):  # one length: no array to check
+    if _one_length(cache_seqlens):  # one length: no array to check
         n = int(cache_seqlens)
         if not 0 <= n <= cap - n_new:
             _lengths_do_not_fit(0, n, n_new, cap)
@@ -639,7 +665,8 @@ def _uniform_lengths(batch: int, n: int, n_new: int, device: int):
     (stream, ...) (_UNIFORM_LENGTHS). During a CUDA graph capture: written by two fill kernels into
     the graph's own memory (launch.graph_temporaries), so each replay writes them again (a staged
     copy would read a pinned buffer the ring reuses, and the staged array would go back to CuPy's
-    pool after the call)."""
+    pool after the call). (A prepared decode call without new rows captures no lengths at all:
+    _uniform_plan.)"""
     import cupy
 
     stream = cupy.cuda.get_current_stream()
@@ -684,6 +711,12 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         prep = _plans.lookup(key)
         if prep is not None:
             p = prep.p
+            if prep.decode is not None and not prep.n_new and _one_length(cache_seqlens) and _capturing():
+                n = int(cache_seqlens)
+                if not 0 <= n <= p.seqlen_k:
+                    _lengths_do_not_fit(0, n, 0, p.seqlen_k)
+                return _execute(prep, q, k_cache, v_cache, None, None, None, None, block_table, out, lse,
+                                alibi_slopes, uniform=n)
             lens, seqused = _lengths(cache_seqlens, p.batch, prep.n_new, p.seqlen_k, p.device)
             return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, block_table, out, lse,
                             alibi_slopes)
@@ -715,7 +748,7 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     n_new = _check_new(k_new, v_new, q, infos[1])
     batch, cap = p.batch, p.seqlen_k
     host = _host_lengths(cache_seqlens, batch)
-    one = type(cache_seqlens) is int or isinstance(cache_seqlens, np.integer)  # (staged once: _uniform_lengths)
+    one = _one_length(cache_seqlens)  # (staged once: _uniform_lengths)
     lens, seqused = _lengths(cache_seqlens if host is None or one else host, batch, n_new, cap, p.device)
 
     splits = check_num_splits(num_splits)
@@ -759,11 +792,11 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         return _forward_cupy(q, kg, vg, seqused, None, None, mask, softmax_scale, out=out, lse=lse,
                              num_splits=num_splits, alibi_slopes=alibi_slopes)
 
-    def build():  # (plan, whether it splits the keys, whether it reads the lengths before the append)
+    def build():  # (plan, whether it splits the keys, _Prepared.decode)
         if p.empty:
-            return empty_plan(p, q.dtype), False, False
+            return empty_plan(p, q.dtype), False, None
         if why_not_decode is None:  # few rows per K/V head: the decode kernel, on every GPU
-            return (*_build_decode(p, splits, q.dtype, n_new=n_new, config=config), True)
+            return _build_decode(p, splits, q.dtype, n_new=n_new, config=config)
         family = families.choose(families.FORWARDS, p, None)  # the Hopper family refuses seqused_k: sm80
         s = splits
         if s == 0:  # the heuristic, on the plain tile's work
@@ -774,44 +807,51 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
             s = num_splits_heuristic(tiles, device.query(p.device).sm_count, -(-p.seqlen_k // cfg.block_k))
         if s > 1:
             ps = dataclasses.replace(p, n_splits=s)
-            return _plan_split(ps, families.select(families.FWD, ps), q.dtype), True, False
-        return family.plan(p, families.select(family, p), q.dtype), False, False
+            return _plan_split(ps, families.select(families.FWD, ps), q.dtype), True, None
+        return family.plan(p, families.select(family, p), q.dtype), False, None
 
     # every check (the plan's family and tile, the buffers) before the cache is written
     # the plan's key holds everything the plan depends on: ALiBi's slopes decide the kernel (kAlibi)
     # and their batch stride a parameter, so a call with other (or no) slopes must not take it; n_new
     # is the decode kernel's seqused_add
-    plan, split, raw = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale,
+    plan, split, decode = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale,
                                              splits, None if table is None else (table.shape, table.strides),
                                              None if alibi_slopes is None else alibi_slopes.shape, n_new, config),
                                   build)
-    prep = _Prepared(p, plan, split, n_new, raw)
+    prep = _Prepared(p, plan, split, n_new, decode)
     if key is not None and table is block_table and not p.empty:  # the table as given (not a contiguous copy)
         _plans.put(key, prep)
     return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse, alibi_slopes)
 
 
-def _execute(prep: _Prepared, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse, alibi_slopes=None):
-    """Append k_new / v_new, attend, combine split results: the launches of a prepared call."""
+def _execute(prep: _Prepared, q, k_cache, v_cache, lens, seqused, k_new, v_new, table, out, lse, alibi_slopes=None,
+             uniform: int | None = None):
+    """Append k_new / v_new, attend, combine split results: the launches of a prepared call.
+    `uniform`: one host length of every batch, no new rows, run by its _uniform_plan (no lengths)."""
     p = prep.p
     if out is not None:
         out = _forward._checked_out(out, q)
     if lse is not None:
         lse = _forward._checked_lse(lse, (q.shape[0], q.shape[2], q.shape[1]))
-    _append(k_new, v_new, lens, prep.n_new, p, k_cache, v_cache, table)
-    if prep.raw_lengths:  # the decode kernel adds n_new and clips (FwdParams.seqused_add)
-        seqused = lens
-    elif seqused is None:
-        with launch.graph_temporaries():
-            seqused = _lengths_kernel()(lens, prep.n_new, p.seqlen_k)
+    plan = prep.plan
+    if uniform is not None:
+        plan, lengths = _uniform_plan(prep, uniform, q.dtype), ()
+    else:
+        _append(k_new, v_new, lens, prep.n_new, p, k_cache, v_cache, table)
+        if prep.decode is not None:  # the decode kernel adds n_new and clips (FwdParams.seqused_add)
+            seqused = lens
+        elif seqused is None:
+            with launch.graph_temporaries():
+                seqused = _lengths_kernel()(lens, prep.n_new, p.seqlen_k)
+        lengths = (seqused,)
     paged = () if table is None else (table,)
     if prep.p.alibi:  # the slopes after the table (the plans' input order)
         paged += (alibi_slopes,)
     if prep.split and out is not None and out.data.ptr % 8:  # the combine stores 4 columns at once
-        got, lse = prep.plan.run((q, k_cache, v_cache, None, lse, seqused, *paged))
+        got, lse = plan.run((q, k_cache, v_cache, None, lse, *lengths, *paged))
         out[...] = got
         return out, lse
-    return prep.plan.run((q, k_cache, v_cache, out, lse, seqused, *paged))
+    return plan.run((q, k_cache, v_cache, out, lse, *lengths, *paged))
 
 
 def _append(k_new, v_new, lens, n_new, p, k_cache, v_cache, table):

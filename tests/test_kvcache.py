@@ -12,6 +12,7 @@ import pytest
 from cuflash import _compile, families, kvcache, launch, reference
 from cuflash.families.sm80 import DECODE_PAGED_TILES, _decode_paged_tile
 from cuflash.features import Features
+from cuflash.mask import MaskOptions
 from cuflash.tiles import DecodeConfig
 from tests.test_compile import _nvrtc_available
 from tests.test_compile_v1 import _ptx
@@ -593,14 +594,45 @@ def test_the_decode_kernel_reads_the_lengths_as_given(monkeypatch):
     monkeypatch.setattr(kvcache, "_lengths_kernel", lambda: lambda lens, n_new, cap: ("clipped", lens, n_new, cap))
     monkeypatch.setattr(kvcache, "_append", lambda *a: None)
     monkeypatch.setattr(launch, "_capturing", lambda: False)  # no GPU: no capture
-    for raw, want in ((True, "lens"), (False, ("clipped", "lens", 2, 4096))):
-        prep = kvcache._Prepared(p, plan, False, 2, raw)
+    decode = (p, tile)  # _Prepared.decode: the decode kernel's (problem, tile)
+    for dec, want in ((decode, "lens"), (None, ("clipped", "lens", 2, 4096))):
+        prep = kvcache._Prepared(p, plan, False, 2, dec)
         assert kvcache._execute(prep, "q", "k", "v", "lens", None, "kn", "vn", None, None, None) == ("out", "lse")
         assert ran.pop()[5] == want  # the plans' seqused_k slot
     # host lengths arrive staged with n_new added; the decode plan still takes the cache's own
-    kvcache._execute(kvcache._Prepared(p, plan, False, 2, True), "q", "k", "v", "lens", "used", "kn", "vn", None,
+    kvcache._execute(kvcache._Prepared(p, plan, False, 2, decode), "q", "k", "v", "lens", "used", "kn", "vn", None,
                      None, None)
     assert ran.pop()[5] == "lens"
+
+
+def test_a_captured_int_length_runs_a_plan_without_lengths(monkeypatch):
+    """Inside a CUDA graph capture a prepared decode call with one int length and no new rows runs
+    its _uniform_plan: seqused_k a null pointer (the kernel reads it as the capacity) and
+    seqused_add n - capacity, so the graph holds the kernel alone, no fill kernels of a lengths
+    array; one plan per (problem, tile, dtype, length). Lengths past the capacity are refused."""
+    import dataclasses
+
+    monkeypatch.setattr(_compile, "get_kernel", lambda cfg, f, dev: None)
+    p = dataclasses.replace(_dense(2, 4096, 32, 8, 128), seqused_k=True, n_splits=1)
+    tile = families.DECODE.default(128)
+    monkeypatch.setattr(kvcache, "_uniform_plans", kvcache.plan_cache.PlanCache())
+    plan = kvcache._uniform_plan(kvcache._Prepared(p, None, False, 0, (p, tile)), 1000, np.float16)
+    assert int(plan.params.packed[0]["seqused_add"]) == 1000 - 4096
+    assert plan._n_inputs == 5 and len(kvcache._uniform_plans) == 1  # q, k, v, out, lse
+    assert kvcache._uniform_plan(kvcache._Prepared(p, None, False, 0, (p, tile)), 1000, np.float16) is plan
+    ran = []
+    monkeypatch.setattr(kvcache, "_uniform_plan", lambda prep, n, dtype: types.SimpleNamespace(
+        run=lambda arrays: ran.append((n, arrays)) or ("out", "lse")))
+    monkeypatch.setattr(kvcache, "_lengths", lambda *a: pytest.fail("a captured int length staged lengths"))
+    monkeypatch.setattr(kvcache, "_capturing", lambda: True)
+    prep = kvcache._Prepared(p, "the prepared plan", False, 0, (p, tile))
+    monkeypatch.setattr(kvcache._plans, "lookup", lambda key: prep)
+    monkeypatch.setattr(kvcache, "_call_key", lambda *a: "key")
+    q = types.SimpleNamespace(dtype=np.float16)
+    assert kvcache._forward_cupy(q, "k", "v", 1000, None, None, MaskOptions(), None) == ("out", "lse")
+    assert ran == [(1000, (q, "k", "v", None, None))]  # q, k, v, out, lse: no lengths slot
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        kvcache._forward_cupy(q, "k", "v", 4097, None, None, MaskOptions(), None)
 
 
 def _walk(row0, page_size, step, n):

@@ -289,13 +289,13 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     // The batch's key length: seqused_k[b] + params.seqused_add, clipped into [0, seqlen_k]. So the
     // host may pass a caller's device lengths as they are (cache_seqlens before the append, n_new
     // added here; any value, int32's extremes included, stays inside the cache), with no lengths
-    // kernel launched per call. A null seqused_k is every batch at seqlen_k (the dense route; never
-    // paged).
+    // kernel launched per call. A null seqused_k reads as seqlen_k for every batch: the dense route
+    // (seqused_add 0) and one host length n for all (seqused_add n - seqlen_k: kvcache's uniform
+    // plans, no lengths array for a CUDA graph to fill).
     const MaskGeometry geo_call = MaskGeometry::of<V>(params);
-    const bool all_keys = !V::kPaged && seqused_k == nullptr;
-    const MaskGeometry geo = geo_call.with_length(
-        all_keys ? geo_call.seqlen_k
-                 : (int)min(max((long long)seqused_k[b] + params.seqused_add, 0ll), (long long)geo_call.seqlen_k));
+    const long long base = seqused_k == nullptr ? (long long)geo_call.seqlen_k : (long long)seqused_k[b];
+    const MaskGeometry geo =
+        geo_call.with_length((int)min(max(base + params.seqused_add, 0ll), (long long)geo_call.seqlen_k));
     const int seqlen_k = geo.seqlen_k;
     // the keys any of the rows sees: from the first query's left window edge to the last query's
     // right edge (causal: its own position), then this split's share of those key blocks

@@ -61,6 +61,8 @@ with stream:
     stream.begin_capture()
     g_out, g_lse = step(gk, gv, lens_arg)
     graph = stream.end_capture()
+    # an int length without new rows: the graph holds the decode kernel alone (kvcache._uniform_plan)
+    assert len(cuflash.kvcache._uniform_plans) == (lengths_kind == "int" and not n_new)
     cupy.get_default_memory_pool().free_all_blocks()
     others = [cupy.full(n, np.nan, dtype=cupy.float32) for n in (1 << 10, 1 << 14, 1 << 16, 1 << 18, 1 << 20) * 4]
     e_lens = lens_dev.copy()
