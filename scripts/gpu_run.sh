@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [decodeab] [pagedh200] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [decodeab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (over 555 s on an H100 with xdist: split it
@@ -155,6 +155,14 @@ for s in $stages; do
         grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|L2 Hit|Grid Size|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Stall" \
           "$OUT/ncu-paged$ps.txt" | head -20
       done ;;
+    h200todo)  # what waits for an H200 (2026-12-06): issue 17's graph table with the paged fast path as B
+               # (git show paged-fast2:kernels_cu/sm80/decode.cuh > ab/decode_fast.cuh, untracked), issue 12's
+               # causal chunk rule, the 256-row page reads per tile
+      AB_ROUNDS=${AB_ROUNDS:-1} AB_DECODE=${AB_DECODE:-ab/decode_fast.cuh} DECODE_TIMEOUT=${DECODE_TIMEOUT:-150} \
+        bash "$0" decodeab 2>&1 | grep -E "=====| x "
+      GQA_CHUNKS=${GQA_CHUNKS:-2 16} GQA_TIMEOUT=${GQA_TIMEOUT:-200} bash "$0" gqachunks 2>&1 | tail -6
+      timeout 150 python3 scripts/paged_probe.py --head-dim 128 --tiles default 8,2 4,4 --cells 1x131072 8x8192 \
+        --layouts 16s 256s 256o --json "$OUT/paged-h200.json" 2>&1 | grep " x " | tee "$OUT/paged-h200.log" ;;
     ncudecode) bash scripts/ncu_decode.sh ${NCU_DECODE_CELL:-1x131072} ${NCU_DECODE_SPLITS:-0} ;;  # ours vs cuDNN's decode kernel, memory sections
     alibi)  # issue 13's ALiBi: its GPU and compile tests, then its cost against the plain kernels
       timeout ${ALIBI_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE tests/gpu/test_alibi_gpu.py \
