@@ -232,18 +232,14 @@ def test_rotary_without_cache_seqlens_is_refused():
 
 # ------------------------------------------------------------------ the decode kernel (families.DECODE)
 
-# Decode instances allowed a few bytes of spill (NVRTC 13.5, sm_90a): softcap + paged, where the
-# next tile's page numbers (held in registers a tile ahead, decode.cuh PagedTileRows) tip ptxas
-# into spilling 4-8 bytes at 96-128 registers, far below the 255 it may use; one load per tile
-# from L1, against a load latency per tile that the prefetch removes. Since the paged walk
-# (2026-12-02) only d192 with a window and no split does; under NVRTC 13.0 (the H200's) also its
-# sm_80 instance, with softcap or without (4 B of spills, an 8-byte frame). (bytes of spill stores
-# and of stack frame, each at most; keyed (arch, head_dim, local, split_kv, softcap), paged only)
-# (arch, head_dim, local, split, softcap) of a paged instance -> its known spill bytes. (The split
-# d192 softcap instance's 16 B, from the in-kernel merge, went when the merge stopped being inlined
-# into the mainloop's allocation: sm80/decode.cuh merge_splits.)
-KNOWN_DECODE_SPILLS = {("sm_90a", 192, True, False, True): 8, ("sm_80", 192, True, False, True): 8,
-                       ("sm_80", 192, True, False, False): 8}
+# Decode instances allowed a few bytes of spill: (arch, head_dim, local, split_kv, softcap) of a paged
+# instance -> bytes of spill stores and of stack frame, each at most. None since 2026-12-06: the d192
+# windowed instances' 4-8 B (the next tile's page numbers held a tile ahead, decode.cuh PagedTileRows,
+# tipping ptxas into a spill at 96-128 registers; sm_90a, and under NVRTC 13.0 sm_80 too) went with
+# the 33rd session's decode changes (every instance compiled spill-free under NVRTC 13.0 and 13.5,
+# 34th session). (The split d192 softcap instance's 16 B, from the in-kernel merge, had gone when the
+# merge stopped being inlined into the mainloop's allocation: sm80/decode.cuh merge_splits.)
+KNOWN_DECODE_SPILLS: dict = {}
 # The same for contiguous caches, keyed alike. d32, 4 stages, softcap + split on sm_90a (NVRTC 13.0 and
 # 13.5) since the contiguous copy's addressing (2026-12-06, sm80/tile_copy.cuh StridedTileCopy): ptxas
 # settles at 64 registers and keeps one int (the lane's key column) on the stack, stored before the
