@@ -815,9 +815,9 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
     # and their batch stride a parameter, so a call with other (or no) slopes must not take it; n_new
     # is the decode kernel's seqused_add
     plan, split, decode = _plans.get(lambda: (*plan_cache.array_key((q, k_cache, v_cache)), mask.key, softmax_scale,
-                                             splits, None if table is None else (table.shape, table.strides),
-                                             None if alibi_slopes is None else alibi_slopes.shape, n_new, config),
-                                  build)
+                                                splits, None if table is None else (table.shape, table.strides),
+                                                None if alibi_slopes is None else alibi_slopes.shape, n_new, config),
+                                     build)
     prep = _Prepared(p, plan, split, n_new, decode)
     if key is not None and table is block_table and not p.empty:  # the table as given (not a contiguous copy)
         _plans.put(key, prep)
