@@ -629,12 +629,13 @@ def _capturing() -> bool:
     return cupy.cuda.get_current_stream().is_capturing()
 
 
-def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
+def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int, capturing: bool | None = None):
     """(lens, seqused) int32 device arrays of the cache lengths and the attended lengths (+ n_new);
     seqused None for device lengths (the decode kernel reads lens and clips them itself; for the
     other plans the lengths kernel derives seqused, clipped, on the device). Host
     lengths are checked to fit the appended rows and staged in one asynchronous copy
-    (cuflash/staging.py: cupy.asarray's pageable copy waited for the previous step's kernels)."""
+    (cuflash/staging.py: cupy.asarray's pageable copy waited for the previous step's kernels).
+    `capturing`: whether the stream is being captured, when the caller knows (None: asked here)."""
     import cupy
 
     if isinstance(cache_seqlens, cupy.ndarray):
@@ -649,7 +650,7 @@ def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
         n = int(cache_seqlens)
         if not 0 <= n <= cap - n_new:
             _lengths_do_not_fit(0, n, n_new, cap)
-        return _uniform_lengths(batch, n, n_new, device)
+        return _uniform_lengths(batch, n, n_new, device, capturing)
     else:
         host = _host_lengths(cache_seqlens, batch)
         bad = np.flatnonzero((host < 0) | (host + n_new > cap))
@@ -660,7 +661,7 @@ def _lengths(cache_seqlens, batch: int, n_new: int, cap: int, device: int):
     return both[:batch], both[batch:]
 
 
-def _uniform_lengths(batch: int, n: int, n_new: int, device: int):
+def _uniform_lengths(batch: int, n: int, n_new: int, device: int, capturing: bool | None = None):
     """(lens, seqused) int32 device arrays of one length n for every batch (+ n_new), staged once per
     (stream, ...) (_UNIFORM_LENGTHS). During a CUDA graph capture: written by two fill kernels into
     the graph's own memory (launch.graph_temporaries), so each replay writes them again (a staged
@@ -670,7 +671,7 @@ def _uniform_lengths(batch: int, n: int, n_new: int, device: int):
     import cupy
 
     stream = cupy.cuda.get_current_stream()
-    if stream.is_capturing():
+    if stream.is_capturing() if capturing is None else capturing:
         with launch.graph_temporaries():
             both = cupy.empty(2 * batch, dtype=cupy.int32)
         both[:batch].fill(n)
@@ -711,13 +712,16 @@ def _forward_cupy(q, k_cache, v_cache, cache_seqlens, k_new, v_new, mask: MaskOp
         prep = _plans.lookup(key)
         if prep is not None:
             p = prep.p
-            if prep.decode is not None and not prep.n_new and _one_length(cache_seqlens) and _capturing():
-                n = int(cache_seqlens)
-                if not 0 <= n <= p.seqlen_k:
-                    _lengths_do_not_fit(0, n, 0, p.seqlen_k)
-                return _execute(prep, q, k_cache, v_cache, None, None, None, None, block_table, out, lse,
-                                alibi_slopes, uniform=n)
-            lens, seqused = _lengths(cache_seqlens, p.batch, prep.n_new, p.seqlen_k, p.device)
+            capturing = None  # (asked once a call: an int length's staging asks it too)
+            if prep.decode is not None and not prep.n_new and _one_length(cache_seqlens):
+                capturing = _capturing()
+                if capturing:
+                    n = int(cache_seqlens)
+                    if not 0 <= n <= p.seqlen_k:
+                        _lengths_do_not_fit(0, n, 0, p.seqlen_k)
+                    return _execute(prep, q, k_cache, v_cache, None, None, None, None, block_table, out, lse,
+                                    alibi_slopes, uniform=n)
+            lens, seqused = _lengths(cache_seqlens, p.batch, prep.n_new, p.seqlen_k, p.device, capturing)
             return _execute(prep, q, k_cache, v_cache, lens, seqused, k_new, v_new, block_table, out, lse,
                             alibi_slopes)
 
