@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [decodeab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (over 555 s on an H100 with xdist: split it
@@ -163,6 +163,14 @@ for s in $stages; do
       GQA_CHUNKS=${GQA_CHUNKS:-2 16} GQA_TIMEOUT=${GQA_TIMEOUT:-200} bash "$0" gqachunks 2>&1 | tail -6
       timeout 150 python3 scripts/paged_probe.py --head-dim 128 --tiles default 8,2 4,4 --cells 1x131072 8x8192 \
         --layouts 16s 256s 256o --json "$OUT/paged-h200.json" 2>&1 | grep " x " | tee "$OUT/paged-h200.log" ;;
+    pagedtests)  # pages of whole tiles (2026-12-06, 35th session: sm80/decode.cuh WHOLE_PAGES): the paged and decode tests
+      timeout ${PAGED_TESTS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 tests/gpu/test_paged_gpu.py \
+        tests/gpu/test_paged_varlen_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py tests/gpu/test_decode_gpu.py \
+        tests/gpu/test_kvcache_graphs_gpu.py tests/gpu/test_kvcache_alibi_gpu.py 2>&1 | tee "$OUT/paged-tests.log" | tail -15 ;;
+    pagedab)  # the working tree's paged reads (A) against AB_DECODE's (B, default ab/decode_old.cuh): page sizes per tile
+      timeout ${PAGED_AB_TIMEOUT:-400} bash scripts/ab_sources.sh kernels_cu/sm80/decode.cuh=${AB_DECODE:-ab/decode_old.cuh} -- \
+        python3 scripts/paged_probe.py --head-dim 128 --tiles default 8,2 4,4 --cells 1x131072 8x8192 \
+        --layouts ${PAGED_LAYOUTS:-16s 64s 256s 256o} 2>&1 | grep -E "=====| x " | tee "$OUT/paged-ab.log" ;;
     ncudecode) bash scripts/ncu_decode.sh ${NCU_DECODE_CELL:-1x131072} ${NCU_DECODE_SPLITS:-0} ;;  # ours vs cuDNN's decode kernel, memory sections
     alibi)  # issue 13's ALiBi: its GPU and compile tests, then its cost against the plain kernels
       timeout ${ALIBI_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE tests/gpu/test_alibi_gpu.py \

@@ -11,7 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from cuflash import kvcache
+from cuflash import families, kvcache
+from cuflash.families.sm80 import DECODE_PAGED_TILES
 from cuflash.mask import MaskOptions
 from cuflash.testing import dtype_of, fa_rule
 
@@ -39,7 +40,7 @@ def _scatter(x, table, n_pages, page_size):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("page_size", [1, 16, 100, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 64, 100, 256])
 @pytest.mark.parametrize("h,hk,n_new", [(32, 8, 1), (8, 8, 0), (16, 2, 3), (8, 2, 9)])  # (8, 2, 9): the gather path
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("device_table", [False, True])
@@ -167,3 +168,35 @@ def test_small_pages_take_the_wide_decode_tile(monkeypatch):
                                   1 / math.sqrt(d))
         assert err <= allowed, f"batch {i}: {err:.3e} > {allowed:.3e}"
     assert float(cupy.abs(out.astype(cupy.float32) - ref.astype(cupy.float32)).max()) < 1e-2
+
+
+WHOLE_PAGE_TILES = sorted({*families.DECODE.selectable(), *(t for ts in DECODE_PAGED_TILES.values() for t in ts)})
+
+
+@pytest.mark.parametrize("tile", WHOLE_PAGE_TILES, ids=str)
+@pytest.mark.parametrize("pages_per_tile", [1, 4])
+def test_pages_of_whole_tiles_equal_contiguous(tile, pages_per_tile):
+    """Pages of a multiple of the tile's keys read each tile from one page with the contiguous copy
+    (sm80/decode.cuh WHOLE_PAGES; d96 and d192, whose rows the copy's threads do not divide, walk
+    their pages): bitwise the contiguous cache's result on the same tile and split count, lengths
+    ending inside a tile, on a page boundary and at the capacity; split and unsplit."""
+    import cupy
+
+    rng = np.random.default_rng(tile.head_dim * 100 + tile.warps * 10 + tile.stages + pages_per_tile)
+    d, page = tile.head_dim, tile.block_k * pages_per_tile
+    cap = 3 * page + tile.block_k // 2
+    lens = np.array([1, tile.block_k - 1, page, page + 1, cap])
+    b, h, hk = len(lens), 8, 2
+    mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(cupy.bfloat16)  # noqa: E731
+    q, kc, vc = mk(b, 1, h, d), mk(b, cap, hk, d), mk(b, cap, hk, d)
+    table, n_pages = _table(rng, b, cap, page)
+    kp, vp = _scatter(kc, table, n_pages, page), _scatter(vc, table, n_pages, page)
+    for splits in (1, 3):
+        kw = dict(num_splits=splits, config=tile)
+        out, lse = kvcache._forward_cupy(q, kp, vp, lens, None, None, MaskOptions.of(), None,
+                                         block_table=cupy.asarray(table), **kw)
+        ref, ref_lse = kvcache._forward_cupy(q, kc, vc, lens, None, None, MaskOptions.of(), None, **kw)
+        assert bool((out.view(cupy.uint16) == ref.view(cupy.uint16)).all()), f"{splits} splits: not bitwise"
+        assert bool((lse == ref_lse).all())
+    err, _, allowed = fa_rule(out[-1:], q[-1:], kc[-1:], vc[-1:], MaskOptions.of(), 1 / math.sqrt(d))
+    assert err <= allowed
