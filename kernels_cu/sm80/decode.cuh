@@ -257,10 +257,11 @@ __device__ __noinline__ void merge_splits(const float* o_acc, const float* lse_a
     }
 }
 
-// WHOLE_PAGES (V::kPaged, pages of a multiple of BC rows, the contiguous copy's tile shape): every
-// tile lies in one page, so a tile takes one block-table entry and the contiguous caches' copy from
-// its first row (StridedTileCopy), where the walk looks up and addresses each chunk.
-template <bool BF16, int D, int WARPS, int STAGES, class V, bool WHOLE_PAGES = false>
+// GROUPED_PAGES (V::kPaged, pages of a multiple of RowGroupTileCopy's kRowsPer rows: 16-row pages
+// and up at d128): each thread copies a run of consecutive rows, which then lie in one page, so a
+// thread takes one block-table entry and one address a tile (RowGroupTileCopy), where the walk
+// looks up and addresses each of its chunks.
+template <bool BF16, int D, int WARPS, int STAGES, class V, bool GROUPED_PAGES = false>
 __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                                                   const elem_t* __restrict__ v, elem_t* __restrict__ o,
                                                   float* __restrict__ lse, const int* __restrict__ seqused_k,
@@ -315,41 +316,45 @@ __device__ __forceinline__ void flash_decode_impl(const elem_t* __restrict__ q, 
     const int* table_row = V::kPaged ? block_table + (long long)b * params.table_stride : nullptr;
     PagedTileRows<BC, CH, kThreads> pages;  // V::kPaged: the next tile's pages (unused otherwise)
     using Copy = StridedTileCopy<BC, CH, kThreads>;  // contiguous caches (THREADS a multiple of CH)
-    static_assert(!WHOLE_PAGES || (V::kPaged && Copy::kApplies), "whole pages: a paged cache, the contiguous copy");
-    int tile_page = 0, tile_row = 0;  // WHOLE_PAGES: the next tile's page and its first row there
+    using Grouped = RowGroupTileCopy<BC, CH, kThreads>;  // GROUPED_PAGES
+    static_assert(!GROUPED_PAGES || (V::kPaged && Grouped::kApplies), "grouped pages: a paged cache, whole row groups");
+    // GROUPED_PAGES: the next tile's page of this thread's rows and their first row's place in it
+    int group_page = 0, group_in = 0;
     auto fetch_pages = [&](int n_block) {
-        if constexpr (WHOLE_PAGES) {
-            const int row = n_block * BC, entry = row / params.page_size;
-            tile_page = row < seqlen_k ? __ldg(table_row + entry) : 0;
-            tile_row = row - entry * params.page_size;
+        if constexpr (GROUPED_PAGES) {
+            const int row = n_block * BC + Grouped::first_row(tid), entry = row / params.page_size;
+            group_page = row < seqlen_k ? __ldg(table_row + entry) : 0;
+            group_in = row - entry * params.page_size;
         } else if constexpr (V::kPaged) {
             pages.fetch(table_row, params.page_size, n_block, seqlen_k, tid);
         }
     };
-    // the tile's K and V from kt, vt (its first row at row0; rows at or past n_rows zero-filled)
-    auto copy_kv = [&](u32 ks, u32 vs, const elem_t* kt, const elem_t* vt, int row0, int n_rows, bool whole) {
-        if constexpr (Copy::kApplies) {
-            if (whole) {  // every tile but a partial last one
-                Copy::template copy<true>(ks, kt, params.k_sn, row0, n_rows, tid);
-                Copy::template copy<true>(vs, vt, params.v_sn, row0, n_rows, tid);
-            } else {
-                Copy::template copy<false>(ks, kt, params.k_sn, row0, n_rows, tid);
-                Copy::template copy<false>(vs, vt, params.v_sn, row0, n_rows, tid);
-            }
-        }
-    };
     auto load_kv = [&](int slot, int n_block) {  // paged: after fetch_pages(n_block)
         const u32 ks = sK + slot * Tr::kKVTileBytes, vs = sV + slot * Tr::kKVTileBytes;
-        const bool whole = (n_block + 1) * BC <= seqlen_k;
-        if constexpr (WHOLE_PAGES) {
-            const unsigned page = (unsigned)tile_page;
-            copy_kv(ks, vs, kg + page * (unsigned long long)params.k_sb, vg + page * (unsigned long long)params.v_sb,
-                    tile_row, tile_row + seqlen_k - n_block * BC, whole);
+        const bool whole = (n_block + 1) * BC <= seqlen_k;  // every tile but a partial last one
+        if constexpr (GROUPED_PAGES) {
+            const unsigned long long page = (unsigned)group_page;
+            const int c8 = tid % CH * 8, n_ok = seqlen_k - n_block * BC - Grouped::first_row(tid);
+            const elem_t* ksrc = kg + (page * params.k_sb + (unsigned)(group_in * (int)params.k_sn + c8));
+            const elem_t* vsrc = vg + (page * params.v_sb + (unsigned)(group_in * (int)params.v_sn + c8));
+            if (whole) {
+                Grouped::template copy<true>(ks, ksrc, params.k_sn, n_ok, tid);
+                Grouped::template copy<true>(vs, vsrc, params.v_sn, n_ok, tid);
+            } else {
+                Grouped::template copy<false>(ks, ksrc, params.k_sn, n_ok, tid);
+                Grouped::template copy<false>(vs, vsrc, params.v_sn, n_ok, tid);
+            }
         } else if constexpr (V::kPaged) {
             load_kv_tile_paged<BC, CH, kThreads>(ks, vs, kg, vg, (int)params.k_sn, (int)params.v_sn, params.k_sb, params.v_sb,
                                                  pages, params.page_size, n_block, seqlen_k, tid);
         } else if constexpr (Copy::kApplies) {
-            copy_kv(ks, vs, kg, vg, n_block * BC, seqlen_k, whole);
+            if (whole) {
+                Copy::template copy<true>(ks, kg, params.k_sn, n_block * BC, seqlen_k, tid);
+                Copy::template copy<true>(vs, vg, params.v_sn, n_block * BC, seqlen_k, tid);
+            } else {
+                Copy::template copy<false>(ks, kg, params.k_sn, n_block * BC, seqlen_k, tid);
+                Copy::template copy<false>(vs, vg, params.v_sn, n_block * BC, seqlen_k, tid);
+            }
         } else {  // rows of CH chunks that THREADS does not divide (d96, d192)
             load_kv_tile<BC, CH, kThreads>(ks, vs, kg, params.k_sn, vg, params.v_sn, n_block, seqlen_k, tid);
         }
@@ -548,10 +553,11 @@ __device__ __forceinline__ void flash_decode(const elem_t* __restrict__ q, const
                                              elem_t* __restrict__ merged_o, float* __restrict__ merged_lse,
                                              int* split_counters, const FwdParams& params) {
     using Tr = Sm80DecodeTraits<D, WARPS, STAGES>;
-    if constexpr (V::kPaged && StridedTileCopy<Tr::kBlockK, Tr::kRowChunks, Tr::kNumThreads>::kApplies) {
-        // pages of whole tiles (FlashAttention's 256-row pages) take the contiguous copy; the
+    using Grouped = RowGroupTileCopy<Tr::kBlockK, Tr::kRowChunks, Tr::kNumThreads>;
+    if constexpr (V::kPaged && Grouped::kApplies) {
+        // pages of whole row groups (any multiple of 8 rows at d128) take the grouped copy; the
         // choice is the launch's, so each mainloop is compiled and allocated on its own
-        if (params.page_size % Tr::kBlockK == 0)
+        if (params.page_size % Grouped::kRowsPer == 0)
             flash_decode_impl<BF16, D, WARPS, STAGES, V, true>(q, k, v, o, lse, seqused_k, block_table, alibi_slopes, params);
         else
             flash_decode_impl<BF16, D, WARPS, STAGES, V>(q, k, v, o, lse, seqused_k, block_table, alibi_slopes, params);

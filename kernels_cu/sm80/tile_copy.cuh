@@ -96,6 +96,33 @@ struct StridedTileCopy {
     }
 };
 
+// A tile copy in which thread t copies chunk t % CH of kRowsPer CONSECUTIVE rows, from row
+// (t / CH) kRowsPer (StridedTileCopy's threads take rows kStep apart): a thread's rows then share
+// whatever holds a run of rows, e.g. one page of a paged KV cache whose page size kRowsPer divides,
+// so one lookup and one address serve them all. The caller forms the thread's first source (its
+// row's chunk); the rest are whole row strides further. A quarter-warp still writes 8 chunks of
+// one row (CH >= 8). kRowsPer a power of two (or a multiple of 8) keeps rows_below exact.
+template <int ROWS, int CH, int THREADS>
+struct RowGroupTileCopy {
+    static constexpr int kGroups = THREADS / CH;
+    static constexpr int kRowsPer = kGroups > 0 ? ROWS / kGroups : 0;
+    static constexpr bool kApplies = THREADS % CH == 0 && kGroups > 0 && ROWS % kGroups == 0 &&
+                                     (!SmemRow<CH>::kSwizzled || (kRowsPer & (kRowsPer - 1)) == 0 || kRowsPer % 8 == 0);
+
+    // this thread's first row within the tile
+    __device__ __forceinline__ static int first_row(int tid) { return tid / CH * kRowsPer; }
+
+    // rows from src (this thread's first row, its chunk) into the tile at s_base; with !WHOLE, the
+    // thread's rows from n_ok on are zero-filled (src-size 0: their addresses are formed, never read)
+    template <bool WHOLE>
+    __device__ __forceinline__ static void copy(u32 s_base, const elem_t* src, long long row_stride, int n_ok, int tid) {
+        static_assert(kApplies, "needs THREADS a multiple of CH and whole row groups");
+        const u32 dst = s_base + swz<CH>(first_row(tid), tid % CH);
+#pragma unroll
+        for (int j = 0; j < kRowsPer; ++j) cp_async_16(rows_below<CH>(dst, j), src + j * row_stride, WHOLE || j < n_ok);
+    }
+};
+
 // K and V tiles of one ring slot (the forward's and the dQ kernel's stage); PARTIAL: K's rows hold
 // d_chunks chunks, V's v_chunks (v's own head dim; d_chunks when it is q's and k's).
 template <int BC, int CH, int THREADS, bool PARTIAL = false>

@@ -1,7 +1,7 @@
 """Paged KV caches (attention_with_kvcache(block_table=...), issue 17): a contiguous cache scattered
 into shuffled pages must give BITWISE the contiguous result on the decode kernel (the same rows in
 the same order: only their addresses differ), and the contiguous result within FlashAttention's
-rule on the gather path (more rows per K/V head than the decode tile). Page sizes 1, 16, 100, 256;
+rule on the gather path (more rows per K/V head than the decode tile). Page sizes 1, 16, 64, 100, 256;
 lengths 0, 1, page boundaries +-1 and the capacity; n_new appended into the pages (checked row by
 row against the contiguous append); host and device tables; split-KV; GQA; torch."""
 from __future__ import annotations
@@ -170,21 +170,32 @@ def test_small_pages_take_the_wide_decode_tile(monkeypatch):
     assert float(cupy.abs(out.astype(cupy.float32) - ref.astype(cupy.float32)).max()) < 1e-2
 
 
-WHOLE_PAGE_TILES = sorted({*families.DECODE.selectable(), *(t for ts in DECODE_PAGED_TILES.values() for t in ts)})
+GROUPED_PAGE_TILES = sorted({*families.DECODE.selectable(), *(t for ts in DECODE_PAGED_TILES.values() for t in ts)})
 
 
-@pytest.mark.parametrize("tile", WHOLE_PAGE_TILES, ids=str)
-@pytest.mark.parametrize("pages_per_tile", [1, 4])
-def test_pages_of_whole_tiles_equal_contiguous(tile, pages_per_tile):
-    """Pages of a multiple of the tile's keys read each tile from one page with the contiguous copy
-    (sm80/decode.cuh WHOLE_PAGES; d96 and d192, whose rows the copy's threads do not divide, walk
-    their pages): bitwise the contiguous cache's result on the same tile and split count, lengths
-    ending inside a tile, on a page boundary and at the capacity; split and unsplit."""
+def _rows_per_thread(tile):
+    """RowGroupTileCopy::kRowsPer: the consecutive rows one thread copies (0 where THREADS % CH != 0)."""
+    chunks = tile.head_dim // 8
+    groups = tile.threads // chunks if tile.threads % chunks == 0 else 0
+    return tile.block_k // groups if groups and tile.block_k % groups == 0 else 0
+
+
+@pytest.mark.parametrize("tile", GROUPED_PAGE_TILES, ids=str)
+@pytest.mark.parametrize("pages", ["1 group", "3 groups", "4 tiles"])
+def test_pages_of_whole_row_groups_equal_contiguous(tile, pages):
+    """Pages of a multiple of the rows one copying thread takes (sm80/decode.cuh GROUPED_PAGES:
+    RowGroupTileCopy, one page lookup a thread and tile; d96 and d192, whose rows the threads do not
+    divide, walk their pages): bitwise the contiguous cache's result on the same tile and split
+    count, with pages of one thread's rows, of three (page edges inside a thread's tile share), and
+    of four tiles; lengths ending inside a tile, on a page boundary and at the capacity; split and
+    unsplit."""
     import cupy
 
-    rng = np.random.default_rng(tile.head_dim * 100 + tile.warps * 10 + tile.stages + pages_per_tile)
-    d, page = tile.head_dim, tile.block_k * pages_per_tile
-    cap = 3 * page + tile.block_k // 2
+    rng = np.random.default_rng(tile.head_dim * 100 + tile.warps * 10 + tile.stages + len(pages))
+    d, rows = tile.head_dim, _rows_per_thread(tile) or 8
+    n, unit = pages.split(" ")
+    page = int(n) * (rows if unit.startswith("group") else tile.block_k)
+    cap = 3 * tile.block_k + 3 * page + 5
     lens = np.array([1, tile.block_k - 1, page, page + 1, cap])
     b, h, hk = len(lens), 8, 2
     mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(cupy.bfloat16)  # noqa: E731
