@@ -112,3 +112,39 @@ def test_tile_copy_covers_every_chunk_once(d, threads):
                     written.append(int(swz(idx // ch, idx % ch, ch)))
     rr, cc = np.meshgrid(np.arange(rows), np.arange(ch), indexing="ij")
     assert sorted(int(x) for x in written) == sorted(swz(rr, cc, ch).ravel().tolist())
+
+
+def _rows_below(dst, rows, ch):
+    """tile_copy.cuh rows_below: the same chunk `rows` rows further down."""
+    return (dst ^ (16 * (rows & 7))) + rows * row_bytes(ch) if ch % 8 == 0 else dst + rows * row_bytes(ch)
+
+
+@pytest.mark.parametrize("d", (32, 64, 96, 128, 192, 256))
+@pytest.mark.parametrize("threads", (64, 128, 256))
+@pytest.mark.parametrize("rows", (32, 64, 128))
+def test_row_group_copy_covers_every_chunk_once(d, threads, rows):
+    """RowGroupTileCopy (thread t: chunk t % CH of kRowsPer consecutive rows from (t / CH) kRowsPer,
+    the paged decode's GROUPED_PAGES copy) writes each (row, chunk) of the tile exactly once, each
+    row's address one rows_below step from the thread's first row's, where kApplies holds; and a
+    quarter-warp's 8 writes fall in 8 distinct bank groups where a row holds 8 chunks or more."""
+    ch = d // 8
+    groups = threads // ch if threads % ch == 0 else 0
+    per = rows // groups if groups and rows % groups == 0 else 0
+    applies = per > 0 and (ch % 8 or per & (per - 1) == 0 or per % 8 == 0)
+    if not applies:
+        pytest.skip("RowGroupTileCopy::kApplies is false: the walk copies")
+    written = {}
+    for tid in range(threads):
+        first, c = tid // ch * per, tid % ch
+        dst = int(swz(first, c, ch))
+        for j in range(per):
+            a = _rows_below(dst, j, ch)
+            assert a == swz(first + j, c, ch), (tid, j)
+            written.setdefault(j, []).append((tid, a))
+    flat = sorted(a for w in written.values() for _, a in w)
+    rr, cc = np.meshgrid(np.arange(rows), np.arange(ch), indexing="ij")
+    assert flat == sorted(swz(rr, cc, ch).ravel().tolist())
+    if ch >= 8:
+        for w in written.values():
+            for q0 in range(0, threads, 8):
+                assert len({int(bank_group(a)) for t, a in w if q0 <= t < q0 + 8}) == 8
