@@ -166,7 +166,9 @@ for s in $stages; do
     pagedtests)  # pages of whole tiles (2026-12-06, 35th session: sm80/decode.cuh WHOLE_PAGES): the paged and decode tests
       timeout ${PAGED_TESTS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 tests/gpu/test_paged_gpu.py \
         tests/gpu/test_paged_varlen_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py tests/gpu/test_decode_gpu.py \
-        tests/gpu/test_kvcache_graphs_gpu.py tests/gpu/test_kvcache_alibi_gpu.py 2>&1 | tee "$OUT/paged-tests.log" | tail -15 ;;
+        tests/gpu/test_kvcache_graphs_gpu.py tests/gpu/test_kvcache_alibi_gpu.py tests/gpu/test_cache_batch_gpu.py \
+        tests/gpu/test_cache_leftpad_gpu.py 2>&1 | tee "$OUT/paged-tests.log" | tail -15
+      sanitize_script scripts/sanitize_paged.py "$OUT/sanitize-paged.log" ;;
     pagedab)  # the working tree's paged reads (A) against AB_DECODE's (B, default ab/decode_old.cuh): page sizes per tile
       timeout ${PAGED_AB_TIMEOUT:-400} bash scripts/ab_sources.sh kernels_cu/sm80/decode.cuh=${AB_DECODE:-ab/decode_old.cuh} -- \
         python3 scripts/paged_probe.py --head-dim 128 --tiles default 8,2 4,4 --cells 1x131072 8x8192 \
