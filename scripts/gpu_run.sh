@@ -168,7 +168,8 @@ for s in $stages; do
         tests/gpu/test_paged_varlen_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py tests/gpu/test_decode_gpu.py \
         tests/gpu/test_kvcache_graphs_gpu.py tests/gpu/test_kvcache_alibi_gpu.py tests/gpu/test_cache_batch_gpu.py \
         tests/gpu/test_cache_leftpad_gpu.py 2>&1 | tee "$OUT/paged-tests.log" | tail -15
-      sanitize_script scripts/sanitize_paged.py "$OUT/sanitize-paged.log" ;;
+      timeout 150 compute-sanitizer --tool memcheck --report-api-errors no --print-limit 20 python3 scripts/sanitize_paged.py 2>&1 \
+        | tail -3 | tee "$OUT/sanitize-paged.log" ;;
     pagedab)  # the working tree's paged reads (A) against AB_DECODE's (B, default ab/decode_old.cuh): page sizes per tile
       timeout ${PAGED_AB_TIMEOUT:-400} bash scripts/ab_sources.sh kernels_cu/sm80/decode.cuh=${AB_DECODE:-ab/decode_old.cuh} -- \
         python3 scripts/paged_probe.py --head-dim 128 --tiles default 8,2 4,4 --cells 1x131072 8x8192 \
