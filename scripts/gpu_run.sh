@@ -172,7 +172,7 @@ for s in $stages; do
         | tail -3 | tee "$OUT/sanitize-paged.log" ;;
     pagedab)  # the working tree's paged reads (A) against AB_DECODE's (B, default ab/decode_old.cuh): page sizes per tile
       timeout ${PAGED_AB_TIMEOUT:-400} bash scripts/ab_sources.sh kernels_cu/sm80/decode.cuh=${AB_DECODE:-ab/decode_old.cuh} -- \
-        python3 scripts/paged_probe.py --head-dim 128 --tiles default 8,2 4,4 --cells 1x131072 8x8192 \
+        python3 scripts/paged_probe.py --head-dim 128 --tiles ${PAGED_TILES:-default 4,3 8,2 4,4} --cells 1x131072 8x8192 \
         --layouts ${PAGED_LAYOUTS:-16s 64s 256s 256o} 2>&1 | grep -E "=====| x " | tee "$OUT/paged-ab.log" ;;
     ncudecode) bash scripts/ncu_decode.sh ${NCU_DECODE_CELL:-1x131072} ${NCU_DECODE_SPLITS:-0} ;;  # ours vs cuDNN's decode kernel, memory sections
     alibi)  # issue 13's ALiBi: its GPU and compile tests, then its cost against the plain kernels
