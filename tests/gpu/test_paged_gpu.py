@@ -198,7 +198,7 @@ def test_pages_of_whole_row_groups_equal_contiguous(tile, pages):
     cap = 3 * tile.block_k + 3 * page + 5
     lens = np.array([1, tile.block_k - 1, page, page + 1, cap])
     b, h, hk = len(lens), 8, 2
-    mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(cupy.bfloat16)  # noqa: E731
+    mk = lambda *shape: cupy.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype_of("bfloat16"))  # noqa: E731
     q, kc, vc = mk(b, 1, h, d), mk(b, cap, hk, d), mk(b, cap, hk, d)
     table, n_pages = _table(rng, b, cap, page)
     kp, vp = _scatter(kc, table, n_pages, page), _scatter(vc, table, n_pages, page)
