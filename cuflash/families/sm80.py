@@ -266,7 +266,10 @@ def _decode_paged_tile(tile, p, props):
     the copy). Not taken where (batch, K/V head)s already
     fill two 4-warp blocks per SM (64 x 2k: at d128 the 4-warp default 0.98, 8 warps 0.95; at d64
     8 warps 0.92-0.94, 4 warps 0.87-0.89). Where the 3-stage tile does not fit (A100's 163 KB), the
-    2-stage one (d128 paged 16 on the H100: 0.96-0.97; not run on an A100)."""
+    2-stage one (d128 paged 16 on the H100: 0.96-0.97; not run on an A100). With the grouped
+    copy (2026-12-06, sm80/decode.cuh GROUPED_PAGES) 16-row pages at d128 read 0.978 / 0.968 on the
+    8-warp tile against 0.965 / 0.960 on the 4-warp default (H100, 1 x 128k / 8 x 8k): the rule
+    still gains, by less."""
     cands = DECODE_PAGED_TILES.get((tile.head_dim, p.page_size < 64), ())
     if not cands or tile in cands or p.batch * p.heads_kv >= 2 * props.sm_count:
         return tile

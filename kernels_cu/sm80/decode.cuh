@@ -75,6 +75,7 @@ struct Sm80DecodeTraits {
 // tile, then (page, row in page) advanced by kStep (PageWalk); a division per chunk in both the
 // lookup and the copy doubled the kernel's instructions and held paged caches at ~0.55-0.6x of
 // contiguous ones in cells the contiguous kernel reads at the copy bandwidth (H200, 2026-12-02).
+// Page sizes that are a multiple of RowGroupTileCopy's kRowsPer do not walk (GROUPED_PAGES below).
 template <int BC, int CH, int THREADS>
 struct PagedTileRows {
     static constexpr int kChunks = BC * CH;
