@@ -119,20 +119,26 @@ def _rows_below(dst, rows, ch):
     return (dst ^ (16 * (rows & 7))) + rows * row_bytes(ch) if ch % 8 == 0 else dst + rows * row_bytes(ch)
 
 
-@pytest.mark.parametrize("d", (32, 64, 96, 128, 192, 256))
-@pytest.mark.parametrize("threads", (64, 128, 256))
-@pytest.mark.parametrize("rows", (32, 64, 128))
-def test_row_group_copy_covers_every_chunk_once(d, threads, rows):
-    """RowGroupTileCopy (thread t: chunk t % CH of kRowsPer consecutive rows from (t / CH) kRowsPer,
-    the paged decode's GROUPED_PAGES copy) writes each (row, chunk) of the tile exactly once, each
-    row's address one rows_below step from the thread's first row's, where kApplies holds; and a
-    quarter-warp's 8 writes fall in 8 distinct bank groups where a row holds 8 chunks or more."""
+def _row_group_shape(d, threads, rows):
+    """RowGroupTileCopy's (CH, kRowsPer) where kApplies holds, else None (the walk copies)."""
     ch = d // 8
     groups = threads // ch if threads % ch == 0 else 0
     per = rows // groups if groups and rows % groups == 0 else 0
-    applies = per > 0 and (ch % 8 or per & (per - 1) == 0 or per % 8 == 0)
-    if not applies:
-        pytest.skip("RowGroupTileCopy::kApplies is false: the walk copies")
+    return (ch, per) if per > 0 and (ch % 8 or per & (per - 1) == 0 or per % 8 == 0) else None
+
+
+ROW_GROUP_CASES = [(d, t, r) for d in (32, 64, 96, 128, 192, 256) for t in (64, 128, 256) for r in (32, 64, 128)
+                   if _row_group_shape(d, t, r)]
+
+
+@pytest.mark.parametrize("d,threads,rows", ROW_GROUP_CASES)
+def test_row_group_copy_covers_every_chunk_once(d, threads, rows):
+    """RowGroupTileCopy (thread t: chunk t % CH of kRowsPer consecutive rows from (t / CH) kRowsPer,
+    the paged decode's GROUPED_PAGES copy) writes each (row, chunk) of the tile exactly once, each
+    row's address one rows_below step from the thread's first row's, for every shape where kApplies
+    holds; and a quarter-warp's 8 writes fall in 8 distinct bank groups where a row holds 8 chunks
+    or more."""
+    ch, per = _row_group_shape(d, threads, rows)
     written = {}
     for tid in range(threads):
         first, c = tid // ch * per, tid % ch

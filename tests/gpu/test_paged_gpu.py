@@ -186,8 +186,8 @@ def test_pages_of_whole_row_groups_equal_contiguous(tile, pages):
     """Pages of a multiple of the rows one copying thread takes (sm80/decode.cuh GROUPED_PAGES:
     RowGroupTileCopy, one page lookup a thread and tile; d96 and d192, whose rows the threads do not
     divide, walk their pages): bitwise the contiguous cache's result on the same tile and split
-    count, with pages of one thread's rows, of three (page edges inside a thread's tile share), and
-    of four tiles; lengths ending inside a tile, on a page boundary and at the capacity; split and
+    count, with pages of one thread's rows, of three (page edges inside a tile, between threads'
+    runs), and of four tiles; lengths ending inside a tile, on a page boundary and at the capacity; split and
     unsplit."""
     import cupy
 
