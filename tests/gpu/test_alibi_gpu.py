@@ -122,6 +122,42 @@ def test_the_automatic_forward_takes_the_hopper_kernel_with_alibi():
     assert bool((auto.view(cupy.uint16) == forced.view(cupy.uint16)).all())
 
 
+# The Hopper forward's d64 tiles, across both forms of its bias (kernels_cu/sm90/fwd.cuh: the whole
+# bias per score, or split into a column part per score and a row part through the row max, by
+# consumers and key block). (block_k, consumers, pingpong, q_stages)
+HOPPER_D64_TILES = [(128, 3, 1, 1), (128, 3, 0, 2), (96, 3, 1, 1), (96, 3, 1, 2), (128, 2, 0, 2), (128, 2, 1, 1)]
+
+
+@pytest.mark.parametrize("tile", HOPPER_D64_TILES, ids=lambda t: "bk{}c{}pp{}q{}".format(*t))
+@pytest.mark.parametrize("nq,nk,causal,window,alignment,softcap,per_batch",
+                         [CASES[1], CASES[3], CASES[5], CASES[6], (700, 1500, False, (-1, -1), "bottom_right", 0.0, False),
+                          (1500, 700, True, (-1, -1), "top_left", 0.0, True)])
+def test_alibi_forward_on_each_hopper_d64_tile(nq, nk, causal, window, alignment, softcap, per_batch, tile):
+    """Each d64 tile of the sm90 forward, named explicitly (the automatic choice takes one per shape),
+    with blocks left of, right of and across the diagonals, against the float64 reference."""
+    import cupy
+    from cuflash import device
+    from cuflash.tiles import Sm90FwdConfig
+
+    if device.query(0).cc != (9, 0):
+        pytest.skip("the sm90 forward runs on compute capability 9.0 only")
+    case = (nq, nk, causal, window, alignment, softcap, per_batch, tile)
+    rng = np.random.default_rng(_seed(*case))
+    q, k, v = random_qkv(rng, 2, nq, nk, 4, 64, dtype_of("bfloat16"), heads_kv=2)
+    slopes = _slopes(rng, 2, 4, per_batch)
+    mask = MaskOptions.of(causal=causal, window_size=window, alignment=alignment, softcap=softcap)
+    cfg = Sm90FwdConfig(head_dim=64, block_k=tile[0], consumers=tile[1], stages=2, pingpong=tile[2], overlap=1,
+                        q_stages=tile[3], persistent=1)
+    out, lse = _poisoned(q, k=k, v=v, mask=mask, alibi_slopes=slopes, config=cfg)
+    assert not bool(cupy.isnan(out.astype(cupy.float32)).any())
+    err, pt, allowed = fa_rule(out, q, k, v, mask, 1 / 8, alibi_slopes=slopes)
+    assert err <= allowed, f"max err {err:.3e} > allowed {allowed:.3e} (same-dtype {pt:.3e})"
+    _, lse_ref = naive(q, k, v, mask, 1 / 8, cupy.float64, alibi_slopes=slopes)
+    finite = cupy.isfinite(lse_ref)
+    assert bool((cupy.isfinite(lse) == finite).all())
+    assert float(cupy.abs(lse.astype(cupy.float64) - lse_ref)[finite].max()) < 2e-3
+
+
 # (seqlen_q, seqlen_k, causal, window_size, alignment, softcap, slopes per batch)
 BWD_CASES = [CASES[0], CASES[1], CASES[2], CASES[3], CASES[5], CASES[6], CASES[7], CASES[9]]
 
