@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (over 555 s on an H100 with xdist: split it
@@ -179,6 +179,12 @@ for s in $stages; do
       timeout ${ALIBI_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE tests/gpu/test_alibi_gpu.py \
         tests/gpu/test_kvcache_alibi_gpu.py tests/test_alibi.py >"$OUT/alibi-tests.log" 2>&1; grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/alibi-tests.log" | tail -30
       timeout 240 python3 scripts/bench_alibi.py --json "$OUT/bench-alibi.json" 2>&1 | tee "$OUT/bench-alibi.log" ;;
+    alibitiles)  # issue 13's ALiBi d64 forward per named tile, the working tree (A) against AB_FWD (B, an older
+                 # kernels_cu/sm90/fwd.cuh, untracked: e.g. git show HEAD:kernels_cu/sm90/fwd.cuh > ab/fwd_old.cuh),
+                 # then the explicit-tile GPU test on A
+      timeout ${ALIBI_TILES_TIMEOUT:-300} bash scripts/ab_sources.sh kernels_cu/sm90/fwd.cuh=${AB_FWD:-ab/fwd_old.cuh} -- \
+        python3 scripts/bench_alibi_tiles.py --rounds 3 2>&1 | grep -E "=====|^N|Error" | tee "$OUT/alibi-tiles-ab.log"
+      timeout 100 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_alibi_gpu.py -k hopper_d64 2>&1 | tail -3 ;;
     scoremod)  # issue 13's user snippets: their GPU and CPU tests, then their cost against the built-ins
       timeout ${SCOREMOD_TIMEOUT:-300} python3 -m pytest -v $XDIST -p no:cacheprovider -rfE -s tests/gpu/test_score_mod_gpu.py \
         tests/test_score_mods.py >"$OUT/scoremod-tests.log" 2>&1
