@@ -124,6 +124,12 @@ KNOWN_SM90_BWD_SPILLS: dict = {(128, ("varlen",)): 4,
                                (128, ("dropout",)): 12, (128, ("dropout", "softcap")): 24}
 
 
+# The sm90 forward's d64 default (three consumers, 128-key ping-pong tile) with ALiBi's split form,
+# which ran 2-7% faster than the whole bias per score despite these (kernels_cu/sm90/fwd.cuh
+# kAlibiSplit; H100, docs/bench/h100-alibi-split3c-ab-2026-12-06b.log): spill bytes, NVRTC 13.0 and 13.5
+KNOWN_SM90_FWD_SPILLS: dict = {(64, ()): 12, (64, ("local",)): 16}
+
+
 @pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loadable (install nvidia-cuda-nvrtc)")
 @pytest.mark.parametrize("d,extra", CASES + [(d, ("dropout", "softcap")) for d in (64, 128)],
                          ids=lambda x: "+".join(x) if isinstance(x, tuple) else str(x))
@@ -132,7 +138,7 @@ KNOWN_SM90_BWD_SPILLS: dict = {(128, ("varlen",)): 4,
 def test_alibi_instances_compile_without_spills(fam, d, extra):
     """The tile the package picks for an ALiBi call (the family's default for the call's features,
     which skips the tiles marked as spilling) compiles for sm_80 and sm_90a without spills (the sm90
-    backward: no more than its known ones)."""
+    backward and the sm90 forward at d64: no more than their known ones)."""
     f = Features("bfloat16", d, alibi=True, **{e: True for e in extra})
     if not fam.supports(f):
         pytest.skip(f"{fam.name} has no instance for {f}")
@@ -140,6 +146,7 @@ def test_alibi_instances_compile_without_spills(fam, d, extra):
     for arch in ("sm_90a",) if fam.arch_specific else ("sm_80", "sm_90a"):
         rep = _compile.compile_report(_compile.kernel_source(cfg, f), arch)
         assert rep["registers"] > 0, rep["log"][-2000:]
-        known = KNOWN_SM90_BWD_SPILLS.get((d, extra), 0) if fam is families.BWD_SM90 else 0
+        known = (KNOWN_SM90_BWD_SPILLS.get((d, extra), 0) if fam is families.BWD_SM90
+                 else KNOWN_SM90_FWD_SPILLS.get((d, extra), 0) if fam is families.FWD_SM90 else 0)
         assert rep["spill_stores"] <= known, (cfg, f, arch, rep["log"][-2000:])
         assert "serialized" not in rep["log"].lower(), (cfg, rep["log"][-2000:])

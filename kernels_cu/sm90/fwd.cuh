@@ -200,6 +200,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
     // softcap and ALiBi together: the d128 128-key tile then spilled 60-96 B (NVRTC 13.0).
     constexpr bool kStagedO = !V::kPartialD && !V::kDropout && !(V::kSoftcap && V::kAlibi) && QSTAGES == 2 &&
                               CONSUMERS <= 2;
+    // ALiBi's form (attn/score_mod.cuh): split (one FFMA per score off the diagonal, the row part
+    // through the row max) or the whole bias per score (an FADD and an FFMA). The split form holds
+    // two row shifts through the softmax; on three consumers that spills 4-16 B on the 128-key
+    // ping-pong tiles (d64, NVRTC 13.0 and 13.5), yet ran 2-7% faster there than the whole bias (H100,
+    // docs/bench/h100-alibi-split3c-ab-2026-12-06b.log). With softcap, dropout or varlen + a window,
+    // three consumers' split spilled 8-124 B: those keep the whole bias.
+    constexpr bool kAlibiSplit = CONSUMERS < 3 || !(V::kSoftcap || V::kDropout || (V::kVarlen && V::kLocal));
     // V::kVarlen: q, k, v are packed (total, heads, D) and mapped as one batch of total rows; a
     // tile's rows are its sequence's, from the offsets (the maps read past a sequence's end into the
     // next one's rows: masked keys, queries never stored)
@@ -383,20 +390,18 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                     if (full) user_mod.template apply<false>(acc_s, r0 + warp_row0, j * BC, lane);
                     else user_mod.apply(acc_s, r0 + warp_row0, j * BC, lane);
                 }
-                // ALiBi's row part: its split form (one FFMA per score off the diagonal) keeps two row
-                // shifts through the softmax, which three consumers' 128 registers cannot hold (12 B of
-                // spills at d64): they add the whole bias per score (an FADD and an FFMA)
+                // ALiBi: the split form or the whole bias per score (kAlibiSplit)
                 float shift[2] = {0.f, 0.f};
                 if constexpr (V::kAlibi) {
-                    if constexpr (CONSUMERS >= 3) alibi.apply(acc_s, r0 + warp_row0, j * BC, lane);
-                    else alibi.apply_split(acc_s[0], r0 + warp_row0, j * BC, lane, shift);
+                    if constexpr (kAlibiSplit) alibi.apply_split(acc_s[0], r0 + warp_row0, j * BC, lane, shift);
+                    else alibi.apply(acc_s, r0 + warp_row0, j * BC, lane);
                 }
                 if (range.masked_tail(j)) mask.apply<false, true>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
                 if (range.masked_head(j)) mask.apply<true, false>(acc_s, r0 + warp_row0, j * BC, lane, neg_inf());
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     float m_scaled;
-                    if constexpr (V::kAlibi && CONSUMERS < 3) {
+                    if constexpr (V::kAlibi && kAlibiSplit) {
                         m_scaled = softmax.max_get_scale_shifted(acc_s[0], 0, half, scale_log2, corr[half], shift[half]);
                         m_scaled = fmaf(-shift[half], scale_log2, m_scaled);  // the exp's m, in this block's frame
                     } else {
