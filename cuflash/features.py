@@ -124,9 +124,9 @@ class Features:
         without ping-pong runs it at 0.82x. `partial_d` keeps its class: it runs the tiles of its
         instantiated head dim. `alibi` (without dropout or softcap, whose classes it keeps) has its
         own class too: its bias costs an FFMA per score, which at d64 moved the sm90 forward off
-        its class's pace (0.84-0.89x of plain on the dense tile, 2026-12-01) while the bias's split
-        form runs only on two-consumer tiles, so its best tile may be another; a GPU without ALiBi
-        entries takes the dense ones (PERF_CLASS_FALLBACK)."""
+        its class's pace (0.84-0.89x of plain on the dense tile, 2026-12-01), and the bias's form
+        depends on the tile (kernels_cu/sm90/fwd.cuh kAlibiSplit), so its best tile may be another;
+        a GPU without ALiBi entries takes the dense ones (PERF_CLASS_FALLBACK)."""
         return "dropout" if self.dropout else "softcap" if self.softcap else "alibi" if self.alibi else "dense"
 
     @classmethod

@@ -71,7 +71,7 @@ NVDISASM = nvdisasm()
 out = {}
 for e in json.load(open(sys.argv[1]))["entries"]:
     fam = families.REGISTRY[e["kernel"]]
-    feats = Features(e["dtype"], e["head_dim"], dropout=e["perf_class"] == "dropout", softcap=e["perf_class"] == "softcap")
+    feats = Features.of_class(e["dtype"], e["head_dim"], e["perf_class"])  # ALiBi's class too
     for which in ("config", "default_config"):
         tile = fam.tile_cls(**e[which])
         key = f'{e["kernel"]}|{tile}|{feats.tag()}'
@@ -94,7 +94,7 @@ def _keys(entry) -> list:
     from cuflash.features import Features
 
     fam = families.REGISTRY[entry["kernel"]]
-    tag = Features(entry["dtype"], entry["head_dim"], dropout=entry["perf_class"] == "dropout", softcap=entry["perf_class"] == "softcap").tag()
+    tag = Features.of_class(entry["dtype"], entry["head_dim"], entry["perf_class"]).tag()
     return [f'{entry["kernel"]}|{fam.tile_cls(**entry[w])}|{tag}' for w in ("config", "default_config")]
 
 
