@@ -125,7 +125,7 @@ KNOWN_SM90_BWD_SPILLS: dict = {(128, ("varlen",)): 4,
 
 
 # The sm90 forward's d64 default (three consumers, 128-key ping-pong tile) with ALiBi's split form,
-# which ran 2-7% faster than the whole bias per score despite these (kernels_cu/sm90/fwd.cuh
+# which ran 3-7% faster than the whole bias per score despite these (kernels_cu/sm90/fwd.cuh
 # kAlibiSplit; H100, docs/bench/h100-alibi-split3c-ab-2026-12-06b.log): spill bytes, NVRTC 13.0 and 13.5
 KNOWN_SM90_FWD_SPILLS: dict = {(64, ()): 12, (64, ("local",)): 16}
 

@@ -203,8 +203,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
     // ALiBi's form (attn/score_mod.cuh): split (one FFMA per score off the diagonal, the row part
     // through the row max) or the whole bias per score (an FADD and an FFMA). The split form holds
     // two row shifts through the softmax; on three consumers that spills 4-16 B on the 128-key
-    // ping-pong tiles (d64, NVRTC 13.0 and 13.5), yet ran 2-7% faster there than the whole bias (H100,
-    // docs/bench/h100-alibi-split3c-ab-2026-12-06b.log). With softcap, dropout or varlen + a window,
+    // ping-pong tiles (d64, NVRTC 13.0 and 13.5), yet ran 1.5-7% faster there than the whole bias
+    // (H100, docs/bench/h100-alibi-split3c-ab-2026-12-06b.log). With softcap, dropout or varlen + a window,
     // three consumers' split spilled 8-124 B: those keep the whole bias.
     constexpr bool kAlibiSplit = CONSUMERS < 3 || !(V::kSoftcap || V::kDropout || (V::kVarlen && V::kLocal));
     // V::kVarlen: q, k, v are packed (total, heads, D) and mapped as one batch of total rows; a

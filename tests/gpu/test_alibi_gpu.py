@@ -122,15 +122,17 @@ def test_the_automatic_forward_takes_the_hopper_kernel_with_alibi():
     assert bool((auto.view(cupy.uint16) == forced.view(cupy.uint16)).all())
 
 
-# The Hopper forward's d64 tiles, across both forms of its bias (kernels_cu/sm90/fwd.cuh: the whole
-# bias per score, or split into a column part per score and a row part through the row max, by
-# consumers and key block). (block_k, consumers, pingpong, q_stages)
+# The Hopper forward's d64 tiles, across both forms of its bias (kernels_cu/sm90/fwd.cuh kAlibiSplit:
+# split into a column part per score and a row part through the row max, or, on three consumers with
+# softcap (the case with 5.0 below), dropout or varlen + window, the whole bias per score).
+# (block_k, consumers, pingpong, q_stages)
 HOPPER_D64_TILES = [(128, 3, 1, 1), (128, 3, 0, 2), (96, 3, 1, 1), (96, 3, 1, 2), (128, 2, 0, 2), (128, 2, 1, 1)]
 
 
 @pytest.mark.parametrize("tile", HOPPER_D64_TILES, ids=lambda t: "bk{}c{}pp{}q{}".format(*t))
 @pytest.mark.parametrize("nq,nk,causal,window,alignment,softcap,per_batch",
-                         [CASES[1], CASES[3], CASES[5], CASES[6], (700, 1500, False, (-1, -1), "bottom_right", 0.0, False),
+                         [CASES[1], CASES[3], CASES[5], CASES[6], CASES[9],
+                          (700, 1500, False, (-1, -1), "bottom_right", 0.0, False),
                           (1500, 700, True, (-1, -1), "top_left", 0.0, True)])
 def test_alibi_forward_on_each_hopper_d64_tile(nq, nk, causal, window, alignment, softcap, per_batch, tile):
     """Each d64 tile of the sm90 forward, named explicitly (the automatic choice takes one per shape),
