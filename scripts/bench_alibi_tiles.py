@@ -4,7 +4,7 @@
 
 bf16, d64, 32 heads, batch 16384 / seqlen, causal and not. Per cell: the plain forward on its
 automatic tile, then ALiBi on each tile of TILES (the default and the shipped alibi entries, named
-explicitly, so a source edit that stales the tuning table does not change what runs), alternating
+explicitly, so what runs does not depend on the tuning table), alternating
 (cuflash._timing.time_rounds). Run it under scripts/ab_sources.sh to set two versions of
 kernels_cu/sm90/fwd.cuh side by side.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-# (block_k, consumers, stages, pingpong, q_stages, persistent): the d64 default, then the tuning
-# table's alibi entries (N2048, N8192, N2048 causal, N8192 causal; tuned 2026-12-05 on the H200), then
-# two more 96-key three-consumer tiles
+# (block_k, consumers, stages, pingpong, q_stages, persistent): the d64 default, then the alibi entries
+# tuned on the H200 on 2026-12-05 (N2048, N8192, N2048 causal, N8192 causal; all but N2048 causal
+# retired on 2026-12-06 when the split bias changed their code), then two more 96-key three-consumer tiles
 TILES = [(128, 3, 2, 1, 1, 1), (128, 3, 2, 0, 2, 2), (128, 3, 2, 1, 2, 1), (128, 2, 2, 0, 2, 2), (96, 3, 2, 1, 1, 2),
          (96, 3, 2, 1, 2, 2), (96, 3, 2, 0, 2, 2)]
 
