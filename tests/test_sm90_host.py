@@ -267,9 +267,11 @@ def test_defaults_are_selectable_and_implementable_on_hopper():
         assert f.default(d, H200.smem_optin) == f.defaults[d][0]
         dropout = Features("bfloat16", d, True)  # the first default that does not spill for dropout
         assert f.default(d, H200.smem_optin, dropout) == next(t for t in f.defaults[d] if not f.avoids(t, dropout))
-        for t in f.defaults[d]:
+        class_tiles = [t for table in f.class_defaults.values() for t in table.get(d, ())]
+        for t in (*f.defaults[d], *class_tiles):
             assert t in f.space(d, H200.smem_optin) and f.can_implement(t, H200) is None
-    assert f.selectable() == sorted({t for ts in f.defaults.values() for t in ts})
+    assert f.selectable() == sorted({t for table in (f.defaults, *f.class_defaults.values())
+                                     for ts in table.values() for t in ts})
 
 
 def test_register_estimate_uses_the_consumer_budget():

@@ -144,13 +144,15 @@ def test_problem_features_and_packed_scales():
 
 
 def test_softcap_avoids_the_tiles_whose_instance_spills():
-    """The sm90 forward's d64 three-consumer tile spills with softcap (160 registers): softcap calls
-    take the two-consumer default, like dropout and windowed calls. Combinations: a tile marked
-    for "dropout+softcap" is avoided only when both are on."""
+    """The sm90 forward's d64 three-consumer ping-pong tile spills with softcap (160 registers): it is
+    avoided (softcap's class default, three consumers without ping-pong, comes first; without that,
+    the two-consumer default). Combinations: a tile marked for "dropout+softcap" is avoided only
+    when both are on."""
     three, two = Sm90FwdConfig(64, 128, 3, 2, 1, 1, 1, 1), Sm90FwdConfig(64, 128, 2, 2, 1, 1, 1, 1)
     fam = families.FWD_SM90
     assert fam.default(64, features=Features("bfloat16", 64)) == three
-    assert fam.default(64, features=Features("bfloat16", 64, softcap=True)) == two
+    assert fam.default(64, features=Features("bfloat16", 64, softcap=True)) == Sm90FwdConfig(64, 128, 3, 2, 0, 1, 2, 2)
+    assert [t for t in fam.defaults[64] if not fam.avoids(t, Features("bfloat16", 64, softcap=True))] == [two]
     assert fam.avoids(three, Features("float16", 64, softcap=True))
     assert not fam.avoids(three, Features("float16", 64))
     from cuflash.tiles import BwdConfig

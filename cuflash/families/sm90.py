@@ -104,7 +104,12 @@ FWD_SM90 = KernelFamily(
     # alternation costs more than it hides: at d128 the 128-key tile without it runs softcap at
     # 0.79-0.82x of plain where the ping-pong default gives 0.73-0.79x and dense's tuned tile
     # (192 keys) 0.74-0.75x (H200, bf16, N 2048 and 8192, scripts/bench_softcap.py, 2026-12-01)
-    class_defaults={"softcap": {128: (Sm90FwdConfig(128, 128, 2, 2, 0, 1, 1, 1),)}},
+    # At d64 the softcap class takes three consumers without ping-pong on a greedy persistent grid (its
+    # instance compiles spill-free with every feature: 128 registers, NVRTC 13.0 and 13.5), what the
+    # H200's tuner picked for d64 softcap; on an H100 it ran 5.5% / 10.8% faster than the two-consumer
+    # fallback the family's defaults gave (N2048 / N8192, docs/bench/h100-softcap-fixedref-ab-2026-12-06b.log, B)
+    class_defaults={"softcap": {128: (Sm90FwdConfig(128, 128, 2, 2, 0, 1, 1, 1),),
+                                64: (Sm90FwdConfig(64, 128, 3, 2, 0, 1, 2, 2),)}},
     # ragged batches draw their tiles (persistent 2, kernels_cu/sm90/tile_feed.cuh): a CTA takes the next
     # tile when it is about to run out, so one sequence's long tiles do not pile up on a few CTAs as
     # they do with a static stride. H200, bf16, bench_varlen's 10 sequences (16k tokens, d128, 16
