@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [overheadthread] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (over 555 s on an H100 with xdist: split it
@@ -155,14 +155,14 @@ for s in $stages; do
         grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|L2 Hit|Grid Size|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Stall" \
           "$OUT/ncu-paged$ps.txt" | head -20
       done ;;
-    h200todo)  # what waits for an H200 (2026-12-06): issue 17's graph table with the paged fast path as B
-               # (git show paged-fast2:kernels_cu/sm80/decode.cuh > ab/decode_fast.cuh, untracked), issue 12's
-               # causal chunk rule, the 256-row page reads per tile
-      AB_ROUNDS=${AB_ROUNDS:-1} AB_DECODE=${AB_DECODE:-ab/decode_fast.cuh} DECODE_TIMEOUT=${DECODE_TIMEOUT:-150} \
-        bash "$0" decodeab 2>&1 | grep -E "=====| x "
-      GQA_CHUNKS=${GQA_CHUNKS:-2 16} GQA_TIMEOUT=${GQA_TIMEOUT:-200} bash "$0" gqachunks 2>&1 | tail -6
-      timeout 150 python3 scripts/paged_probe.py --head-dim 128 --tiles default 8,2 4,4 --cells 1x131072 8x8192 \
-        --layouts 16s 256s 256o --json "$OUT/paged-h200.json" 2>&1 | grep " x " | tee "$OUT/paged-h200.log" ;;
+    h200todo)  # what waits for an H200 (2026-12-07), in one call: issue 12's causal GQA chunk rule, issue 17's
+               # paged reads against the 92d2b3d decode kernel (git show 92d2b3d:kernels_cu/sm80/decode.cuh >
+               # ab/decode_old.cuh, untracked), then its graph table against cuDNN: at most 170 + 200 + 150 s
+      GQA_CHUNKS=${GQA_CHUNKS:-2 16} GQA_TIMEOUT=${GQA_TIMEOUT:-170} bash "$0" gqachunks 2>&1 | tail -6
+      PAGED_TILES=${PAGED_TILES:-default 4,3} PAGED_LAYOUTS=${PAGED_LAYOUTS:-16s 256s 256o} PAGED_AB_TIMEOUT=${PAGED_AB_TIMEOUT:-200} \
+        bash "$0" pagedab 2>&1 | tail -20
+      timeout ${DECODE_TIMEOUT:-150} python3 scripts/bench_decode.py --graph --json "$OUT/bench-decode-graph.json" 2>&1 \
+        | grep " x " | tee "$OUT/bench-decode-graph.log" ;;  # decodegraph's table, without its probes (the 600 s a call)
     pagedtests)  # pages of whole tiles (2026-12-06, 35th session: sm80/decode.cuh WHOLE_PAGES): the paged and decode tests
       timeout ${PAGED_TESTS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 tests/gpu/test_paged_gpu.py \
         tests/gpu/test_paged_varlen_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py tests/gpu/test_decode_gpu.py \
@@ -214,6 +214,10 @@ for s in $stages; do
     profileoverhead) timeout 120 python3 scripts/profile_overhead.py 2>&1 | grep -v Warning | tee "$OUT/profile-overhead.log" \
                        | head -150 ;;  # cProfile of the per-call host work at the overhead shape
     overhead) python3 -m cuflash.bench --overhead --json "$OUT/overhead.json" 2>&1 | tee "$OUT/overhead.log" ;;
+    overheadthread)  # issue 18: the torch fwd + bwd step split at the backward per autograd thread setting, whole
+                     # output kept (the reply's tail alone lost the device-thread lines, 2026-12-07)
+      timeout 150 python3 scripts/overhead_thread.py >"$OUT/overhead-thread.log" 2>&1
+      grep -E "step .*call->bwd" "$OUT/overhead-thread.log" ;;
     gqachunks)  # issue 12: the group loop's causal chunk sizes (16: the whole grid) against the default (the L2
                 # rule), MHA and the expanded path, in one process
       timeout ${GQA_TIMEOUT:-300} python3 scripts/bench_gqa_bwd.py --causal 1 0 --chunks ${GQA_CHUNKS:-1 2 3 4 8 16} --rounds 8 \
