@@ -130,6 +130,7 @@ for s in $stages; do
                   # paged probe with the library's tile choice (families/sm80.py _decode_paged_tile) at d128 and d256
       timeout ${DECODE_TIMEOUT:-200} python3 scripts/bench_decode.py --graph --json "$OUT/bench-decode-graph.json" 2>&1 \
         | grep " x " | tee "$OUT/bench-decode-graph.log"
+      [ "${DECODE_PROBES:-1}" = 1 ] || continue  # DECODE_PROBES=0: the table alone
       for d in 128 256; do timeout 100 python3 scripts/paged_probe.py --head-dim $d --tiles default \
         --json "$OUT/paged-probe-d$d.json" 2>&1 | grep " x " | tee -a "$OUT/paged-probe.log"; done
       # d64: its 4-warp default read 3-8% under 8 warps, 3 stages on contiguous caches (H100, 2026-12-05)
@@ -161,8 +162,7 @@ for s in $stages; do
       GQA_CHUNKS=${GQA_CHUNKS:-2 16} GQA_TIMEOUT=${GQA_TIMEOUT:-170} bash "$0" gqachunks 2>&1 | tail -6
       PAGED_TILES=${PAGED_TILES:-default 4,3} PAGED_LAYOUTS=${PAGED_LAYOUTS:-16s 256s 256o} PAGED_AB_TIMEOUT=${PAGED_AB_TIMEOUT:-200} \
         bash "$0" pagedab 2>&1 | tail -20
-      timeout ${DECODE_TIMEOUT:-150} python3 scripts/bench_decode.py --graph --json "$OUT/bench-decode-graph.json" 2>&1 \
-        | grep " x " | tee "$OUT/bench-decode-graph.log" ;;  # decodegraph's table, without its probes (the 600 s a call)
+      DECODE_PROBES=0 DECODE_TIMEOUT=${DECODE_TIMEOUT:-150} bash "$0" decodegraph 2>&1 | grep " x " ;;  # (600 s a call)
     pagedtests)  # pages of whole tiles (2026-12-06, 35th session: sm80/decode.cuh WHOLE_PAGES): the paged and decode tests
       timeout ${PAGED_TESTS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 tests/gpu/test_paged_gpu.py \
         tests/gpu/test_paged_varlen_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py tests/gpu/test_decode_gpu.py \
