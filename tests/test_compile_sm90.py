@@ -43,8 +43,8 @@ def check(cfg, features, record_property):
 
 
 def _picked_only_by(cfg) -> set | None:
-    """The perf classes whose heuristic may pick `cfg` when it is another class's default only
-    (FWD_SM90.class_defaults); None for a head dim's default, which any class may take."""
+    """The perf classes that may pick `cfg` where it is only some classes' default
+    (FWD_SM90.class_defaults); None where it is a head dim's default, which every class may take."""
     if cfg in FAMILY.defaults[cfg.head_dim]:
         return None
     return {c for c, table in FAMILY.class_defaults.items() if cfg in table.get(cfg.head_dim, ())}
