@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [decode] [decodegraph] [overheadthread] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [softcaptests] [decode] [decodegraph] [overheadthread] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (over 555 s on an H100 with xdist: split it
@@ -103,6 +103,12 @@ for s in $stages; do
                tests/gpu/test_sinks_gpu.py tests/gpu/test_transformers_gpu.py tests/test_transformers_masks.py \
                tests/gpu/test_varlen_gpu.py::test_torch_compile_runs_varlen 2>&1 \
                | tee "$OUT/newapis-tests.log" | tail -25 ;;  # cache_batch_idx, seqused_q/k, paged varlen, varlen sinks, transformers' padded / packed rows (2026-12-05)
+    softcaptests)  # softcap's GPU files with the library's own tiles (branch softcap-d128-q2, d128's class default on two
+                   # Q stages, merges once these pass on it), then softcap's cost against plain per tile (bench_softcap.py)
+      timeout ${SOFTCAP_TESTS_TIMEOUT:-240} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 tests/gpu/test_softcap_gpu.py \
+        tests/gpu/test_score_mod_gpu.py tests/gpu/test_varlen_gpu.py tests/test_features.py 2>&1 | tee "$OUT/softcap-tests.log" | tail -6
+      timeout ${SOFTCAP_BENCH_TIMEOUT:-200} python3 scripts/bench_softcap.py --seqlens 2048 8192 --json "$OUT/softcap-bench.json" 2>&1 \
+        | grep "TFLOP/s" | tee "$OUT/softcap-bench.log" ;;
     failcheck)  # the 2026-12-06 H100 run's failures, with tracebacks (that run timed out before its summary):
                 # seqused with NaN against finite unused rows, the paged bitwise cases (now without prepared
                 # plans), cache_batch's repeated indices, rotary over paged caches (fixed since), then the files
