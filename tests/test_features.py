@@ -124,12 +124,12 @@ def test_each_perf_class_has_the_features_it_is_tuned_with():
 
 
 def test_softcap_prefers_its_class_default_on_the_sm90_forward():
-    """Softcap's class default (families.sm90: the 128-key tile without ping-pong at d128, three
+    """Softcap's class default (families.sm90: the 128-key tile without ping-pong, two Q stages, at d128, three
     consumers without ping-pong at d64, measured faster for softcap); other classes keep the head
     dim's defaults, and spilling tiles stay avoided (d64's ping-pong three consumers spill with softcap)."""
     fam = families.REGISTRY["fwd_sm90"]
     sc = fam.default(128, features=Features("bfloat16", 128, softcap=True))
-    assert (sc.block_k, sc.pingpong) == (128, 0)
+    assert (sc.block_k, sc.pingpong, sc.q_stages) == (128, 0, 2)
     assert fam.default(128, features=Features("bfloat16", 128)) == fam.defaults[128][0]
     sc64 = fam.default(64, features=Features("bfloat16", 64, softcap=True))
     assert (sc64.consumers, sc64.pingpong, sc64.q_stages) == (3, 0, 2)

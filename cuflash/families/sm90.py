@@ -108,7 +108,11 @@ FWD_SM90 = KernelFamily(
     # instance compiles spill-free with every feature: 128 registers, NVRTC 13.0 and 13.5), what the
     # H200's tuner picked for d64 softcap; on an H100 it ran 5.5% / 10.8% faster than the two-consumer
     # fallback the family's defaults gave (N2048 / N8192, docs/bench/h100-softcap-fixedref-ab-2026-12-06b.log, B)
-    class_defaults={"softcap": {128: (Sm90FwdConfig(128, 128, 2, 2, 0, 1, 1, 1),),
+    # d128 takes two Q stages on a greedy persistent grid: on an H100 (main's kernel, cap 30, N2048 /
+    # N8192) 481.0 / 523.7 TFLOP/s against 460.7 / 497.9 on one Q stage and a static grid, 0.888 /
+    # 0.883 of plain (docs/bench/h100-softcap-fixedref-final-ab-2026-12-07.log, B); the H200's tuner
+    # picked two Q stages for every d128 softcap entry
+    class_defaults={"softcap": {128: (Sm90FwdConfig(128, 128, 2, 2, 0, 1, 2, 2),),
                                 64: (Sm90FwdConfig(64, 128, 3, 2, 0, 1, 2, 2),)}},
     # ragged batches draw their tiles (persistent 2, kernels_cu/sm90/tile_feed.cuh): a CTA takes the next
     # tile when it is about to run out, so one sequence's long tiles do not pile up on a few CTAs as
