@@ -103,8 +103,8 @@ for s in $stages; do
                tests/gpu/test_sinks_gpu.py tests/gpu/test_transformers_gpu.py tests/test_transformers_masks.py \
                tests/gpu/test_varlen_gpu.py::test_torch_compile_runs_varlen 2>&1 \
                | tee "$OUT/newapis-tests.log" | tail -25 ;;  # cache_batch_idx, seqused_q/k, paged varlen, varlen sinks, transformers' padded / packed rows (2026-12-05)
-    softcaptests)  # softcap's GPU files with the library's own tiles (branch softcap-d128-q2, d128's class default on two
-                   # Q stages, merges once these pass on it), then softcap's cost against plain per tile (bench_softcap.py)
+    softcaptests)  # softcap's GPU files with the library's own tiles (the class defaults: d128's two Q stages passed
+                   # here on an H100, 2026-12-07), then softcap's cost against plain per tile (bench_softcap.py)
       timeout ${SOFTCAP_TESTS_TIMEOUT:-240} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 tests/gpu/test_softcap_gpu.py \
         tests/gpu/test_score_mod_gpu.py tests/gpu/test_varlen_gpu.py tests/test_features.py 2>&1 | tee "$OUT/softcap-tests.log" | tail -6
       timeout ${SOFTCAP_BENCH_TIMEOUT:-200} python3 scripts/bench_softcap.py --seqlens 2048 8192 --json "$OUT/softcap-bench.json" 2>&1 \
