@@ -405,7 +405,7 @@ def test_varlen_calls_draw_their_tiles(monkeypatch):
     monkeypatch.setattr(device, "supported", lambda i=0: H200)
     tuned = Sm90FwdConfig(128, 176, 2, 2, 0, 1, 1, 1)
     monkeypatch.setattr(_tuned, "lookup", lambda fam, p, props: tuned if fam is families.FWD_SM90 else None)
-    call = lambda **kw: types.SimpleNamespace(device=0, features=Features("bfloat16", 128, **kw))  # noqa: E731
+    call = lambda **kw: types.SimpleNamespace(device=0, causal=False, features=Features("bfloat16", 128, **kw))  # noqa: E731
     assert families.select(families.FWD_SM90, call(varlen=True)) == dataclasses.replace(tuned, persistent=2)
     assert families.select(families.FWD_SM90, call()) == tuned
     assert families.select(families.FWD, call(varlen=True)) == families.select(families.FWD, call())

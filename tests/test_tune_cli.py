@@ -124,6 +124,37 @@ def test_tune_search_and_compare_end_to_end(env):
     assert "fwd bf16 d128 causal n8192" in text and "1 wrong" not in text.splitlines()[0]
 
 
+class Sm90Worker(FakeWorker):
+    """fwd_sm90 tiles: nothing spills; a landscape over the Hopper forward's own fields."""
+
+    def check(self, cfg, features, allow_local_bytes=0):
+        self.checked.append(cfg)
+        return None
+
+    def trial(self, cfg, warmup=5, reps=20, verify=True, warmup_ms=0.0):
+        self.timed.append((self.shape, cfg, verify))
+        ms = 1 + 0.01 * abs(cfg.block_k - 128) + 0.1 * cfg.pingpong + 0.05 * (cfg.persistent != 2)
+        return search.Outcome("ok", ms, "", {"p20_ms": 0, "p80_ms": 0})
+
+
+def test_a_causal_shape_is_measured_against_the_tile_it_runs_untuned(env):
+    """The sm90 forward runs causal calls on its default tile's drawn variant (causal_tile): that,
+    not the static default, is the causal studies' baseline, their first trial and a finalist, so a
+    tuned causal entry is never slower than the untuned call and its speedup is over that call."""
+    fam = families.FWD_SM90
+    o = tuner.Options(kernels=("fwd_sm90",), head_dims=(128,), dtypes=("bfloat16",), seqlens=(2048,))
+    reports = tuner.tune(o, Sm90Worker(), H200)
+    by_causal = {r.shape.causal: r for r in reports}
+    static = fam.default(128, H200.smem_optin, by_causal[False].shape.features)
+    assert fam.causal_tile is not None and fam.causal_tile(static) != static
+    for causal, r in by_causal.items():
+        untuned = fam.untuned(128, H200.smem_optin, r.shape.features, causal)
+        assert untuned == (fam.causal_tile(static) if causal else static)
+        assert r.error is None and r.default == untuned
+        assert r.search.trials[0].config == untuned and untuned in r.confirm
+        assert r.winner_ms <= r.default_ms
+
+
 def test_tune_reports_missing_kernels_and_empty_spaces(env, monkeypatch):
     monkeypatch.setattr(_compile, "kernel_fingerprint", lambda f: None if f.name == "bwd" else "f" * 16)
     # a GPU of 64 KB per block: no d256 backward tile fits (the smallest, the ~99 KB last resort, needs 99 KB)

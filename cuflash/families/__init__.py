@@ -67,11 +67,9 @@ def select(family: KernelFamily, problem):
         tile = _tile_for_snippet(family, problem, props, tile)
     elif tile is None or (untuned and family.avoids(tile, problem.features)):
         try:
-            tile = family.default(problem.features.head_dim, props.smem_optin, problem.features)
+            tile = family.untuned(problem.features.head_dim, props.smem_optin, problem.features, problem.causal)
         except RuntimeError as e:  # no tile fits the device's shared memory: say which GPU
             raise RuntimeError(f"{e} per block on {props.name} (cc {props.cc_str})") from None
-        if family.causal_tile is not None and problem.causal:
-            tile = family.causal_tile(tile)
         if family.paged_tile is not None and problem.paged:
             tile = family.paged_tile(tile, problem, props)
     if problem.features.varlen and family.varlen_tile is not None:

@@ -197,6 +197,14 @@ class KernelFamily:
         raise RuntimeError(f"no {self.what} config for head_dim {head_dim} fits in {smem_optin_bytes} bytes "
                            f"of shared memory")
 
+    def untuned(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN, features: Features | None = None,
+                causal: bool = False):
+        """The tile a call runs where nothing tuned applies: the heuristic default, in the family's
+        causal variant for a causal call (causal_tile). The tuner's baseline, so that its speedups and
+        its promise that a winner is never slower than the untuned call hold for causal shapes too."""
+        tile = self.default(head_dim, smem_optin_bytes, features)
+        return self.causal_tile(tile) if causal and self.causal_tile is not None else tile
+
     def fitting_defaults(self, head_dim: int, smem_optin_bytes: int, first: tuple = ()) -> list:
         """`first`, then the head dim's defaults, that fit the device; the last resorts only where
         nothing else fits."""

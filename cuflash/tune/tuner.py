@@ -262,7 +262,9 @@ def tune(o: Options, worker, props, *, on_event: Callable | None = None, cache_p
         compile_s = time.monotonic() - t0
         done: dict = {}  # (causal, bucket) -> winner, for warm starts
         for sh in group:
-            rep = StudyReport(sh, compile_pruned=pruned, n_valid=len(valid), compile_s=compile_s, **base)
+            # the baseline is what this shape runs untuned (a causal shape: the causal variant)
+            rep = StudyReport(sh, compile_pruned=pruned, n_valid=len(valid), compile_s=compile_s,
+                              **{**base, "default": fam.untuned(d, props.smem_optin, features, sh.causal)})
             reports.append(rep)
             try:
                 _study(rep, worker, valid, o, done, cached, ev)
