@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
-# Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune]
+# Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune] [checktable]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
 #        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [softcaptests] [decode] [decodegraph] [overheadthread] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
@@ -62,6 +62,11 @@ for s in $stages; do
         --head-dims ${TUNE_HEAD_DIMS:-64 128} --perf-classes ${TUNE_CLASSES:-dense dropout softcap} ${TUNE_ARGS:-} \
         --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/nvidia-h200${TUNE_TAG:-}.json" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45
       rm -f "$OUT/nvidia-h200${TUNE_TAG:-}.json.lock" ;;
+    checktable)  # a tuned table's entries against the untuned tile before they ship (CHECK_TABLE: the table, default
+                 # the H100's 84 tuned entries of 2026-12-07; CHECK_TABLE_ARGS e.g. --kernels fwd_sm90 --classes dense)
+      timeout ${CHECK_TABLE_TIMEOUT:-540} python3 scripts/check_table.py ${CHECK_TABLE:-docs/bench/tune-h100-all-84-entries-2026-12-07.json} \
+        ${CHECK_TABLE_ARGS:-} --json "$OUT/check-table.json" --write "$OUT/checked-table.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/check-table.log" ;;
     tests) python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 -m gpu tests --ignore=tests/gpu/test_tune_gpu.py ${TESTS_ARGS:-} 2>&1 \
              | tee "$OUT/gpu-tests.log" | tail -40
            # serially: its re-measurement of tuned against default is skipped while other workers share the GPU
