@@ -56,12 +56,14 @@ for s in $stages; do
       esac
       timeout ${ALLTESTS_TIMEOUT:-500} python3 -m pytest -v $files $XDIST -p no:cacheprovider -rfE --durations=15 >"$OUT/$s.log" 2>&1
       grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/$s.log" | tail -60 ;;
-    tune)  # the export merges into a copy of the shipped table (stale entries of a re-tuned family: drop them by hand)
-      cp tuning/nvidia-h200.json "$OUT/nvidia-h200${TUNE_TAG:-}.json"
+    tune)  # the export merges into a copy of this GPU's shipped table, named as cuflash.bench.gpu_slug names it
+           # (nvidia-h200, nvidia-h100-80gb-hbm3; stale entries of a re-tuned family: drop them by hand)
+      slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-|-$//g')
+      [ -f "tuning/$slug.json" ] && cp "tuning/$slug.json" "$OUT/$slug${TUNE_TAG:-}.json"
       python3 -m cuflash.tune --kernels ${TUNE_KERNELS:-fwd bwd bwd_dq fwd_sm90 bwd_sm90} --dtypes ${TUNE_DTYPES:-bf16} --seqlens ${TUNE_SEQLENS:-8192} \
         --head-dims ${TUNE_HEAD_DIMS:-64 128} --perf-classes ${TUNE_CLASSES:-dense dropout softcap} ${TUNE_ARGS:-} \
-        --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/nvidia-h200${TUNE_TAG:-}.json" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45
-      rm -f "$OUT/nvidia-h200${TUNE_TAG:-}.json.lock" ;;
+        --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/$slug${TUNE_TAG:-}.json" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45
+      rm -f "$OUT/$slug${TUNE_TAG:-}.json.lock" ;;
     checktable)  # a tuned table's entries against the untuned tile before they ship (CHECK_TABLE: the table, default
                  # the H100's 84 tuned entries of 2026-12-07; CHECK_TABLE_ARGS e.g. --kernels fwd_sm90 --classes dense)
       timeout ${CHECK_TABLE_TIMEOUT:-540} python3 scripts/check_table.py ${CHECK_TABLE:-docs/bench/tune-h100-all-84-entries-2026-12-07.json} \
