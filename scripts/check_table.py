@@ -41,14 +41,14 @@ def main(argv=None) -> int:
     p.add_argument("--write")
     a = p.parse_args(argv)
 
-    from cuflash import _compile, device, families
+    from cuflash import device, families, tuning_store
     from cuflash._timing import time_rounds
     from cuflash.tune import runner
 
     doc = json.loads(pathlib.Path(a.table).read_text())
     entries = doc["entries"]
     props = device.query(0)
-    here = (props.name, props.cc_str, props.sm_count)
+    here = tuning_store.DeviceKey.of(props).gpu_id
     gains, rows = {}, []
     for i, e in enumerate(entries):
         if (e["gpu"], e["cc"], e["sm_count"]) != here:
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
         sh = e["shape"]
         shape = runner.Shape(e["kernel"], e["dtype"], e["head_dim"], e["causal"], sh["seqlen"], sh["batch"], sh["heads"],
                              e["perf_class"])
-        if e["source"] != _compile.kernel_fingerprint(fam):
+        if e["source"] != tuning_store.source_fingerprint(e["kernel"]):
             print(f"{shape.label:44s} stale (tuned for other kernel sources): skipped", flush=True)
             continue
         tile = fam.tile_from_dict(e["config"])

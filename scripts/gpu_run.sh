@@ -58,7 +58,8 @@ for s in $stages; do
       grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/$s.log" | tail -60 ;;
     tune)  # the export merges into a copy of this GPU's shipped table, named as cuflash.bench.gpu_slug names it
            # (nvidia-h200, nvidia-h100-80gb-hbm3; stale entries of a re-tuned family: drop them by hand)
-      slug=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | sed -E 's/[^a-z0-9]+/-/g; s/^-|-$//g')
+      slug=$(python3 -c "import sys; from cuflash.bench import gpu_slug; print(gpu_slug(sys.argv[1]))" \
+        "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)")
       [ -f "tuning/$slug.json" ] && cp "tuning/$slug.json" "$OUT/$slug${TUNE_TAG:-}.json"
       python3 -m cuflash.tune --kernels ${TUNE_KERNELS:-fwd bwd bwd_dq fwd_sm90 bwd_sm90} --dtypes ${TUNE_DTYPES:-bf16} --seqlens ${TUNE_SEQLENS:-8192} \
         --head-dims ${TUNE_HEAD_DIMS:-64 128} --perf-classes ${TUNE_CLASSES:-dense dropout softcap} ${TUNE_ARGS:-} \
