@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
-# Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune] [checktable]
+# Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune] [checktable] [dropoutdefault]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
 #        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [softcaptests] [decode] [decodegraph] [overheadthread] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [snippettiles] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
@@ -65,6 +65,20 @@ for s in $stages; do
         --head-dims ${TUNE_HEAD_DIMS:-64 128} --perf-classes ${TUNE_CLASSES:-dense dropout softcap} ${TUNE_ARGS:-} \
         --json "$OUT/tune${TUNE_TAG:-}.json" --export "$OUT/$slug${TUNE_TAG:-}.json" 2>&1 | tee "$OUT/tune${TUNE_TAG:-}.log" | tail -45
       rm -f "$OUT/$slug${TUNE_TAG:-}.json.lock" ;;
+    dropoutdefault)  # branch dropout-class-default's tile (two consumers, no ping-pong, two Q stages, drawn grid) against
+                     # main's untuned dropout tile, on this GPU's tuned dropout shapes: check_table over a copy of the
+                     # table (H200: the shipped one; H100: its 84 tuned entries) whose dropout entries name that tile
+      src=${DROPOUT_SRC:-tuning/nvidia-h200.json}
+      nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && src=${DROPOUT_SRC:-docs/bench/tune-h100-all-84-entries-2026-12-07.json}
+      python3 -c "
+import json, sys
+doc = json.load(open(sys.argv[1]))
+tile = dict(block_k=128, consumers=2, stages=2, pingpong=0, overlap=1, q_stages=2, persistent=2)
+doc['entries'] = [dict(e, config=dict(e['config'], **tile)) for e in doc['entries']
+                  if e['kernel'] == 'fwd_sm90' and e['perf_class'] == 'dropout']
+json.dump(doc, open(sys.argv[2], 'w'), indent=1)" "$src" "$OUT/dropout-default-proposed.json"
+      timeout ${CHECK_TABLE_TIMEOUT:-300} python3 scripts/check_table.py "$OUT/dropout-default-proposed.json" \
+        --json "$OUT/dropout-default-check.json" 2>&1 | grep -v Warning | tee "$OUT/dropout-default-check.log" ;;
     checktable)  # a tuned table's entries against the untuned tile before they ship (CHECK_TABLE: the table, default
                  # the H100's 84 tuned entries of 2026-12-07; CHECK_TABLE_ARGS e.g. --kernels fwd_sm90 --classes dense)
       timeout ${CHECK_TABLE_TIMEOUT:-540} python3 scripts/check_table.py ${CHECK_TABLE:-docs/bench/tune-h100-all-84-entries-2026-12-07.json} \
