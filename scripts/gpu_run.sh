@@ -54,7 +54,13 @@ for s in $stages; do
         alltests1) files="tests/gpu $(grep -l -E "$needs_torch" tests/test_*.py | tr '\n' ' ')" ;;
         alltests2) files=$(grep -L -E "$needs_torch" tests/test_*.py | tr '\n' ' ') ;;
       esac
-      timeout ${ALLTESTS_TIMEOUT:-500} python3 -m pytest -v $files $XDIST -p no:cacheprovider -rfE --durations=15 >"$OUT/$s.log" 2>&1
+      # tests/gpu/test_tune_gpu.py alone afterwards, as `tests` does: it times what it asserts on, and its
+      # tuner workers ran out of GPU memory beside 15 other workers (xdist 16, H100, 2026-12-07)
+      tune_file=tests/gpu/test_tune_gpu.py
+      timeout ${ALLTESTS_TIMEOUT:-500} python3 -m pytest -v $files $XDIST -p no:cacheprovider -rfE --durations=15 \
+        $(case " $files " in *" tests/gpu "*|*" tests "*) echo --ignore=$tune_file ;; esac) >"$OUT/$s.log" 2>&1
+      case " $files " in *" tests/gpu "*|*" tests "*)
+        timeout 200 python3 -m pytest -v -p no:cacheprovider -rfE $tune_file >>"$OUT/$s.log" 2>&1 ;; esac
       grep -E " FAILED | ERROR |(passed|failed).* in " "$OUT/$s.log" | tail -60 ;;
     tune)  # the export merges into a copy of this GPU's shipped table, named as cuflash.bench.gpu_slug names it
            # (nvidia-h200, nvidia-h100-80gb-hbm3; stale entries of a re-tuned family: drop them by hand)
