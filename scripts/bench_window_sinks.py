@@ -1,0 +1,137 @@
+"""Issue 13's two bars not yet measured: a sliding window against full attention, sinks against plain.
+
+    python scripts/bench_window_sinks.py [--head-dims 128 64] [--seqlens 2048 8192] [--window-seqlen 32768]
+                                         [--windows 4096,0 2048,2048] [--json out.json]
+
+bf16, CuPy arrays, the automatic kernels (a cc 9.0 GPU takes the Hopper forward and backward).
+
+- **Window** (bar: a window of 4096 at seqlen 32768 reaches at least 0.9x the TFLOP/s of full attention at
+  that length, FLOPs counted over the visible entries only): one sequence of --window-seqlen tokens, 16
+  heads (d128) or 32 (d64), full non-causal attention against each --windows (left,right) window
+  (FlashAttention's window_size; "4096,0" is Mistral's causal sliding window, "2048,2048" a symmetric one
+  of the same width). The window's FLOPs count the (query, key) pairs it shows, exactly: 4 D per pair a
+  head forward, 2.5x that backward.
+- **Sinks** (bar: at most 10% against the plain kernel): variant_bench_shape's batch and heads at each
+  --seqlens, causal and not; forward = attention(sinks=) (the kernels, then cuflash/sinks.py's rescale
+  of out and lse) against attention(); backward = attention_backward on the rescaled out and lse plus
+  cuflash.sinks.grad (the sinks' gradient), against the plain backward. Nominal FLOPs for both sides.
+
+CUDA events, the variants alternating for --rounds rounds, each round the median of --reps runs after a
+--warmup-ms warm-up (cuflash._timing.time_rounds); the median round of each.
+"""
+from __future__ import annotations
+
+import json
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, left: int, right: int) -> int:
+    """(query, key) pairs a window (left, right) shows, aligned bottom-right as the kernels align it:
+    row i sees keys i + seqlen_k - seqlen_q - left .. i + seqlen_k - seqlen_q + right (-1: unbounded)."""
+    import numpy as np
+
+    diag = np.arange(seqlen_q, dtype=np.int64) + seqlen_k - seqlen_q
+    lo = np.zeros_like(diag) if left < 0 else np.maximum(diag - left, 0)
+    hi = np.full_like(diag, seqlen_k - 1) if right < 0 else np.minimum(diag + right, seqlen_k - 1)
+    return int(np.maximum(hi - lo + 1, 0).sum())
+
+
+def _window_rows(a, cupy, cuflash, bf16):
+    from cuflash._timing import time_rounds
+
+    rows = []
+    n = a.window_seqlen
+    for d in a.head_dims:
+        h = 16 if d >= 128 else 32
+        rng = cupy.random.default_rng(0)
+        q, k, v, dout = (rng.standard_normal((1, n, h, d), dtype=cupy.float32).astype(bf16) for _ in range(4))
+        variants = {"full": (-1, -1)}
+        variants.update({f"window {w[0]},{w[1]}": w for w in a.windows})
+        for pass_ in ("fwd", "bwd"):
+            fns = {}
+            for name, w in variants.items():
+                if pass_ == "fwd":
+                    fns[name] = lambda w=w: cuflash.attention(q, k, v, window_size=w)  # noqa: E731
+                else:
+                    out, lse = cuflash.attention(q, k, v, window_size=w, return_lse=True)
+                    fns[name] = lambda w=w, out=out, lse=lse: cuflash.attention_backward(  # noqa: E731
+                        dout, q, k, v, out, lse, window_size=w)
+            times = time_rounds(fns, a.rounds, a.reps, a.warmup_ms)
+            per_pair = 4.0 * h * d * (2.5 if pass_ == "bwd" else 1.0)
+            full = per_pair * n * n / (times["full"] * 1e-3) / 1e12
+            for name, w in variants.items():
+                pairs = visible_pairs(n, n, *w)
+                tf = per_pair * pairs / (times[name] * 1e-3) / 1e12
+                print(f"window  d{d:<4d} N{n:<6d} {pass_:4} {name:18s} {times[name]:9.3f} ms  {tf:7.1f} TFLOP/s "
+                      f"(visible {pairs / (n * n):.4f})  / full {tf / full:.3f}", flush=True)
+                rows.append(dict(bench="window", head_dim=d, seqlen=n, heads=h, pass_=pass_, variant=name,
+                                 window=list(w), visible_pairs=pairs, ms=times[name], tflops=tf,
+                                 ratio_to_full=tf / full))
+    return rows
+
+
+def _sinks_rows(a, cupy, cuflash, bf16):
+    from cuflash._timing import flops_attention, time_rounds, variant_bench_shape
+
+    rows = []
+    for d in a.head_dims:
+        for n in a.seqlens:
+            b, h = variant_bench_shape(d, n)
+            rng = cupy.random.default_rng(0)
+            q, k, v, dout = (rng.standard_normal((b, n, h, d), dtype=cupy.float32).astype(bf16) for _ in range(4))
+            sinks = rng.standard_normal(h, dtype=cupy.float32)
+            for causal in (False, True):
+                for pass_ in ("fwd", "bwd"):
+                    if pass_ == "fwd":
+                        fns = {"plain": lambda: cuflash.attention(q, k, v, causal=causal),
+                               "sinks": lambda: cuflash.attention(q, k, v, causal=causal, sinks=sinks)}
+                    else:
+                        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+                        out2, lse2 = cuflash.attention(q, k, v, causal=causal, sinks=sinks, return_lse=True)
+
+                        def with_sinks(out2=out2, lse2=lse2):
+                            cuflash.attention_backward(dout, q, k, v, out2, lse2, causal=causal)
+                            cuflash.sinks.grad(dout, out2, lse2, sinks)
+
+                        fns = {"plain": lambda out=out, lse=lse: cuflash.attention_backward(
+                                   dout, q, k, v, out, lse, causal=causal),
+                               "sinks": with_sinks}
+                    times = time_rounds(fns, a.rounds, a.reps, a.warmup_ms)
+                    res = {name: flops_attention(b, h, n, n, d, causal, pass_) / (t * 1e-3) / 1e12
+                           for name, t in times.items()}
+                    ratio = res["sinks"] / res["plain"]
+                    print(f"sinks   d{d:<4d} N{n:<6d} {'causal' if causal else 'full':6} {pass_:4} plain "
+                          f"{res['plain']:7.1f}  sinks {res['sinks']:7.1f} TFLOP/s  sinks/plain {ratio:.3f}",
+                          flush=True)
+                    rows.append(dict(bench="sinks", head_dim=d, seqlen=n, batch=b, heads=h, causal=causal,
+                                     pass_=pass_, plain_tflops=res["plain"], sinks_tflops=res["sinks"], ratio=ratio))
+    return rows
+
+
+def main():
+    import cupy
+
+    import cuflash
+    import cuflash.sinks  # noqa: F401  (cuflash.sinks.grad)
+    from cuflash._timing import variant_bench_parser
+    from cuflash.testing import dtype_of
+
+    p = variant_bench_parser(__doc__, [128, 64])
+    p.add_argument("--window-seqlen", type=int, default=32768)
+    p.add_argument("--windows", nargs="+", default=["4096,0", "2048,2048"],
+                   help="left,right window sizes against full attention at --window-seqlen")
+    p.add_argument("--only", choices=["window", "sinks"], default=None)
+    a = p.parse_args()
+    a.windows = [tuple(int(x) for x in w.split(",")) for w in a.windows]
+    bf16 = dtype_of("bfloat16")
+    rows = []
+    if a.only in (None, "window"):
+        rows += _window_rows(a, cupy, cuflash, bf16)
+    if a.only in (None, "sinks"):
+        rows += _sinks_rows(a, cupy, cuflash, bf16)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
