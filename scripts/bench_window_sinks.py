@@ -12,9 +12,12 @@ bf16, CuPy arrays, the automatic kernels (a cc 9.0 GPU takes the Hopper forward 
   of the same width). The window's FLOPs count the (query, key) pairs it shows, exactly: 4 D per pair a
   head forward, 2.5x that backward.
 - **Sinks** (bar: at most 10% against the plain kernel): variant_bench_shape's batch and heads at each
-  --seqlens, causal and not; forward = attention(sinks=) (the kernels, then cuflash/sinks.py's rescale
-  of out and lse) against attention(); backward = attention_backward on the rescaled out and lse plus
-  cuflash.sinks.grad (the sinks' gradient), against the plain backward. Nominal FLOPs for both sides.
+  --seqlens, causal and not; forward = attention(sinks=) as the library runs it (with
+  docs/experiments/sinks-in-kernel.patch: joined in the v2 kernels' epilogue; without: a rescale of
+  out after the kernel) against attention(), beside the post-passes after a plain forward
+  (cuflash.sinks.apply, fused with the patch, and the elementwise steps of before); backward =
+  attention_backward on the rescaled out and lse plus cuflash.sinks.grad (the sinks' gradient, fused
+  with the patch; and the elementwise form), against the plain backward. Nominal FLOPs throughout.
 
 CUDA events, the variants alternating for --rounds rounds, each round the median of --reps runs after a
 --warmup-ms warm-up (cuflash._timing.time_rounds); the median round of each.
@@ -69,7 +72,24 @@ def _window_rows(a, cupy, cuflash, bf16):
     return rows
 
 
+def _elementwise_apply(cupy, out, lse, sinks):
+    """The sinks' rescale as cuflash/sinks.py did it before its fused kernel (the 2026-12-07 baseline)."""
+    s = sinks.astype(cupy.float32)[None, :, None]
+    lse2 = cupy.logaddexp(lse, s)
+    w = cupy.transpose(cupy.exp(lse - lse2), (0, 2, 1))[..., None]
+    return (out.astype(cupy.float32) * w).astype(out.dtype), lse2
+
+
+def _elementwise_grad(cupy, dout, out2, lse2, sinks):
+    d = cupy.transpose((dout.astype(cupy.float32) * out2.astype(cupy.float32)).sum(-1), (0, 2, 1))
+    return -(cupy.exp(sinks.astype(cupy.float32)[None, :, None] - lse2) * d).sum(axis=(0, 2))
+
+
 def _sinks_rows(a, cupy, cuflash, bf16):
+    """Per cell: plain; sinks as cuflash.attention runs them (the backward: attention_backward on out',
+    lse' plus cuflash.sinks.grad); and the post-passes after a plain forward: cuflash.sinks.apply and
+    the elementwise steps of before (forward), the elementwise gradient (backward)."""
+    from cuflash import sinks as sinks_mod
     from cuflash._timing import flops_attention, time_rounds, variant_bench_shape
 
     rows = []
@@ -82,28 +102,36 @@ def _sinks_rows(a, cupy, cuflash, bf16):
             for causal in (False, True):
                 for pass_ in ("fwd", "bwd"):
                     if pass_ == "fwd":
+                        def plain_then(post):
+                            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+                            return post(out, lse)
+
                         fns = {"plain": lambda: cuflash.attention(q, k, v, causal=causal),
-                               "sinks": lambda: cuflash.attention(q, k, v, causal=causal, sinks=sinks)}
+                               "sinks": lambda: cuflash.attention(q, k, v, causal=causal, sinks=sinks),
+                               "fused post-pass": lambda: plain_then(lambda o, l_: sinks_mod.apply(o, l_, sinks)),
+                               "elementwise post-pass": lambda: plain_then(
+                                   lambda o, l_: _elementwise_apply(cupy, o, l_, sinks))}
                     else:
                         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
                         out2, lse2 = cuflash.attention(q, k, v, causal=causal, sinks=sinks, return_lse=True)
 
-                        def with_sinks(out2=out2, lse2=lse2):
+                        def with_sinks(grad, out2=out2, lse2=lse2):
                             cuflash.attention_backward(dout, q, k, v, out2, lse2, causal=causal)
-                            cuflash.sinks.grad(dout, out2, lse2, sinks)
+                            grad(dout, out2, lse2)
 
                         fns = {"plain": lambda out=out, lse=lse: cuflash.attention_backward(
                                    dout, q, k, v, out, lse, causal=causal),
-                               "sinks": with_sinks}
+                               "sinks": lambda: with_sinks(lambda *x: sinks_mod.grad(*x, sinks)),
+                               "elementwise grad": lambda: with_sinks(lambda *x: _elementwise_grad(cupy, *x, sinks))}
                     times = time_rounds(fns, a.rounds, a.reps, a.warmup_ms)
                     res = {name: flops_attention(b, h, n, n, d, causal, pass_) / (t * 1e-3) / 1e12
                            for name, t in times.items()}
-                    ratio = res["sinks"] / res["plain"]
+                    ratios = {name: res[name] / res["plain"] for name in res}
                     print(f"sinks   d{d:<4d} N{n:<6d} {'causal' if causal else 'full':6} {pass_:4} plain "
-                          f"{res['plain']:7.1f}  sinks {res['sinks']:7.1f} TFLOP/s  sinks/plain {ratio:.3f}",
-                          flush=True)
+                          f"{res['plain']:7.1f} TFLOP/s; / plain: "
+                          + ", ".join(f"{name} {r:.3f}" for name, r in ratios.items() if name != "plain"), flush=True)
                     rows.append(dict(bench="sinks", head_dim=d, seqlen=n, batch=b, heads=h, causal=causal,
-                                     pass_=pass_, plain_tflops=res["plain"], sinks_tflops=res["sinks"], ratio=ratio))
+                                     pass_=pass_, tflops=res, ratio=ratios["sinks"], ratios=ratios))
     return rows
 
 
