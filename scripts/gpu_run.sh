@@ -226,13 +226,13 @@ json.dump(doc, open(sys.argv[2], 'w'), indent=1)" "$src" "$OUT/dropout-default-p
       timeout 240 python3 scripts/bench_score_mod.py --json "$OUT/bench-score-mod.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench-score-mod.log" ;;
     sinkspatch)  # docs/experiments/sinks-in-kernel.patch (attention sinks joined in the v2 forwards' epilogue; the
-                 # post-passes fused) applied to this copy: its sinks tests, the golden bits of the plain kernels,
-                 # then issue 13's sinks bar (the bench times main's elementwise post-pass too); the patch reverted
+                 # post-passes fused) applied to this copy: its sinks tests, then issue 13's sinks bar (the bench
+                 # times main's elementwise post-pass too); the patch reverted. (Not the golden check: its hashes
+                 # of 2026-11-30 predate 21 changes to the sm80 backward; perf-notes, 2026-12-07.)
       git apply docs/experiments/sinks-in-kernel.patch || { echo "the patch does not apply: regenerate it"; exit 1; }
       timeout 220 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_sinks_gpu.py tests/test_sinks.py \
         tests/gpu/test_alibi_gpu.py tests/gpu/test_score_mod_gpu.py tests/gpu/test_varlen_gpu.py -k "sink or Sink" 2>&1 \
         | tee "$OUT/sinks-tests.log" | tail -6
-      timeout 100 python3 scripts/golden/outputs_golden.py check tests/golden/outputs.json 2>&1 | tail -4
       timeout 200 python3 scripts/bench_window_sinks.py --only sinks --json "$OUT/bench-sinks-patch.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench-sinks-patch.log"
       git apply -R docs/experiments/sinks-in-kernel.patch ;;
