@@ -104,6 +104,7 @@ def kernel_source(tile, features) -> str:
                 (fam.alibi_pointer, features.alibi, fam.takes_alibi),
                 (fam.mod_pointer, features.user_mod, fam.takes_user_mod),
                 *((ptr, features.block_mask, fam.takes_block_mask) for ptr in fam.block_mask_pointers),
+                (fam.sinks_pointer, features.sinks, fam.takes_sinks),
                 *((ptr, features.split_kv, True) for ptr in fam.split_merge_pointers))
     pointers = fam.pointers + tuple(ptr for ptr, taken, _ in optional if taken)
     # a nullable family's template takes all it has, nullptr for the absent ones

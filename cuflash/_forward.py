@@ -8,6 +8,8 @@ a call, the mma.sync kernel (_plan here) everywhere else. Every forward kernel t
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from . import _compile, families, problem
@@ -63,6 +65,8 @@ def with_mod_inputs(p: AttnProblem, inputs: tuple) -> tuple:
         inputs = (*inputs, "mod_aux")
     if p.block_mask is not None:
         inputs = (*inputs, "bm_counts", "bm_index")
+    if p.sinks:
+        inputs = (*inputs, "sinks")
     return inputs
 
 
@@ -74,7 +78,8 @@ def empty_plan(p: AttnProblem, dtype) -> FilledPlan:
 
 
 def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask: MaskOptions, softmax_scale,
-                dropout_p, seed, config, out, lse, backend=None, alibi_slopes=None, score_mod=None, block_mask=None):
+                dropout_p, seed, config, out, lse, backend=None, alibi_slopes=None, score_mod=None, block_mask=None,
+                sinks=None):
     """The body the v2 and v1 forwards share: the call's dropout, the cached (or, with an explicit
     config, fresh) launch plan, optional output buffers, the launch. `mask`: the call's MaskOptions
     (the plan key holds its `key`, the values of its fields).
@@ -88,7 +93,10 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     or a float32 CuPy array (heads,) or (batch, heads) (problem.check_alibi_slopes), an input after
     the others; `score_mod`: None or a cuflash.ScoreMod, its aux pointer table the last input;
     `block_mask`: None or a cuflash.BlockMask of score_mod's mask, whose key-block lists for the
-    plan's tile follow the table (the plan cache keeps the tile beside the plan).
+    plan's tile follow the table (the plan cache keeps the tile beside the plan); `sinks`: None or a
+    float32 CuPy array (heads,) of attention sinks, joined in the kernel where its family has the
+    instances (the v2 forwards: the plan takes it as its last input), else applied to the kernel's
+    results after it (cuflash/sinks.py: v1, the decode kernel, an empty call).
     """
     import cupy
 
@@ -112,18 +120,19 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
             from . import kvcache
 
             return kvcache.plan_dense_decode(p, q.dtype), None
+        family = families.choose(candidates, p, backend) if cfg is None else _explicit_family(candidates, cfg, p, backend)
+        if sinks is not None and family.supports(dataclasses.replace(p.features, sinks=True)):
+            p = problem.with_sinks(p, problem.describe(sinks, "sinks"))
         if cfg is None:
-            family = families.choose(candidates, p, backend)
             cfg = families.select(family, p)
-        else:
-            family = _explicit_family(candidates, cfg, p, backend)
         return family.plan(p, cfg, q.dtype), cfg
 
     arrays = (q, k, v) if alibi_slopes is None else (q, k, v, alibi_slopes)
     tile = None
     cupy_arrays = all(type(a) is cupy.ndarray for a in arrays)
     if config is None and cupy_arrays:
-        key = lambda: plan_key(arrays, mask.key, softmax_scale, dropout is not None, backend, score_mod)
+        key = lambda: (*plan_key(arrays, mask.key, softmax_scale, dropout is not None, backend, score_mod),
+                       *(() if sinks is None else ("sinks",)))
         if block_mask is None:
             plan = plans.get(key, lambda: build_with_tile(None)[0])
         else:  # the lists are the tile's: the cache keeps it beside the plan
@@ -133,7 +142,8 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
     elif cupy_arrays and block_mask is None:  # a given config: its plan cached under the config too (the
         # tuner's trials time what a repeated call costs, not a plan build per call: ~0.1 ms, which bounded
         # its timings of short kernels)
-        key = lambda: (*plan_key(arrays, mask.key, softmax_scale, dropout is not None, backend, score_mod), "config", config)
+        key = lambda: (*plan_key(arrays, mask.key, softmax_scale, dropout is not None, backend, score_mod), "config", config,
+                       *(() if sinks is None else ("sinks",)))
         plan = plans.get(key, lambda: build_with_tile(config)[0])
     else:
         plan, tile = build_with_tile(config)
@@ -146,7 +156,13 @@ def run_forward(candidates: tuple, plans: plan_cache.PlanCache, q, k, v, *, mask
         args = (*args, score_mod.pointer_table(q.device.id))
     if block_mask is not None and tile is not None:
         args = (*args, *block_mask.lists(tile.block_q, tile.block_k))
-    return plan.run(args, None if dropout is None else dropout.kernel_args)
+    if sinks is None:
+        return plan.run(args, None if dropout is None else dropout.kernel_args)
+    if "sinks" in plan.inputs:
+        return plan.run((*args, sinks), None if dropout is None else dropout.kernel_args)
+    from . import sinks as sinks_mod
+
+    return sinks_mod.apply(*plan.run(args, None if dropout is None else dropout.kernel_args), sinks)
 
 
 def _decode_route(candidates: tuple, p: AttnProblem, backend) -> bool:
@@ -215,7 +231,7 @@ def plan_key(arrays, mask_key, softmax_scale, dropout_on: bool, backend, score_m
 
 def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dropout_p=0.0, seed=None,
             config: FwdConfig | Sm90FwdConfig | None = None, out=None, lse=None, backend: str | None = None,
-            alibi_slopes=None, score_mod=None, block_mask=None, **mask_options):
+            alibi_slopes=None, score_mod=None, block_mask=None, sinks=None, **mask_options):
     """Returns (out, lse): out like q, lse float32 (batch, heads, seqlen_q).
 
     The mask: the record `mask` (what cuflash.attention hands on) or cuflash.attention's mask
@@ -233,9 +249,11 @@ def forward(q, k, v, *, mask: MaskOptions | None = None, softmax_scale=None, dro
     applied before the built-in mask and ALiBi. Both backends.
     `block_mask`: a cuflash.BlockMask of score_mod's mask snippet (score_mod.block_mask(...)): the
     key blocks it empties are skipped (cuflash/block_mask.py). Both backends.
+    `sinks`: attention sinks, a float32 CuPy array (heads,) of logits on q's device (cuflash/sinks.py),
+    joined in the kernel's epilogue: out and lse come out rescaled. Both backends.
     """
     if mask_options or type(mask) is not MaskOptions:
         mask = MaskOptions.given(mask, mask_options)
     return run_forward(families.FORWARDS, _plans, q, k, v, mask=mask, softmax_scale=softmax_scale,
                        dropout_p=dropout_p, seed=seed, config=config, out=out, lse=lse, backend=backend,
-                       alibi_slopes=alibi_slopes, score_mod=score_mod, block_mask=block_mask)
+                       alibi_slopes=alibi_slopes, score_mod=score_mod, block_mask=block_mask, sinks=sinks)

@@ -110,25 +110,35 @@ def _fwd_impl(q, k, v, *options):
     return _fwd_run(q, k, v, options)
 
 
-def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None, score_mod=None, block_mask=None):
+def _fwd_run(q, k, v, options, remember=None, alibi_slopes=None, score_mod=None, block_mask=None, sinks=None):
     """The forward on CuPy views of the tensors; `remember`: a direct-launch key (_direct_key) under
     which to keep the plan the call ran, for the next calls of this signature; `alibi_slopes`: ALiBi's
-    and `score_mod` a cuflash.ScoreMod (the v2 forward; no direct launches)."""
+    and `score_mod` a cuflash.ScoreMod (the v2 forward; no direct launches); `sinks`: attention sinks,
+    joined in the v2 kernels (cuflash._forward.run_forward), applied after v1's (cuflash/sinks.py)."""
     mask, o = mask_and_options(FWD_OPTIONS, options)
     fwd = forward_fn(o["algorithm"])
-    arrays, names = ((q, k, v), FWD_ARRAYS) if alibi_slopes is None else ((q, k, v, alibi_slopes),
-                                                                          (*FWD_ARRAYS, "alibi_slopes"))
+    arrays, names = (q, k, v), FWD_ARRAYS
+    if alibi_slopes is not None:
+        arrays, names = (*arrays, alibi_slopes), (*names, "alibi_slopes")
+    if sinks is not None:  # float32, as the kernels read them (a copy only where they are not)
+        arrays, names = (*arrays, sinks.detach().float().contiguous()), (*names, "sinks")
     dev = _device(arrays, names)
     seed = _seed_out(o["dropout_p"], o["seed"])
 
-    def run(cq, ck, cv, *slopes):
-        extra = {"alibi_slopes": slopes[0]} if slopes else {}
+    def run(cq, ck, cv, *rest):
+        extra = {"alibi_slopes": rest[0]} if alibi_slopes is not None else {}
         if score_mod is not None:
             extra["score_mod"] = score_mod
         if block_mask is not None:
             extra["block_mask"] = block_mask
+        if sinks is not None and o["algorithm"] == "v2":
+            extra["sinks"] = rest[-1]
         res = fwd(cq, ck, cv, mask=mask, softmax_scale=o["softmax_scale"], dropout_p=o["dropout_p"], seed=seed,
                   backend=o["backend"], **extra)
+        if sinks is not None and o["algorithm"] != "v2":
+            from . import sinks as sinks_mod
+
+            res = sinks_mod.apply(*res, rest[-1])
         if remember is not None and o["algorithm"] == "v2":
             dropout = problem.resolve_dropout(o["dropout_p"], seed) is not None
             _remember(remember, _forward._plans,
@@ -445,11 +455,8 @@ class _SinkAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, slopes, score_mod, block_mask, *options):
-        from . import sinks as sinks_mod
-
-        out, lse = _fwd_run(q, k, v, options, alibi_slopes=slopes, score_mod=score_mod, block_mask=block_mask)
-        if sinks is not None:
-            out, lse = sinks_mod.apply(out, lse, sinks)
+        out, lse = _fwd_run(q, k, v, options, alibi_slopes=slopes, score_mod=score_mod, block_mask=block_mask,
+                            sinks=sinks)  # out and lse rescaled by the sinks
         ctx.save_for_backward(q, k, v, out, lse, sinks, slopes)
         ctx.score_mod, ctx.block_mask = score_mod, block_mask
         ctx.options = backward_options((q, k, v, *options))

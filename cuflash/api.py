@@ -100,7 +100,8 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
     sinks: attention sinks (gpt-oss; transformers' s_aux): a float array of one logit per query
         head, of q's framework and device. Each row's softmax then includes one more column with
         that logit and no value, so out is scaled down by the mass the sink takes and lse includes
-        it (cuflash/sinks.py: exact, from the kernels' out and lse). Differentiable on torch
+        it (cuflash/sinks.py). The v2 kernels join the sink in their epilogue; v1's results are
+        rescaled after the kernel by one fused pass. Differentiable on torch
         tensors, sinks included; for CuPy arrays, attention_backward with the out and lse returned
         here gives dq, dk, dv, and cuflash.sinks.grad(dout, out, lse, sinks) the sinks' gradient.
 
@@ -185,11 +186,11 @@ def _attention_alibi(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
     fwd = forward_fn("v2")
     n_main = len(arrays)
 
-    def body(*a):
+    def body(*a):  # the v2 forward: sinks joined in its kernel (cuflash._forward.run_forward)
         slopes = a[3] if alibi_slopes is not None else None
-        out, lse = fwd(a[0], a[1], a[2], mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
-                       backend=backend, alibi_slopes=slopes, score_mod=score_mod, block_mask=block_mask)
-        return sinks_mod.apply(out, lse, a[n_main]) if len(a) > n_main else (out, lse)
+        return fwd(a[0], a[1], a[2], mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
+                   backend=backend, alibi_slopes=slopes, score_mod=score_mod, block_mask=block_mask,
+                   sinks=sinks_mod.for_kernel(a[n_main]) if len(a) > n_main else None)
 
     extra = () if sinks is None else (sinks,)
     if fw == _interop.CUPY:
@@ -206,7 +207,7 @@ def _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
     from . import _interop, families, problem
     from . import sinks as sinks_mod
 
-    problem.check_algorithm(algorithm)
+    v1 = problem.check_algorithm(algorithm) == "v1"
     deterministic = problem.check_flag(deterministic, "deterministic")
     families.check_backend(backend)
     if len(getattr(q, "shape", ())) != 4:
@@ -218,10 +219,12 @@ def _attention_sinks(q, k, v, mask, softmax_scale, return_lse, algorithm, determ
                                              deterministic, dropout_p, seed, backend)
     fwd = forward_fn(algorithm)
 
-    def body(q, k, v, sinks):
-        out, lse = fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
-                       backend=backend)
-        return sinks_mod.apply(out, lse, sinks)
+    def body(q, k, v, sinks):  # v2: the sinks joined in the kernel (cuflash._forward.run_forward); v1: after it
+        if v1:
+            return sinks_mod.apply(*fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p,
+                                        seed=seed, backend=backend), sinks)
+        return fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed, backend=backend,
+                   sinks=sinks_mod.for_kernel(sinks))
 
     if fw == _interop.CUPY:
         out, lse = body(q, k, v, sinks)

@@ -8,7 +8,7 @@ and keys the tuned tables (tuning every feature combination is impossible, tunin
 
 The boolean variant fields (declared with `_variant`) are the kernels' compile-time feature set:
 the generated shell passes them, in field order, as ONE template argument,
-`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged, alibi, user_mod, block_mask, group_loop>` (kernels_cu/attn/features.cuh), and asserts that each C++
+`cuflash::Variant<dropout, local, softcap, partial_d, seqused_k, varlen, split_kv, paged, alibi, user_mod, block_mask, group_loop, sinks>` (kernels_cu/attn/features.cuh), and asserts that each C++
 member holds the value of its field (`cxx_asserts`), so the two lists cannot drift apart. Adding a
 feature is: one `_variant` field here, one parameter and member there, and the policy header that
 reads it; the shells, kernel names and fingerprints follow.
@@ -81,6 +81,11 @@ class Features:
     # heads and sums dK, dV over them in registers (kernels_cu/sm90/bwd.cuh kGroupLoop) instead of
     # writing them per query head for bwd_dkdv_reduce; only the sm90 backward has it
     group_loop: bool = _variant("_grp", "kGroupLoop")
+    # learnable attention sinks (cuflash/sinks.py): one logit per query head joins every row's softmax
+    # in the epilogue (kernels_cu/attn/sinks.cuh), from a sinks pointer after every other pointer;
+    # the v2 forwards (sm80 without split-KV, sm90). It keeps the call's perf class: a few
+    # instructions per row, none per score
+    sinks: bool = _variant("_sink", "kSinks")
 
     @classmethod
     @functools.cache

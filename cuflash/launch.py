@@ -206,8 +206,8 @@ class Plan:
     `params`: the pass's packed parameter struct (params.pack_fwd / pack_bwd); its fields follow
     every launch's pointers."""
 
-    __slots__ = ("device", "params", "_blank", "_alloc", "_per_stream", "_launches", "_own", "_outputs", "_out_idx",
-                 "_args", "_n_inputs", "_scratch")
+    __slots__ = ("device", "inputs", "params", "_blank", "_alloc", "_per_stream", "_launches", "_own", "_outputs",
+                 "_out_idx", "_args", "_n_inputs", "_scratch")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
                  params: np.ndarray):
@@ -215,6 +215,7 @@ class Plan:
         names = [*inputs, *(b.name for b in own)]
         index = {n: i for i, n in enumerate(names)}
         self.device = device
+        self.inputs = tuple(inputs)  # the names of run()'s args, in order
         self.params = KernelParams(params)
         self._blank = [NULL if b.shape is None else None for b in own]  # the plan's slots before allocation
         self._n_inputs = len(inputs)
@@ -432,11 +433,12 @@ class FilledPlan:
     outputs: (Buffer, value) pairs in output order; a Buffer named after one of `inputs` fills the
     caller's array when one is given there (contiguous, as the entry points check), else a new one."""
 
-    __slots__ = ("device", "_outputs")
+    __slots__ = ("device", "inputs", "_outputs")
 
     def __init__(self, device: int, inputs: tuple, outputs: tuple):
         index = {n: i for i, n in enumerate(inputs)}
         self.device = device
+        self.inputs = tuple(inputs)
         self._outputs = tuple((index.get(b.name), b.shape, b.dtype, value) for b, value in outputs)
 
     def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:

@@ -106,6 +106,9 @@ class AttnProblem:
     # slopes a float32 device array (heads,) (alibi_sb 0) or (batch, heads) (alibi_sb = heads)
     alibi: bool = False
     alibi_sb: int = 0
+    # attention sinks joined in the kernel's epilogue (with_sinks; kernels_cu/attn/sinks.cuh): a
+    # float32 device array (heads,), an input after every other pointer
+    sinks: bool = False
     # a user modification (cuflash.ScoreMod, with_score_mod): its snippets (score_mods.ModSource); the
     # aux arrays' pointer table is a per-call input (mod_aux)
     mod: object = None
@@ -140,7 +143,8 @@ class AttnProblem:
                         softcap=self.softcap > 0, partial_d=self.head_dim != d or self.dv != d,
                         seqused_k=self.seqused_k,
                         varlen=self.varlen, split_kv=self.n_splits > 1, paged=self.paged, alibi=self.alibi,
-                        user_mod=self.mod is not None, mod=self.mod, block_mask=self.block_mask is not None)
+                        user_mod=self.mod is not None, mod=self.mod, block_mask=self.block_mask is not None,
+                        sinks=self.sinks)
 
     @property
     def empty(self) -> bool:
@@ -309,6 +313,19 @@ def check_alibi_slopes(slopes: ArrayInfo, batch: int, heads: int, device: int) -
     if slopes.device != device:
         raise ValueError(f"alibi_slopes must be on q's device {device}, got device {slopes.device}")
     return heads if len(slopes.shape) == 2 else 0
+
+
+def with_sinks(p: AttnProblem, sinks: ArrayInfo | None) -> AttnProblem:
+    """`p` with the sinks joined in the kernel (cuflash/sinks.py's check has passed: (heads,)), or `p`
+    itself without; the kernels read them as float32, one per query head, 4-byte aligned on q's device."""
+    if sinks is None:
+        return p
+    if sinks.dtype != "float32" or tuple(sinks.shape) != (p.heads,) or (p.heads > 1 and sinks.strides != (4,)):
+        raise ValueError(f"the kernels' sinks must be float32 of shape ({p.heads},), contiguous; got {sinks.dtype} "
+                         f"{tuple(sinks.shape)} strides {sinks.strides}")
+    if sinks.ptr % 4 or sinks.device != p.device:
+        raise ValueError(f"sinks must be 4-byte aligned on q's device {p.device}")
+    return dataclasses.replace(p, sinks=True)
 
 
 def with_alibi(p: AttnProblem, slopes: ArrayInfo | None) -> AttnProblem:

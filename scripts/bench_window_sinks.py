@@ -12,12 +12,11 @@ bf16, CuPy arrays, the automatic kernels (a cc 9.0 GPU takes the Hopper forward 
   of the same width). The window's FLOPs count the (query, key) pairs it shows, exactly: 4 D per pair a
   head forward, 2.5x that backward.
 - **Sinks** (bar: at most 10% against the plain kernel): variant_bench_shape's batch and heads at each
-  --seqlens, causal and not; forward = attention(sinks=) as the library runs it (with
-  docs/experiments/sinks-in-kernel.patch: joined in the v2 kernels' epilogue; without: a rescale of
-  out after the kernel) against attention(), beside the post-passes after a plain forward
-  (cuflash.sinks.apply, fused with the patch, and the elementwise steps of before); backward =
-  attention_backward on the rescaled out and lse plus cuflash.sinks.grad (the sinks' gradient, fused
-  with the patch; and the elementwise form), against the plain backward. Nominal FLOPs throughout.
+  --seqlens, causal and not; forward = attention(sinks=) as the library runs it (since
+  2026-12-07 joined in the v2 kernels' epilogue; before: a rescale of out after the kernel) against
+  attention(), beside the post-passes after a plain forward (cuflash.sinks.apply's fused kernel, and
+  the elementwise steps of before); backward = attention_backward on the rescaled out and lse plus
+  cuflash.sinks.grad (the sinks' gradient, one fused kernel; and the elementwise form), against the plain backward. Nominal FLOPs throughout.
 
 CUDA events, the variants alternating for --rounds rounds, each round the median of --reps runs after a
 --warmup-ms warm-up (cuflash._timing.time_rounds); the median round of each.

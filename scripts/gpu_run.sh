@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune] [checktable] [dropoutdefault]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [softcaptests] [decode] [decodegraph] [overheadthread] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [snippettiles] [windowsinks] [sinkspatch] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [softcaptests] [decode] [decodegraph] [overheadthread] [decodeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [snippettiles] [windowsinks] [sinkstests] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (over 555 s on an H100 with xdist: split it
@@ -225,17 +225,10 @@ json.dump(doc, open(sys.argv[2], 'w'), indent=1)" "$src" "$OUT/dropout-default-p
       grep -E " FAILED | ERROR |(passed|failed).* in |cold snippet" "$OUT/scoremod-tests.log" | tail -30
       timeout 240 python3 scripts/bench_score_mod.py --json "$OUT/bench-score-mod.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench-score-mod.log" ;;
-    sinkspatch)  # docs/experiments/sinks-in-kernel.patch (attention sinks joined in the v2 forwards' epilogue; the
-                 # post-passes fused) applied to this copy: its sinks tests, then issue 13's sinks bar (the bench
-                 # times main's elementwise post-pass too); the patch reverted. (Not the golden check: its hashes
-                 # of 2026-11-30 predate 21 changes to the sm80 backward; perf-notes, 2026-12-07.)
-      git apply docs/experiments/sinks-in-kernel.patch || { echo "the patch does not apply: regenerate it"; exit 1; }
+    sinkstests)  # attention sinks (joined in the v2 forwards' epilogue since 2026-12-07): their GPU tests
       timeout 220 python3 -m pytest -q $XDIST -p no:cacheprovider -rfE tests/gpu/test_sinks_gpu.py tests/test_sinks.py \
         tests/gpu/test_alibi_gpu.py tests/gpu/test_score_mod_gpu.py tests/gpu/test_varlen_gpu.py -k "sink or Sink" 2>&1 \
-        | tee "$OUT/sinks-tests.log" | tail -6
-      timeout 200 python3 scripts/bench_window_sinks.py --only sinks --json "$OUT/bench-sinks-patch.json" 2>&1 | grep -v Warning \
-        | tee "$OUT/bench-sinks-patch.log"
-      git apply -R docs/experiments/sinks-in-kernel.patch ;;
+        | tee "$OUT/sinks-tests.log" | tail -6 ;;
     windowsinks)  # issue 13's window bar (4096 at N32768 against full, visible FLOPs) and sinks bar (against plain)
       timeout ${WINDOW_SINKS_TIMEOUT:-240} python3 scripts/bench_window_sinks.py --json "$OUT/bench-window-sinks.json" 2>&1 \
         | grep -v Warning | tee "$OUT/bench-window-sinks.log" ;;

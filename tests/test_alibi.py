@@ -87,15 +87,15 @@ def test_the_v2_families_take_alibi_and_their_shells_pass_nullptr_for_the_rest()
         assert src.rstrip().endswith("nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);\n}"), src[-300:]
     assert "ALiBi (alibi_slopes)" in families.FWD_V1._unsupported_part(f)
     sm90 = _compile.kernel_source(families.FWD_SM90.default(128, features=f), f)
-    assert "(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in sm90
+    assert "(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, nullptr, p);" in sm90
     sm90b = _compile.kernel_source(families.BWD_SM90.default(128, features=f), f)
     assert "(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, dq_sem, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in sm90b
     cfg = families.FWD.default(128, features=f)
     src = _compile.kernel_source(cfg, f)
     assert "const float* __restrict__ alibi_slopes, " in src and "_alibi(" in src
-    assert "(q, k, v, out, lse, nullptr, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, p);" in src
+    assert "(q, k, v, out, lse, nullptr, nullptr, nullptr, alibi_slopes, nullptr, nullptr, nullptr, nullptr, p);" in src
     varlen = _compile.kernel_source(cfg, Features("bfloat16", 128, varlen=True))
-    assert "(q, k, v, out, lse, nullptr, cu_seqlens_q, cu_seqlens_k, nullptr, nullptr, nullptr, nullptr, p);" in varlen
+    assert "(q, k, v, out, lse, nullptr, cu_seqlens_q, cu_seqlens_k, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in varlen
     assert "alibi_slopes" not in varlen.split("{")[0]  # not a kernel parameter without ALiBi
     # d64's first default (252 registers plain) fits ALiBi since the distance is converted once per row
     assert families.FWD.default(64, features=Features("bfloat16", 64, alibi=True)) == families.FWD.defaults[64][0]

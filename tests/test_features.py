@@ -18,21 +18,21 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_available(), reason="NVRTC not loada
 
 
 def test_variant_fields_tags_and_perf_class():
-    assert [f.name for f in Features.variant_fields()] == ["dropout", "local", "softcap", "partial_d", "seqused_k", "varlen", "split_kv", "paged", "alibi", "user_mod", "block_mask", "group_loop"]
+    assert [f.name for f in Features.variant_fields()] == ["dropout", "local", "softcap", "partial_d", "seqused_k", "varlen", "split_kv", "paged", "alibi", "user_mod", "block_mask", "group_loop", "sinks"]
     cases = {(False, False): ("", "dense"), (True, False): ("_drop", "dropout"),
              (False, True): ("_local", "dense"), (True, True): ("_drop_local", "dropout")}
     for (drop, local), (tag, pc) in cases.items():
         f = Features("bfloat16", 64, dropout=drop, local=local)
         assert (f.tag(), f.perf_class()) == (tag, pc)
-        assert f.cxx() == f"cuflash::Variant<{str(drop).lower()}, {str(local).lower()}, false, false, false, false, false, false, false, false, false, false>"
+        assert f.cxx() == f"cuflash::Variant<{str(drop).lower()}, {str(local).lower()}, false, false, false, false, false, false, false, false, false, false, false>"
     assert Features("float16", 128) == Features("float16", 128, False, False, False, False)
     # softcap has its own class, but with dropout it keeps dropout's (local keeps its call's)
     assert Features("bfloat16", 64, local=True, softcap=True).perf_class() == "softcap"
     sc = Features("bfloat16", 64, dropout=True, local=True, softcap=True)
     assert (sc.tag(), sc.perf_class(), sc.cxx()) == ("_drop_local_softcap", "dropout",
-                                                     "cuflash::Variant<true, true, true, false, false, false, false, false, false, false, false, false>")
+                                                     "cuflash::Variant<true, true, true, false, false, false, false, false, false, false, false, false, false>")
     f = Features("bfloat16", 64, dropout=True, partial_d=True)  # a head dim below 64 on the d64 instance
-    assert (f.tag(), f.perf_class(), f.cxx()) == ("_drop_pd", "dropout", "cuflash::Variant<true, false, false, true, false, false, false, false, false, false, false, false>")
+    assert (f.tag(), f.perf_class(), f.cxx()) == ("_drop_pd", "dropout", "cuflash::Variant<true, false, false, true, false, false, false, false, false, false, false, false, false>")
 
 
 def test_every_shell_passes_and_checks_the_variant():
@@ -51,7 +51,7 @@ def test_the_assert_catches_a_mirror_that_drifted():
     ok, log = _compile_ok('#include "attn/features.cuh"\n' + f.cxx_asserts())
     assert ok, log
     # the Python side listing the members in another order than the C++ template
-    swapped = f.cxx_asserts().replace("Variant<true, false, false, false, false, false, false, false, false, false, false, false>", "Variant<false, true, false, false, false, false, false, false, false, false, false, false>")
+    swapped = f.cxx_asserts().replace("Variant<true, false, false, false, false, false, false, false, false, false, false, false, false>", "Variant<false, true, false, false, false, false, false, false, false, false, false, false, false>")
     ok, log = _compile_ok('#include "attn/features.cuh"\n' + swapped)
     assert not ok and "cuflash::Variant differs from cuflash/features.py" in log
 

@@ -70,7 +70,7 @@ def test_reference_rejects_lengths_out_of_range():
 def test_only_the_sm80_forward_has_seqused_k_instances():
     f = Features("bfloat16", 64, seqused_k=True)
     assert f.tag() == "_kvlen" and f.perf_class() == "dense"
-    assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false, false, false, false, false, false, false>"
+    assert f.cxx() == "cuflash::Variant<false, false, false, false, true, false, false, false, false, false, false, false, false>"
     assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["fwd", "decode"]
     for fam in families.FORWARDS:
         if fam is not families.FWD:
@@ -81,9 +81,9 @@ def test_shell_takes_seqused_k_after_the_data_pointers():
     tile = families.FWD.default(64)
     plain = _compile.kernel_source(tile, Features("float16", 64))
     kv = _compile.kernel_source(tile, Features("float16", 64, seqused_k=True))
-    assert "int* __restrict__ seqused_k" not in plain and "(q, k, v, out, lse, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in plain
+    assert "int* __restrict__ seqused_k" not in plain and "(q, k, v, out, lse, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in plain
     assert "float* __restrict__ lse, const int* __restrict__ seqused_k," in kv
-    assert "(q, k, v, out, lse, seqused_k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in kv
+    assert "(q, k, v, out, lse, seqused_k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in kv
 
 
 def test_host_lengths():
@@ -357,7 +357,7 @@ def test_split_combine_kernel_compiles():
 
 def test_only_the_decode_kernel_has_paged_instances():
     f = Features("bfloat16", 128, seqused_k=True, paged=True)
-    assert f.tag() == "_kvlen_paged" and f.cxx().endswith("true, false, false, true, false, false, false, false>")
+    assert f.tag() == "_kvlen_paged" and f.cxx().endswith("true, false, false, true, false, false, false, false, false>")
     assert [fam.name for fam in families.REGISTRY.values() if fam.supports(f)] == ["decode"]
 
 

@@ -63,9 +63,9 @@ def test_the_v2_families_take_user_modifications():
     assert "(tq, tk, tv, tdo, lse2, delta, dq_acc, dk, dv, dq_sem, nullptr, nullptr, nullptr, mod_aux, nullptr, nullptr, p);" in sm90b
     src = _compile.kernel_source(families.FWD.default(128), f)
     assert "const void* const* __restrict__ mod_aux, " in src
-    assert "(q, k, v, out, lse, nullptr, nullptr, nullptr, nullptr, mod_aux, nullptr, nullptr, p);" in src
+    assert "(q, k, v, out, lse, nullptr, nullptr, nullptr, nullptr, mod_aux, nullptr, nullptr, nullptr, p);" in src
     sm90 = _compile.kernel_source(families.FWD_SM90.default(128), f)
-    assert "(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, nullptr, mod_aux, nullptr, nullptr, p);" in sm90
+    assert "(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, nullptr, mod_aux, nullptr, nullptr, nullptr, p);" in sm90
     with pytest.raises(ValueError, match="needs its snippets"):
         _compile.kernel_source(families.FWD.default(128), Features("bfloat16", 128, user_mod=True))
 

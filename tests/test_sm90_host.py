@@ -309,7 +309,7 @@ def test_kernel_source_declares_the_maps_by_value_and_launch_bounds_for_setmaxnr
     assert (f'extern "C" __global__ void __launch_bounds__(384, 1) {name}(const __grid_constant__ cuflash::TmaMap tq, '
             "const __grid_constant__ cuflash::TmaMap tk, const __grid_constant__ cuflash::TmaMap tv, "
             "cuflash::elem_t* __restrict__ out, float* __restrict__ lse, int* tile_counter, long long q_sb_, ") in src
-    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, 1, cuflash::Variant<true, false, false, false, false, false, false, false, false, false, false, false>>(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in src
+    assert "cuflash::flash_fwd_sm90<true, 128, 128, 2, 2, 1, 1, 1, cuflash::Variant<true, false, false, false, false, false, false, false, false, false, false, false, false>>(tq, tk, tv, out, lse, tile_counter, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, p);" in src
     decl = ", ".join(f"{ctype} {f}_" for f, ctype in params.fields("FwdParams"))
     assert decl + ") {" in src
     # the sm80 shells keep their single-argument launch bounds
@@ -644,7 +644,7 @@ def test_sm90_backward_family():
     assert Sm90BwdConfig(128, 64, 2, 2, 3, 1) not in f.domain(128) and "dq_bulk" in Sm90BwdConfig(128, 64, 2, 2, 5, 1).structural_problem()
     src = _compile.kernel_source(t, Features("float16", 128))
     assert ("const __grid_constant__ cuflash::TmaMap tdo, const float* __restrict__ lse2" in src
-            and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, 0, 0, cuflash::Variant<false, false, false, false, false, false, false, false, false, false, false, false>>" in src)
+            and "cuflash::flash_bwd_sm90<false, 128, 64, 2, 2, 0, 0, cuflash::Variant<false, false, false, false, false, false, false, false, false, false, false, false, false>>" in src)
 
 
 def test_sm90_backward_binds_four_maps_and_the_workspaces():

@@ -125,12 +125,16 @@ class KernelFamily:
     takes_block_mask: bool = False  # True: block-mask instances (cuflash.BlockMask's key-block lists)
     takes_group_loop: bool = False  # True: GQA instances that sum dK / dV over a group in the kernel (sm90 backward)
     block_mask_pointers: tuple = ((I32_IN, "bm_counts"), (I32_IN, "bm_index"))  # after mod_aux
+    # True: attention-sink instances (the sinks' logits joined in the epilogue: attn/sinks.cuh), a
+    # float32 sinks pointer (one per query head) after the block mask's lists
+    takes_sinks: bool = False
+    sinks_pointer: tuple = (F32_IN, "sinks")
     # the split-KV instances' in-kernel merge (the decode kernel: the last split block of a tile merges
     # the tile's partial results into merged_out / merged_lse; split_counters: zeroed per-stream words,
     # null for the host's combine launch instead), after every other pointer; () for no such merge
     split_merge_pointers: tuple = ()
     # True: the device template takes every optional pointer the family has (seqused_k, block_table,
-    # cu_seqlens_q / _k, alibi_slopes, mod_aux, bm_counts / bm_index, in that order), and the shell passes nullptr for those the
+    # cu_seqlens_q / _k, alibi_slopes, mod_aux, bm_counts / bm_index, sinks, in that order), and the shell passes nullptr for those the
     # instance's features do not take; False: the template has one overload per pointer set
     nullable_pointers: bool = False
     # the tuner:
@@ -162,7 +166,9 @@ class KernelFamily:
                 and (self.takes_alibi or not features.alibi)
                 and (self.takes_user_mod or not features.user_mod)
                 and (self.takes_block_mask or not features.block_mask)
-                and (self.takes_group_loop or not features.group_loop))
+                and (self.takes_group_loop or not features.group_loop)
+                and (self.takes_sinks or not features.sinks)
+                and not (features.sinks and features.split_kv))  # a split's partial softmax has no sink
 
     def space(self, head_dim: int, smem_optin_bytes: int = DEFAULT_SMEM_OPTIN) -> list:
         """Every tile for `head_dim` that is structurally valid and fits in shared memory, in domain order
@@ -269,6 +275,7 @@ class KernelFamily:
                      "alibi": "ALiBi (alibi_slopes)",
                      "user_mod": "user score/mask modifications (score_mod)",
                      "block_mask": "block masks (block_mask)",
+                     "sinks": "attention sinks in the kernel (sinks)",
                      "partial_d": f"head_dim other than {', '.join(map(str, sorted(self.defaults)))}"}
             return " or ".join(names.get(n, n) for n in lacking) or "this combination of features"
         run_as = f" (on the kernels of head dim {f.head_dim})" if call_head_dim not in (None, f.head_dim) else ""

@@ -110,6 +110,8 @@ FWD = KernelFamily(
     spilling={"dropout": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(32, 128, 128, 4, 3)}),
               "local+softcap": frozenset({FwdConfig(64, 128, 96, 4, 2), FwdConfig(128, 128, 128, 8, 3)}),
               "dropout+local+softcap": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
+              # attention sinks (the epilogue's sink term) with a window and softcap: 12 B on sm_80 (20 on sm_90a)
+              "local+softcap+sinks": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               # per-batch key lengths (the KV cache) with softcap: 44 B on d64's first tile (sm_80, sm_90a)
               "softcap+seqused_k": frozenset({FwdConfig(64, 128, 96, 4, 2)}),
               # with a window too, 4 B on sm_90a since the exact rescale factor (attn/softmax.cuh)
@@ -127,7 +129,7 @@ FWD = KernelFamily(
               "softcap+split_kv": frozenset({FwdConfig(128, 128, 128, 8, 2)}),
               "seqused_k+softcap+split_kv": frozenset({FwdConfig(32, 128, 128, 4, 3), FwdConfig(128, 128, 128, 8, 3)})},
     plan=_plan_fwd, run=_run_fwd, deterministic_outputs=(0, 1), takes_seqused_k=True, takes_varlen=True,
-    takes_split_kv=True, takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True,
+    takes_split_kv=True, takes_alibi=True, takes_user_mod=True, takes_block_mask=True, nullable_pointers=True, takes_sinks=True,
 )
 
 # The 4-warp backward tiles are not defaults: their dQ tile (64 fp32 registers per thread on top of

@@ -127,7 +127,7 @@ FWD_SM90 = KernelFamily(
     # default's static stride (tuning/nvidia-h200.json), so an untuned causal call draws them as well
     causal_tile=_drawn,
     plan=_plan, run=_run_fwd, deterministic_outputs=(0, 1), takes_varlen=True, takes_alibi=True, takes_user_mod=True,
-    takes_block_mask=True, nullable_pointers=True,
+    takes_block_mask=True, nullable_pointers=True, takes_sinks=True,
 )
 
 

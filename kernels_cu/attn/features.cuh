@@ -10,7 +10,7 @@
 namespace cuflash {
 
 template <bool DROPOUT, bool LOCAL, bool SOFTCAP, bool PARTIAL_D, bool SEQUSED_K, bool VARLEN, bool SPLIT_KV, bool PAGED,
-          bool ALIBI, bool USER_MOD, bool BLOCK_MASK, bool GROUP_LOOP>
+          bool ALIBI, bool USER_MOD, bool BLOCK_MASK, bool GROUP_LOOP, bool SINKS>
 struct Variant {
     // Fused Philox dropout (attn/dropout.cuh): the plain instances carry no Philox code.
     static constexpr bool kDropout = DROPOUT;
@@ -72,6 +72,11 @@ struct Variant {
     // the group's query heads one after another, dK and dV summed over the group in its registers
     // and written to dk / dv (heads_kv heads) directly. Only that kernel has these instances.
     static constexpr bool kGroupLoop = GROUP_LOOP;
+    // Learnable attention sinks (attn/sinks.cuh): the kernel takes a float pointer sinks (one logit
+    // per query head) after all its other pointers, and each row's softmax gains the sink's column
+    // in the epilogue (out and lse come out rescaled). The v2 forwards (sm80 without split-KV, sm90);
+    // other kernels' results are rescaled after them (cuflash/sinks.py).
+    static constexpr bool kSinks = SINKS;
 };
 
 }  // namespace cuflash

@@ -34,6 +34,7 @@
 #include "attn/params.cuh"
 #include "attn/scheduler.cuh"
 #include "attn/score_mod.cuh"
+#include "attn/sinks.cuh"
 #include "attn/softmax.cuh"
 #include "sm80/tile_copy.cuh"
 #include "sm80/traits.cuh"
@@ -47,7 +48,10 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
                                           const int* __restrict__ seqused_k, const int* __restrict__ cu_seqlens_q,
                                           const int* __restrict__ cu_seqlens_k, const float* __restrict__ alibi_slopes,
                                           const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
-                                          const int* __restrict__ bm_index, const FwdParams& params) {
+                                          const int* __restrict__ bm_index, const float* __restrict__ sinks,
+                                          const FwdParams& params) {
+    // split-KV's partial results are merged on the host, which rescales them by the sinks after
+    static_assert(!(V::kSinks && V::kSplitKV), "sinks join the merged softmax, not a split's");
     // The parameters this kernel reads, copied to registers once: a field read where it is used
     // would be re-read from the parameter space after every asm volatile (memory clobber).
     const long long q_sb = params.q_sb, q_sn = params.q_sn, q_sh = params.q_sh, k_sb = params.k_sb, k_sn = params.k_sn, k_sh = params.k_sh,
@@ -244,16 +248,22 @@ __device__ __forceinline__ void flash_fwd(const elem_t* __restrict__ q, const el
     if constexpr (V::kVarlen) SeqSpan::reload_queries<V>(cu_seqlens_q, b, q_start, n_q);
     // (batch, heads, seqlen_q); V::kVarlen: (heads, total_q), total_q = params.seqlen_q
     float* lse_row = V::kVarlen ? lse + (long long)h * params.seqlen_q + q_start : lse + (long long)bh * seqlen_q;
+    const SinkLogit<V> sink = SinkLogit<V>::of(sinks, h);  // V::kSinks: attn/sinks.cuh
 #pragma unroll
     for (int mt = 0; mt < kRowTiles; ++mt)
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float l = warp_sum4(softmax.row_sum[mt][half]);
             float inv = l != 0.f ? (V::kDropout ? drop_scale : 1.f) / l : 0.f;
+            float sink_lse = 0.f;
+            if constexpr (V::kSinks) {
+                sink.finish(softmax.row_max[mt][half], l, scale_log2, inv, sink_lse);
+                if constexpr (V::kDropout) inv *= drop_scale;
+            }
             int tile_row = warp_row0 + mt * 16 + g + 8 * half;
             int row = r0 + tile_row;
             if (t == 0 && row < n_q)
-                lse_row[row] = OnlineSoftmax<kRowTiles>::lse(softmax.row_max[mt][half], l, scale_log2);
+                lse_row[row] = V::kSinks ? sink_lse : OnlineSoftmax<kRowTiles>::lse(softmax.row_max[mt][half], l, scale_log2);
 #pragma unroll
             for (int i = 0; i < kOutTiles; ++i) {
                 u32 packed = pack2<BF16>(acc_o[mt][i][2 * half] * inv, acc_o[mt][i][2 * half + 1] * inv);

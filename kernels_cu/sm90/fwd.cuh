@@ -40,6 +40,7 @@
 #include "attn/scheduler.cuh"
 #include "attn/tile_order.cuh"
 #include "attn/score_mod.cuh"
+#include "attn/sinks.cuh"
 #include "attn/softmax.cuh"
 #include "core/ptx_sm90.cuh"
 #include "sm80/warp_gemm.cuh"
@@ -186,7 +187,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                                                const int* __restrict__ cu_seqlens_q, const int* __restrict__ cu_seqlens_k,
                                                const float* __restrict__ alibi_slopes,
                                                const void* const* __restrict__ mod_aux, const int* __restrict__ bm_counts,
-                                               const int* __restrict__ bm_index, const FwdParams& params) {
+                                               const int* __restrict__ bm_index, const float* __restrict__ sinks,
+                                               const FwdParams& params) {
     using Tr = Sm90FwdTraits<D, BC, CONSUMERS, STAGES, QSTAGES>;
     using Tile = Sm90FwdTile<Tr::kBlockQ, BC, V>;
     // O leaves through shared memory: each consumer stages its rows in its own rows of the tile's Q
@@ -530,6 +532,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
                                         : lse + (long long)w.blk.bh * seqlen_q;
             elem_t* og = o + (long long)w.blk.batch * params.o_sb + (long long)q_start * params.o_sn +
                          (long long)w.blk.head * params.o_sh;
+            const SinkLogit<V> sink = SinkLogit<V>::of(sinks, w.blk.head);  // V::kSinks: attn/sinks.cuh
             if (kStagedO && n_iter > 0) {
                 // row rr of the image, column chunk c (64 columns), 16-byte unit u of it: at
                 // c * kQChunkBytes + rr * 128 + (u ^ rr % 8) * 16 (the fragment stores hit 32 banks)
@@ -539,10 +542,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const float l = softmax.final_sum(0, half);
-                    const float inv = l != 0.f ? (V::kDropout ? params.drop_scale : 1.f) / l : 0.f;
+                    float inv = l != 0.f ? (V::kDropout ? params.drop_scale : 1.f) / l : 0.f;
+                    float sink_lse = 0.f;
+                    if constexpr (V::kSinks) {
+                        sink.finish(softmax.row_max[0][half], l, scale_log2, inv, sink_lse);
+                        if constexpr (V::kDropout) inv *= params.drop_scale;
+                    }
                     const int rr = warp_row0 + g + 8 * half;
                     if (t == 0 && r0 + rr < seqlen_q)
-                        lse_row[r0 + rr] = OnlineSoftmax<1>::lse(softmax.row_max[0][half], l, scale_log2);
+                        lse_row[r0 + rr] = V::kSinks ? sink_lse : OnlineSoftmax<1>::lse(softmax.row_max[0][half], l, scale_log2);
                     const u32 line = opaque_u32(img) + rr * 128 + 4 * t;
 #pragma unroll
                     for (int nt = 0; nt < D / 8; ++nt) {
@@ -567,10 +575,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const TmaMap& tq, const TmaMap& t
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const float l = n_iter > 0 ? softmax.final_sum(0, half) : 0.f;
-                const float inv = l != 0.f ? (V::kDropout ? params.drop_scale : 1.f) / l : 0.f;
+                float inv = l != 0.f ? (V::kDropout ? params.drop_scale : 1.f) / l : 0.f;
+                float sink_lse = 0.f;
+                if constexpr (V::kSinks) {
+                    sink.finish(softmax.row_max[0][half], l, scale_log2, inv, sink_lse);
+                    if constexpr (V::kDropout) inv *= params.drop_scale;
+                }
                 const int row = r0 + warp_row0 + g + 8 * half;
                 if (row < seqlen_q) {
-                    if (t == 0) lse_row[row] = OnlineSoftmax<1>::lse(softmax.row_max[0][half], l, scale_log2);
+                    if (t == 0) lse_row[row] = V::kSinks ? sink_lse : OnlineSoftmax<1>::lse(softmax.row_max[0][half], l, scale_log2);
                     elem_t* orow = og + (long long)row * params.o_sn + 2 * t;
 #pragma unroll
                     for (int nt = 0; nt < D / 8; ++nt) {

@@ -31,7 +31,7 @@ __device__ void run(const float* s, float* out, float* grad_out, float softcap_s
     for (int mt = 0; mt < kMT; ++mt)
         for (int nt = 0; nt < kNT; ++nt)
             for (int e = 0; e < 4; ++e) acc[mt][nt][e] = src[row_of(lane, mt, e) * COLS + col_of(lane, nt, e)];
-    using SM = ScoreMod<Variant<false, false, SOFTCAP, false, false, false, false, false, false, false, false, false>>;
+    using SM = ScoreMod<Variant<false, false, SOFTCAP, false, false, false, false, false, false, false, false, false, false>>;
     const SM mod = SM::of(Params{softcap_scale});
     mod.apply(acc);
     for (int mt = 0; mt < kMT; ++mt)
@@ -55,5 +55,5 @@ extern "C" __global__ void score_mod_plain(const float* s, float* out, float* gr
 
 extern "C" __global__ void grad_softcap(const float* x, float* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = ScoreMod<Variant<false, false, true, false, false, false, false, false, false, false, false, false>>::grad(x[i]);
+    if (i < n) out[i] = ScoreMod<Variant<false, false, true, false, false, false, false, false, false, false, false, false, false>>::grad(x[i]);
 }

@@ -138,3 +138,81 @@ def test_varlen_sinks_match_dense_per_sequence(used):
         if n < lens[b]:  # unused rows
             assert not bool(out[a + n:a + lens[b]].float().any()) and not bool(grads[0][a + n:a + lens[b]].float().any())
     assert float((grads[3] - dsinks).abs().max()) <= 1e-2 * max(1.0, float(dsinks.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("d", [8, 64, 128, 256])
+def test_fused_rescale_and_grad_match_the_float64_definition(dtype, d):
+    """cuflash.sinks' fused kernels (apply: one pass over out; grad: one over dout and out') against
+    the float64 definition, on a strided out (a slice of a wider array), with a row that sees no key
+    (lse -inf: out' 0, lse' the sink) and a NaN row; CuPy arrays, then torch tensors on a side stream."""
+    import cupy
+    import numpy as np
+
+    from cuflash import sinks as sinks_mod
+    from cuflash.testing import dtype_of
+
+    dt = dtype_of(dtype)
+    rng = np.random.default_rng(d)
+    b, n, h = 2, 37, 3
+    wide = cupy.asarray(rng.standard_normal((b, n, h, d + 16)).astype(np.float32)).astype(dt)
+    out = wide[..., 8:8 + d]  # rows contiguous, strides of d + 16 elements
+    lse = cupy.asarray(rng.standard_normal((b, h, n)).astype(np.float32) * 3)
+    lse[0, 1, 5] = -np.inf
+    lse[1, 2, 7] = np.nan
+    sinks = cupy.asarray(rng.standard_normal(h).astype(np.float32))
+    assert sinks_mod._fusable(out, lse)
+    poison = cupy.empty((b, n, h, d), dtype=dt)  # NaN bits where CuPy's pool will put out' next
+    poison.view(cupy.uint16).fill(0x7FC0 if dtype == "bfloat16" else 0x7E00)
+    del poison
+    out2, lse2 = sinks_mod.apply(out, lse, sinks)
+    o64, l64, s64 = (cupy.asnumpy(x.astype(cupy.float32)).astype(np.float64) for x in (out, lse, sinks))
+    want_lse = np.logaddexp(l64, s64[None, :, None])
+    with np.errstate(invalid="ignore"):
+        w = np.where(np.isneginf(l64), 0.0, np.exp(l64 - want_lse))
+    want_out = o64 * w.transpose(0, 2, 1)[..., None]
+    got_out = cupy.asnumpy(out2.astype(cupy.float32)).astype(np.float64)
+    ulp = 2.0 ** (-7 if dtype == "bfloat16" else -10)  # one unit in the last place: a rounding on either side
+    ok = ~np.isnan(want_out)
+    tiny = 2.0 ** -24 if dtype == "float16" else 0.0  # fp16's subnormal spacing (below 6.1e-5)
+    assert np.all(np.abs(got_out - want_out)[ok] <= ulp * np.abs(want_out)[ok] + tiny + 1e-30)
+    assert np.isnan(got_out[1, 7, 2]).all() and np.isnan(cupy.asnumpy(lse2)[1, 2, 7])
+    assert (got_out[0, 5, 1] == 0).all() and cupy.asnumpy(lse2)[0, 1, 5] == np.float32(s64[1])
+    finite = ~np.isnan(want_lse)
+    np.testing.assert_allclose(cupy.asnumpy(lse2)[finite], want_lse[finite], rtol=1e-6, atol=1e-6)
+
+    lse2[1, 2, 7] = 0.0  # the gradient over finite rows
+    out2.view(cupy.uint16)[1, 7, 2] = 0
+    dout = cupy.asarray(rng.standard_normal((b, n, h, d)).astype(np.float32)).astype(dt)
+    g = sinks_mod.grad(dout, out2, lse2, sinks)
+    d64, oo, ll = (cupy.asnumpy(x.astype(cupy.float32)).astype(np.float64) for x in (dout, out2, lse2))
+    dot = (d64 * oo).sum(-1).transpose(0, 2, 1)
+    want_g = -(np.exp(s64[None, :, None] - ll) * dot).sum((0, 2))
+    np.testing.assert_allclose(cupy.asnumpy(g), want_g, rtol=1e-5, atol=1e-5)
+
+    c_out2, c_lse2 = sinks_mod.apply(out, lse, sinks)  # torch tensors, on a side stream: the same bits
+    cupy.cuda.Device().synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t_out = torch.from_dlpack(out.view(cupy.int16)).view(getattr(torch, dtype))
+        t_out2, t_lse2 = sinks_mod.apply(t_out, torch.from_dlpack(lse), torch.from_dlpack(sinks))
+    side.synchronize()
+    assert t_out2.dtype == getattr(torch, dtype) and t_out2.is_contiguous()
+    assert torch.equal(t_out2.view(torch.int16), torch.from_dlpack(c_out2.view(cupy.int16)))
+    torch.testing.assert_close(t_lse2, torch.from_dlpack(c_lse2), rtol=0, atol=0, equal_nan=True)
+
+
+def test_fused_grad_takes_any_dout_layout():
+    """A dout the fused kernel cannot read (torch's expanded ones: stride 0) takes the elementwise
+    steps, with the same result."""
+    from cuflash import sinks as sinks_mod
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    out2 = torch.randn(1, 50, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    lse2 = torch.randn(1, 2, 50, device="cuda", generator=g)
+    s = torch.randn(2, device="cuda", generator=g)
+    ones = torch.ones((), device="cuda", dtype=torch.bfloat16).expand(1, 50, 2, 64)
+    assert not sinks_mod._fusable(ones, lse2)
+    got = sinks_mod.grad(ones, out2, lse2, s)
+    want = sinks_mod.grad(ones.contiguous(), out2, lse2, s)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
