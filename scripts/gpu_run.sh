@@ -234,10 +234,10 @@ json.dump(doc, open(sys.argv[2], 'w'), indent=1)" "$src" "$OUT/dropout-default-p
         | grep -v Warning | tee "$OUT/bench-window-sinks.log" ;;
     windowtiles)  # issue 13's window bar by tile (2026-12-07, H200: the automatic tiles' windows 0.880-0.899 of full
                   # forward): a 4096 window's forward on named tiles (128-key blocks: block ceiling 0.970 against
-                  # the tuned 192-key tile's 0.941; two Q stages for the short tiles' hand-over)
+                  # the tuned 192-key tile's 0.941; two Q stages for the short tiles' hand-over; the N4096 entries)
       timeout ${WINDOW_TILES_TIMEOUT:-240} python3 scripts/bench_window_sinks.py --only window --window-passes fwd \
         --windows 4096,0 --window-tiles ${WINDOW_TILES:-128,192,2,2,1,1,1,1 128,128,2,2,1,1,1,1 128,128,2,2,0,1,1,1 \
-        128,128,2,2,1,1,2,1 128,128,2,2,0,1,2,2 64,128,3,2,1,1,1,2 64,128,3,2,1,1,2,2 64,128,2,2,1,1,2,2} \
+        128,128,2,2,1,1,2,1 128,128,2,2,0,1,2,2 128,128,2,2,0,1,1,2 64,128,3,2,1,1,1,2 64,128,3,2,1,1,2,2 64,128,2,2,1,1,2,2} \
         --json "$OUT/window-tiles.json" 2>&1 | grep -v Warning | tee "$OUT/window-tiles.log" ;;
     snippettiles)  # issue 13's snippet bar by tile: the softcap snippet on named tiles against the built-in
       timeout ${SNIPPET_TILES_TIMEOUT:-240} python3 scripts/bench_snippet_tiles.py --json "$OUT/snippet-tiles.json" 2>&1 \
