@@ -75,12 +75,13 @@ def grad(dout, out2, lse2, sinks):
     xp, kind = _module(out2)
     if kind != "numpy" and _fusable(out2, lse2) and _fusable(dout, lse2) and tuple(dout.shape) == tuple(out2.shape):
         g = _on_device(kind, out2, _fused_grad, dout, out2, lse2, _f32(sinks, xp, kind))[0]  # float32
-        return g.to(sinks.dtype) if kind == "torch" else g.astype(sinks.dtype)
+        # copy=False: float32 sinks (the usual case) take the kernel's result as it is, no extra launch
+        return g.to(sinks.dtype) if kind == "torch" else g.astype(sinks.dtype, copy=False)
     d = (_f32(dout, xp, kind) * _f32(out2, xp, kind)).sum(-1)  # D' (batch, seqlen_q, heads)
     d = d.transpose(1, 2) if kind == "torch" else xp.transpose(d, (0, 2, 1))
     p_sink = xp.exp(_f32(sinks, xp, kind)[None, :, None] - lse2)
     g = -(p_sink * d).sum((0, 2)) if kind == "torch" else -(p_sink * d).sum(axis=(0, 2))
-    return g.to(sinks.dtype) if kind == "torch" else g.astype(sinks.dtype)
+    return g.to(sinks.dtype) if kind == "torch" else g.astype(sinks.dtype, copy=False)
 
 
 # --------------------------------------------------------------------------- the fused kernels
