@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune] [checktable] [dropoutdefault]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [softcaptests] [decode] [decodegraph] [overheadthread] [decodeab] [mergepatch] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [snippettiles] [windowsinks] [windowtiles] [sinkstests] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [softcaptests] [decode] [decodegraph] [overheadthread] [decodeab] [mergepatch] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [snippettiles] [windowsinks] [windowbucket] [windowtiles] [sinkstests] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (over 555 s on an H100 with xdist: split it
@@ -242,6 +242,12 @@ json.dump(doc, open(sys.argv[2], 'w'), indent=1)" "$src" "$OUT/dropout-default-p
     windowsinks)  # issue 13's window bar (4096 at N32768 against full, visible FLOPs) and sinks bar (against plain)
       timeout ${WINDOW_SINKS_TIMEOUT:-240} python3 scripts/bench_window_sinks.py --json "$OUT/bench-window-sinks.json" 2>&1 \
         | grep -v Warning | tee "$OUT/bench-window-sinks.log" ;;
+    windowbucket)  # issue 13's window bar under the width's-bucket rule (cuflash/_tuned.py _bucket: a 4096 window at
+                   # N32768 takes the 4096 bucket's tiles) against the longer sequence's bucket (ab/tuned_old.py:
+                   # git show <before>:cuflash/_tuned.py), forward and backward, d128 and d64
+      timeout ${WINDOW_BUCKET_TIMEOUT:-300} bash scripts/ab_sources.sh cuflash/_tuned.py=${AB_TUNED:-ab/tuned_old.py} -- \
+        python3 scripts/bench_window_sinks.py --only window --json "$OUT/window-bucket.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/window-bucket.log" ;;
     windowtiles)  # issue 13's window bar by tile (2026-12-07, H200: the automatic tiles' windows 0.880-0.899 of full
                   # forward): a 4096 window's forward on named tiles (128-key blocks: block ceiling 0.970 against
                   # the tuned 192-key tile's 0.941; two Q stages for the short tiles' hand-over; the N4096 entries)

@@ -219,6 +219,27 @@ def test_lookup_uses_the_user_cache(env):
     assert lookup("fwd", problem(seqlen=1, seqlen_k=8192)) == TUNED
 
 
+def test_a_window_bounded_on_both_sides_takes_its_widths_bucket(env):
+    """A sliding window's key loop runs about window_left + window_right keys a query block, as a full
+    call of that length does: it takes that bucket's entry where the width is the shorter."""
+    from cuflash.mask import UNBOUNDED
+
+    short = tiles.FwdConfig(128, 64, 64, 4, 2)
+    tuning_store.save_entries(env.user, [entry(), entry(cfg=short, bucket=4096)])
+
+    def windowed(left, right, seqlen=32768):
+        p = problem(seqlen)
+        p.window_left, p.window_right = left, right
+        return p
+    assert lookup("fwd", problem(32768)) == TUNED  # no window: the nearest bucket, 8192
+    assert lookup("fwd", windowed(4096, 0)) == short  # Mistral's causal sliding window
+    assert lookup("fwd", windowed(2048, 2048)) == short
+    assert lookup("fwd", windowed(4096, UNBOUNDED)) == TUNED  # one edge unbounded: the whole row may be seen
+    assert lookup("fwd", windowed(UNBOUNDED, 0)) == TUNED  # causal
+    assert lookup("fwd", windowed(6000, 0, seqlen=4096)) == short  # the window wider than the sequence
+    assert lookup("fwd", windowed(0, 0)) is None  # one key a row: bucket 1, nothing tuned near it
+
+
 def test_select_prefers_tuned_then_heuristic(env, monkeypatch):
     p = problem()
     assert families.select(families.FWD, p) == families.FWD.default(128)
