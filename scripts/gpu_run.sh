@@ -2,7 +2,7 @@
 # One call on the lent GPU: environment facts, GPU tests, compute-sanitizer, benchmark.
 # Usage: bash scripts/gpu_run.sh [golden] [tests] [alltests] [alltests1] [alltests2] [sanitize] [bench] [benchfull] [overhead] [roofline] [tune] [checktable] [dropoutdefault]
 #        [fuzz] [peakmem] [ring] [ringbench] (ring, ringbench: 2 GPUs) [projectring] [varlen] [benchshapes]
-#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [softcaptests] [decode] [decodegraph] [overheadthread] [decodeab] [mergepatch] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [snippettiles] [windowsinks] [windowbucket] [windowtiles] [sinkstests] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
+#        [limits] [partiald] [bwddet] [bwdprofile] [branchcheck] [newapis] [failcheck] [decodetests] [softcaptests] [decode] [decodegraph] [overheadthread] [decodeab] [mergeab] [pagedtests] [pagedab] [pagedh200] [h200todo] [gqachunks] [profiledecode] [varlen] [alibi] [alibitiles] [scoremod] [snippettiles] [windowsinks] [windowbucket] [windowtiles] [sinkstests] [blockmask] [sm90fwd] [sm90bwd] [tilesched] [l2sections] [stagedo] [benchcells] [ncupipes] [detab] [detwaits] [splitd] [bwdncu] [bwdstall] [bwdab] [fwdstall] [mufu]  (the sm90 bring-up harness: correctness matrix and per-config timings)
 #        (default: tests sanitize bench). golden: the restructuring guard's bitwise output check;
 #        tests: every GPU test plus the CPU test files that need torch (skipped in CI, run only here);
 #        alltests: the whole suite, CPU compile tests included (over 555 s on an H100 with xdist: split it
@@ -145,16 +145,11 @@ json.dump(doc, open(sys.argv[2], 'w'), indent=1)" "$src" "$OUT/dropout-default-p
         tests/gpu/test_seqused_gpu.py tests/gpu/test_paged_gpu.py tests/gpu/test_cache_batch_gpu.py \
         tests/gpu/test_cache_leftpad_gpu.py tests/gpu/test_transformers_gpu.py 2>&1 \
         | tee "$OUT/failcheck.log" | grep -E "^E |passed|failed|\.py:[0-9]+: " | head -60 ;;
-    mergepatch)  # docs/experiments/decode-merge-one-pass.patch (the split decode's in-kernel merge in one pass:
-                 # lse and O loads together under a running max, 8 dependent L2 round trips a thread at d128 / 16
-                 # splits instead of 16; issue 17's 1 x 128k cell, 0.988 of cuDNN on the H200 on 2026-12-07): the
-                 # KV-cache and NaN GPU tests with it, then decodeab against main's kernel (B); the patch reverted
-      mkdir -p ab && git show HEAD:kernels_cu/sm80/decode.cuh > ab/decode_old.cuh
-      git apply docs/experiments/decode-merge-one-pass.patch || { echo "the patch does not apply: regenerate it"; exit 1; }
-      TESTS_EXTRA=tests/gpu/test_nan_gpu.py DECODE_TESTS_TIMEOUT=${DECODE_TESTS_TIMEOUT:-240} bash "$0" decodetests 2>&1 | tail -8
-      timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_decode_merge_twin.py 2>&1 | tail -1
-      AB_ROUNDS=${AB_ROUNDS:-2} bash "$0" decodeab 2>&1 | grep -E "=====| x "
-      git apply -R docs/experiments/decode-merge-one-pass.patch ;;
+    mergeab)  # issue 17's 1 x 128k cell (0.988 of cuDNN on the H200 on 2026-12-07) after the split decode's one-pass
+              # merge (merged 2026-12-07 after its H100 tests; H100 A/B 1.000 / 0.998 of cuDNN): decodeab against the
+              # kernel before it (MERGE_BASE)
+      mkdir -p ab && git show ${MERGE_BASE:-e8c46fe}:kernels_cu/sm80/decode.cuh > ab/decode_old.cuh
+      AB_ROUNDS=${AB_ROUNDS:-2} bash "$0" decodeab 2>&1 | grep -E "=====| x " ;;
     decodetests) timeout ${DECODE_TESTS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 \
                    tests/gpu/test_decode_gpu.py tests/gpu/test_kvcache_gpu.py tests/gpu/test_staging_gpu.py \
                    tests/gpu/test_flash_attn_interface_gpu.py $(ls tests/gpu/test_paged_gpu.py 2>/dev/null) ${TESTS_EXTRA:-} 2>&1 \

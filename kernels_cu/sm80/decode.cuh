@@ -186,9 +186,10 @@ __device__ __forceinline__ int late(int x) {
 // read with ld.global.cg: other blocks wrote them, past this SM's L1.
 // The merge runs in the grid's tail (every tile's last split finishes at about the same time), so
 // its time adds to the kernel's. Its loads of other blocks' results are L2 round trips, issued
-// kMergeBatch at a time before the first is used: one at a time (every iteration of the old loops
-// waited on its load) a thread made 4 n_splits dependent round trips at d128, 64 at 16 splits
-// (1 x 128k: estimated at several us of a ~120 us step). The sums run in split order, as before.
+// kMergeBatch at a time (lse and O together) before the first is used: one at a time, in two passes
+// (the first merge) a thread made 4 n_splits dependent round trips at d128, 64 at 16 splits (1 x
+// 128k: estimated at several us of a ~120 us step); batched in two passes 16; in one pass 8. The
+// sums run in split order.
 // Not inlined: the merge's registers are then its own, not the mainloop's allocation stretched
 // over it (inlined, batches of 8 spilled 4 B at d64 and of 2 16 B at d192 with 8 warps, both
 // paged). Its arguments are scalars: a reference to the kernel's parameters put a 216 B copy of
@@ -209,45 +210,43 @@ __device__ __noinline__ void merge_splits(const float* o_acc, const float* lse_a
         const int qi = r / group, h = h_kv * group + r % group;
         const long long lrow = ((long long)b * heads + h) * n_q + qi;
         const float* orow = o_acc + (long long)b * o_sb + (long long)qi * o_sn + (long long)h * o_sh + col;
-        float m = neg_inf();
+        float m = neg_inf(), sum = 0.f;
+        float2 acc = make_float2(0.f, 0.f);
         bool nan = false;
-        // (the batch loops not unrolled, pointers walked: the kernel's register cap is set for the
-        // mainloop; a batch's U loads are, all issued before the first is used; past n_splits a
-        // batch reads again a split it has read, which neither the max nor a skipped term changes)
+        // One pass, the running max rescaling sum and acc as it grows (as the mainloop's softmax
+        // does): each batch's lse and O loads go out together, so a thread waits n_splits / U round
+        // trips an item, not 2 n_splits / U (a pass over lse for the max, then one over O). The
+        // batch loop is not unrolled, pointers walked: the kernel's register cap is set for the
+        // mainloop; past n_splits a batch reads split 0 again, and skips it.
         const float* lp = lse_acc + lrow;
 #pragma unroll 1
-        for (int s = 0; s < n_splits; s += U, lp += U * l_split) {
+        for (int s = 0; s < n_splits; s += U, lp += U * l_split, orow += U * o_split) {
             float l[U];
+            float2 x[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) l[u] = __ldcg(lp + (s + u < n_splits ? u : -s) * l_split);
+            for (int u = 0; u < U; ++u) {
+                const int du = s + u < n_splits ? u : -s;
+                l[u] = __ldcg(lp + du * l_split);
+                x[u] = __ldcg(reinterpret_cast<const float2*>(orow + du * o_split));
+            }
+            float m_new = m;
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 nan |= l[u] != l[u];
-                m = fmaxf(m, l[u]);
+                m_new = fmaxf(m_new, l[u]);  // a NaN lse leaves the max alone; `nan` makes the row NaN
             }
-        }
-        float2 acc = make_float2(0.f, 0.f);
-        float sum = 0.f;
-        if (m != neg_inf()) {
-            lp = lse_acc + lrow;
-#pragma unroll 1
-            for (int s = 0; s < n_splits; s += U, lp += U * l_split, orow += U * o_split) {
-                float l[U];
-                float2 x[U];
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const int du = s + u < n_splits ? u : 0;
-                    l[u] = __ldcg(lp + du * l_split);
-                    x[u] = __ldcg(reinterpret_cast<const float2*>(orow + du * o_split));
-                }
+            if (m_new != neg_inf()) {  // else every split so far saw no key: nothing to add
+                const float c = __expf(m - m_new);  // 0 while m = -inf (sum and acc are 0 then)
+                sum *= c, acc.x *= c, acc.y *= c;
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     if (s + u < n_splits) {
-                        const float w = __expf(l[u] - m);
+                        const float w = __expf(l[u] - m_new);  // 0 for a split that saw no key
                         sum += w;
                         acc.x += w * x[u].x, acc.y += w * x[u].y;
                     }
                 }
+                m = m_new;
             }
         }
         const float inv = nan ? __int_as_float(0x7fffffff) : (sum > 0.f ? 1.f / sum : 0.f);
