@@ -78,9 +78,11 @@ for s in $stages; do
       nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && src=${DROPOUT_SRC:-docs/bench/tune-h100-all-84-entries-2026-12-07.json}
       python3 -c "
 import json, sys
+from cuflash.tuning_store import source_fingerprint
 doc = json.load(open(sys.argv[1]))
 tile = dict(block_k=128, consumers=2, stages=2, pingpong=0, overlap=1, q_stages=2, persistent=2)
-doc['entries'] = [dict(e, config=dict(e['config'], **tile)) for e in doc['entries']
+# the shapes' entries name today's sources: check_table compares the two tiles on today's kernel
+doc['entries'] = [dict(e, config=dict(e['config'], **tile), source=source_fingerprint('fwd_sm90')) for e in doc['entries']
                   if e['kernel'] == 'fwd_sm90' and e['perf_class'] == 'dropout']
 json.dump(doc, open(sys.argv[2], 'w'), indent=1)" "$src" "$OUT/dropout-default-proposed.json"
       timeout ${CHECK_TABLE_TIMEOUT:-300} python3 scripts/check_table.py "$OUT/dropout-default-proposed.json" \
