@@ -242,6 +242,7 @@ json.dump(doc, open(sys.argv[2], 'w'), indent=1)" "$src" "$OUT/dropout-default-p
     windowbucket)  # issue 13's window bar under the width's-bucket rule (cuflash/_tuned.py _bucket: a 4096 window at
                    # N32768 takes the 4096 bucket's tiles) against the longer sequence's bucket (ab/tuned_old.py:
                    # git show <before>:cuflash/_tuned.py), forward and backward, d128 and d64
+      mkdir -p ab && [ -f "${AB_TUNED:-ab/tuned_old.py}" ] || git show ${WINDOW_BUCKET_BASE:-e8c46fe}:cuflash/_tuned.py > ab/tuned_old.py
       timeout ${WINDOW_BUCKET_TIMEOUT:-300} bash scripts/ab_sources.sh cuflash/_tuned.py=${AB_TUNED:-ab/tuned_old.py} -- \
         python3 scripts/bench_window_sinks.py --only window --json "$OUT/window-bucket.json" 2>&1 | grep -v Warning \
         | tee "$OUT/window-bucket.log" ;;
