@@ -207,7 +207,7 @@ class Plan:
     every launch's pointers."""
 
     __slots__ = ("device", "inputs", "params", "_blank", "_alloc", "_per_stream", "_launches", "_own", "_outputs",
-                 "_out_idx", "_args", "_n_inputs", "_scratch")
+                 "_out_idx", "_args", "_n_inputs", "_scratch", "_arena")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
                  params: np.ndarray):
@@ -234,6 +234,7 @@ class Plan:
         self._outputs = _getter(self._out_idx)
         # the slots run() allocates and drops at its end (workspaces: not outputs); see _graph_owned
         self._scratch = frozenset(i for i, *_ in self._alloc) - set(self._out_idx)
+        self._arena = _arena_layout([a for a in self._alloc if a[0] in self._scratch])
         self._args = [None] * len(launches)  # per launch: its _ArgBuffer, made at its first run
 
     def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
@@ -269,12 +270,24 @@ class Plan:
         current."""
         slots = [*args, *(None,) * (self._n_inputs - len(args)), *self._blank]
         owned = {}
-        for i, shape, dtype, zeroed in self._alloc:
-            if slots[i] is None:
+        for i, shape, dtype, zeroed in self._alloc:  # the outputs: the framework's arrays, returned
+            if slots[i] is None and i not in self._scratch:
                 owned[i], ptr = empty(shape, dtype)
                 if zeroed:
                     _memset_zero(ptr, int(np.prod(shape)) * np.dtype(dtype).itemsize, stream)
                 slots[i] = Ptr(ptr)
+        places, nbytes, zeroed_bytes = self._arena
+        if places and any(slots[i] is None for i, _ in places):
+            # the workspaces: one allocation carved at 256-byte offsets (each framework allocation
+            # is a few us of host time on the small calls whose overhead is the whole cost), the
+            # zeroed ones first, under one memset; it goes back to the framework's stream-ordered
+            # allocator when this call returns, after the launches that use it are queued
+            arena = empty((nbytes,), np.uint8)  # (array, pointer): the array lives until the return
+            base = arena[1]
+            _memset_zero(base, zeroed_bytes, stream)
+            for i, off in places:
+                if slots[i] is None:
+                    slots[i] = Ptr(base + off)
         for i, name, n in self._per_stream:
             slots[i] = Ptr(stream_scratch.words(self.device, stream, name, n).data.ptr)
         self._launch_all(slots, dropout_args, stream)
@@ -308,6 +321,22 @@ class Plan:
                 buf.fill(values, drop, params)
                 _launch_kernel(buf.func, *grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)),
                                smem, stream, buf.argv_ptr, 0)
+
+
+_ARENA_ALIGN = 256
+
+
+def _arena_layout(allocs: list) -> tuple:
+    """(((slot, byte offset), ...), total bytes, bytes to zero) of workspaces carved from one
+    allocation (Plan.run_external): the zeroed ones first, so one memset of the leading bytes
+    clears them all; every offset a multiple of _ARENA_ALIGN (the kernels' 16-byte loads and TMA)."""
+    places, off, zeroed_end = [], 0, 0
+    for i, shape, dtype, zeroed in sorted(allocs, key=lambda a: not a[3]):
+        places.append((i, off))
+        off += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // _ARENA_ALIGN) * _ARENA_ALIGN
+        if zeroed:
+            zeroed_end = off
+    return tuple(places), off, zeroed_end
 
 
 def _capturing() -> bool:

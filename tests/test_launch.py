@@ -283,7 +283,15 @@ def test_run_external_allocates_through_the_caller_and_fills_missing_inputs(call
     plan = _backward._plan(p, BwdConfig(64, 64, 64, 4, 2), None, np.float16)
     made.clear()
     grads = plan.run_external([Ptr(i) for i in range(1, 7)], empty, 0)
-    assert grads == ("t1", "t2", "t3") and len(made) == 6  # dq, dk, dv, delta, lse2, dq_acc
+    # dq, dk, dv; then the workspaces (delta, lse2, dq_acc) carved from one byte array
+    assert grads == ("t1", "t2", "t3") and len(made) == 4 and made[3][1] == "uint8"
+    from cuflash._backward import _aux_pointers
+
+    names = _aux_pointers("bwd_prep")
+    got = {n: a.data.ptr for n, a in zip(names, calls[0][3]) if n in ("delta", "lse2", "dq_acc")}
+    assert sorted(got) == ["delta", "dq_acc", "lse2"]
+    assert all((p - 0x4000) in range(0, made[3][0][0], 256) for p in got.values())  # inside the byte array
+    assert len(set(got.values())) == 3
     assert [c[0] for c in calls] == ["bwd_prep", "BwdConfig", "bwd_dq_convert"]
 
 
@@ -309,7 +317,19 @@ def test_zeroed_buffers_are_zeroed_on_either_path(calls, monkeypatch):
         return f"t{len(made)}", 0x1000 * len(made)
 
     plan.run_external([Ptr(0x10)], empty, 7)
-    assert made == [((10,), "int32"), ((4,), "float32")] and sets == [(0x1000, 40, 7)]
+    # the output from `empty`; the zeroed workspace from the one byte array of workspaces, zeroed
+    assert made == [((4,), "float32"), ((256,), "uint8")] and sets == [(0x2000, 256, 7)]
+    assert [a.data.ptr for a in calls[-1][3][:3]] == [0x10, 0x2000, 0x1000]
+
+
+def test_workspaces_share_one_allocation_zeroed_ones_first():
+    """launch._arena_layout: 256-byte offsets, the zeroed workspaces first under one memset."""
+    from cuflash.launch import _arena_layout
+
+    places, nbytes, zeroed = _arena_layout([(3, (5,), np.float32, False), (4, (100,), np.int32, True),
+                                            (6, (300,), np.float16, True), (7, (1,), np.uint8, False)])
+    assert places == ((4, 0), (6, 512), (3, 1280), (7, 1536)) and nbytes == 1792 and zeroed == 1280
+    assert _arena_layout([]) == ((), 0, 0)
 
 
 def test_driver_launch_passes_what_the_kernel_call_passed(calls, monkeypatch):
