@@ -207,7 +207,7 @@ class Plan:
     every launch's pointers."""
 
     __slots__ = ("device", "inputs", "params", "_blank", "_alloc", "_per_stream", "_launches", "_own", "_outputs",
-                 "_out_idx", "_args", "_n_inputs", "_scratch", "_arena")
+                 "_out_idx", "_args", "_n_inputs", "_scratch", "_arena", "_out_alloc")
 
     def __init__(self, device: int, inputs: tuple, buffers: tuple, launches: tuple, outputs: tuple,
                  params: np.ndarray):
@@ -235,6 +235,9 @@ class Plan:
         # the slots run() allocates and drops at its end (workspaces: not outputs); see _graph_owned
         self._scratch = frozenset(i for i, *_ in self._alloc) - set(self._out_idx)
         self._arena = _arena_layout([a for a in self._alloc if a[0] in self._scratch])
+        # run_external's own allocations of outputs: (slot, shape, dtype, zeroed, bytes)
+        self._out_alloc = tuple((i, shape, dtype, zeroed, int(np.prod(shape)) * np.dtype(dtype).itemsize)
+                                for i, shape, dtype, zeroed in self._alloc if i not in self._scratch)
         self._args = [None] * len(launches)  # per launch: its _ArgBuffer, made at its first run
 
     def run(self, args: tuple, dropout_args: tuple | None = None) -> tuple:
@@ -270,14 +273,14 @@ class Plan:
         current."""
         slots = [*args, *(None,) * (self._n_inputs - len(args)), *self._blank]
         owned = {}
-        for i, shape, dtype, zeroed in self._alloc:  # the outputs: the framework's arrays, returned
-            if slots[i] is None and i not in self._scratch:
+        for i, shape, dtype, zeroed, nbytes in self._out_alloc:  # the outputs: the framework's arrays, returned
+            if slots[i] is None:
                 owned[i], ptr = empty(shape, dtype)
                 if zeroed:
-                    _memset_zero(ptr, int(np.prod(shape)) * np.dtype(dtype).itemsize, stream)
+                    _memset_zero(ptr, nbytes, stream)
                 slots[i] = Ptr(ptr)
         places, nbytes, zeroed_bytes = self._arena
-        if places and any(slots[i] is None for i, _ in places):
+        if places:  # (the caller's slots are the plan's inputs: its workspaces are always unset here)
             # the workspaces: one allocation carved at 256-byte offsets (each framework allocation
             # is a few us of host time on the small calls whose overhead is the whole cost), the
             # zeroed ones first, under one memset; it goes back to the framework's stream-ordered
