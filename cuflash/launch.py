@@ -177,7 +177,9 @@ class _ArgBuffer:
 
 def _pointer(v) -> int:
     """A leading argument as the driver takes it: a CuPy array's data pointer, or the int itself
-    (NULL, a pointer a bind computed)."""
+    (NULL, a pointer a bind computed). A Ptr (the torch fast path's slots) first: ~14 a backward."""
+    if type(v) is Ptr:
+        return v.ptr
     data = getattr(v, "data", None)
     return int(v) if data is None or isinstance(v, np.generic) else data.ptr
 
