@@ -14,6 +14,7 @@ The maps embed the data pointers, so the launch binds them per run from the plan
 from __future__ import annotations
 
 from . import tma
+from .launch import address
 
 # The plan slots the kernel reads, in its parameter order (the four tensors become maps).
 SLOTS = ("q", "k", "v", "dout", "lse2", "delta", "dq_acc", "dk", "dv", "dq_sem")
@@ -38,7 +39,7 @@ def main_args(p, cfg, encoder=None):
 
     def bind(slots):
         q, k, v, dout, *rest = slots
-        return (mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), mdo.get(dout.data.ptr), *rest)
+        return (mq.get(address(q)), mk.get(address(k)), mv.get(address(v)), mdo.get(address(dout)), *rest)
 
     bind.caches = tuple(caches)
     # variable-length batches: the offsets (the maps cover the packed rows as one batch); then the

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import _compile, device, tma
 from ._forward import INPUTS, INPUTS_VARLEN, OUTPUTS, output_buffers, with_mod_inputs
-from .launch import Buffer, Launch, Plan, check_grid
+from .launch import Buffer, Launch, Plan, address, check_grid
 from .params import pack_fwd
 from .problem import AttnProblem
 from .tiles import Sm90FwdConfig
@@ -42,7 +42,7 @@ def binder(p: AttnProblem, cfg: Sm90FwdConfig, encoder=None):
 
     def bind(slots):
         q, k, v = slots[:3]
-        return (mq.get(q.data.ptr), mk.get(k.data.ptr), mv.get(v.data.ptr), *slots[3:])
+        return (mq.get(address(q)), mk.get(address(k)), mv.get(address(v)), *slots[3:])
 
     bind.caches = (mq, mk, mv)  # tests, debugging
     return bind

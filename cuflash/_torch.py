@@ -33,7 +33,7 @@ import numpy as np
 
 from . import _forward, _interop, families, problem
 from .api import forward_fn
-from .launch import Plan, Ptr
+from .launch import Plan
 from .mask import MaskOptions
 from .signature import (BWD_ARGS, BWD_ARRAYS, BWD_OPTIONS, BWD_SCHEMA, FWD_ARGS, FWD_ARRAYS, FWD_OPTIONS, FWD_SCHEMA,
                         OPTION_GRADS, backward_options, mask_and_options, op_options, parameters, split_options)
@@ -357,7 +357,7 @@ def _run_direct(entry, ptrs, options, drop_at: int, seed_at: int):
         p = options[drop_at]
         drop = problem.resolve_dropout(p, _seed_out(p, options[seed_at])).kernel_args
     with cdev:
-        return plan.run_external([Ptr(p) for p in ptrs], empty, _stream(dev), drop)
+        return plan.run_external(ptrs, empty, _stream(dev), drop)
 
 
 def _lookup(key):

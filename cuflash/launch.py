@@ -29,6 +29,7 @@ arguments, called once per launch per run.
 from __future__ import annotations
 
 import dataclasses
+import struct
 import threading
 from operator import itemgetter
 from typing import Callable
@@ -127,9 +128,9 @@ class _ArgBuffer:
     whether it is a TMA map (else a device pointer)."""
 
     __slots__ = ("view", "u64", "argv", "argv_ptr", "lead", "record", "base", "lock", "func", "maps", "_mem",
-                 "_drop_dirty")
+                 "_drop_dirty", "_runs", "_map_at", "dims")
 
-    def __init__(self, lead_maps: tuple, params: KernelParams | OwnParams):
+    def __init__(self, lead_maps: tuple, params: KernelParams | OwnParams, dims: tuple = (1,) * 6):
         packed = params.packed
         offsets, off = [], 0
         for is_map in lead_maps:
@@ -155,16 +156,31 @@ class _ArgBuffer:
         self.base = base
         self.lock = threading.Lock()
         self._drop_dirty = False
+        self.dims = dims  # the launch's grid and block, three each (cuLaunchKernel's order)
+        # the leading pointers by runs of consecutive ones, each written by one pack_into (a NumPy
+        # item assignment per pointer was ~4 us of a launch's host time): (its Struct, its byte
+        # offset in _mem, first and end argument)
+        self._runs, i = [], 0
+        while i < len(lead_maps):
+            j = i
+            while j < len(lead_maps) and not lead_maps[j]:
+                j += 1
+            if j > i:
+                self._runs.append((struct.Struct(f"<{j - i}Q"), shift + offsets[i], i, j))
+            i = j + 1
+        self._map_at = tuple(i for i, m in enumerate(lead_maps) if m)
 
     def fill(self, values, dropout_args, params: KernelParams) -> None:
         """Write the leading arguments (device pointers as ints, TMA maps as their arrays) and
         dropout's fields (or restore the plan's after a dropout run). Hold self.lock."""
-        u64, view, last = self.u64, self.view, self.maps
-        for i, ((is_map, off), v) in enumerate(zip(self.lead, values)):
-            if not is_map:
-                u64[off >> 3] = v
-            elif last[i] is not v:  # a map is encoded once per pointer and never changed: copy it when it changes
-                view[off:off + MAP_BYTES] = v.view(np.uint8).reshape(-1)
+        mem, last = self._mem, self.maps
+        for st, at, i, j in self._runs:
+            st.pack_into(mem, at, *values[i:j])
+        for i in self._map_at:
+            v = values[i]
+            if last[i] is not v:  # a map is encoded once per pointer and never changed: copy it when it changes
+                off = self.lead[i][1]
+                self.view[off:off + MAP_BYTES] = v.view(np.uint8).reshape(-1)
                 last[i] = v
         if dropout_args is not None:
             r = self.record
@@ -177,11 +193,21 @@ class _ArgBuffer:
 
 def _pointer(v) -> int:
     """A leading argument as the driver takes it: a CuPy array's data pointer, or the int itself
-    (NULL, a pointer a bind computed). A Ptr (the torch fast path's slots) first: ~14 a backward."""
+    (NULL, a pointer a bind computed, run_external's slots); a TMA map (a NumPy array) as it is."""
+    if type(v) is int:
+        return v
     if type(v) is Ptr:
         return v.ptr
+    if type(v) is np.ndarray:
+        return v
     data = getattr(v, "data", None)
     return int(v) if data is None or isinstance(v, np.generic) else data.ptr
+
+
+def address(v) -> int:
+    """A slot's device address: the int itself (run_external's slots), else `.data.ptr` (a CuPy
+    array, a Ptr): what binds read of the slots they turn into TMA maps."""
+    return v if type(v) is int else v.data.ptr
 
 
 def _getter(indices):
@@ -280,7 +306,7 @@ class Plan:
                 owned[i], ptr = empty(shape, dtype)
                 if zeroed:
                     _memset_zero(ptr, nbytes, stream)
-                slots[i] = Ptr(ptr)
+                slots[i] = ptr
         places, nbytes, zeroed_bytes = self._arena
         if places:  # (the caller's slots are the plan's inputs: its workspaces are always unset here)
             # the workspaces: one allocation carved at 256-byte offsets (each framework allocation
@@ -292,9 +318,9 @@ class Plan:
             _memset_zero(base, zeroed_bytes, stream)
             for i, off in places:
                 if slots[i] is None:
-                    slots[i] = Ptr(base + off)
+                    slots[i] = base + off
         for i, name, n in self._per_stream:
-            slots[i] = Ptr(stream_scratch.words(self.device, stream, name, n).data.ptr)
+            slots[i] = stream_scratch.words(self.device, stream, name, n).data.ptr
         self._launch_all(slots, dropout_args, stream)
         return tuple(owned[i] for i in self._out_idx)
 
@@ -318,14 +344,14 @@ class Plan:
                 ready = True
             buf = self._args[j]
             if buf is None:
-                buf = _ArgBuffer(tuple(_is_map(v) for v in lead), params)
+                buf = _ArgBuffer(tuple(_is_map(v) for v in lead), params,
+                                 (*grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block))))
                 buf.func = _function_handle(kernel)
                 self._args[j] = buf
-            values = [v if is_map else _pointer(v) for (is_map, _), v in zip(buf.lead, lead)]
+            values = [v if type(v) is int else _pointer(v) for v in lead]
             with buf.lock:
                 buf.fill(values, drop, params)
-                _launch_kernel(buf.func, *grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)),
-                               smem, stream, buf.argv_ptr, 0)
+                _launch_kernel(buf.func, *buf.dims, smem, stream, buf.argv_ptr, 0)
 
 
 _ARENA_ALIGN = 256

@@ -262,8 +262,9 @@ def test_pointer_of_leading_arguments():
 
 def test_run_external_allocates_through_the_caller_and_fills_missing_inputs(calls):
     """Plan.run_external (the torch direct launches): the caller's pointers, out and lse (missing:
-    allocated by `empty`, as every workspace), the outputs returned as `empty` made them."""
-    from cuflash.launch import Ptr
+    allocated by `empty`, as every workspace), the outputs returned as `empty` made them. The
+    caller's pointers come as ints (the torch path) or Ptr; the slots the kernels get are ints."""
+    from cuflash.launch import Ptr, address
 
     plan = _forward._plan(fwd_problem(), FwdConfig(64, 128, 64, 4, 2), np.float16)
     made = []
@@ -272,10 +273,10 @@ def test_run_external_allocates_through_the_caller_and_fills_missing_inputs(call
         made.append((tuple(shape), np.dtype(dtype).name))
         return f"t{len(made)}", 0x1000 * len(made)
 
-    out, lse = plan.run_external([Ptr(1), Ptr(2), Ptr(3)], empty, 0)
+    out, lse = plan.run_external([1, 2, 3], empty, 0)
     assert made == [((B, NQ, H, D), "float16"), ((B, H, NQ), "float32")] and (out, lse) == ("t1", "t2")
     [(_, _, _, args, _)] = calls
-    assert [a.data.ptr for a in args[:5]] == [1, 2, 3, 0x1000, 0x2000]
+    assert list(args[:5]) == [1, 2, 3, 0x1000, 0x2000]
     calls.clear()
     shape, kv = (B, NQ, H, D), (B, NK, H, D)
     p = problem.resolve_backward(info(shape), info(shape), info(kv), info(kv), info(shape), info((B, H, NQ), "float32"),
@@ -288,7 +289,7 @@ def test_run_external_allocates_through_the_caller_and_fills_missing_inputs(call
     from cuflash._backward import _aux_pointers
 
     names = _aux_pointers("bwd_prep")
-    got = {n: a.data.ptr for n, a in zip(names, calls[0][3]) if n in ("delta", "lse2", "dq_acc")}
+    got = {n: address(a) for n, a in zip(names, calls[0][3]) if n in ("delta", "lse2", "dq_acc")}
     assert sorted(got) == ["delta", "dq_acc", "lse2"]
     assert all((p - 0x4000) in range(0, made[3][0][0], 256) for p in got.values())  # inside the byte array
     assert len(set(got.values())) == 3
@@ -319,7 +320,7 @@ def test_zeroed_buffers_are_zeroed_on_either_path(calls, monkeypatch):
     plan.run_external([Ptr(0x10)], empty, 7)
     # the output from `empty`; the zeroed workspace from the one byte array of workspaces, zeroed
     assert made == [((4,), "float32"), ((256,), "uint8")] and sets == [(0x2000, 256, 7)]
-    assert [a.data.ptr for a in calls[-1][3][:3]] == [0x10, 0x2000, 0x1000]
+    assert [launch.address(a) for a in calls[-1][3][:3]] == [0x10, 0x2000, 0x1000]
 
 
 def test_workspaces_share_one_allocation_zeroed_ones_first():
