@@ -322,7 +322,7 @@ class Plan:
         for i, name, n in self._per_stream:
             slots[i] = stream_scratch.words(self.device, stream, name, n).data.ptr
         self._launch_all(slots, dropout_args, stream)
-        return tuple(owned[i] for i in self._out_idx)
+        return tuple([owned[i] for i in self._out_idx])
 
     def _launch_all(self, slots: list, dropout_args, stream) -> None:
         """Every launch, in order, on `stream` (None: CuPy's current stream)."""
