@@ -319,7 +319,7 @@ def _direct_key(tensors, options, seed_at: int):
     low = 0
     for p in ptrs:
         low |= p
-    return (tuple((t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), low % 16,
+    return (tuple([(t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors]), low % 16,
             options[:seed_at], options[seed_at + 1:]), ptrs
 
 
@@ -406,8 +406,9 @@ def _eager(tensors) -> bool:
     torch.Tensor arguments (no fake or subclass tensors), no functorch transform, no dispatch mode."""
     if torch.compiler.is_compiling() or _functorch_active():
         return False
-    if any(type(t) is not Tensor for t in tensors):
-        return False
+    for t in tensors:
+        if type(t) is not Tensor:
+            return False
     return _get_current_dispatch_mode() is None
 
 

@@ -13,6 +13,7 @@ from .signature import BWD_ARRAYS
 _ndarray = None  # cupy.ndarray
 _fwd = None  # cuflash._forward.forward
 _tmod = None  # the cuflash._torch module (registers the torch ops), once a torch tensor was seen
+_ttensor = None  # torch.Tensor, set with _tmod: plain torch tensors skip _attention's checks as CuPy's do
 
 
 def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
@@ -120,6 +121,10 @@ def attention(q, k, v, *, causal: bool = False, softmax_scale: float | None = No
         out, lse = _fwd(q, k, v, mask=mask, softmax_scale=softmax_scale, dropout_p=dropout_p, seed=seed,
                         backend=backend)
         return (out, lse) if return_lse else out
+    if (t is _ttensor and type(k) is t and type(v) is t and algorithm == "v2" and backend is None
+            and (deterministic is False or deterministic is True) and _tmod is not None):  # _attention's checks
+        return _tmod.attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed,
+                               backend)
     return _attention(q, k, v, mask, softmax_scale, return_lse, algorithm, deterministic, dropout_p, seed, backend)
 
 
@@ -319,9 +324,9 @@ def _remember_cupy():
 
 
 def _load_torch():
-    global _tmod
+    global _tmod, _ttensor
     if _tmod is None:
         from . import _torch as tm
 
-        _tmod = tm
+        _tmod, _ttensor = tm, tm.Tensor
     return _tmod
