@@ -367,6 +367,28 @@ def test_plan_binds_fresh_maps_per_pointer(calls):
     assert len(encoded) == 4 and calls[-1][2][0] == "map@0x4000"
 
 
+def test_run_external_binds_maps_of_plain_int_pointers(calls):
+    """The torch direct path (Plan.run_external) hands the caller's pointers as ints, and its
+    allocations' as ints: the TMA bind encodes maps of those addresses (launch.address)."""
+    p = fwd_problem()
+    cfg = Sm90FwdConfig(128, 128, 2, 2, 1, 1, 1, 0)
+    encoded = []
+    plan = _forward_sm90.plan(p, cfg, np.float16, encoder=lambda g, ptr: encoded.append(ptr) or f"map@{ptr:#x}")
+    made = []
+
+    def empty(shape, dtype):
+        made.append(shape)
+        return f"t{len(made)}", 0x9000 * len(made)
+
+    out, lse = plan.run_external([0x1000, 0x2000, 0x3000], empty, 0)
+    assert (out, lse) == ("t1", "t2") and encoded == [0x1000, 0x2000, 0x3000]
+    [(_, _, args, _)] = calls
+    assert args[:5] == ("map@0x1000", "map@0x2000", "map@0x3000", 0x9000, 0x12000)
+    from cuflash.launch import Ptr
+
+    plan.run_external([Ptr(0x1000), Ptr(0x2000), Ptr(0x4000)], empty, 0)  # Ptr slots: the same maps
+    assert encoded == [0x1000, 0x2000, 0x3000, 0x4000]
+
 def test_drawn_tile_order_gets_a_counter_per_stream(calls, monkeypatch):
     """persistent 2: a persistent grid whose CTAs draw tiles from an int after lse, a word of
     cuflash/stream_scratch.py per (device, stream) (the kernel leaves it at 0); persistent 0 and 1
