@@ -391,6 +391,49 @@ def test_driver_launch_passes_what_the_kernel_call_passed(calls, monkeypatch):
                 assert got == wargs[n_lead + i], (j, name)
 
 
+def test_run_external_driver_launch_writes_the_int_pointers(calls, monkeypatch):
+    """run_external's slots are ints (the caller's pointers, the allocations, the arena's offsets):
+    cuLaunchKernel's kernelParams carry exactly the recorders' pointers, run after run (the
+    packed runs of _ArgBuffer rewritten each time), with the grid and block padded to three."""
+    import ctypes
+
+    monkeypatch.setattr(launch, "_ensure_context", lambda device: None)
+    monkeypatch.setattr(launch, "_memset_zero", lambda *a: None)
+    launched = []
+    monkeypatch.setattr(launch, "_launch_kernel", lambda func, *rest: launched.append((func, rest)))
+    shape, kv = (B, NQ, H, D), (B, NK, H, D)
+    pb = problem.resolve_backward(info(shape), info(shape), info(kv), info(kv), info(shape), info((B, H, NQ), "float32"),
+                                  CAUSAL, None, False)
+    plan = _backward._plan(pb, BwdConfig(64, 64, 64, 4, 2), None, np.float16)
+    for base in (0x10000, 0x50000):
+        made = []
+
+        def empty(shape, dtype):
+            made.append(0)
+            return f"t{len(made)}", base + 0x100000 * len(made)
+
+        ins = [base + 0x1000 * (i + 1) for i in range(6)]
+        calls.clear()
+        plan.run_external(ins, empty, 0x5EED)  # the recorders
+        want = list(calls)
+        saved = plan._launches
+        plan._launches = tuple((*ln[:5], True) for ln in saved)
+        for j, ln in enumerate(plan._launches):
+            ln[0].ptr = 0xF00 + j
+        launched.clear()
+        made.clear()
+        plan.run_external(ins, empty, 0x5EED)
+        plan._launches = saved
+        assert len(launched) == len(want) == 3
+        for (func, rest), (_, grid, block, args, smem) in zip(launched, want):
+            assert rest[:6] == (*grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)))
+            assert rest[6:8] == (smem, 0x5EED)
+            lead = [int(a) for a in args[:len(args) - len(params.BWD.names)]]  # the pointers, NULL as 0
+            argv = np.frombuffer(ctypes.string_at(rest[8], 8 * len(lead)), np.uint64)
+            got = [int(np.frombuffer(ctypes.string_at(int(a), 8), np.uint64)[0]) for a in argv]
+            assert got == lead and any(x >= 0x100000 for x in lead), func
+
+
 def test_cupy_raw_kernels_take_the_driver_launch():
     """What RawModule.get_function returns (a cupy.RawKernel in CuPy 14) is launched through the
     driver: on the H200 a check of cupy.cuda.function.Function alone sent every plan down CuPy's
