@@ -197,13 +197,12 @@ json.dump(doc, open(sys.argv[2], 'w'), indent=1)" "$src" "$OUT/dropout-default-p
         grep -E "^  [a-zA-Z_].*\(|Duration|DRAM Throughput|L2 Hit|Grid Size|Registers Per|Achieved Occupancy|Warp Cycles Per Issued|Stall" \
           "$OUT/ncu-paged$ps.txt" | head -20
       done ;;
-    h200todo)  # what waits for an H200 (2026-12-07), in one call: issue 12's causal GQA chunk rule, issue 17's
-               # paged reads against the 92d2b3d decode kernel (git show 92d2b3d:kernels_cu/sm80/decode.cuh >
-               # ab/decode_old.cuh, untracked), then its graph table against cuDNN: at most 170 + 200 + 150 s
-      GQA_CHUNKS=${GQA_CHUNKS:-2 16} GQA_TIMEOUT=${GQA_TIMEOUT:-170} bash "$0" gqachunks 2>&1 | tail -6
-      PAGED_TILES=${PAGED_TILES:-default 4,3} PAGED_LAYOUTS=${PAGED_LAYOUTS:-16s 256s 256o} PAGED_AB_TIMEOUT=${PAGED_AB_TIMEOUT:-200} \
-        bash "$0" pagedab 2>&1 | tail -20
-      DECODE_PROBES=0 DECODE_TIMEOUT=${DECODE_TIMEOUT:-150} bash "$0" decodegraph 2>&1 | grep " x " ;;  # (600 s a call)
+    h200todo)  # what waits for an H200 (2026-12-08), in one call: issue 17's closing table (CUDA-graph replays against
+               # cuDNN, paged 16 / 256; its 1 x 128k cell read 0.988 before the one-pass merge), then issue 13's window
+               # bar under the width's-bucket rule on the H200's table: at most 150 + 300 s. (The ALiBi d64 re-tune
+               # is a call of its own: TUNE_KERNELS=fwd_sm90 TUNE_HEAD_DIMS=64 TUNE_SEQLENS="2048 8192" TUNE_CLASSES=alibi tune.)
+      DECODE_PROBES=0 DECODE_TIMEOUT=${DECODE_TIMEOUT:-150} bash "$0" decodegraph 2>&1 | grep " x "
+      bash "$0" windowbucket 2>&1 | tail -30 ;;  # (600 s a call)
     pagedtests)  # pages of whole tiles (2026-12-06, 35th session: sm80/decode.cuh WHOLE_PAGES): the paged and decode tests
       timeout ${PAGED_TESTS_TIMEOUT:-300} python3 -m pytest -q $XDIST -p no:cacheprovider -rfE --maxfail=30 tests/gpu/test_paged_gpu.py \
         tests/gpu/test_paged_varlen_gpu.py tests/gpu/test_fuzz_kvcache_gpu.py tests/gpu/test_decode_gpu.py \
