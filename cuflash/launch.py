@@ -127,7 +127,7 @@ class _ArgBuffer:
     dropout's three fields; the parameter struct's other fields are written once. `lead_maps`: per leading argument,
     whether it is a TMA map (else a device pointer)."""
 
-    __slots__ = ("view", "u64", "argv", "argv_ptr", "lead", "record", "base", "lock", "func", "maps", "_mem",
+    __slots__ = ("view", "argv", "argv_ptr", "lead", "record", "base", "lock", "func", "maps", "_mem",
                  "_drop_dirty", "_runs", "_map_at", "dims")
 
     def __init__(self, lead_maps: tuple, params: KernelParams | OwnParams, dims: tuple = (1,) * 6):
@@ -140,12 +140,11 @@ class _ArgBuffer:
             off += size
         self.func = 0  # the kernel's CUfunction, set by the plan when it makes the buffer
         base = -(-off // MAP_ALIGN) * MAP_ALIGN  # the struct image, its fields at the mirror's offsets
-        total = base + -(-packed.dtype.itemsize // 8) * 8  # whole 8-byte words (the u64 view; own scalars may end short)
+        total = base + -(-packed.dtype.itemsize // 8) * 8  # whole 8-byte words (own scalars may end short)
         self._mem = np.zeros(total + MAP_ALIGN, np.uint8)
         shift = (-self._mem.ctypes.data) % MAP_ALIGN
         self.view = self._mem[shift:shift + total]
         self.view[base:base + packed.dtype.itemsize] = packed.view(np.uint8)
-        self.u64 = self.view.view(np.uint64)  # total is a multiple of 8: the struct's size is
         self.record = self.view[base:base + packed.dtype.itemsize].view(packed.dtype)  # (1,) structured view
         addr = self.view.ctypes.data
         fields = [packed.dtype.fields[n][1] for n in packed.dtype.names]
